@@ -1,0 +1,3 @@
+from modelfleet.cli import main
+
+main()

@@ -1,0 +1,57 @@
+"""Where an agent's GPUs come from: a `GpuSource`. Here, the simulated one.
+
+Simulated GPUs are described on the command line as `COUNTxSIZE[:MODEL]`, several groups
+separated by commas: `4x80GB`, `8x80GB:H100`, `2x80GB:H100,2x40GB:A100`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+from modelfleet.units import BadSize, parse_size
+from modelfleet.wire import GpuReport
+
+_GROUP = re.compile(r"^\s*(\d+)\s*x\s*([0-9.]+\s*[a-zA-Z]*)\s*(?::\s*(\S+))?\s*$")
+
+
+class GpuSource(Protocol):
+    """Something that lists a node's GPUs with their health."""
+
+    def gpus(self) -> list[GpuReport]: ...
+
+
+class BadGpuSpec(ValueError):
+    """A `--simulate-gpus` value that could not be read."""
+
+
+class SimulatedGpus:
+    """GPUs that exist only in this agent: always present, healthy unless told otherwise."""
+
+    def __init__(self, spec: str) -> None:
+        self._gpus: list[GpuReport] = []
+        for group in spec.split(","):
+            match = _GROUP.match(group)
+            if not match:
+                raise BadGpuSpec(
+                    f"{group.strip()!r} is not a GPU group; write COUNTxSIZE[:MODEL], e.g. 4x80GB"
+                )
+            count, size, model = match.groups()
+            try:
+                memory = parse_size(size)
+            except BadSize as exc:
+                raise BadGpuSpec(f"{group.strip()!r}: {exc}") from exc
+            for _ in range(int(count)):
+                self._gpus.append(
+                    GpuReport(
+                        index=len(self._gpus),
+                        model=model or f"SIM-{size.strip()}",
+                        memory_total=memory,
+                        memory_used=0,
+                    )
+                )
+        if not self._gpus:
+            raise BadGpuSpec(f"{spec!r} describes no GPUs")
+
+    def gpus(self) -> list[GpuReport]:
+        return list(self._gpus)

@@ -1,0 +1,188 @@
+"""The agent: one per GPU machine. Reports its node, runs the shards it is assigned.
+
+Level-triggered: every `report_interval` seconds, and at once after a change, the agent sends
+its whole state (GPUs and shards) and gets back the node's whole desired shard set, which it
+makes true: it starts what is missing and stops what is no longer assigned. The agent records
+each engine it started in `<state-dir>/shards.json` (pid, port, command, start time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from pydantic import ValidationError
+
+from modelfleet.agent.gpus import GpuSource
+from modelfleet.agent.supervisor import Shard, SupervisorSettings
+from modelfleet.engines import NoDriver, driver_for
+from modelfleet.serving import run_service, write_json_atomic
+from modelfleet.wire import AgentReport, NodeAssignment, ShardAssignment
+
+log = logging.getLogger("modelfleet.agent")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    control_plane: str
+    node: str
+    token: str | None
+    state_dir: Path
+    address: str = "127.0.0.1"
+    labels: tuple[tuple[str, str], ...] = ()
+    report_interval: float = 2.0
+    supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
+
+
+class Agent:
+    """The agent's state: its shards, and the connection to the control plane."""
+
+    def __init__(self, settings: AgentSettings, gpus: GpuSource) -> None:
+        self.settings = settings
+        self.gpu_source = gpus
+        self.shards: dict[str, Shard] = {}
+        self.stopping: dict[str, Shard] = {}
+        self.seq = 0
+        self.boot_id = secrets.token_hex(8)
+        self._changed = asyncio.Event()
+        headers = {"authorization": f"Bearer {settings.token}"} if settings.token else {}
+        self._cp = httpx.AsyncClient(base_url=settings.control_plane, headers=headers, timeout=10)
+        self._probe = httpx.AsyncClient()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._record()
+
+    def report(self) -> AgentReport:
+        self.seq += 1
+        shards = [s.report() for s in (*self.shards.values(), *self.stopping.values())]
+        return AgentReport(
+            node=self.settings.node,
+            boot_id=self.boot_id,
+            seq=self.seq,
+            address=self.settings.address,
+            labels=dict(self.settings.labels),
+            gpus=self.gpu_source.gpus(),
+            shards=shards,
+        )
+
+    def apply(self, assignment: NodeAssignment) -> None:
+        """Make the node's shards match `assignment`: start the missing, stop the extra."""
+        wanted: dict[str, ShardAssignment] = {a.key: a for a in assignment.shards}
+        for key, shard in list(self.shards.items()):
+            # Same shard, same engine: keep it running, whatever else the answer says.
+            want = wanted.get(key)
+            if want is None or want.engine_digest != shard.assignment.engine_digest:
+                self._stop(key)
+        for key, a in wanted.items():
+            if key not in self.shards and key not in self.stopping:
+                self._start(a)
+
+    def _start(self, assignment: ShardAssignment) -> None:
+        try:
+            driver = driver_for(assignment.engine)
+        except NoDriver as exc:
+            driver = exc  # the shard reports the error as its failure
+        shard = Shard(
+            assignment,
+            driver,
+            self.settings.state_dir / "logs",
+            self.settings.supervisor,
+            self.changed,
+            self._probe,
+        )
+        self.shards[assignment.key] = shard
+        shard.start()
+        self.changed()
+
+    def _stop(self, key: str) -> None:
+        shard = self.shards.pop(key)
+        self.stopping[key] = shard
+        log.info("shard %s: no longer assigned; stopping", key)
+
+        async def stop() -> None:
+            await shard.stop()
+            self.stopping.pop(key, None)
+            self.changed()
+
+        task = asyncio.create_task(stop())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _record(self) -> None:
+        """Write what this agent started to its state dir (for re-adoption and for `up`)."""
+        records = {
+            key: {
+                "replica_id": s.assignment.replica_id,
+                "rank": s.assignment.rank,
+                "model": s.assignment.model,
+                "pid": s.proc.pid if s.proc else None,
+                "port": s.port,
+                "argv": s.argv,
+                "started_at": s.started_at,
+                "state": s.state.value,
+            }
+            for key, s in (*self.shards.items(), *self.stopping.items())
+        }
+        write_json_atomic(self.settings.state_dir / "shards.json", {"shards": records})
+
+    async def send_report(self) -> NodeAssignment | None:
+        """One exchange with the control plane; None when it failed (logged, retried later)."""
+        report = self.report()
+        try:
+            response = await self._cp.post("/v1/report", content=report.model_dump_json())
+        except httpx.HTTPError as exc:
+            log.warning("report to %s failed: %s", self.settings.control_plane, exc)
+            return None
+        if response.status_code != 200:
+            log.warning("control plane refused report %d: %s", report.seq, response.text[:300])
+            return None
+        try:
+            return NodeAssignment.model_validate_json(response.content)
+        except ValidationError as exc:
+            log.warning("control plane answered with no assignment: %s", exc)
+            return None
+
+    async def report_loop(self, ready_file: Path | None) -> None:
+        ready_written = False
+        while True:
+            self._changed.clear()
+            assignment = await self.send_report()
+            if assignment is not None:
+                self.apply(assignment)
+                if not ready_written and ready_file is not None:
+                    write_json_atomic(ready_file, {"pid": os.getpid(), "node": self.settings.node})
+                    ready_written = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self.settings.report_interval)
+
+    async def close(self) -> None:
+        """Leave the engines running (they outlive the agent), stop supervising them."""
+        for shard in (*self.shards.values(), *self.stopping.values()):
+            if shard.task is not None:
+                shard.task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(
+            *(s.task for s in self.shards.values() if s.task), *self._tasks, return_exceptions=True
+        )
+        self._record()
+        await self._cp.aclose()
+        await self._probe.aclose()
+
+
+async def serve(settings: AgentSettings, gpus: GpuSource, ready_file: Path | None) -> None:
+    """Run an agent until SIGINT/SIGTERM. Its engines keep running after it exits."""
+    agent = Agent(settings, gpus)
+
+    async def loop() -> None:
+        await agent.report_loop(ready_file)
+
+    await run_service([], loops=[loop], on_stop=agent.close)

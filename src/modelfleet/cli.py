@@ -1,0 +1,255 @@
+"""The `modelfleet` command: every process of the fleet, and `ctl` for operators.
+
+Each subcommand imports its service only when it runs, so starting an engine simulator does
+not pay for the control plane's imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    help="modelfleet: serve LLMs on a fleet of GPU machines.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+ctl_app = typer.Typer(help="Operate a running fleet through its admin API.", no_args_is_help=True)
+app.add_typer(ctl_app, name="ctl")
+
+StateDir = Annotated[Path, typer.Option("--state-dir", help="Where the fleet keeps its state.")]
+ReadyFile = Annotated[
+    Path | None,
+    typer.Option(help="Write {pid, urls} here as JSON once every listener accepts."),
+]
+LogLevel = Annotated[str, typer.Option(help="debug, info, warning or error.")]
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def up(
+    state_dir: StateDir = Path(".modelfleet"),
+    router_port: Annotated[int, typer.Option(help="The router's port; 0 picks a free one.")] = 0,
+) -> None:
+    """Run a whole fleet on this machine: control plane, router, two agents, simulated engines."""
+    from modelfleet.catalog import CatalogInvalid
+    from modelfleet.up import UpError
+    from modelfleet.up import up as run_up
+
+    try:
+        raise typer.Exit(run_up(state_dir, router_port=router_port))
+    except (UpError, CatalogInvalid) as exc:
+        _fail(str(exc), 1)
+
+
+@app.command("control-plane")
+def control_plane(
+    config: Annotated[Path, typer.Option(help="The control plane's YAML config.")],
+    ready_file: ReadyFile = None,
+    log_level: LogLevel = "info",
+) -> None:
+    """Run the control plane: agent API, admin API, reconcile loop, publisher."""
+    from modelfleet.catalog import CatalogInvalid
+    from modelfleet.config import ConfigError, load_config
+    from modelfleet.controlplane.config import ControlPlaneConfig
+    from modelfleet.controlplane.service import load_catalog, serve
+    from modelfleet.serving import configure_logging
+
+    configure_logging(log_level)
+    try:
+        cfg = load_config(config, ControlPlaneConfig)
+        catalog_path = cfg.catalog if cfg.catalog.is_absolute() else config.parent / cfg.catalog
+        catalog = load_catalog(catalog_path)
+    except (ConfigError, CatalogInvalid) as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"cannot read the catalog: {exc}")
+    asyncio.run(serve(cfg, catalog, ready_file))
+
+
+@app.command()
+def agent(
+    control_plane: Annotated[str, typer.Option(help="The control plane's agent API URL.")],
+    node: Annotated[str, typer.Option(help="This node's name.")],
+    simulate_gpus: Annotated[
+        str, typer.Option(help="Simulated GPUs, COUNTxSIZE[:MODEL][,...], e.g. 4x80GB.")
+    ],
+    token: Annotated[
+        str | None, typer.Option(envvar="MODELFLEET_AGENT_TOKEN", help="The agent token.")
+    ] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Where the agent records its engines and logs.")
+    ] = None,
+    address: Annotated[str, typer.Option(help="Host at which this node's engines are reached.")] = (
+        "127.0.0.1"
+    ),
+    label: Annotated[
+        list[str] | None, typer.Option(help="A node label KEY=VALUE; repeatable.")
+    ] = None,
+    report_interval: Annotated[float, typer.Option(help="Seconds between reports.")] = 2.0,
+    stop_grace: Annotated[float, typer.Option(help="Seconds from SIGTERM to SIGKILL.")] = 30.0,
+    backoff_base: Annotated[float, typer.Option(help="First restart delay, seconds.")] = 10.0,
+    backoff_max: Annotated[float, typer.Option(help="Longest restart delay, seconds.")] = 300.0,
+    ready_file: ReadyFile = None,
+    log_level: LogLevel = "info",
+) -> None:
+    """Run a node's agent: report GPUs and shards, run the engines it is assigned."""
+    from modelfleet.agent.gpus import BadGpuSpec, SimulatedGpus
+    from modelfleet.agent.service import AgentSettings, serve
+    from modelfleet.agent.supervisor import SupervisorSettings
+    from modelfleet.serving import configure_logging
+
+    configure_logging(log_level)
+    try:
+        gpus = SimulatedGpus(simulate_gpus)
+    except BadGpuSpec as exc:
+        _fail(f"--simulate-gpus: {exc}")
+    labels = []
+    for item in label or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            _fail(f"--label {item!r}: write KEY=VALUE")
+        labels.append((key, value))
+    settings = AgentSettings(
+        control_plane=control_plane,
+        node=node,
+        token=token,
+        state_dir=state_dir or Path(".modelfleet") / "agents" / node,
+        address=address,
+        labels=tuple(labels),
+        report_interval=report_interval,
+        supervisor=SupervisorSettings(
+            engine_host=address,
+            stop_grace=stop_grace,
+            backoff_base=backoff_base,
+            backoff_max=backoff_max,
+        ),
+    )
+    asyncio.run(serve(settings, gpus, ready_file))
+
+
+@app.command()
+def router(
+    config: Annotated[Path, typer.Option(help="The router's YAML config.")],
+    ready_file: ReadyFile = None,
+    log_level: LogLevel = "info",
+) -> None:
+    """Run the router: the OpenAI-compatible client API with API keys."""
+    from modelfleet.config import ConfigError, load_config
+    from modelfleet.router.service import RouterConfig, serve
+    from modelfleet.serving import configure_logging
+
+    configure_logging(log_level)
+    try:
+        cfg = load_config(config, RouterConfig)
+    except ConfigError as exc:
+        _fail(str(exc))
+    asyncio.run(serve(cfg, ready_file))
+
+
+@app.command("engine-sim")
+def engine_sim(
+    model: Annotated[str, typer.Option(help="The model name it serves.")],
+    port: Annotated[int, typer.Option(help="Port; 0 picks a free one.")] = 8000,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    ttft: Annotated[float, typer.Option(help="Seconds to first token, empty prompt.")] = 0.05,
+    prefill_per_token: Annotated[float, typer.Option(help="Extra TTFT per prompt token.")] = 0.0001,
+    itl: Annotated[float, typer.Option(help="Seconds between output tokens.")] = 0.01,
+    max_concurrency: Annotated[int, typer.Option(help="Requests decoding at once.")] = 16,
+    output_tokens: Annotated[int, typer.Option(help="Tokens when max_tokens is unset.")] = 16,
+    startup_delay: Annotated[float, typer.Option(help="Seconds before listening.")] = 0.0,
+    drain_timeout: Annotated[
+        float, typer.Option(help="Longest wait for in-flight on stop.")
+    ] = 30.0,
+    ready_file: ReadyFile = None,
+    log_level: LogLevel = "warning",
+) -> None:
+    """Run the engine simulator: an OpenAI-compatible server that behaves like vLLM."""
+    from modelfleet.serving import configure_logging
+    from modelfleet.simulator.engine import SimSettings
+    from modelfleet.simulator.server import serve
+
+    if max_concurrency < 1:
+        _fail("--max-concurrency must be at least 1")
+    configure_logging(log_level)
+    settings = SimSettings(
+        model=model,
+        ttft=ttft,
+        prefill_per_token=prefill_per_token,
+        itl=itl,
+        max_concurrency=max_concurrency,
+        output_tokens=output_tokens,
+    )
+    asyncio.run(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
+
+
+class Output(StrEnum):
+    table = "table"
+    json = "json"
+
+
+AdminUrl = Annotated[str | None, typer.Option("--admin", help="The admin API URL.")]
+AdminToken = Annotated[str | None, typer.Option("--token", help="The admin token.")]
+OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="table or json.")]
+
+
+def _ctl_get(path: str, admin: str | None, token: str | None, state_dir: Path) -> dict:
+    from modelfleet.ctl import CtlError, get, resolve_target
+
+    try:
+        return get(resolve_target(admin, token, state_dir), path)
+    except CtlError as exc:
+        _fail(str(exc), 1)
+        raise  # unreachable: _fail exits
+
+
+def _show(data: dict, output: Output, printer_name: str) -> None:
+    if output is Output.json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    from rich.console import Console
+
+    from modelfleet import ctl
+
+    getattr(ctl, printer_name)(data, Console(width=200))
+
+
+@ctl_app.command()
+def nodes(
+    admin: AdminUrl = None,
+    token: AdminToken = None,
+    state_dir: StateDir = Path(".modelfleet"),
+    output: OutputOpt = Output.table,
+) -> None:
+    """The nodes, their GPUs and health."""
+    _show(_ctl_get("/v1/nodes", admin, token, state_dir), output, "print_nodes")
+
+
+@ctl_app.command()
+def replicas(
+    admin: AdminUrl = None,
+    token: AdminToken = None,
+    state_dir: StateDir = Path(".modelfleet"),
+    output: OutputOpt = Output.table,
+) -> None:
+    """The replicas, their shards and state, and the replicas that are pending."""
+    _show(_ctl_get("/v1/replicas", admin, token, state_dir), output, "print_replicas")
+
+
+def main() -> None:
+    app(prog_name="modelfleet")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

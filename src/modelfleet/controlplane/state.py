@@ -1,0 +1,286 @@
+"""What the control plane knows: desired state (catalog, replicas) and actual (agents' reports).
+
+`FleetState` is the control plane's memory. It takes reports in, turns them into the pure
+core's `Node`s, carries out a reconcile `Plan`, and answers the questions the agent API, the
+admin API and the publisher ask. It does no I/O and reads no clock: callers pass `now`.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from modelfleet.catalog import Catalog, ModelSpec
+from modelfleet.fleet import Gpu, Mark, Node, Replica, ShardPlacement
+from modelfleet.placement import Unplaceable
+from modelfleet.reconcile import Pending, Plan
+from modelfleet.wire import (
+    AgentReport,
+    NodeAssignment,
+    RoutedModel,
+    RoutingSnapshot,
+    ShardAssignment,
+    ShardReport,
+    ShardState,
+)
+
+
+class StaleReport(ValueError):
+    """A report older than one already taken from the same agent run."""
+
+
+@dataclass
+class NodeRecord:
+    """One node: its latest report and when it arrived."""
+
+    report: AgentReport
+    received: float
+    mark: Mark = Mark.NONE
+
+    def node(self) -> Node:
+        r = self.report
+        gpus = tuple(
+            Gpu(g.index, g.model, g.memory_total, g.memory_used, g.healthy, g.reason)
+            for g in r.gpus
+        )
+        return Node(
+            r.node, gpus, r.address, MappingProxyType(dict(r.labels)), self.received, self.mark
+        )
+
+    def shard(self, replica_id: str, rank: int) -> ShardReport | None:
+        for s in self.report.shards:
+            if s.replica_id == replica_id and s.rank == rank:
+                return s
+        return None
+
+
+@dataclass
+class ReplicaRecord:
+    """A replica in the table, with the model spec it was started from."""
+
+    replica: Replica
+    spec: ModelSpec | None  # None for an adopted replica whose spec is no longer current
+    adopted: bool = False
+
+
+@dataclass(frozen=True)
+class ShardView:
+    rank: int
+    node: str
+    gpus: tuple[int, ...]
+    state: str  # a ShardState value, or "assigned" before its agent has reported it
+    port: int | None
+    pid: int | None
+    restarts: int
+    error: str
+    log_tail: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """A replica as the admin API shows it."""
+
+    id: str
+    model: str
+    state: str  # ready | starting | failed | assigned
+    endpoint: str | None
+    shards: tuple[ShardView, ...]
+
+
+@dataclass
+class FleetState:
+    """The control plane's memory of the fleet."""
+
+    catalog: Catalog
+    stale_after: float = 10.0
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    replicas: dict[str, ReplicaRecord] = field(default_factory=dict)
+    pending: tuple[Pending, ...] = ()
+    retired: dict[str, str] = field(default_factory=dict)  # replica id -> why it was stopped
+
+    # -- actual state --------------------------------------------------------------------
+
+    def take_report(self, report: AgentReport, now: float) -> bool:
+        """Record a node's report. Returns whether anything the planner looks at changed."""
+        before = self.nodes.get(report.node)
+        if before and before.report.boot_id == report.boot_id and report.seq <= before.report.seq:
+            raise StaleReport(
+                f"report {report.seq} from {report.node} is not newer than {before.report.seq}"
+            )
+        mark = before.mark if before else Mark.NONE
+        self.nodes[report.node] = NodeRecord(report, now, mark)
+        adopted = self._adopt(report, now)
+        if before is None or adopted:
+            return True
+        old, new = before.report, report
+        return (old.gpus, old.shards, old.labels, old.address) != (
+            new.gpus,
+            new.shards,
+            new.labels,
+            new.address,
+        )
+
+    def _adopt(self, report: AgentReport, now: float) -> bool:
+        """Take into the table running replicas this control plane does not know of.
+
+        After a restart the table is empty while engines still run: adopting them, instead of
+        placing anew, is what keeps a restart from churning the fleet. A replica is adopted once
+        every one of its shards has been reported; surplus ones are then scaled away by the
+        planner like any other.
+        """
+        adopted = False
+        for shard in report.shards:
+            rid = shard.replica_id
+            if rid in self.replicas or rid in self.retired or shard.state is ShardState.STOPPING:
+                continue
+            found: dict[int, tuple[str, ShardReport]] = {}
+            for name, record in self.nodes.items():
+                for s in record.report.shards:
+                    if s.replica_id == rid and s.state is not ShardState.STOPPING:
+                        found[s.rank] = (name, s)
+            if len(found) < shard.num_shards:
+                continue
+            placements = tuple(
+                ShardPlacement(found[rank][0], tuple(found[rank][1].gpus))
+                for rank in range(shard.num_shards)
+            )
+            spec = self.catalog.get(shard.model)
+            if spec is not None and spec.engine_digest != shard.engine_digest:
+                spec = None
+            replica = Replica(rid, shard.model, shard.engine_digest, placements, now)
+            self.replicas[rid] = ReplicaRecord(replica, spec, adopted=True)
+            adopted = True
+        return adopted
+
+    def node_list(self) -> list[Node]:
+        return [self.nodes[name].node() for name in sorted(self.nodes)]
+
+    def busy_slots(self) -> set[tuple[str, int]]:
+        """GPU slots that engines outside the table still hold (e.g. ones finishing a stop)."""
+        return {
+            (name, g)
+            for name, record in self.nodes.items()
+            for s in record.report.shards
+            if s.replica_id not in self.replicas
+            for g in s.gpus
+        }
+
+    def shard_views(self, record: ReplicaRecord) -> tuple[ShardView, ...]:
+        views = []
+        for rank, placement in enumerate(record.replica.shards):
+            node = self.nodes.get(placement.node)
+            seen = node.shard(record.replica.id, rank) if node else None
+            views.append(
+                ShardView(
+                    rank=rank,
+                    node=placement.node,
+                    gpus=placement.gpus,
+                    state=seen.state.value if seen else "assigned",
+                    port=seen.port if seen else None,
+                    pid=seen.pid if seen else None,
+                    restarts=seen.restarts if seen else 0,
+                    error=seen.error if seen else "",
+                    log_tail=tuple(seen.log_tail) if seen else (),
+                )
+            )
+        return tuple(views)
+
+    def replica_view(self, record: ReplicaRecord) -> ReplicaView:
+        shards = self.shard_views(record)
+        states = {s.state for s in shards}
+        if states == {ShardState.READY.value}:
+            state = "ready"
+        elif ShardState.FAILED.value in states:
+            state = "failed"
+        elif ShardState.STARTING.value in states:
+            state = "starting"
+        else:
+            state = "assigned"
+        endpoint = None
+        if state == "ready":
+            leader = self.nodes[shards[0].node].report.address
+            endpoint = f"http://{leader}:{shards[0].port}"
+        r = record.replica
+        return ReplicaView(r.id, r.model, state, endpoint, shards)
+
+    def replica_views(self) -> list[ReplicaView]:
+        records = sorted(self.replicas.values(), key=lambda r: (r.replica.model, r.replica.id))
+        return [self.replica_view(r) for r in records]
+
+    def serving(self) -> set[str]:
+        return {v.id for v in self.replica_views() if v.state == "ready"}
+
+    # -- desired state -------------------------------------------------------------------
+
+    def apply(self, plan: Plan, now: float) -> None:
+        """Carry out a reconcile plan on the table."""
+        for stop in plan.stop:
+            self.replicas.pop(stop.replica_id, None)
+            self.retired[stop.replica_id] = stop.reason
+        for new in plan.new:
+            spec = self.catalog.get(new.model)
+            replica = Replica(_new_id(new.model), new.model, new.engine_digest, new.shards, now)
+            self.replicas[replica.id] = ReplicaRecord(replica, spec)
+        self.pending = plan.pending
+        reported = {s.replica_id for r in self.nodes.values() for s in r.report.shards}
+        for rid in list(self.retired):
+            if rid not in reported and rid not in {s.replica_id for s in plan.stop}:
+                del self.retired[rid]
+
+    def assignment(self, node: str) -> NodeAssignment:
+        """The node's whole desired shard set."""
+        shards: list[ShardAssignment] = []
+        for record in self.replicas.values():
+            r = record.replica
+            spec = record.spec or self.catalog.get(r.model)
+            if spec is None:
+                continue  # model gone: the next pass stops this replica
+            for rank, placement in enumerate(r.shards):
+                if placement.node != node:
+                    continue
+                shards.append(
+                    ShardAssignment(
+                        replica_id=r.id,
+                        model=r.model,
+                        engine=spec.engine,
+                        source=spec.source,
+                        args=list(spec.args),
+                        env=dict(spec.env),
+                        command=spec.command,
+                        rank=rank,
+                        num_shards=len(r.shards),
+                        gpus=list(placement.gpus),
+                        engine_digest=r.engine_digest,
+                        startup_timeout=spec.startup_timeout,
+                    )
+                )
+        return NodeAssignment(node=node, shards=shards)
+
+    def routing_models(self) -> list[RoutedModel]:
+        """Every model of the current catalog with its serving endpoints.
+
+        Only models of the current catalog are published: a replica of a removed model is
+        never routed to, whatever state it is in.
+        """
+        endpoints: dict[str, list[str]] = {m.name: [] for m in self.catalog.models}
+        for view in self.replica_views():
+            if view.endpoint and view.model in endpoints:
+                endpoints[view.model].append(view.endpoint)
+        return [RoutedModel(name=n, endpoints=sorted(e)) for n, e in endpoints.items()]
+
+    def pending_for(self, model: str) -> Unplaceable | None:
+        for p in self.pending:
+            if p.model == model:
+                return p.explanation
+        return None
+
+
+def _new_id(model: str) -> str:
+    stem = re.sub(r"[^A-Za-z0-9.-]+", "-", model).strip("-")[:40] or "replica"
+    return f"{stem}-{secrets.token_hex(3)}"
+
+
+def snapshot(models: list[RoutedModel], version: int, catalog_version: int) -> RoutingSnapshot:
+    return RoutingSnapshot(version=version, catalog_version=catalog_version, models=models)

@@ -1,0 +1,75 @@
+"""The fleet as the control plane sees it: nodes, their GPUs, and the replicas placed on them.
+
+Plain immutable data, no I/O. The control plane builds these from agents' reports and its own
+table of replicas, and hands them to `placement` and `reconcile`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+
+
+class Mark(StrEnum):
+    """An operator's mark on a node."""
+
+    NONE = "none"
+    CORDONED = "cordoned"  # nothing new lands here
+    DRAINING = "draining"  # replicas move away, make-before-break
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU of a node, as its agent last reported it."""
+
+    index: int
+    model: str
+    memory_total: int
+    memory_used: int = 0
+    healthy: bool = True
+    reason: str = ""  # why it is unhealthy ("XID 79", "NVML: GPU is lost"); empty when healthy
+
+    @property
+    def memory_free(self) -> int:
+        return max(0, self.memory_total - self.memory_used)
+
+
+@dataclass(frozen=True)
+class Node:
+    """A machine with an agent."""
+
+    name: str
+    gpus: tuple[Gpu, ...]
+    address: str = "127.0.0.1"  # where its engines can be reached
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    last_report: float | None = None  # clock of the control plane when the last report arrived
+    mark: Mark = Mark.NONE
+
+    def is_ready(self, now: float, stale_after: float) -> bool:
+        """Whether the node reported within `stale_after` seconds of `now`."""
+        return self.last_report is not None and now - self.last_report <= stale_after
+
+
+@dataclass(frozen=True)
+class ShardPlacement:
+    """Where one shard of a replica runs: a node and the GPUs it uses there."""
+
+    node: str
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One serving instance of a model, as the control plane has placed it."""
+
+    id: str
+    model: str
+    engine_digest: str  # the ModelSpec.engine_digest it was started from
+    shards: tuple[ShardPlacement, ...]
+    created: float
+
+    def gpu_slots(self) -> set[tuple[str, int]]:
+        """Every (node, GPU index) this replica uses."""
+        return {(s.node, g) for s in self.shards for g in s.gpus}

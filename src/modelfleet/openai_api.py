@@ -1,0 +1,75 @@
+"""Pieces of the OpenAI HTTP API that both the router and the engine simulator speak."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import Response
+
+JSON = "application/json"
+
+
+def error_body(
+    message: str, type_: str, code: str | None = None, param: str | None = None
+) -> bytes:
+    """An OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
+    return json.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    ).encode()
+
+
+def error_response(
+    status: int, message: str, type_: str, code: str | None = None, param: str | None = None
+) -> Response:
+    return Response(error_body(message, type_, code, param), status_code=status, media_type=JSON)
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(json.dumps(data).encode(), status_code=status, media_type=JSON)
+
+
+class BadRequest(ValueError):
+    """A request body the API cannot accept; the message names what is wrong."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """Parse a request body that must be a JSON object naming a model."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a string", param="model")
+    return body
+
+
+def prompt_text(body: dict[str, Any], chat: bool) -> str:
+    """The text of a chat's messages or a completion's prompt, for counting tokens."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list", param="messages")
+        parts: list[str] = []
+        for message in messages:
+            if not isinstance(message, dict):
+                raise BadRequest("each message must be an object", param="messages")
+            content = message.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts += [p.get("text", "") for p in content if isinstance(p, dict)]
+        return " ".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        return " ".join(prompt)
+    raise BadRequest("'prompt' must be a string or a list of strings", param="prompt")

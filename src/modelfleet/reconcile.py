@@ -1,0 +1,164 @@
+"""The reconcile planner: (catalog, fleet, replicas, clock) -> what to change.
+
+Pure: the control plane calls `plan` on every pass with what it knows and carries out the
+answer. Every replica in the table is visited on every pass, including those whose model is
+no longer in the catalog: those are stopped, so nothing keeps GPUs for a name no client can ask
+for.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from modelfleet.catalog import Catalog, ModelSpec
+from modelfleet.fleet import Node, Replica, ShardPlacement
+from modelfleet.placement import Placed, Unplaceable, place
+
+
+@dataclass(frozen=True)
+class NewReplica:
+    """A replica to create, already placed."""
+
+    model: str
+    engine_digest: str
+    shards: tuple[ShardPlacement, ...]
+
+
+@dataclass(frozen=True)
+class StopReplica:
+    """A replica to take out of service, and why (shown to operators)."""
+
+    replica_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Replicas of a model that are wanted but cannot be placed now, with the explanation."""
+
+    model: str
+    count: int
+    explanation: Unplaceable
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The changes one pass decided on. Empty when desired and actual agree."""
+
+    new: tuple[NewReplica, ...] = ()
+    stop: tuple[StopReplica, ...] = ()
+    pending: tuple[Pending, ...] = ()
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.new or self.stop)
+
+
+def settling(
+    now: float,
+    started_at: float,
+    settle_for: float,
+    known_nodes: Collection[str],
+    reported_nodes: Collection[str],
+) -> bool:
+    """Whether the control plane is still in its settling window after a start.
+
+    While settling it adopts what agents report but neither places nor tears down. The window
+    is `settle_for` seconds (negative: no window) and ends early once every node it knows of
+    has reported.
+    """
+    if settle_for < 0:
+        return False
+    if known_nodes and set(known_nodes) <= set(reported_nodes):
+        return False
+    return now - started_at < settle_for
+
+
+def plan(
+    catalog: Catalog,
+    replicas: Sequence[Replica],
+    serving: Collection[str],
+    nodes: Sequence[Node],
+    busy: Collection[tuple[str, int]],
+    now: float,
+    stale_after: float,
+) -> Plan:
+    """Decide one pass.
+
+    `replicas` is the control plane's table; `serving` the ids of those whose every shard is
+    ready; `busy` the GPU slots agents report in use beyond the table (an engine still
+    stopping holds its GPUs until it exits).
+    """
+    stops: list[StopReplica] = []
+    new: list[NewReplica] = []
+    pending: list[Pending] = []
+    used: set[tuple[str, int]] = set(busy)
+    for replica in replicas:
+        used |= replica.gpu_slots()
+
+    by_model: dict[str, list[Replica]] = {}
+    for replica in replicas:
+        if catalog.get(replica.model) is None:
+            stops.append(StopReplica(replica.id, "model removed from the catalog"))
+        else:
+            by_model.setdefault(replica.model, []).append(replica)
+
+    for spec in catalog.models:
+        model_stops, model_new, model_pending = _plan_model(
+            spec, by_model.get(spec.name, []), serving, nodes, used, now, stale_after
+        )
+        stops += model_stops
+        new += model_new
+        if model_pending:
+            pending.append(model_pending)
+    return Plan(tuple(new), tuple(stops), tuple(pending))
+
+
+def _plan_model(
+    spec: ModelSpec,
+    replicas: list[Replica],
+    serving: Collection[str],
+    nodes: Sequence[Node],
+    used: set[tuple[str, int]],
+    now: float,
+    stale_after: float,
+) -> tuple[list[StopReplica], list[NewReplica], Pending | None]:
+    current = [r for r in replicas if r.engine_digest == spec.engine_digest]
+    outdated = [r for r in replicas if r.engine_digest != spec.engine_digest]
+    stops: list[StopReplica] = []
+
+    # Too many up-to-date replicas: stop the surplus, those not yet serving first, then the
+    # newest, so the longest-serving ones stay.
+    if len(current) > spec.replicas:
+        ranked = sorted(current, key=lambda r: (r.id in serving, -r.created, r.id))
+        for surplus in ranked[: len(current) - spec.replicas]:
+            stops.append(StopReplica(surplus.id, f"scaled down to {spec.replicas}"))
+        current = ranked[len(current) - spec.replicas :]
+
+    # Outdated replicas (engine or arguments changed) go make-before-break: one leaves only
+    # while the serving ones left would still reach the wanted count.
+    serving_current = sum(1 for r in current if r.id in serving)
+    serving_outdated = sorted((r for r in outdated if r.id in serving), key=lambda r: r.created)
+    for replica in outdated:
+        if replica.id not in serving:
+            stops.append(StopReplica(replica.id, "engine or arguments changed"))
+    while serving_outdated and serving_current + len(serving_outdated) > spec.replicas:
+        stops.append(StopReplica(serving_outdated.pop(0).id, "engine or arguments changed"))
+
+    new: list[NewReplica] = []
+    missing = spec.replicas - len(current)
+    on_node = Counter(s.node for r in current for s in r.shards)
+    pending: Pending | None = None
+    for placed_so_far in range(missing):
+        answer = place(spec, nodes, used, on_node, now, stale_after)
+        if isinstance(answer, Unplaceable):
+            pending = Pending(spec.name, missing - placed_so_far, answer)
+            break
+        assert isinstance(answer, Placed)
+        new.append(NewReplica(spec.name, spec.engine_digest, answer.shards))
+        for shard in answer.shards:
+            on_node[shard.node] += 1
+            used.update((shard.node, g) for g in shard.gpus)
+    return stops, new, pending

@@ -1,0 +1,263 @@
+"""The router: the only client-facing listener, OpenAI-compatible, with API keys.
+
+Two listeners. The client API (`/v1/models`, `/v1/chat/completions`, `/v1/completions`,
+`/v1/embeddings`) proxies each request to a ready replica of the model it names, passing a
+stream through as it arrives. The push API (`PUT /v1/routing`, admin token) takes the whole
+routing table from the control plane. The router also seeds its table from its own config, so
+it serves before the first push and with no control plane at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from modelfleet.openai_api import BadRequest, error_response, json_response, parse_body
+from modelfleet.router.table import ApiKey, Balancer, KeyRing, RoutingTable, hash_key
+from modelfleet.serving import Listener, run_service
+from modelfleet.wire import RoutedModel, RoutingSnapshot
+
+log = logging.getLogger("modelfleet.router")
+
+# Statuses an engine answers before it has produced anything, where another replica may do
+# better: the request is retried there before the client has seen a byte.
+_RETRY_STATUSES = frozenset({502, 503})
+
+
+class KeyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    key: str | None = None  # plaintext, hashed at load; prefer sha256 in files
+    models: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> KeyConfig:
+        if (self.sha256 is None) == (self.key is None):
+            raise ValueError(f"key {self.name!r}: give exactly one of 'sha256' or 'key'")
+        return self
+
+    def to_key(self) -> ApiKey:
+        digest = self.sha256 or hash_key(self.key or "")
+        return ApiKey(self.name, digest, frozenset(self.models) if self.models else None)
+
+
+class RouterConfig(BaseModel):
+    """The router's config file."""
+
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    push_port: int = Field(default=8081, ge=0, le=65535)
+    push_token: str | None = None  # shared admin token for routing pushes; None: pushes refused
+    api_keys: list[KeyConfig] = Field(default_factory=list)
+    models: list[RoutedModel] = Field(default_factory=list)  # the static seed
+    connect_timeout: float = Field(default=5.0, gt=0)
+
+
+class Router:
+    """The router's state: the current table, its keys, and its upstream connections."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.keys = KeyRing([k.to_key() for k in config.api_keys])
+        seed = RoutingSnapshot(version=0, models=config.models)
+        self.snapshot = seed
+        self.table = RoutingTable.from_snapshot(seed)
+        self.balancer = Balancer()
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=15)
+            self._session = aiohttp.ClientSession(
+                timeout=timeout, connector=connector, auto_decompress=False
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def apply(self, snapshot: RoutingSnapshot) -> bool:
+        """Swap in `snapshot` unless it is older than the one held. Returns whether it was."""
+        if snapshot.version < self.snapshot.version:
+            return False
+        self.snapshot = snapshot
+        self.table = RoutingTable.from_snapshot(snapshot)
+        return True
+
+    # -- client API ---------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> ApiKey | Response:
+        key = self.keys.check(request.headers.get("authorization"))
+        if key is None:
+            return error_response(
+                401,
+                "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
+                "invalid_request_error",
+                code="invalid_api_key",
+            )
+        return key
+
+    async def list_models(self, request: Request) -> Response:
+        key = self._authorize(request)
+        if isinstance(key, Response):
+            return key
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "modelfleet"}
+            for name in sorted(self.table.models)
+            if key.allows(name)
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def proxy(self, request: Request) -> Response:
+        key = self._authorize(request)
+        if isinstance(key, Response):
+            return key
+        raw = await request.body()
+        try:
+            body = parse_body(raw)
+        except BadRequest as exc:
+            return error_response(400, str(exc), "invalid_request_error", param=exc.param)
+        model = body["model"]
+        table = self.table  # taken once: a swap during this request is invisible to it
+        endpoints = table.models.get(model)
+        if endpoints is None or not key.allows(model):
+            return error_response(
+                404,
+                f"The model `{model}` does not exist or you do not have access to it.",
+                "invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        if not endpoints:
+            return error_response(
+                503, f"No replica of `{model}` is ready yet; try again shortly.", "server_error"
+            )
+        stream = body.get("stream") is True
+        path = request.url.path
+        headers = {"content-type": "application/json"}
+        failures: list[str] = []
+        for endpoint in self.balancer.order(endpoints):
+            self.balancer.begin(endpoint)
+            try:
+                upstream = await self.session.post(endpoint + path, data=raw, headers=headers)
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                self.balancer.end(endpoint)
+                failures.append(f"{endpoint}: {type(exc).__name__}")
+                continue
+            if upstream.status in _RETRY_STATUSES:
+                self.balancer.end(endpoint)
+                failures.append(f"{endpoint}: HTTP {upstream.status}")
+                upstream.release()
+                continue
+            if stream and upstream.status == 200:
+                return StreamingResponse(
+                    self._relay(upstream, endpoint),
+                    status_code=upstream.status,
+                    media_type=upstream.headers.get("content-type", "text/event-stream"),
+                    headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+                )
+            try:
+                data = await upstream.read()
+            except aiohttp.ClientError as exc:
+                failures.append(f"{endpoint}: {type(exc).__name__} while reading")
+                continue
+            finally:
+                upstream.release()
+                self.balancer.end(endpoint)
+            return Response(
+                data,
+                status_code=upstream.status,
+                media_type=upstream.headers.get("content-type", "application/json"),
+            )
+        log.warning("no replica of %s reachable: %s", model, "; ".join(failures))
+        return error_response(
+            503,
+            f"No replica of `{model}` could be reached ({len(failures)} tried).",
+            "server_error",
+        )
+
+    async def _relay(self, upstream: aiohttp.ClientResponse, endpoint: str) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.content.iter_any():
+                yield chunk
+        finally:
+            upstream.release()
+            self.balancer.end(endpoint)
+
+    async def health(self, _: Request) -> Response:
+        return json_response({"status": "ok", "version": self.snapshot.version})
+
+    # -- push API -----------------------------------------------------------------------
+
+    def _push_authorized(self, request: Request) -> bool:
+        token = self.config.push_token
+        return token is not None and request.headers.get("authorization") == f"Bearer {token}"
+
+    async def put_routing(self, request: Request) -> Response:
+        if not self._push_authorized(request):
+            return json_response({"error": "missing or wrong admin token"}, 401)
+        try:
+            snapshot = RoutingSnapshot.model_validate_json(await request.body())
+        except ValidationError as exc:
+            return json_response({"error": f"not a routing snapshot: {exc}"}, 400)
+        applied = self.apply(snapshot)
+        status = 200 if applied else 409
+        return json_response({"applied": applied, "version": self.snapshot.version}, status)
+
+    async def get_routing(self, request: Request) -> Response:
+        if not self._push_authorized(request):
+            return json_response({"error": "missing or wrong admin token"}, 401)
+        return Response(self.snapshot.model_dump_json(), media_type="application/json")
+
+
+def create_apps(router: Router) -> tuple[Starlette, Starlette]:
+    """The client-facing app and the push app of one router."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        await router.close()
+
+    post = ["POST"]
+    client = Starlette(
+        routes=[
+            Route("/health", router.health),
+            Route("/v1/models", router.list_models),
+            Route("/v1/chat/completions", router.proxy, methods=post),
+            Route("/v1/completions", router.proxy, methods=post),
+            Route("/v1/embeddings", router.proxy, methods=post),
+        ],
+        lifespan=lifespan,
+    )
+    push = Starlette(
+        routes=[
+            Route("/v1/routing", router.put_routing, methods=["PUT"]),
+            Route("/v1/routing", router.get_routing, methods=["GET"]),
+        ]
+    )
+    return client, push
+
+
+async def serve(config: RouterConfig, ready_file: Path | None) -> None:
+    """Run a router until SIGINT/SIGTERM."""
+    router = Router(config)
+    client, push = create_apps(router)
+    listeners = [
+        Listener("router", client, config.host, config.port),
+        Listener("push", push, config.host, config.push_port),
+    ]
+    await run_service(listeners, ready_file=ready_file)

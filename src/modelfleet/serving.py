@@ -1,0 +1,148 @@
+"""Running a service: its listeners, its background loops, and one ordered shutdown.
+
+Every modelfleet process goes through `run_service`. It binds each listener itself (port 0
+picks a free port), signals readiness once every listener is accepting by writing a ready file
+(JSON: pid and the URL of each listener), and on SIGINT or SIGTERM shuts down in one order:
+stop the background loops, stop accepting, let in-flight requests finish (bounded by
+`drain_timeout`), then run the service's own `on_stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+log = logging.getLogger("modelfleet")
+
+
+@dataclass
+class Listener:
+    """One HTTP listener of a service: a name (used in the ready file), an ASGI app, an address."""
+
+    name: str
+    app: Any
+    host: str = "127.0.0.1"
+    port: int = 0
+    sock: socket.socket | None = field(default=None, repr=False)
+
+    def bind(self) -> None:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.sock = sock
+        self.port = sock.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its own signal handling: `run_service` owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so that a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def configure_logging(level: str = "info") -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # One line per HTTP request of our own clients drowns what the services say.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+async def run_service(
+    listeners: list[Listener],
+    *,
+    ready_file: Path | None = None,
+    loops: list[Callable[[], Awaitable[None]]] | None = None,
+    on_ready: Callable[[], Awaitable[None]] | None = None,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    drain_timeout: float = 30.0,
+    ready_extra: dict[str, Any] | None = None,
+) -> None:
+    """Serve `listeners` and run `loops` until SIGINT/SIGTERM, then shut down in order."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    servers: list[_Server] = []
+    server_tasks: list[asyncio.Task[None]] = []
+    for listener in listeners:
+        if listener.sock is None:
+            listener.bind()
+        config = uvicorn.Config(
+            listener.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=drain_timeout,
+            timeout_keep_alive=30,
+        )
+        server = _Server(config)
+        servers.append(server)
+        server_tasks.append(asyncio.create_task(server.serve(sockets=[listener.sock])))
+
+    while not all(s.started for s in servers):
+        if any(t.done() for t in server_tasks):
+            for t in server_tasks:
+                if t.done() and t.exception():
+                    raise t.exception()  # type: ignore[misc]
+            raise RuntimeError("a listener stopped during start-up")
+        await asyncio.sleep(0.01)
+
+    loop_tasks = [asyncio.create_task(fn()) for fn in loops or []]
+    if on_ready is not None:
+        await on_ready()
+    if ready_file is not None:
+        ready = {"pid": os.getpid(), "urls": {li.name: li.url for li in listeners}}
+        ready.update(ready_extra or {})
+        write_json_atomic(ready_file, ready)
+    for listener in listeners:
+        log.info("%s listening on %s", listener.name, listener.url)
+
+    stop_waiter = asyncio.create_task(stop.wait())
+    watched = {stop_waiter, *server_tasks, *loop_tasks}
+    done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+        if task is not stop_waiter and not task.cancelled() and task.exception():
+            log.error("a part of the service failed; shutting down", exc_info=task.exception())
+
+    # Ordered shutdown: background loops first (nothing new is started), then the listeners
+    # (stop accepting, finish in-flight requests), then the service's own teardown.
+    for task in loop_tasks:
+        task.cancel()
+    await asyncio.gather(*loop_tasks, return_exceptions=True)
+    for server in servers:
+        server.should_exit = True
+    await asyncio.gather(*server_tasks, return_exceptions=True)
+    if on_stop is not None:
+        await on_stop()
+    stop_waiter.cancel()

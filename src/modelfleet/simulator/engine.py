@@ -1,0 +1,73 @@
+"""The engine simulator's model of an inference engine: tokens, latency, a concurrency limit.
+
+Kept apart from HTTP so the latency model reads on its own. `SimEngine.generate` yields one
+token at a time with vLLM-like timing: a time to first token that grows with the prompt, then a
+steady inter-token latency, and at most `max_concurrency` requests decoding at once while the
+rest wait in a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+_WORDS = (
+    "the fleet serves every model behind one router while agents keep engines alive and"
+    " replicas move make before break across nodes with gpus that report their health"
+).split(" ")
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """How the simulated engine behaves; every figure is a command-line flag of engine-sim."""
+
+    model: str
+    ttft: float = 0.05  # seconds to the first token for an empty prompt
+    prefill_per_token: float = 0.0001  # extra seconds to first token per prompt token
+    itl: float = 0.01  # seconds between output tokens
+    max_concurrency: int = 16
+    output_tokens: int = 16  # when the request sets no max_tokens
+
+
+def count_prompt_tokens(text: str) -> int:
+    """A stand-in tokenizer: one token per whitespace-separated word, at least one."""
+    return max(1, len(text.split()))
+
+
+class SimEngine:
+    """The simulated engine's state: what is running, what waits, what was produced."""
+
+    def __init__(self, settings: SimSettings) -> None:
+        self.settings = settings
+        self._slots = asyncio.Semaphore(settings.max_concurrency)
+        self.running = 0
+        self.waiting = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_total = 0
+
+    async def generate(self, prompt: str, max_tokens: int | None) -> AsyncIterator[str]:
+        """Yield the output tokens for `prompt`, each after its simulated delay."""
+        n_prompt = count_prompt_tokens(prompt)
+        n_out = self.settings.output_tokens if max_tokens is None else max(0, max_tokens)
+        seed = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=4).digest(), "big")
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        self.prompt_tokens_total += n_prompt
+        self.requests_total += 1
+        try:
+            await asyncio.sleep(self.settings.ttft + n_prompt * self.settings.prefill_per_token)
+            for i in range(n_out):
+                if i:
+                    await asyncio.sleep(self.settings.itl)
+                self.generation_tokens_total += 1
+                yield " " + _WORDS[(seed + i) % len(_WORDS)]
+        finally:
+            self.running -= 1
+            self._slots.release()

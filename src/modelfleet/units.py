@@ -1,0 +1,49 @@
+"""Memory sizes as operators write them ("80GB", "40GiB", "512MiB") and as bytes."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class BadSize(ValueError):
+    """A memory size that could not be read; the message says what is accepted."""
+
+
+def parse_size(text: str | int) -> int:
+    """Return the number of bytes that `text` names.
+
+    Integers are bytes. Strings take a number and one of B, KB, MB, GB, TB (powers of ten)
+    or KiB, MiB, GiB, TiB (powers of two), case-insensitive.
+    """
+    if isinstance(text, bool):
+        raise BadSize(f"{text!r} is not a size; write it like '40GiB' or '80GB'")
+    if isinstance(text, int):
+        if text < 0:
+            raise BadSize(f"{text} is negative; a size is at least 0 bytes")
+        return text
+    if not isinstance(text, str):
+        raise BadSize(f"{text!r} is not a size; write it like '40GiB' or '80GB'")
+    match = _SIZE.match(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise BadSize(f"{text!r} is not a size; write it like '40GiB' or '80GB'")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+def format_size(n_bytes: int) -> str:
+    """Format bytes in GiB with one decimal, the unit GPU memory is usually read in."""
+    return f"{n_bytes / 2**30:.1f} GiB"

@@ -1,0 +1,350 @@
+"""`modelfleet up`: a whole fleet on one machine, with simulated GPUs and engines.
+
+It starts, in this order, a router, a control plane and two agents (`node-1`, `node-2`, four
+simulated 80 GB GPUs each), each as its own process and process group, waits until every
+replica of the default catalog serves through the router, and writes what a client and an
+operator need to `<state-dir>/up.json`. SIGINT or SIGTERM stops everything it started, engines
+included, in the reverse order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from modelfleet.agent.supervisor import log_tail, signal_group
+from modelfleet.catalog import Catalog
+from modelfleet.router.table import hash_key
+from modelfleet.serving import write_json_atomic
+
+NODES = ("node-1", "node-2")
+GPUS_PER_NODE = "4x80GB"
+
+DEFAULT_CATALOG = """\
+# The catalog `modelfleet up` serves. Edit it and run `modelfleet up` again.
+models:
+  - name: sim-chat
+    engine: sim
+    replicas: 2
+    gpus_per_shard: 1
+    gpu_memory: 20GiB
+    args: ["--ttft", "0.05", "--itl", "0.01"]
+  - name: sim-large
+    engine: sim
+    replicas: 1
+    gpus_per_shard: 2
+    gpu_memory: 60GiB
+    args: ["--ttft", "0.2", "--itl", "0.02"]
+"""
+
+
+class UpError(RuntimeError):
+    """`up` could not bring the fleet up; the message says which part and why."""
+
+
+@dataclass
+class Child:
+    role: str
+    node: str | None
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Fleet:
+    """The processes `up` started, and how to stop them."""
+
+    state_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def spawn(
+        self, role: str, args: list[str], node: str | None = None, env: dict[str, str] | None = None
+    ) -> Child:
+        name = f"{role}-{node}" if node else role
+        log = self.state_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "modelfleet", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches `up` alone, which stops all in order
+                env={**os.environ, **(env or {})},
+            )
+        child = Child(role, node, proc, log)
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, child: Child, ready_file: Path, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready_file.exists():
+                return json.loads(ready_file.read_text())
+            if child.proc.poll() is not None:
+                tail = "\n".join(log_tail(child.log, 20))
+                raise UpError(f"{child.role} exited with code {child.proc.returncode}:\n{tail}")
+            time.sleep(0.05)
+        raise UpError(f"{child.role} was not ready within {timeout:.0f}s; see {child.log}")
+
+    def engine_pids(self) -> dict[str, list[int]]:
+        """The engines each agent recorded as started, by node."""
+        found: dict[str, list[int]] = {}
+        for node in NODES:
+            path = self.state_dir / "agents" / node / "shards.json"
+            try:
+                shards = json.loads(path.read_text())["shards"]
+            except (OSError, ValueError, KeyError):
+                continue
+            found[node] = sorted(s["pid"] for s in shards.values() if s.get("pid"))
+        return found
+
+    def pids(self) -> dict[str, Any]:
+        pids: dict[str, Any] = {"agent": {}, "engine": self.engine_pids()}
+        for c in self.children:
+            if c.node:
+                pids[c.role][c.node] = c.proc.pid
+            else:
+                pids[c.role] = c.proc.pid
+        return pids
+
+    def stop(self) -> None:
+        """Stop everything: control plane, agents, then the engines they left, router last."""
+        engines = self.engine_pids()
+        for role in ("control-plane", "agent"):
+            _stop_all([c.proc.pid for c in self.children if c.role == role], 10.0)
+        engines_now = self.engine_pids()  # the agents may have started more before they stopped
+        all_engines = {p for pids in (*engines.values(), *engines_now.values()) for p in pids}
+        _stop_all(sorted(all_engines), 15.0)
+        _stop_all([c.proc.pid for c in self.children if c.role == "router"], 10.0)
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _stop_all(pids: list[int], grace: float) -> None:
+    """SIGTERM each process group, wait up to `grace`, SIGKILL what is left."""
+    for pid in pids:
+        signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in pids:
+        if _alive(pid):
+            signal_group(pid, signal.SIGKILL)
+    while any(_alive(p) for p in pids):
+        time.sleep(0.05)
+
+
+def _running_fleet(state_dir: Path) -> int | None:
+    try:
+        up = json.loads((state_dir / "up.json").read_text())
+        pid = int(up["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if pid != os.getpid() and _alive(pid) else None
+
+
+def _wait_serving(push_url: str, token: str, catalog: Catalog, timeout: float) -> bool:
+    """Wait until the router holds an endpoint for every replica of the catalog."""
+    want = {m.name: m.replicas for m in catalog.models}
+    deadline = time.monotonic() + timeout
+    with httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=2) as http:
+        while time.monotonic() < deadline:
+            try:
+                snap = http.get(f"{push_url}/v1/routing").json()
+                have = {m["name"]: len(m["endpoints"]) for m in snap["models"]}
+                if all(have.get(name, 0) >= n for name, n in want.items()):
+                    return True
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.1)
+    return False
+
+
+def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> int:
+    """Bring the fleet up, print how to use it, and stop it all on SIGINT/SIGTERM."""
+    state_dir = state_dir.resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    running = _running_fleet(state_dir)
+    if running is not None:
+        raise UpError(f"a fleet is already running from {state_dir} (pid {running}); stop it first")
+    run_dir = state_dir / "run"
+    run_dir.mkdir(exist_ok=True)
+    for stale in run_dir.glob("*.json"):
+        stale.unlink()
+
+    catalog_file = state_dir / "catalog.yaml"
+    if not catalog_file.exists():
+        catalog_file.write_text(DEFAULT_CATALOG)
+    catalog = Catalog.from_yaml(catalog_file.read_text(), source=str(catalog_file))
+
+    admin_token = secrets.token_urlsafe(24)
+    agent_token = secrets.token_urlsafe(24)
+    api_key = "mf-" + secrets.token_urlsafe(24)
+    router_cfg = {
+        "port": router_port,
+        "push_port": 0,
+        "push_token": admin_token,
+        "api_keys": [{"name": "up", "sha256": hash_key(api_key)}],
+    }
+    (state_dir / "router.yaml").write_text(yaml.safe_dump(router_cfg))
+
+    stopping = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    fleet = Fleet(state_dir)
+    try:
+        router = fleet.spawn(
+            "router",
+            [
+                "router",
+                "--config",
+                str(state_dir / "router.yaml"),
+                "--ready-file",
+                str(run_dir / "router.json"),
+            ],
+        )
+        router_urls = fleet.wait_ready(router, run_dir / "router.json", 15)["urls"]
+
+        cp_cfg = {
+            "catalog": str(catalog_file),
+            "agent_port": 0,
+            "admin_port": 0,
+            "admin_token": admin_token,
+            "agent_token": agent_token,
+            "routers": [{"url": router_urls["push"], "token": admin_token}],
+            "known_nodes": list(NODES),
+            "reconcile_interval": 0.5,
+        }
+        (state_dir / "control-plane.yaml").write_text(yaml.safe_dump(cp_cfg))
+        cp = fleet.spawn(
+            "control-plane",
+            [
+                "control-plane",
+                "--config",
+                str(state_dir / "control-plane.yaml"),
+                "--ready-file",
+                str(run_dir / "control-plane.json"),
+            ],
+        )
+        cp_urls = fleet.wait_ready(cp, run_dir / "control-plane.json", 15)["urls"]
+
+        agents = []
+        for node in NODES:
+            ready = run_dir / f"agent-{node}.json"
+            args = [
+                "agent",
+                "--control-plane",
+                cp_urls["agent"],
+                "--node",
+                node,
+                "--simulate-gpus",
+                GPUS_PER_NODE,
+                "--state-dir",
+                str(state_dir / "agents" / node),
+                "--report-interval",
+                "1",
+                "--stop-grace",
+                "10",
+                "--ready-file",
+                str(ready),
+            ]
+            # The token goes by environment, not argv, where any local user could read it.
+            child = fleet.spawn(
+                "agent", args, node=node, env={"MODELFLEET_AGENT_TOKEN": agent_token}
+            )
+            agents.append((child, ready))
+        for child, ready in agents:
+            fleet.wait_ready(child, ready, 15)
+
+        serving = _wait_serving(router_urls["push"], admin_token, catalog, serve_timeout)
+        info = {
+            "router_url": router_urls["router"],
+            "admin_url": cp_urls["admin"],
+            "admin_token": admin_token,
+            "api_key": api_key,
+            "pid": os.getpid(),
+            "pids": fleet.pids(),
+            "catalog": str(catalog_file),
+        }
+        write_json_atomic(state_dir / "up.json", info)
+        _print_summary(info, catalog, state_dir, serving)
+
+        exited: set[int] = set()
+        while not stopping:
+            for c in fleet.children:
+                if c.proc.poll() is not None and c.proc.pid not in exited:
+                    exited.add(c.proc.pid)
+                    where = f" on {c.node}" if c.node else ""
+                    code = c.proc.returncode
+                    print(
+                        f"warning: {c.role}{where} exited with code {code}; see {c.log}", flush=True
+                    )
+            time.sleep(0.2)
+    finally:
+        print("stopping the fleet ...", flush=True)
+        fleet.stop()
+        (state_dir / "up.json").unlink(missing_ok=True)
+    print("stopped.", flush=True)
+    return 0
+
+
+def _print_summary(info: dict[str, Any], catalog: Catalog, state_dir: Path, serving: bool) -> None:
+    first = catalog.models[0].name if catalog.models else "MODEL"
+    body = json.dumps({"model": first, "messages": [{"role": "user", "content": "Hello!"}]})
+    models = ", ".join(
+        f"{m.name} ({m.replicas} replica{'s' if m.replicas > 1 else ''})" for m in catalog.models
+    )
+    lines = [
+        f"modelfleet is up  (state: {state_dir})",
+        f"  router url:  {info['router_url']}   OpenAI-compatible, send the API key",
+        f"  admin url:   {info['admin_url']}   token: {info['admin_token']}",
+        f"  api key:     {info['api_key']}",
+        f"  models:      {models}",
+    ]
+    if not serving:
+        lines.append("  warning: not every replica serves yet; `modelfleet ctl replicas` says why")
+    lines += [
+        "",
+        "Try it:",
+        f"  curl -s {info['router_url']}/v1/chat/completions \\",
+        f"    -H 'Authorization: Bearer {info['api_key']}' -H 'Content-Type: application/json' \\",
+        f"    -d '{body}'",
+        "",
+        "  modelfleet ctl nodes        modelfleet ctl replicas",
+        "",
+        f"Everything above is also in {state_dir / 'up.json'}. Ctrl-C stops the whole fleet.",
+    ]
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,99 @@
+"""The messages on the wire: the one schema both ends of every connection import.
+
+Agent -> control plane: `AgentReport` (the node's whole state), answered by `NodeAssignment`
+(the node's whole desired shard set). Control plane -> router: `RoutingSnapshot`, whole and
+versioned. Every exchange is level-triggered, so a lost or repeated message heals on the next.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOG_TAIL_LINES = 200
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GpuReport(_Message):
+    index: int = Field(ge=0)
+    model: str
+    memory_total: int = Field(ge=0)
+    memory_used: int = Field(ge=0)
+    healthy: bool = True
+    reason: str = ""
+
+
+class ShardState(StrEnum):
+    STARTING = "starting"  # the engine process runs but has not answered its health check
+    READY = "ready"
+    FAILED = "failed"  # exited or never became ready; restarted after a backoff
+    STOPPING = "stopping"  # no longer assigned; finishing in-flight requests
+
+
+class ShardReport(_Message):
+    replica_id: str
+    model: str
+    rank: int = Field(ge=0)
+    num_shards: int = Field(ge=1)
+    gpus: list[int]
+    engine_digest: str
+    state: ShardState
+    port: int | None = None
+    pid: int | None = None
+    restarts: int = 0
+    error: str = ""
+    log_tail: list[str] = Field(default_factory=list, max_length=MAX_LOG_TAIL_LINES)
+
+
+class AgentReport(_Message):
+    node: str = Field(min_length=1, max_length=253)
+    boot_id: str = Field(min_length=1, max_length=64)  # new each agent start; seq counts within it
+    seq: int = Field(ge=0)
+    address: str  # host at which this node's engines are reachable
+    labels: dict[str, str] = Field(default_factory=dict)
+    gpus: list[GpuReport]
+    shards: list[ShardReport]
+
+
+class ShardAssignment(_Message):
+    replica_id: str
+    model: str
+    engine: str
+    source: str
+    args: list[str]
+    env: dict[str, str]
+    command: str | None = None
+    rank: int
+    num_shards: int
+    gpus: list[int]
+    engine_digest: str
+    startup_timeout: float
+
+    @property
+    def key(self) -> str:
+        """The shard's identity on its node: replica id and rank."""
+        return shard_key(self.replica_id, self.rank)
+
+
+def shard_key(replica_id: str, rank: int) -> str:
+    return f"{replica_id}/{rank}"
+
+
+class NodeAssignment(_Message):
+    node: str
+    shards: list[ShardAssignment]
+
+
+class RoutedModel(_Message):
+    name: str
+    endpoints: list[str]  # base URLs of serving replicas, e.g. http://127.0.0.1:8001
+
+
+class RoutingSnapshot(_Message):
+    version: int = Field(ge=0)
+    catalog_version: int = 0
+    models: list[RoutedModel]

@@ -1,0 +1,88 @@
+"""Helpers for tests that run real modelfleet processes on 127.0.0.1.
+
+Every process is started in its own process group and ended by that group, never by name.
+Readiness is the process's own ready file (written once it listens), not polling its port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+class Procs:
+    """The processes one test started; all of them are ended when the test ends."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *args: str, log: str) -> subprocess.Popen[bytes]:
+        out = (self.tmp / f"{log}.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "modelfleet", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.started.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def stop_all(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.started:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wait_json(path: Path, proc: subprocess.Popen[bytes], timeout: float = 30) -> dict[str, Any]:
+    """Wait for a process's ready (or up.json) file; fail at once if the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} before writing {path}")
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not appear within {timeout}s")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) no longer runs.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.stop_all()

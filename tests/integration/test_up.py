@@ -1,0 +1,136 @@
+"""End to end: `modelfleet up` as a newcomer runs it, driven with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from .conftest import Procs, alive, wait_json
+
+
+def ctl(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "modelfleet", "ctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
+
+
+def all_pids(pids: dict) -> list[int]:
+    found: list[int] = []
+    for value in pids.values():
+        if isinstance(value, int):
+            found.append(value)
+        elif isinstance(value, dict):
+            found += all_pids(value)
+        elif isinstance(value, list):
+            found += value
+    return found
+
+
+def test_up_serves_every_model_and_stops_everything(procs: Procs, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    started = time.monotonic()
+    up = procs.start("up", "--state-dir", str(state), log="up")
+    info = wait_json(state / "up.json", up, timeout=20)
+    assert time.monotonic() - started < 20
+    for key in ("router_url", "admin_url", "admin_token", "api_key", "pids"):
+        assert info[key], key
+    printed = procs.log("up")
+    assert info["router_url"] in printed and info["api_key"] in printed and "curl" in printed
+
+    pids = info["pids"]
+    assert set(pids["agent"]) == {"node-1", "node-2"}
+    engines = [p for node in pids["engine"].values() for p in node]
+    assert len(engines) == 3  # the default catalog: 2 + 1 replicas
+    everything = all_pids(pids)
+    assert all(alive(p) for p in everything)
+
+    client = openai.OpenAI(
+        base_url=info["router_url"] + "/v1", api_key=info["api_key"], max_retries=0
+    )
+    models = [m.id for m in client.models.list()]
+    assert sorted(models) == ["sim-chat", "sim-large"]
+    for name in models:
+        reply = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5
+        )
+        assert reply.choices[0].message.content
+        assert reply.usage is not None and reply.usage.completion_tokens == 5
+        assert reply.usage.prompt_tokens == 2
+
+        chunks = list(
+            client.chat.completions.create(
+                model=name,
+                messages=[{"role": "user", "content": "Stream it"}],
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert len(text.split()) == 4
+        usage = [c.usage for c in chunks if c.usage]
+        assert usage and usage[-1].completion_tokens == 4
+
+    bad = openai.OpenAI(base_url=info["router_url"] + "/v1", api_key="mf-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as denied:
+        bad.chat.completions.create(model="sim-chat", messages=[{"role": "user", "content": "x"}])
+    assert denied.value.status_code == 401
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
+    assert missing.value.status_code == 404
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="sim-chat", messages=[])  # type: ignore[arg-type]
+
+    # ctl finds the fleet through up.json in the state dir, as a table and as JSON.
+    table = ctl("nodes", "--state-dir", str(state))
+    assert table.returncode == 0, table.stderr
+    assert "node-1" in table.stdout and "node-2" in table.stdout
+    as_json = json.loads(ctl("nodes", "--state-dir", str(state), "-o", "json").stdout)
+    assert {n["name"] for n in as_json["nodes"]} == {"node-1", "node-2"}
+    assert all(len(n["gpus"]) == 4 and n["ready"] for n in as_json["nodes"])
+    replicas = json.loads(ctl("replicas", "--state-dir", str(state), "-o", "json").stdout)
+    assert sorted(r["model"] for r in replicas["replicas"]) == ["sim-chat", "sim-chat", "sim-large"]
+    assert all(r["state"] == "ready" for r in replicas["replicas"])
+    # ... and with no flags from the folder holding the default state dir.
+    default_dir = tmp_path / "cwd"
+    (default_dir / ".modelfleet").mkdir(parents=True)
+    (default_dir / ".modelfleet" / "up.json").write_text((state / "up.json").read_text())
+    assert "node-1" in ctl("replicas", cwd=default_dir).stdout
+
+    # A wrong token, or an admin API that is not there: one line, non-zero exit.
+    wrong = ctl("nodes", "--admin", info["admin_url"], "--token", "nope")
+    assert wrong.returncode != 0 and "refused the token" in wrong.stderr
+    assert "Traceback" not in wrong.stderr and len(wrong.stderr.strip().splitlines()) == 1
+    gone = ctl(
+        "nodes", env={"MODELFLEET_ADMIN_URL": "http://127.0.0.1:9", "MODELFLEET_ADMIN_TOKEN": "t"}
+    )
+    assert gone.returncode != 0 and "cannot reach" in gone.stderr and "Traceback" not in gone.stderr
+
+    up.send_signal(signal.SIGINT)
+    assert up.wait(timeout=60) == 0
+    # Engines may have restarted since up.json was written: check what the agents recorded too.
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in everything) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in everything if alive(p)] == []
+    assert not (state / "up.json").exists()
+    for node in ("node-1", "node-2"):
+        recorded = json.loads((state / "agents" / node / "shards.json").read_text())["shards"]
+        assert [s["pid"] for s in recorded.values() if s["pid"] and alive(s["pid"])] == []

@@ -1,0 +1,170 @@
+"""Catalog validation: one test per rule, several mistakes reported together, immutability."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from modelfleet.catalog import Catalog, CatalogInvalid, ModelSpec
+
+
+def model(**overrides: object) -> dict[str, object]:
+    base: dict[str, object] = {"name": "m", "engine": "sim"}
+    base.update(overrides)
+    return base
+
+
+def problems_of(models: list[dict[str, object]]) -> list[tuple[str, str, str]]:
+    with pytest.raises(CatalogInvalid) as info:
+        Catalog.new(models)
+    return [(p.model, p.field, p.message) for p in info.value.problems]
+
+
+def test_a_valid_catalog_fills_in_defaults() -> None:
+    catalog = Catalog.new([model(replicas=2, gpu_memory="40GiB")])
+    spec = catalog.get("m")
+    assert spec is not None
+    assert (spec.replicas, spec.shards, spec.gpus_per_shard) == (2, 1, 1)
+    assert spec.gpu_memory == 40 * 2**30
+    assert spec.placement == "spread"
+    assert spec.source == "m"
+
+
+def test_unknown_engine_is_named_with_a_suggestion() -> None:
+    [(name, field, message)] = problems_of([model(engine="vlm")])
+    assert (name, field) == ("m", "engine")
+    assert "'vlm'" in message and "did you mean 'vllm'" in message
+
+
+def test_missing_engine() -> None:
+    [(name, field, message)] = problems_of([{"name": "m"}])
+    assert (name, field) == ("m", "engine") and "missing" in message
+
+
+def test_duplicate_model_name() -> None:
+    [(name, field, message)] = problems_of([model(), model()])
+    assert (name, field) == ("m", "name") and "duplicate" in message
+
+
+@pytest.mark.parametrize("key", ["replicas", "shards", "gpus_per_shard"])
+@pytest.mark.parametrize("value", [0, -1, "2", 1.5, True])
+def test_counts_must_be_positive_integers(key: str, value: object) -> None:
+    [(name, field, message)] = problems_of([model(**{key: value})])
+    assert (name, field) == ("m", key) and "positive integer" in message
+
+
+def test_unparseable_memory_size() -> None:
+    [(name, field, message)] = problems_of([model(gpu_memory="lots")])
+    assert (name, field) == ("m", "gpu_memory") and "'lots'" in message
+
+
+def test_unknown_key_gets_did_you_mean() -> None:
+    [(name, field, message)] = problems_of([model(replica=2)])
+    assert (name, field) == ("m", "replica") and "did you mean 'replicas'" in message
+
+
+def test_missing_name_is_reported_by_position() -> None:
+    [(name, field, message)] = problems_of([model(), {"engine": "sim"}])
+    assert (name, field) == ("#2", "name") and "missing" in message
+
+
+def test_bad_placement_policy() -> None:
+    [(name, field, _)] = problems_of([model(placement="scatter")])
+    assert (name, field) == ("m", "placement")
+
+
+def test_args_must_be_a_list_of_strings() -> None:
+    [(name, field, _)] = problems_of([model(args="--max-model-len 8192")])
+    assert (name, field) == ("m", "args")
+
+
+def test_labels_must_be_a_mapping() -> None:
+    [(name, field, _)] = problems_of([model(node_labels=["zone=a"])])
+    assert (name, field) == ("m", "node_labels")
+
+
+def test_command_engine_needs_a_template_and_others_refuse_one() -> None:
+    assert problems_of([model(engine="command")])[0][1] == "command"
+    assert problems_of([model(command="serve {port}")])[0][1] == "command"
+
+
+def test_startup_timeout_must_be_positive() -> None:
+    [(name, field, _)] = problems_of([model(startup_timeout=0)])
+    assert (name, field) == ("m", "startup_timeout")
+
+
+def test_several_mistakes_in_one_file_are_reported_together() -> None:
+    text = """
+models:
+  - name: a
+    engine: vlm
+    replicas: 0
+  - name: b
+    engine: sim
+    gpu_memory: lots
+    gpus_per_shard: -2
+  - name: a
+    engine: sim
+  - name: c
+    engine: sim
+    replica: 3
+colour: blue
+"""
+    with pytest.raises(CatalogInvalid) as info:
+        Catalog.from_yaml(text, source="fleet.yaml")
+    found = {(p.model, p.field) for p in info.value.problems}
+    # The unknown top-level key is reported before the models are looked at.
+    assert found == {("-", "colour")}
+    with pytest.raises(CatalogInvalid) as info:
+        Catalog.from_yaml(text.replace("colour: blue\n", ""), source="fleet.yaml")
+    found = {(p.model, p.field) for p in info.value.problems}
+    assert found == {
+        ("a", "engine"),
+        ("a", "replicas"),
+        ("b", "gpu_memory"),
+        ("b", "gpus_per_shard"),
+        ("a", "name"),
+        ("c", "replica"),
+    }
+    text_of_error = str(info.value)
+    assert "fleet.yaml" in text_of_error and "6 problem(s)" in text_of_error
+
+
+def test_invalid_yaml_and_wrong_shapes() -> None:
+    for text in ("models: [", "- just a list", "models: {a: 1}", "{}"):
+        with pytest.raises(CatalogInvalid):
+            Catalog.from_yaml(text)
+
+
+def test_catalog_is_immutable_and_only_built_by_new() -> None:
+    catalog = Catalog.new([model()])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        catalog.version = 2  # type: ignore[misc]
+    spec = catalog.models[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.replicas = 5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.env["X"] = "1"  # type: ignore[index]
+    with pytest.raises(TypeError, match=r"Catalog\.new"):
+        Catalog(models=(), version=1, digest="x")
+    assert isinstance(spec, ModelSpec)
+
+
+def test_digest_follows_content_and_engine_digest_ignores_scale() -> None:
+    one = Catalog.new([model(replicas=1)])
+    same = Catalog.new([model(replicas=1)], version=7)
+    scaled = Catalog.new([model(replicas=3)])
+    changed = Catalog.new([model(args=["--x"])])
+    assert one.digest == same.digest and one.version != same.version
+    assert one.digest != scaled.digest
+    assert one.models[0].engine_digest == scaled.models[0].engine_digest
+    assert one.models[0].engine_digest != changed.models[0].engine_digest
+
+
+def test_round_trip_through_yaml() -> None:
+    import yaml
+
+    catalog = Catalog.new([model(replicas=2, node_labels={"zone": "a"}, gpu_model="H100")])
+    again = Catalog.from_yaml(yaml.safe_dump(catalog.to_dict()))
+    assert again.digest == catalog.digest

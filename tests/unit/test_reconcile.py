@@ -1,0 +1,95 @@
+"""The reconcile planner: placing, scaling, tearing down, make-before-break, settling."""
+
+from __future__ import annotations
+
+from modelfleet.catalog import Catalog
+from modelfleet.fleet import Gpu, Node, Replica, ShardPlacement
+from modelfleet.reconcile import plan, settling
+
+NOW = 100.0
+GIB = 2**30
+
+
+def nodes(n: int = 2, gpus: int = 4) -> list[Node]:
+    return [
+        Node(f"n{i}", tuple(Gpu(j, "SIM", 80 * GIB) for j in range(gpus)), last_report=NOW)
+        for i in range(n)
+    ]
+
+
+def catalog(*models: dict[str, object]) -> Catalog:
+    return Catalog.new([{"engine": "sim", **m} for m in models])
+
+
+def replica(
+    rid: str, model: str, digest: str, node: str = "n0", gpu: int = 0, created: float = 1.0
+) -> Replica:
+    return Replica(rid, model, digest, (ShardPlacement(node, (gpu,)),), created)
+
+
+def test_places_every_missing_replica_on_distinct_gpus() -> None:
+    c = catalog({"name": "a", "replicas": 3}, {"name": "b", "gpus_per_shard": 2})
+    p = plan(c, [], set(), nodes(), set(), NOW, 10)
+    assert sorted(r.model for r in p.new) == ["a", "a", "a", "b"]
+    slots = [(s.node, g) for r in p.new for s in r.shards for g in s.gpus]
+    assert len(slots) == len(set(slots)) == 5
+    assert not p.stop and not p.pending
+
+
+def test_nothing_to_do_when_desired_is_actual() -> None:
+    c = catalog({"name": "a"})
+    digest = c.models[0].engine_digest
+    p = plan(c, [replica("a-1", "a", digest)], {"a-1"}, nodes(), set(), NOW, 10)
+    assert not p.changes and not p.pending
+
+
+def test_replicas_of_a_removed_model_are_stopped() -> None:
+    c = catalog({"name": "a"})
+    digest = c.models[0].engine_digest
+    table = [replica("a-1", "a", digest), replica("gone-1", "gone", "x", gpu=1)]
+    p = plan(c, table, {"a-1", "gone-1"}, nodes(), set(), NOW, 10)
+    assert [(s.replica_id, s.reason) for s in p.stop] == [
+        ("gone-1", "model removed from the catalog")
+    ]
+    assert not p.new
+
+
+def test_scale_down_stops_the_newest_first() -> None:
+    c = catalog({"name": "a", "replicas": 1})
+    d = c.models[0].engine_digest
+    table = [replica("old", "a", d, created=1), replica("new", "a", d, gpu=1, created=2)]
+    p = plan(c, table, {"old", "new"}, nodes(), set(), NOW, 10)
+    assert [s.replica_id for s in p.stop] == ["new"]
+
+
+def test_changed_arguments_replace_make_before_break() -> None:
+    c = catalog({"name": "a", "replicas": 1, "args": ["--new"]})
+    old = replica("old", "a", "old-digest")
+    first = plan(c, [old], {"old"}, nodes(), set(), NOW, 10)
+    assert len(first.new) == 1 and not first.stop  # the old one serves until the new one does
+    new = Replica("new", "a", c.models[0].engine_digest, first.new[0].shards, 2.0)
+    starting = plan(c, [old, new], {"old"}, nodes(), set(), NOW, 10)
+    assert not starting.changes
+    ready = plan(c, [old, new], {"old", "new"}, nodes(), set(), NOW, 10)
+    assert [s.replica_id for s in ready.stop] == ["old"] and not ready.new
+
+
+def test_unplaceable_replicas_are_pending_with_the_explanation() -> None:
+    c = catalog({"name": "big", "gpus_per_shard": 8})
+    p = plan(c, [], set(), nodes(), set(), NOW, 10)
+    assert not p.new and p.pending[0].count == 1
+    assert {v.node for v in p.pending[0].explanation.verdicts} == {"n0", "n1"}
+
+
+def test_gpus_still_held_by_a_stopping_engine_are_not_reused() -> None:
+    c = catalog({"name": "a"})
+    busy = {(n.name, g.index) for n in nodes(1) for g in n.gpus}
+    p = plan(c, [], set(), nodes(1), busy, NOW, 10)
+    assert not p.new and p.pending
+
+
+def test_settling_window() -> None:
+    assert settling(NOW, 95, 10, ["n0", "n1"], ["n0"])
+    assert not settling(NOW, 95, 10, ["n0", "n1"], ["n0", "n1"])  # all known nodes reported
+    assert not settling(NOW, 80, 10, ["n0"], [])  # window over
+    assert not settling(NOW, 99, -1, ["n0"], [])  # negative: off
