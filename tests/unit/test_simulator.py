@@ -1,0 +1,108 @@
+"""The engine simulator in-process, through httpx's ASGI transport."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from modelfleet.simulator.engine import SimSettings
+from modelfleet.simulator.server import create_app
+
+
+def client(**kw: object) -> httpx.AsyncClient:
+    settings = SimSettings(model="m", ttft=0.0, itl=0.0, **kw)  # type: ignore[arg-type]
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=create_app(settings)), base_url="http://sim"
+    )
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_chat_and_completion_fill_in_usage() -> None:
+    async def go() -> None:
+        async with client() as c:
+            chat = await c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "m",
+                    "messages": [{"role": "user", "content": "a b c"}],
+                    "max_tokens": 3,
+                },
+            )
+            assert chat.status_code == 200
+            body = chat.json()
+            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+            assert len(body["choices"][0]["message"]["content"].split()) == 3
+            assert body["choices"][0]["finish_reason"] == "length"
+            done = await c.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            assert done.json()["usage"]["completion_tokens"] == 16  # the default output length
+            assert done.json()["object"] == "text_completion"
+
+    run(go())
+
+
+def test_stream_is_server_sent_events_ending_in_done() -> None:
+    async def go() -> None:
+        async with client() as c:
+            body = {
+                "model": "m",
+                "prompt": "hi",
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            r = await c.post("/v1/completions", json=body)
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert (
+                "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).split().__len__()
+                == 2
+            )
+            assert chunks[-1]["usage"]["completion_tokens"] == 2
+
+    run(go())
+
+
+def test_bad_requests_are_openai_errors() -> None:
+    async def go() -> None:
+        async with client() as c:
+            r = await c.post("/v1/chat/completions", content=b"{nope")
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+            r = await c.post(
+                "/v1/chat/completions", json={"model": "other", "messages": [{"content": "x"}]}
+            )
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            r = await c.post("/v1/chat/completions", json={"model": "m", "messages": []})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+    run(go())
+
+
+def test_concurrency_limit_queues_and_metrics_use_vllm_names() -> None:
+    async def go() -> None:
+        settings = SimSettings(model="m", ttft=0.2, itl=0.0, max_concurrency=1)
+        app = create_app(settings)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://sim"
+        ) as c:
+            body = {"model": "m", "prompt": "x", "max_tokens": 1}
+            requests = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(3)]
+            await asyncio.sleep(0.1)
+            metrics = (await c.get("/metrics")).text
+            assert 'vllm:num_requests_running{model_name="m"} 1.0' in metrics
+            assert 'vllm:num_requests_waiting{model_name="m"} 2.0' in metrics
+            assert all(r.status_code == 200 for r in await asyncio.gather(*requests))
+            metrics = (await c.get("/metrics")).text
+            assert 'vllm:generation_tokens_total{model_name="m"} 3.0' in metrics
+            assert 'vllm:prompt_tokens_total{model_name="m"} 3.0' in metrics
+            assert (await c.get("/health")).status_code == 200
+            models = (await c.get("/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == ["m"]
+
+    run(go())
