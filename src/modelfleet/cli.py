@@ -97,6 +97,10 @@ def agent(
     label: Annotated[
         list[str] | None, typer.Option(help="A node label KEY=VALUE; repeatable.")
     ] = None,
+    unhealthy_gpu: Annotated[
+        list[str] | None,
+        typer.Option(help="Mark a simulated GPU unhealthy: INDEX=REASON; repeatable."),
+    ] = None,
     report_interval: Annotated[float, typer.Option(help="Seconds between reports.")] = 2.0,
     stop_grace: Annotated[float, typer.Option(help="Seconds from SIGTERM to SIGKILL.")] = 30.0,
     backoff_base: Annotated[float, typer.Option(help="First restart delay, seconds.")] = 10.0,
@@ -111,8 +115,14 @@ def agent(
     from modelfleet.serving import configure_logging
 
     configure_logging(log_level)
+    unhealthy: dict[int, str] = {}
+    for item in unhealthy_gpu or []:
+        index, sep, reason = item.partition("=")
+        if not sep or not index.strip().isdigit():
+            _fail(f"--unhealthy-gpu {item!r}: write INDEX=REASON, e.g. '3=XID 79'")
+        unhealthy[int(index)] = reason.strip() or "marked unhealthy"
     try:
-        gpus = SimulatedGpus(simulate_gpus)
+        gpus = SimulatedGpus(simulate_gpus, unhealthy)
     except BadGpuSpec as exc:
         _fail(f"--simulate-gpus: {exc}")
     labels = []
@@ -245,6 +255,21 @@ def replicas(
 ) -> None:
     """The replicas, their shards and state, and the replicas that are pending."""
     _show(_ctl_get("/v1/replicas", admin, token, state_dir), output, "print_replicas")
+
+
+@ctl_app.command("explain-placement")
+def explain_placement(
+    model: Annotated[str, typer.Argument(help="A model of the current catalog.")],
+    admin: AdminUrl = None,
+    token: AdminToken = None,
+    state_dir: StateDir = Path(".modelfleet"),
+    output: OutputOpt = Output.table,
+) -> None:
+    """Where the model's next replica would go, or every node and why it was rejected."""
+    from urllib.parse import quote
+
+    path = "/v1/explain/" + quote(model, safe="")
+    _show(_ctl_get(path, admin, token, state_dir), output, "print_explanation")
 
 
 def main() -> None:

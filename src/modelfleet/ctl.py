@@ -118,3 +118,16 @@ def print_replicas(data: dict[str, Any], console: Console) -> None:
     for p in data["pending"]:
         table.add_row("-", p["model"], f"pending x{p['count']}", "-", "-", p["reason"])
     console.print(table)
+
+
+def print_explanation(data: dict[str, Any], console: Console) -> None:
+    console.print(f"model {data['model']}: each shard needs {data['needs']}")
+    if data["pending"]:
+        console.print(f"{data['pending']} replica(s) pending: {data['pending_reason']}")
+    console.print(f"next replica: {data['summary']}")
+    table = Table("NODE", "FITS", "USABLE GPUS", "WHY NOT")
+    for v in data["nodes"]:
+        fits = "yes" if not v["reasons"] else "no"
+        usable = ",".join(str(g) for g in v["usable_gpus"]) or "-"
+        table.add_row(v["node"], fits, usable, "\n".join(v["reasons"]) or "-")
+    console.print(table)

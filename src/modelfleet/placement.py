@@ -29,9 +29,13 @@ class NodeVerdict:
 
 @dataclass(frozen=True)
 class Placed:
-    """A placement was found: one node and its GPUs per shard, in rank order."""
+    """A placement was found: one node and its GPUs per shard, in rank order.
+
+    `verdicts` says what placement made of every node, as for an `Unplaceable`.
+    """
 
     shards: tuple[ShardPlacement, ...]
+    verdicts: tuple[NodeVerdict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -136,5 +140,6 @@ def place(
 
     chosen = sorted(fitting, key=order)[: spec.shards]
     return Placed(
-        tuple(ShardPlacement(v.node, v.usable_gpus[: spec.gpus_per_shard]) for v in chosen)
+        tuple(ShardPlacement(v.node, v.usable_gpus[: spec.gpus_per_shard]) for v in chosen),
+        tuple(sorted(verdicts, key=lambda v: v.node)),
     )

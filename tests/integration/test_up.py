@@ -108,6 +108,10 @@ def test_up_serves_every_model_and_stops_everything(procs: Procs, tmp_path: Path
     replicas = json.loads(ctl("replicas", "--state-dir", str(state), "-o", "json").stdout)
     assert sorted(r["model"] for r in replicas["replicas"]) == ["sim-chat", "sim-chat", "sim-large"]
     assert all(r["state"] == "ready" for r in replicas["replicas"])
+    explained = ctl("explain-placement", "sim-large", "--state-dir", str(state))
+    assert (
+        explained.returncode == 0 and "node-1" in explained.stdout and "node-2" in explained.stdout
+    )
     # ... and with no flags from the folder holding the default state dir.
     default_dir = tmp_path / "cwd"
     (default_dir / ".modelfleet").mkdir(parents=True)

@@ -28,7 +28,7 @@ class BadGpuSpec(ValueError):
 class SimulatedGpus:
     """GPUs that exist only in this agent: always present, healthy unless told otherwise."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, unhealthy: dict[int, str] | None = None) -> None:
         self._gpus: list[GpuReport] = []
         for group in spec.split(","):
             match = _GROUP.match(group)
@@ -52,6 +52,14 @@ class SimulatedGpus:
                 )
         if not self._gpus:
             raise BadGpuSpec(f"{spec!r} describes no GPUs")
+        for index, reason in (unhealthy or {}).items():
+            if not 0 <= index < len(self._gpus):
+                raise BadGpuSpec(
+                    f"there is no GPU {index} to mark unhealthy ({len(self._gpus)} GPUs)"
+                )
+            self._gpus[index] = self._gpus[index].model_copy(
+                update={"healthy": False, "reason": reason}
+            )
 
     def gpus(self) -> list[GpuReport]:
         return list(self._gpus)

@@ -29,7 +29,7 @@ from modelfleet.catalog import Catalog
 from modelfleet.controlplane.config import DEFAULT_SETTLE_FOR_S, ControlPlaneConfig
 from modelfleet.controlplane.state import FleetState, StaleReport, snapshot
 from modelfleet.openai_api import json_response
-from modelfleet.placement import describe_need
+from modelfleet.placement import Unplaceable, describe_need
 from modelfleet.reconcile import plan, settling
 from modelfleet.serving import Listener, run_service
 from modelfleet.wire import AgentReport, RoutedModel
@@ -127,6 +127,31 @@ class ControlPlane:
                 }
             )
         return {"nodes": nodes}
+
+    async def explain(self, request: Request) -> Response:
+        if not self._admin_ok(request):
+            return _error(401, "missing or wrong admin token")
+        model = request.path_params["model"]
+        answer = self.state.explain(model, time.monotonic())
+        if answer is None:
+            known = ", ".join(m.name for m in self.state.catalog.models) or "none"
+            return _error(404, f"model {model!r} is not in the current catalog (models: {known})")
+        spec = self.state.catalog.get(model)
+        pending = self.state.pending_for(model)
+        data: dict[str, Any] = {
+            "model": model,
+            "needs": describe_need(spec) if spec else "",
+            "pending": next((p.count for p in self.state.pending if p.model == model), 0),
+            "pending_reason": pending.summary if pending else "",
+        }
+        if isinstance(answer, Unplaceable):
+            data.update(placeable=False, summary=answer.summary, placement=[])
+        else:
+            where = ", ".join(f"{s.node} gpus {list(s.gpus)}" for s in answer.shards)
+            data.update(placeable=True, summary=f"the next replica would go to {where}")
+            data["placement"] = [{"node": s.node, "gpus": list(s.gpus)} for s in answer.shards]
+        data["nodes"] = [asdict(v) for v in answer.verdicts]
+        return json_response(data)
 
     def replicas_json(self) -> dict[str, Any]:
         replicas = [asdict(v) for v in self.state.replica_views()]
@@ -233,7 +258,12 @@ def create_apps(cp: ControlPlane) -> tuple[Starlette, Starlette]:
     """The agent API app and the admin API app."""
     agent = Starlette(routes=[Route("/v1/report", cp.report, methods=["POST"])])
     admin_paths = ("/v1/nodes", "/v1/replicas", "/v1/catalog", "/v1/routing")
-    admin = Starlette(routes=[Route(p, cp.admin) for p in admin_paths])
+    admin = Starlette(
+        routes=[
+            *(Route(p, cp.admin) for p in admin_paths),
+            Route("/v1/explain/{model:path}", cp.explain),
+        ]
+    )
     return agent, admin
 
 

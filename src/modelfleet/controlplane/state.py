@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections import Counter
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.fleet import Gpu, Mark, Node, Replica, ShardPlacement
-from modelfleet.placement import Unplaceable
+from modelfleet.placement import Placed, Unplaceable, place
 from modelfleet.reconcile import Pending, Plan
 from modelfleet.wire import (
     AgentReport,
@@ -269,6 +270,22 @@ class FleetState:
             if view.endpoint and view.model in endpoints:
                 endpoints[view.model].append(view.endpoint)
         return [RoutedModel(name=n, endpoints=sorted(e)) for n, e in endpoints.items()]
+
+    def explain(self, model: str, now: float) -> Placed | Unplaceable | None:
+        """Where the next replica of `model` would go, or why it could go nowhere.
+
+        None when the current catalog has no such model.
+        """
+        spec = self.catalog.get(model)
+        if spec is None:
+            return None
+        used = self.busy_slots()
+        on_node: Counter[str] = Counter()
+        for record in self.replicas.values():
+            used |= record.replica.gpu_slots()
+            if record.replica.model == model:
+                on_node.update(s.node for s in record.replica.shards)
+        return place(spec, self.node_list(), used, on_node, now, self.stale_after)
 
     def pending_for(self, model: str) -> Unplaceable | None:
         for p in self.pending:
