@@ -11,7 +11,7 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -32,7 +32,7 @@ ReadyFile = Annotated[
 LogLevel = Annotated[str, typer.Option(help="debug, info, warning or error.")]
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
@@ -221,7 +221,6 @@ def _ctl_get(path: str, admin: str | None, token: str | None, state_dir: Path) -
         return get(resolve_target(admin, token, state_dir), path)
     except CtlError as exc:
         _fail(str(exc), 1)
-        raise  # unreachable: _fail exits
 
 
 def _show(data: dict, output: Output, printer_name: str) -> None:

@@ -204,11 +204,9 @@ class ControlPlane:
         )
         for stop in decided.stop:
             log.info("stopping replica %s: %s", stop.replica_id, stop.reason)
-        s.apply(decided, now)
-        for new in s.replicas.values():
-            if new.replica.created == now:
-                where = ", ".join(f"{p.node}{list(p.gpus)}" for p in new.replica.shards)
-                log.info("placed %s (%s) on %s", new.replica.id, new.replica.model, where)
+        for replica in s.apply(decided, now):
+            where = ", ".join(f"{p.node}{list(p.gpus)}" for p in replica.shards)
+            log.info("placed %s (%s) on %s", replica.id, replica.model, where)
         for p in decided.pending:
             log.info("%d replica(s) of %s pending: %s", p.count, p.model, p.explanation.summary)
 

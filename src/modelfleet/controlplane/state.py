@@ -215,20 +215,23 @@ class FleetState:
 
     # -- desired state -------------------------------------------------------------------
 
-    def apply(self, plan: Plan, now: float) -> None:
-        """Carry out a reconcile plan on the table."""
+    def apply(self, plan: Plan, now: float) -> list[Replica]:
+        """Carry out a reconcile plan on the table; return the replicas it created."""
         for stop in plan.stop:
             self.replicas.pop(stop.replica_id, None)
             self.retired[stop.replica_id] = stop.reason
+        created = []
         for new in plan.new:
             spec = self.catalog.get(new.model)
             replica = Replica(_new_id(new.model), new.model, new.engine_digest, new.shards, now)
             self.replicas[replica.id] = ReplicaRecord(replica, spec)
+            created.append(replica)
         self.pending = plan.pending
         reported = {s.replica_id for r in self.nodes.values() for s in r.report.shards}
         for rid in list(self.retired):
             if rid not in reported and rid not in {s.replica_id for s in plan.stop}:
                 del self.retired[rid]
+        return created
 
     def assignment(self, node: str) -> NodeAssignment:
         """The node's whole desired shard set."""
