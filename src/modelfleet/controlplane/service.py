@@ -96,8 +96,7 @@ class ControlPlane:
 
     def nodes_json(self) -> dict[str, Any]:
         now = time.monotonic()
-        used = {slot for r in self.state.replicas.values() for slot in r.replica.gpu_slots()}
-        used |= self.state.busy_slots()
+        used = self.state.used_slots()
         nodes = []
         for node in self.state.node_list():
             gpus = []
@@ -141,8 +140,8 @@ class ControlPlane:
         data: dict[str, Any] = {
             "model": model,
             "needs": describe_need(spec) if spec else "",
-            "pending": next((p.count for p in self.state.pending if p.model == model), 0),
-            "pending_reason": pending.summary if pending else "",
+            "pending": pending.count if pending else 0,
+            "pending_reason": pending.explanation.summary if pending else "",
         }
         if isinstance(answer, Unplaceable):
             data.update(placeable=False, summary=answer.summary, placement=[])

@@ -282,19 +282,22 @@ class FleetState:
         spec = self.catalog.get(model)
         if spec is None:
             return None
-        used = self.busy_slots()
         on_node: Counter[str] = Counter()
         for record in self.replicas.values():
-            used |= record.replica.gpu_slots()
             if record.replica.model == model:
                 on_node.update(s.node for s in record.replica.shards)
-        return place(spec, self.node_list(), used, on_node, now, self.stale_after)
+        return place(spec, self.node_list(), self.used_slots(), on_node, now, self.stale_after)
 
-    def pending_for(self, model: str) -> Unplaceable | None:
-        for p in self.pending:
-            if p.model == model:
-                return p.explanation
-        return None
+    def used_slots(self) -> set[tuple[str, int]]:
+        """Every GPU slot taken: by replicas in the table, or by engines still holding one."""
+        used = self.busy_slots()
+        for record in self.replicas.values():
+            used |= record.replica.gpu_slots()
+        return used
+
+    def pending_for(self, model: str) -> Pending | None:
+        """The last pass's pending replicas of `model`, if any."""
+        return next((p for p in self.pending if p.model == model), None)
 
 
 def _new_id(model: str) -> str:
