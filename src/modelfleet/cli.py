@@ -22,7 +22,11 @@ app = typer.Typer(
     add_completion=False,
 )
 ctl_app = typer.Typer(help="Operate a running fleet through its admin API.", no_args_is_help=True)
+catalog_app = typer.Typer(
+    help="Show, change and list the fleet's catalog; no restart needed.", no_args_is_help=True
+)
 app.add_typer(ctl_app, name="ctl")
+ctl_app.add_typer(catalog_app, name="catalog")
 
 StateDir = Annotated[Path, typer.Option("--state-dir", help="Where the fleet keeps its state.")]
 ReadyFile = Annotated[
@@ -63,19 +67,19 @@ def control_plane(
     from modelfleet.catalog import CatalogInvalid
     from modelfleet.config import ConfigError, load_config
     from modelfleet.controlplane.config import ControlPlaneConfig
-    from modelfleet.controlplane.service import load_catalog, serve
+    from modelfleet.controlplane.service import open_catalogs, serve
     from modelfleet.serving import configure_logging
+    from modelfleet.store.sqlite import StoreError
 
     configure_logging(log_level)
     try:
-        cfg = load_config(config, ControlPlaneConfig)
-        catalog_path = cfg.catalog if cfg.catalog.is_absolute() else config.parent / cfg.catalog
-        catalog = load_catalog(catalog_path)
-    except (ConfigError, CatalogInvalid) as exc:
+        cfg = load_config(config, ControlPlaneConfig).resolve(config.parent)
+        catalogs = open_catalogs(cfg)
+    except (ConfigError, CatalogInvalid, StoreError) as exc:
         _fail(str(exc))
     except OSError as exc:
         _fail(f"cannot read the catalog: {exc}")
-    asyncio.run(serve(cfg, catalog, ready_file))
+    asyncio.run(serve(cfg, catalogs, ready_file))
 
 
 @app.command()
@@ -269,6 +273,62 @@ def explain_placement(
 
     path = "/v1/explain/" + quote(model, safe="")
     _show(_ctl_get(path, admin, token, state_dir), output, "print_explanation")
+
+
+@catalog_app.command("show")
+def catalog_show(
+    admin: AdminUrl = None,
+    token: AdminToken = None,
+    state_dir: StateDir = Path(".modelfleet"),
+    output: OutputOpt = Output.table,
+) -> None:
+    """The current catalog with its version, and the last rejected attempt if any."""
+    _show(_ctl_get("/v1/catalog", admin, token, state_dir), output, "print_catalog")
+
+
+@catalog_app.command("history")
+def catalog_history(
+    limit: Annotated[int, typer.Option(min=1, help="How many versions, newest first.")] = 20,
+    admin: AdminUrl = None,
+    token: AdminToken = None,
+    state_dir: StateDir = Path(".modelfleet"),
+    output: OutputOpt = Output.table,
+) -> None:
+    """The last applied catalog versions with time, digest and source."""
+    path = f"/v1/catalog/history?limit={limit}"
+    _show(_ctl_get(path, admin, token, state_dir), output, "print_catalog_history")
+
+
+@catalog_app.command("apply")
+def catalog_apply(
+    file: Annotated[Path, typer.Argument(help="A catalog file (YAML).")],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print what would start and stop; change nothing.")
+    ] = False,
+    admin: AdminUrl = None,
+    token: AdminToken = None,
+    state_dir: StateDir = Path(".modelfleet"),
+    output: OutputOpt = Output.table,
+) -> None:
+    """Make FILE the current catalog (or, with --dry-run, print the plan). An invalid catalog
+    changes nothing: every problem is printed and the exit code is 1."""
+    from modelfleet.ctl import CatalogRefused, CtlError, request, resolve_target
+
+    try:
+        content = file.read_bytes()
+    except OSError as exc:
+        _fail(f"cannot read {file}: {exc.strerror}", 1)
+    path = "/v1/catalog" + ("?dry_run=true" if dry_run else "")
+    try:
+        data = request(resolve_target(admin, token, state_dir), "PUT", path, content)
+    except CatalogRefused as exc:
+        typer.echo(f"error: {file}: {exc}", err=True)
+        for p in exc.problems:
+            typer.echo(f"  - model {p['model']}: {p['field']}: {p['message']}", err=True)
+        raise typer.Exit(1) from None
+    except CtlError as exc:
+        _fail(str(exc), 1)
+    _show(data, output, "print_catalog_plan")
 
 
 def main() -> None:

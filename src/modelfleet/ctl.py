@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from modelfleet.units import format_size
@@ -52,11 +54,23 @@ def resolve_target(admin: str | None, token: str | None, state_dir: Path) -> Adm
     return AdminTarget(admin.rstrip("/"), token)
 
 
-def get(target: AdminTarget, path: str) -> dict[str, Any]:
-    """GET an admin API path; every failure becomes a one-line CtlError."""
+class CatalogRefused(CtlError):
+    """The admin API refused a catalog; `problems` lists every problem it found."""
+
+    def __init__(self, message: str, problems: list[dict[str, str]]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+def request(
+    target: AdminTarget, method: str, path: str, content: bytes | None = None
+) -> dict[str, Any]:
+    """Call the admin API; every failure becomes a one-line CtlError (CatalogRefused on 422)."""
     try:
-        response = httpx.get(
+        response = httpx.request(
+            method,
             target.url + path,
+            content=content,
             headers={"authorization": f"Bearer {target.token}"},
             timeout=10,
         )
@@ -64,12 +78,23 @@ def get(target: AdminTarget, path: str) -> dict[str, Any]:
         raise CtlError(f"cannot reach the admin API at {target.url}: {exc}") from exc
     if response.status_code == 401:
         raise CtlError(f"the admin API at {target.url} refused the token (401)")
-    if response.status_code != 200:
-        raise CtlError(f"{target.url}{path} answered {response.status_code}: {response.text[:200]}")
     try:
-        return response.json()
-    except ValueError as exc:
-        raise CtlError(f"{target.url}{path} answered something that is not JSON") from exc
+        data = response.json()
+    except ValueError:
+        data = None
+    if response.status_code == 422 and isinstance(data, dict) and "problems" in data:
+        raise CatalogRefused(str(data.get("error", "refused")), list(data["problems"]))
+    if response.status_code != 200:
+        detail = data.get("error") if isinstance(data, dict) else response.text[:200]
+        raise CtlError(f"{target.url}{path} answered {response.status_code}: {detail}")
+    if not isinstance(data, dict):
+        raise CtlError(f"{target.url}{path} answered something that is not a JSON object")
+    return data
+
+
+def get(target: AdminTarget, path: str) -> dict[str, Any]:
+    """GET an admin API path; every failure becomes a one-line CtlError."""
+    return request(target, "GET", path)
 
 
 def gpu_cell(gpu: dict[str, Any]) -> str:
@@ -131,3 +156,80 @@ def print_explanation(data: dict[str, Any], console: Console) -> None:
         usable = ",".join(str(g) for g in v["usable_gpus"]) or "-"
         table.add_row(v["node"], fits, usable, "\n".join(v["reasons"]) or "-")
     console.print(table)
+
+
+def _when(epoch: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
+
+
+def print_catalog(data: dict[str, Any], console: Console) -> None:
+    console.print(
+        f"catalog version {data['version']}  digest {data['digest']}  "
+        f"applied {_when(data['applied_at'])} from {escape(data['source'])}"
+    )
+    table = Table("MODEL", "ENGINE", "REPLICAS", "SHARDS x GPUS", "GPU MEMORY", "ARGS")
+    for m in data["models"]:
+        table.add_row(
+            m["name"],
+            m["engine"],
+            str(m["replicas"]),
+            f"{m['shards']} x {m['gpus_per_shard']}",
+            format_size(m["gpu_memory"]) if m["gpu_memory"] else "-",
+            escape(" ".join(m["args"])) or "-",
+        )
+    console.print(table)
+    rejected = data.get("last_rejection")
+    if rejected:
+        console.print(
+            f"last rejected attempt: {_when(rejected['at'])} from {escape(rejected['source'])}, "
+            f"{len(rejected['problems'])} problem(s):"
+        )
+        for problem in rejected["problems"]:
+            console.print(f"  - {escape(problem)}", highlight=False)
+
+
+def print_catalog_history(data: dict[str, Any], console: Console) -> None:
+    table = Table("VERSION", "APPLIED", "DIGEST", "SOURCE", "MODELS")
+    for v in data["versions"]:
+        table.add_row(
+            str(v["version"]),
+            _when(v["applied_at"]),
+            v["digest"],
+            escape(v["source"]),
+            ", ".join(v["models"]) or "-",
+        )
+    console.print(table)
+
+
+def _where(replica: dict[str, Any]) -> str:
+    return ", ".join(f"{s['node']}{s['gpus']}" for s in replica["shards"])
+
+
+def print_catalog_plan(data: dict[str, Any], console: Console) -> None:
+    if data["dry_run"]:
+        head = "dry run, nothing changed: " + (
+            "this catalog differs from the current one"
+            if data["changed"]
+            else "this catalog is the current one"
+        )
+        console.print(f"{head} (version {data['version']})")
+    elif data["changed"]:
+        console.print(
+            f"applied: catalog version {data['version']} (was {data['previous_version']})"
+        )
+    else:
+        console.print(f"unchanged: the catalog is already version {data['version']}")
+    if not (data["steps"] or data["pending"]):
+        console.print("no replica starts or stops")
+        return
+    table = Table("STEP", "ACTION", "REPLICA", "MODEL", "WHERE", "WHY")
+    for s in data["steps"]:
+        rid = "(new)" if s["action"] == "start" else s["id"]
+        table.add_row(str(s["step"]), s["action"], rid, s["model"], _where(s), s["reason"] or "-")
+    for p in data["pending"]:
+        table.add_row("-", f"pending x{p['count']}", "-", p["model"], "-", p["reason"])
+    console.print(table)
+    console.print(
+        "steps run in order: the next step follows once the replicas a step started serve",
+        style="dim",
+    )

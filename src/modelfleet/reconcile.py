@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.fleet import Node, Replica, ShardPlacement
@@ -137,8 +138,9 @@ def _plan_model(
             stops.append(StopReplica(surplus.id, f"scaled down to {spec.replicas}"))
         current = ranked[len(current) - spec.replicas :]
 
-    # Outdated replicas (engine or arguments changed) go make-before-break: one leaves only
-    # while the serving ones left would still reach the wanted count.
+    # Outdated replicas (engine or arguments changed) are replaced one at a time,
+    # make-before-break: one leaves only while the serving ones left still reach the wanted
+    # count, and while any still serves, at most one replica beyond the wanted count exists.
     serving_current = sum(1 for r in current if r.id in serving)
     serving_outdated = sorted((r for r in outdated if r.id in serving), key=lambda r: r.created)
     for replica in outdated:
@@ -149,6 +151,8 @@ def _plan_model(
 
     new: list[NewReplica] = []
     missing = spec.replicas - len(current)
+    if serving_outdated:
+        missing = min(missing, spec.replicas + 1 - len(current) - len(serving_outdated))
     on_node = Counter(s.node for r in current for s in r.shards)
     pending: Pending | None = None
     for placed_so_far in range(missing):
@@ -162,3 +166,64 @@ def _plan_model(
             on_node[shard.node] += 1
             used.update((shard.node, g) for g in shard.gpus)
     return stops, new, pending
+
+
+@dataclass(frozen=True)
+class PreviewStep:
+    """One replica started or stopped in a preview, at the pass (`step`, from 1) it happens."""
+
+    step: int
+    action: Literal["start", "stop"]
+    replica: Replica
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What applying a catalog would do, over as many passes as it takes to settle.
+
+    `steps` are the replicas started (ids `new-1`, `new-2`, ...) and stopped, in order;
+    `pending` is what would still be unplaceable at the end.
+    """
+
+    steps: tuple[PreviewStep, ...]
+    pending: tuple[Pending, ...]
+
+
+def preview(
+    catalog: Catalog,
+    replicas: Sequence[Replica],
+    nodes: Sequence[Node],
+    busy: Collection[tuple[str, int]],
+    now: float,
+    stale_after: float,
+    max_passes: int = 256,
+) -> Preview:
+    """Run `plan` pass after pass until nothing changes, as if every new replica served at once
+    and every stopped one let go of its GPUs one pass after it was stopped.
+
+    This is what `ctl catalog apply --dry-run` prints. It is optimistic where the real fleet is
+    not: an engine that fails to start, or a node that stops reporting, changes the real course.
+    """
+    table = {r.id: r for r in replicas}
+    steps: list[PreviewStep] = []
+    last = Plan()
+    freeing: set[tuple[str, int]] = set()
+    started = 0
+    for step in range(1, max_passes + 1):
+        last = plan(
+            catalog, list(table.values()), set(table), nodes, set(busy) | freeing, now, stale_after
+        )
+        if not last.changes:
+            break
+        freeing = set()
+        for stop in last.stop:
+            replica = table.pop(stop.replica_id)
+            freeing |= replica.gpu_slots()
+            steps.append(PreviewStep(step, "stop", replica, stop.reason))
+        for new in last.new:
+            started += 1
+            replica = Replica(f"new-{started}", new.model, new.engine_digest, new.shards, now)
+            table[replica.id] = replica
+            steps.append(PreviewStep(step, "start", replica))
+    return Preview(tuple(steps), last.pending)

@@ -59,6 +59,7 @@ class Child:
     node: str | None
     proc: subprocess.Popen[bytes]
     log: Path
+    ready_file: Path | None
 
 
 @dataclass
@@ -69,9 +70,17 @@ class Fleet:
     children: list[Child] = field(default_factory=list)
 
     def spawn(
-        self, role: str, args: list[str], node: str | None = None, env: dict[str, str] | None = None
+        self,
+        role: str,
+        args: list[str],
+        node: str | None = None,
+        env: dict[str, str] | None = None,
+        ready_file: Path | None = None,
     ) -> Child:
+        """Start `modelfleet ARGS` in its own process group, output to a log file."""
         name = f"{role}-{node}" if node else role
+        if ready_file is not None:
+            args = [*args, "--ready-file", str(ready_file)]
         log = self.state_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
@@ -83,15 +92,17 @@ class Fleet:
                 start_new_session=True,  # Ctrl-C reaches `up` alone, which stops all in order
                 env={**os.environ, **(env or {})},
             )
-        child = Child(role, node, proc, log)
+        child = Child(role, node, proc, log, ready_file)
         self.children.append(child)
         return child
 
-    def wait_ready(self, child: Child, ready_file: Path, timeout: float) -> dict[str, Any]:
+    def wait_ready(self, child: Child, timeout: float) -> dict[str, Any]:
+        """Wait for the child's ready file; UpError with its log tail if it exits first."""
+        assert child.ready_file is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if ready_file.exists():
-                return json.loads(ready_file.read_text())
+            if child.ready_file.exists():
+                return json.loads(child.ready_file.read_text())
             if child.proc.poll() is not None:
                 tail = "\n".join(log_tail(child.log, 20))
                 raise UpError(f"{child.role} exited with code {child.proc.returncode}:\n{tail}")
@@ -101,7 +112,7 @@ class Fleet:
     def engine_pids(self) -> dict[str, list[int]]:
         """The engines each agent recorded as started, by node."""
         found: dict[str, list[int]] = {}
-        for node in NODES:
+        for node in sorted({c.node for c in self.children if c.node}):
             path = self.state_dir / "agents" / node / "shards.json"
             try:
                 shards = json.loads(path.read_text())["shards"]
@@ -187,6 +198,138 @@ def _wait_serving(push_url: str, token: str, catalog: Catalog, timeout: float) -
     return False
 
 
+@dataclass(frozen=True)
+class FleetOptions:
+    """The shape of a fleet `up` starts. The defaults are what `modelfleet up` runs."""
+
+    nodes: tuple[str, ...] = NODES
+    gpus: str = GPUS_PER_NODE  # every node's simulated GPUs
+    router_port: int = 0
+    report_interval: float = 1.0
+    reconcile_interval: float = 0.5
+    stop_grace: float = 10.0
+    control_plane: dict[str, Any] = field(default_factory=dict)  # more control-plane settings
+    agent_args: tuple[str, ...] = ()  # more agent flags
+
+
+@dataclass
+class RunningFleet:
+    """A started fleet: its processes and what a client and an operator need to reach it."""
+
+    fleet: Fleet
+    catalog_file: Path
+    router_url: str
+    push_url: str
+    admin_url: str
+    admin_token: str
+    api_key: str
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "router_url": self.router_url,
+            "admin_url": self.admin_url,
+            "admin_token": self.admin_token,
+            "api_key": self.api_key,
+            "pid": os.getpid(),
+            "pids": self.fleet.pids(),
+            "catalog": str(self.catalog_file),
+        }
+
+
+def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> RunningFleet:
+    """Start router, control plane and agents, each once its predecessor listens.
+
+    The catalog is `<state_dir>/catalog.yaml` (written with the default catalog when absent);
+    the control plane watches it. On an error the processes already started are stopped.
+    """
+    opts = options or FleetOptions()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = state_dir / "run"
+    run_dir.mkdir(exist_ok=True)
+    for stale in run_dir.glob("*.json"):
+        stale.unlink()
+    catalog_file = state_dir / "catalog.yaml"
+    if not catalog_file.exists():
+        catalog_file.write_text(DEFAULT_CATALOG)
+
+    admin_token = secrets.token_urlsafe(24)
+    agent_token = secrets.token_urlsafe(24)
+    api_key = "mf-" + secrets.token_urlsafe(24)
+    router_cfg = {
+        "port": opts.router_port,
+        "push_port": 0,
+        "push_token": admin_token,
+        "api_keys": [{"name": "up", "sha256": hash_key(api_key)}],
+    }
+    (state_dir / "router.yaml").write_text(yaml.safe_dump(router_cfg))
+
+    fleet = Fleet(state_dir)
+    try:
+        router = fleet.spawn(
+            "router",
+            ["router", "--config", str(state_dir / "router.yaml")],
+            ready_file=run_dir / "router.json",
+        )
+        router_urls = fleet.wait_ready(router, 15)["urls"]
+
+        cp_cfg = {
+            "catalog": str(catalog_file),
+            "state_dir": str(state_dir / "control-plane"),
+            "agent_port": 0,
+            "admin_port": 0,
+            "admin_token": admin_token,
+            "agent_token": agent_token,
+            "routers": [{"url": router_urls["push"], "token": admin_token}],
+            "known_nodes": list(opts.nodes),
+            "reconcile_interval": opts.reconcile_interval,
+            **opts.control_plane,
+        }
+        (state_dir / "control-plane.yaml").write_text(yaml.safe_dump(cp_cfg))
+        cp = fleet.spawn(
+            "control-plane",
+            ["control-plane", "--config", str(state_dir / "control-plane.yaml")],
+            ready_file=run_dir / "control-plane.json",
+        )
+        cp_urls = fleet.wait_ready(cp, 15)["urls"]
+
+        agents = []
+        for node in opts.nodes:
+            args = [
+                "agent",
+                "--control-plane",
+                cp_urls["agent"],
+                "--node",
+                node,
+                "--simulate-gpus",
+                opts.gpus,
+                "--state-dir",
+                str(state_dir / "agents" / node),
+                "--report-interval",
+                str(opts.report_interval),
+                "--stop-grace",
+                str(opts.stop_grace),
+                *opts.agent_args,
+            ]
+            # The token goes by environment, not argv, where any local user could read it.
+            env = {"MODELFLEET_AGENT_TOKEN": agent_token}
+            ready = run_dir / f"agent-{node}.json"
+            agents.append(fleet.spawn("agent", args, node=node, env=env, ready_file=ready))
+        for child in agents:
+            fleet.wait_ready(child, 15)
+    except BaseException:
+        fleet.stop()
+        raise
+    return RunningFleet(
+        fleet,
+        catalog_file,
+        router_urls["router"],
+        router_urls["push"],
+        cp_urls["admin"],
+        admin_token,
+        api_key,
+    )
+
+
 def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> int:
     """Bring the fleet up, print how to use it, and stop it all on SIGINT/SIGTERM."""
     state_dir = state_dir.resolve()
@@ -194,26 +337,9 @@ def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> in
     running = _running_fleet(state_dir)
     if running is not None:
         raise UpError(f"a fleet is already running from {state_dir} (pid {running}); stop it first")
-    run_dir = state_dir / "run"
-    run_dir.mkdir(exist_ok=True)
-    for stale in run_dir.glob("*.json"):
-        stale.unlink()
-
     catalog_file = state_dir / "catalog.yaml"
-    if not catalog_file.exists():
-        catalog_file.write_text(DEFAULT_CATALOG)
-    catalog = Catalog.from_yaml(catalog_file.read_text(), source=str(catalog_file))
-
-    admin_token = secrets.token_urlsafe(24)
-    agent_token = secrets.token_urlsafe(24)
-    api_key = "mf-" + secrets.token_urlsafe(24)
-    router_cfg = {
-        "port": router_port,
-        "push_port": 0,
-        "push_token": admin_token,
-        "api_keys": [{"name": "up", "sha256": hash_key(api_key)}],
-    }
-    (state_dir / "router.yaml").write_text(yaml.safe_dump(router_cfg))
+    if catalog_file.exists():  # refuse a broken file before starting anything
+        Catalog.from_yaml(catalog_file.read_text(), source=str(catalog_file))
 
     stopping = False
 
@@ -224,87 +350,17 @@ def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> in
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    fleet = Fleet(state_dir)
+    fleet = start_fleet(state_dir, FleetOptions(router_port=router_port))
     try:
-        router = fleet.spawn(
-            "router",
-            [
-                "router",
-                "--config",
-                str(state_dir / "router.yaml"),
-                "--ready-file",
-                str(run_dir / "router.json"),
-            ],
-        )
-        router_urls = fleet.wait_ready(router, run_dir / "router.json", 15)["urls"]
-
-        cp_cfg = {
-            "catalog": str(catalog_file),
-            "agent_port": 0,
-            "admin_port": 0,
-            "admin_token": admin_token,
-            "agent_token": agent_token,
-            "routers": [{"url": router_urls["push"], "token": admin_token}],
-            "known_nodes": list(NODES),
-            "reconcile_interval": 0.5,
-        }
-        (state_dir / "control-plane.yaml").write_text(yaml.safe_dump(cp_cfg))
-        cp = fleet.spawn(
-            "control-plane",
-            [
-                "control-plane",
-                "--config",
-                str(state_dir / "control-plane.yaml"),
-                "--ready-file",
-                str(run_dir / "control-plane.json"),
-            ],
-        )
-        cp_urls = fleet.wait_ready(cp, run_dir / "control-plane.json", 15)["urls"]
-
-        agents = []
-        for node in NODES:
-            ready = run_dir / f"agent-{node}.json"
-            args = [
-                "agent",
-                "--control-plane",
-                cp_urls["agent"],
-                "--node",
-                node,
-                "--simulate-gpus",
-                GPUS_PER_NODE,
-                "--state-dir",
-                str(state_dir / "agents" / node),
-                "--report-interval",
-                "1",
-                "--stop-grace",
-                "10",
-                "--ready-file",
-                str(ready),
-            ]
-            # The token goes by environment, not argv, where any local user could read it.
-            child = fleet.spawn(
-                "agent", args, node=node, env={"MODELFLEET_AGENT_TOKEN": agent_token}
-            )
-            agents.append((child, ready))
-        for child, ready in agents:
-            fleet.wait_ready(child, ready, 15)
-
-        serving = _wait_serving(router_urls["push"], admin_token, catalog, serve_timeout)
-        info = {
-            "router_url": router_urls["router"],
-            "admin_url": cp_urls["admin"],
-            "admin_token": admin_token,
-            "api_key": api_key,
-            "pid": os.getpid(),
-            "pids": fleet.pids(),
-            "catalog": str(catalog_file),
-        }
+        catalog = Catalog.from_yaml(catalog_file.read_text(), source=str(catalog_file))
+        serving = _wait_serving(fleet.push_url, fleet.admin_token, catalog, serve_timeout)
+        info = fleet.info()
         write_json_atomic(state_dir / "up.json", info)
         _print_summary(info, catalog, state_dir, serving)
 
         exited: set[int] = set()
         while not stopping:
-            for c in fleet.children:
+            for c in fleet.fleet.children:
                 if c.proc.poll() is not None and c.proc.pid not in exited:
                     exited.add(c.proc.pid)
                     where = f" on {c.node}" if c.node else ""
@@ -315,7 +371,7 @@ def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> in
             time.sleep(0.2)
     finally:
         print("stopping the fleet ...", flush=True)
-        fleet.stop()
+        fleet.fleet.stop()
         (state_dir / "up.json").unlink(missing_ok=True)
     print("stopped.", flush=True)
     return 0

@@ -45,6 +45,7 @@ class ShardReport(_Message):
     port: int | None = None
     pid: int | None = None
     restarts: int = 0
+    startup_s: float | None = None  # seconds from the engine's start to its first ready probe
     error: str = ""
     log_tail: list[str] = Field(default_factory=list, max_length=MAX_LOG_TAIL_LINES)
 

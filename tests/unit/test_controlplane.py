@@ -4,19 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import time
+from typing import Any
 
 import httpx
+import yaml
 from rich.console import Console
 
 from modelfleet.agent.gpus import SimulatedGpus
-from modelfleet.catalog import Catalog
+from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.service import ControlPlane, create_apps
 from modelfleet.ctl import print_explanation
-from modelfleet.wire import AgentReport, NodeAssignment
+from modelfleet.store.sqlite import SqliteStore
+from modelfleet.wire import AgentReport, NodeAssignment, RoutedModel, ShardReport, ShardState
 
 TOKEN = "admin-token-123"
+
+
+def keeper(models: list[dict[str, object]]) -> CatalogKeeper:
+    """A keeper on an in-memory store whose current catalog holds `models`."""
+    k = CatalogKeeper(SqliteStore(":memory:"))
+    k.start(0.0)
+    k.apply(yaml.safe_dump({"models": models}), "api", 0.0)
+    return k
 
 
 def report(node: str, gpus: SimulatedGpus, seq: int = 1) -> AgentReport:
@@ -26,7 +38,7 @@ def report(node: str, gpus: SimulatedGpus, seq: int = 1) -> AgentReport:
 
 
 def test_explain_placement_names_every_node_and_reason() -> None:
-    catalog = Catalog.new(
+    catalog = keeper(
         [
             {"name": "small", "engine": "sim"},
             {"name": "h100", "engine": "sim", "gpu_model": "H100"},
@@ -36,8 +48,9 @@ def test_explain_placement_names_every_node_and_reason() -> None:
     config = ControlPlaneConfig(catalog="unused.yaml", admin_token=TOKEN, settle_for=-1)
     cp = ControlPlane(config, catalog)
     now = time.monotonic()
-    cp.state.take_report(report("a", SimulatedGpus("4x80GB", {3: "XID 79"})), now)
-    cp.state.take_report(report("b", SimulatedGpus("2x80GB")), now)
+    current = catalog.current
+    cp.state.take_report(report("a", SimulatedGpus("4x80GB", {3: "XID 79"})), current, now)
+    cp.state.take_report(report("b", SimulatedGpus("2x80GB")), current, now)
     cp.reconcile_once(now)
 
     placed = {r.replica.model for r in cp.state.replicas.values()}
@@ -80,7 +93,7 @@ def test_explain_placement_names_every_node_and_reason() -> None:
 
 
 def test_agent_api_checks_token_size_shape_and_staleness() -> None:
-    catalog = Catalog.new([{"name": "m", "engine": "sim"}])
+    catalog = keeper([{"name": "m", "engine": "sim"}])
     config = ControlPlaneConfig(
         catalog="unused.yaml",
         admin_token=TOKEN,
@@ -115,5 +128,130 @@ def test_agent_api_checks_token_size_shape_and_staleness() -> None:
                 (await c.post("/v1/report", content=again)).content
             )
             assert [(s.model, s.gpus) for s in assignment.shards] == [("m", [0])]
+
+    asyncio.run(go())
+
+
+class FakeRouter:
+    """A router's push API behind httpx.MockTransport: holds the snapshots it is sent."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, Any] | None = None
+        self.down = False
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("router down", request=request)
+        snap = json.loads(request.content)
+        if self.held is None or snap["version"] >= self.held["version"]:
+            self.held = snap
+        return httpx.Response(200, json={"applied": True, "version": self.held["version"]})
+
+    def endpoints(self, model: str) -> list[str] | None:
+        assert self.held is not None
+        return next((m["endpoints"] for m in self.held["models"] if m["name"] == model), None)
+
+
+def serving_report(cp: ControlPlane, node: str, seq: int, gpus: SimulatedGpus) -> AgentReport:
+    """What an agent that runs every assigned shard, all ready, would report."""
+    catalog = cp.catalogs.current
+    shards = [
+        ShardReport(
+            replica_id=a.replica_id,
+            model=a.model,
+            rank=a.rank,
+            num_shards=a.num_shards,
+            gpus=a.gpus,
+            engine_digest=a.engine_digest,
+            state=ShardState.READY,
+            port=9000 + i,
+        )
+        for i, a in enumerate(cp.state.assignment(node, catalog).shards)
+    ]
+    return AgentReport(
+        node=node, boot_id="b", seq=seq, address="127.0.0.1", gpus=gpus.gpus(), shards=shards
+    )
+
+
+def test_a_removed_model_leaves_the_routers_before_its_engine_is_stopped() -> None:
+    fake = FakeRouter()
+    config = ControlPlaneConfig(
+        admin_token=TOKEN,
+        settle_for=-1,
+        retire_timeout=5,
+        routers=[{"url": "http://router", "token": "t"}],
+    )
+    catalogs = keeper([{"name": "a", "engine": "sim"}, {"name": "b", "engine": "sim"}])
+    http = httpx.AsyncClient(transport=httpx.MockTransport(fake.handle))
+    cp = ControlPlane(config, catalogs, http=http)
+    gpus = SimulatedGpus("2x80GB")
+
+    async def go() -> None:
+        now = time.monotonic()
+        cp.state.take_report(report("n", gpus), catalogs.current, now)
+        cp.reconcile_once(now)
+        cp.state.take_report(serving_report(cp, "n", 2, gpus), catalogs.current, now)
+        await cp.publish()
+        assert fake.endpoints("a") and fake.endpoints("b")
+
+        catalogs.apply("models:\n  - name: b\n    engine: sim\n", "api", time.time())
+        fake.down = True  # the router does not hear of it yet
+        cp.reconcile_once(now)
+        await cp.publish()
+        cp.release_retired(now)
+        views = {v.model: v for v in cp.state.replica_views()}
+        assert views["a"].state == "retiring" and "removed" in views["a"].reason
+        assert cp.state.routing_models(catalogs.current) == [
+            RoutedModel(name="b", endpoints=fake.endpoints("b") or [])
+        ]
+        # Unconfirmed by the router: the engine stays assigned and keeps serving.
+        assigned = {s.model for s in cp.state.assignment("n", catalogs.current).shards}
+        assert assigned == {"a", "b"}
+        assert fake.endpoints("a")  # the router still routes to it
+
+        fake.down = False
+        await cp.publish(force=True)  # the timer's re-push reaches it
+        assert fake.endpoints("a") is None
+        cp.release_retired(now)
+        assigned = {s.model for s in cp.state.assignment("n", catalogs.current).shards}
+        assert assigned == {"b"}
+        # Its GPU stays in use until the agent reports the engine gone.
+        assert len(cp.state.used_slots()) == 2
+        left = serving_report(cp, "n", 3, gpus)
+        cp.state.take_report(left, catalogs.current, now)
+        assert len(cp.state.used_slots()) == 1
+        await http.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_router_that_never_confirms_delays_a_stop_only_until_the_timeout() -> None:
+    fake = FakeRouter()
+    fake.down = True
+    config = ControlPlaneConfig(
+        admin_token=TOKEN,
+        settle_for=-1,
+        retire_timeout=5,
+        routers=[{"url": "http://router", "token": "t"}],
+    )
+    catalogs = keeper([{"name": "a", "engine": "sim"}])
+    http = httpx.AsyncClient(transport=httpx.MockTransport(fake.handle))
+    cp = ControlPlane(config, catalogs, http=http)
+    gpus = SimulatedGpus("1x80GB")
+
+    async def go() -> None:
+        now = 100.0
+        cp.state.take_report(report("n", gpus), catalogs.current, now)
+        cp.reconcile_once(now)
+        cp.state.take_report(serving_report(cp, "n", 2, gpus), catalogs.current, now)
+        catalogs.apply("models: []\n", "api", time.time())
+        cp.reconcile_once(now)
+        await cp.publish()
+        cp.release_retired(now + 4.9)
+        assert len(cp.state.assignment("n", catalogs.current).shards) == 1
+        cp.release_retired(now + 5)
+        assert cp.state.assignment("n", catalogs.current).shards == []
+        assert "routers unconfirmed" in next(iter(cp.state.retired.values()))[0]
+        await http.aclose()
 
     asyncio.run(go())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from modelfleet.catalog import Catalog
 from modelfleet.fleet import Gpu, Node, Replica, ShardPlacement
-from modelfleet.reconcile import plan, settling
+from modelfleet.reconcile import plan, preview, settling
 
 NOW = 100.0
 GIB = 2**30
@@ -93,3 +93,59 @@ def test_settling_window() -> None:
     assert not settling(NOW, 95, 10, ["n0", "n1"], ["n0", "n1"])  # all known nodes reported
     assert not settling(NOW, 80, 10, ["n0"], [])  # window over
     assert not settling(NOW, 99, -1, ["n0"], [])  # negative: off
+
+
+def test_changed_arguments_replace_one_replica_at_a_time() -> None:
+    """Three replicas, new arguments: never fewer than three serve, never more than four exist."""
+    c = catalog({"name": "a", "replicas": 3, "args": ["--new"]})
+    table = {f"old{i}": replica(f"old{i}", "a", "old-digest", gpu=i) for i in range(3)}
+    serving = set(table)
+    fleet = nodes(2)
+    seen_new = 0
+    for step in range(20):
+        p = plan(c, list(table.values()), serving, fleet, set(), NOW + step, 10)
+        if not p.changes:
+            break
+        assert len(p.new) <= 1
+        for stop in p.stop:
+            table.pop(stop.replica_id)
+            serving.discard(stop.replica_id)
+        for new in p.new:
+            seen_new += 1
+            rid = f"new{seen_new}"
+            table[rid] = Replica(rid, "a", new.engine_digest, new.shards, NOW + step)
+        assert len(table) <= 4
+        assert len(serving) >= 3  # the new replica has not served yet: nothing old left
+        serving = set(table)  # each new replica serves before the next pass
+    assert sorted(table) == ["new1", "new2", "new3"]
+
+
+def test_preview_runs_the_passes_a_change_takes() -> None:
+    c = catalog({"name": "a", "replicas": 2, "args": ["--new"]}, {"name": "b"})
+    table = [
+        replica("old0", "a", "old-digest", gpu=0),
+        replica("old1", "a", "old-digest", node="n1", gpu=0),
+        replica("gone", "x", "x", gpu=1),
+    ]
+    p = preview(c, table, nodes(2), set(), NOW, 10)
+    steps = [(s.step, s.action, s.replica.model, s.replica.id) for s in p.steps]
+    first = {(a, m) for step, a, m, _ in steps if step == 1}
+    assert first == {("stop", "x"), ("start", "a"), ("start", "b")}
+    assert [x for x in steps if x[1] == "stop" and x[2] == "a"] == [
+        (2, "stop", "a", "old0"),
+        (3, "stop", "a", "old1"),
+    ]
+    assert sum(1 for s in steps if s[1] == "start") == 3 and not p.pending
+    # The GPUs of a replica stopped in one pass are still held in the next.
+    freed_too_early = [
+        s
+        for s in p.steps
+        if s.action == "start" and s.step == 2 and s.replica.gpu_slots() & {("n0", 1)}
+    ]
+    assert freed_too_early == []
+
+
+def test_preview_shows_what_stays_pending() -> None:
+    c = catalog({"name": "huge", "gpus_per_shard": 8})
+    p = preview(c, [], nodes(2), set(), NOW, 10)
+    assert p.steps == () and p.pending[0].model == "huge"

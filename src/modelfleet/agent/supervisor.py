@@ -89,6 +89,7 @@ class Shard:
         self.argv: list[str] = []
         self.started_at = 0.0
         self.restarts = 0
+        self.startup_s: float | None = None
         self.task: asyncio.Task[None] | None = None
 
     def report(self) -> ShardReport:
@@ -105,6 +106,7 @@ class Shard:
             port=self.port,
             pid=self.proc.pid if self.proc else None,
             restarts=self.restarts,
+            startup_s=self.startup_s,
             error=self.error,
             log_tail=log_tail(self.log_path) if failed else [],
         )
@@ -164,12 +166,14 @@ class Shard:
                 self._set(ShardState.FAILED, f"cannot start {launch.argv[0]}: {exc.strerror}")
                 return None
         self.started_at = time.time()
+        self.startup_s = None
         self._changed()
         log.info(
             "shard %s: started pid %d on port %d", self.assignment.key, self.proc.pid, self.port
         )
 
-        deadline = time.monotonic() + self.assignment.startup_timeout
+        began = time.monotonic()
+        deadline = began + self.assignment.startup_timeout
         url = f"http://{host}:{self.port}{self.driver.health_path}"
         ready_since: float | None = None
         while True:
@@ -186,6 +190,7 @@ class Shard:
                 return None
             if ready_since is None and await self._probe(url):
                 ready_since = time.monotonic()
+                self.startup_s = round(ready_since - began, 3)
                 self._set(ShardState.READY)
             await asyncio.sleep(self.settings.probe_interval if ready_since is None else 0.5)
 

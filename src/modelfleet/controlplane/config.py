@@ -16,8 +16,11 @@ class RouterTarget(BaseModel):
 
 
 class ControlPlaneConfig(BaseModel):
+    """Relative paths (`catalog`, `state_dir`) are read from the config file's folder."""
+
     model_config = ConfigDict(extra="forbid")
-    catalog: Path  # the catalog file; a relative path is read from the config file's folder
+    catalog: Path | None = None  # the watched catalog file; None: the catalog comes by API only
+    state_dir: Path = Path("control-plane-state")  # holds the store, store.sqlite
     host: str = "127.0.0.1"
     agent_port: int = Field(default=7070, ge=0, le=65535)
     admin_port: int = Field(default=7071, ge=0, le=65535)
@@ -29,7 +32,21 @@ class ControlPlaneConfig(BaseModel):
     reconcile_interval: float = Field(default=1.0, gt=0)
     node_stale_after: float = Field(default=10.0, gt=0)
     push_interval: float = Field(default=10.0, gt=0)
+    catalog_poll_interval: float = Field(default=0.25, gt=0)
+    # How long a replica taken out of service waits for every router to confirm a routing table
+    # without it before its engine is stopped anyway.
+    retire_timeout: float = Field(default=10.0, ge=0)
     max_report_bytes: int = Field(default=1 << 20, gt=0)
+    max_catalog_bytes: int = Field(default=1 << 20, gt=0)
+
+    def resolve(self, folder: Path) -> ControlPlaneConfig:
+        """This config with its relative paths made relative to `folder`."""
+        catalog = self.catalog
+        if catalog is not None and not catalog.is_absolute():
+            catalog = folder / catalog
+        state_dir = self.state_dir if self.state_dir.is_absolute() else folder / self.state_dir
+        return self.model_copy(update={"catalog": catalog, "state_dir": state_dir})
 
 
 DEFAULT_SETTLE_FOR_S = 10.0
+STORE_FILE = "store.sqlite"

@@ -1,11 +1,13 @@
 """The control plane: the agent API, the admin API, the reconcile loop and the publisher.
 
-A thin shell around `FleetState` and the pure planner. Two listeners on their own ports: the
-agent API (`POST /v1/report`, agent token) and the admin API (nodes, replicas, catalog;
-admin token). The reconcile loop runs every `reconcile_interval` seconds and at once after a
-report that changed something; each pass that changes the routing table pushes one whole
-snapshot to every router, and the current one is re-pushed every `push_interval` seconds so a
-router that restarted or missed a push heals.
+A thin shell around `FleetState`, the `CatalogKeeper` and the pure planner. Two listeners on
+their own ports: the agent API (`POST /v1/report`, agent token) and the admin API (nodes,
+replicas, explain, catalog; admin token). The reconcile loop runs every `reconcile_interval`
+seconds and at once after a report or a catalog swap that changed something. Each pass that
+changes the routing table pushes one whole snapshot to every router, and the current one is
+re-pushed every `push_interval` seconds so a router that restarted or missed a push heals.
+A replica taken out of service is stopped only after every router has confirmed a table
+without it.
 """
 
 from __future__ import annotations
@@ -25,34 +27,66 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from modelfleet.catalog import Catalog
-from modelfleet.controlplane.config import DEFAULT_SETTLE_FOR_S, ControlPlaneConfig
+from modelfleet.catalog import Catalog, CatalogInvalid
+from modelfleet.controlplane.catalogs import API_SOURCE, CatalogKeeper
+from modelfleet.controlplane.config import DEFAULT_SETTLE_FOR_S, STORE_FILE, ControlPlaneConfig
 from modelfleet.controlplane.state import FleetState, StaleReport, snapshot
+from modelfleet.fleet import Replica
 from modelfleet.openai_api import json_response
 from modelfleet.placement import Unplaceable, describe_need
-from modelfleet.reconcile import plan, settling
+from modelfleet.reconcile import Preview, plan, preview, settling
 from modelfleet.serving import Listener, run_service
+from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import AgentReport, RoutedModel
 
 log = logging.getLogger("modelfleet.controlplane")
 
 
-def _error(status: int, message: str) -> Response:
-    return json_response({"error": message}, status)
+def _error(status: int, message: str, **extra: Any) -> Response:
+    return json_response({"error": message, **extra}, status)
+
+
+def _replica_json(replica: Replica) -> dict[str, Any]:
+    return {
+        "id": replica.id,
+        "model": replica.model,
+        "shards": [{"node": s.node, "gpus": list(s.gpus)} for s in replica.shards],
+    }
+
+
+def preview_json(p: Preview) -> dict[str, Any]:
+    """A catalog preview as the admin API answers it."""
+    return {
+        "steps": [
+            {"step": s.step, "action": s.action, **_replica_json(s.replica), "reason": s.reason}
+            for s in p.steps
+        ],
+        "pending": [
+            {"model": x.model, "count": x.count, "reason": x.explanation.summary} for x in p.pending
+        ],
+    }
 
 
 class ControlPlane:
-    """The control plane's services around one `FleetState`."""
+    """The control plane's services around one `FleetState` and one `CatalogKeeper`."""
 
-    def __init__(self, config: ControlPlaneConfig, catalog: Catalog) -> None:
+    def __init__(
+        self,
+        config: ControlPlaneConfig,
+        catalogs: CatalogKeeper,
+        http: httpx.AsyncClient | None = None,  # how it reaches routers; tests pass a mock
+    ) -> None:
         self.config = config
-        self.state = FleetState(catalog, stale_after=config.node_stale_after)
+        self.catalogs = catalogs
+        self.state = FleetState(stale_after=config.node_stale_after)
         self.started_at = time.monotonic()
         self.settle_for = config.settle_for or DEFAULT_SETTLE_FOR_S
         self._wake = asyncio.Event()
-        self._published: list[RoutedModel] | None = None
+        self._published: tuple[int, list[RoutedModel]] | None = None
         self._routing_version = 0
-        self._http = httpx.AsyncClient(timeout=5)
+        self._acked: dict[str, int] = {}  # router url -> newest routing version it holds
+        self._http = http or httpx.AsyncClient(timeout=5)
+        self._file_error = ""
 
     # -- agent API -----------------------------------------------------------------------
 
@@ -69,13 +103,14 @@ class ControlPlane:
             report = AgentReport.model_validate_json(body)
         except ValidationError as exc:
             return _error(400, f"malformed report: {exc.error_count()} problem(s): {exc}")
+        catalog = self.catalogs.current
         try:
-            changed = self.state.take_report(report, time.monotonic())
+            changed = self.state.take_report(report, catalog, time.monotonic())
         except StaleReport as exc:
             return _error(409, str(exc))
         if changed:
             self._wake.set()
-        assignment = self.state.assignment(report.node)
+        assignment = self.state.assignment(report.node, catalog)
         return Response(assignment.model_dump_json(), media_type="application/json")
 
     # -- admin API -----------------------------------------------------------------------
@@ -131,15 +166,16 @@ class ControlPlane:
         if not self._admin_ok(request):
             return _error(401, "missing or wrong admin token")
         model = request.path_params["model"]
-        answer = self.state.explain(model, time.monotonic())
-        if answer is None:
-            known = ", ".join(m.name for m in self.state.catalog.models) or "none"
+        catalog = self.catalogs.current
+        answer = self.state.explain(catalog, model, time.monotonic())
+        spec = catalog.get(model)
+        if answer is None or spec is None:
+            known = ", ".join(m.name for m in catalog.models) or "none"
             return _error(404, f"model {model!r} is not in the current catalog (models: {known})")
-        spec = self.state.catalog.get(model)
         pending = self.state.pending_for(model)
         data: dict[str, Any] = {
             "model": model,
-            "needs": describe_need(spec) if spec else "",
+            "needs": describe_need(spec),
             "pending": pending.count if pending else 0,
             "pending_reason": pending.explanation.summary if pending else "",
         }
@@ -153,10 +189,11 @@ class ControlPlane:
         return json_response(data)
 
     def replicas_json(self) -> dict[str, Any]:
+        catalog = self.catalogs.current
         replicas = [asdict(v) for v in self.state.replica_views()]
         pending = []
         for p in self.state.pending:
-            spec = self.state.catalog.get(p.model)
+            spec = catalog.get(p.model)
             pending.append(
                 {
                     "model": p.model,
@@ -169,12 +206,96 @@ class ControlPlane:
         return {"replicas": replicas, "pending": pending}
 
     def catalog_json(self) -> dict[str, Any]:
-        c = self.state.catalog
-        return {"version": c.version, "digest": c.digest, **c.to_dict()}
+        current = self.catalogs.current_info
+        c = current.catalog
+        rejected = self.catalogs.last_rejection()
+        return {
+            "version": c.version,
+            "digest": c.digest,
+            "applied_at": current.applied_at,
+            "source": current.source,
+            **c.to_dict(),
+            "last_rejection": asdict(rejected) if rejected else None,
+        }
+
+    async def catalog_history(self, request: Request) -> Response:
+        if not self._admin_ok(request):
+            return _error(401, "missing or wrong admin token")
+        raw = request.query_params.get("limit", "20")
+        if not raw.isdigit() or int(raw) < 1:
+            return _error(400, f"limit must be a positive integer, got {raw!r}")
+        versions = [
+            {
+                "version": v.version,
+                "digest": v.digest,
+                "applied_at": v.applied_at,
+                "source": v.source,
+                "models": [m["name"] for m in v.body["models"]],
+            }
+            for v in self.catalogs.history(int(raw))
+        ]
+        return json_response({"versions": versions})
+
+    async def put_catalog(self, request: Request) -> Response:
+        """Apply the catalog in the body (YAML or JSON), or with `?dry_run=true` only say what
+        applying it would do. An invalid catalog changes nothing and gets 422 with every problem.
+        """
+        if not self._admin_ok(request):
+            return _error(401, "missing or wrong admin token")
+        body = await request.body()
+        if len(body) > self.config.max_catalog_bytes:
+            limit = self.config.max_catalog_bytes
+            return _error(413, f"catalog of {len(body)} bytes exceeds {limit}")
+        dry_run = request.query_params.get("dry_run", "").lower() in ("1", "true", "yes")
+        text = body.decode(errors="replace")
+        if dry_run:
+            current = self.catalogs.current
+            try:
+                candidate = self.catalogs.validate(text, API_SOURCE)
+            except CatalogInvalid as exc:
+                return self._invalid(exc)
+            changed = candidate.digest != current.digest
+            steps = preview_json(self._preview(candidate))
+            return json_response(
+                {"dry_run": True, "changed": changed, "version": current.version, **steps}
+            )
+        try:
+            applied = self.catalogs.apply(text, API_SOURCE, time.time())
+        except CatalogInvalid as exc:
+            return self._invalid(exc)
+        if applied.changed:
+            self._wake.set()
+        # No pass has run since the swap (nothing awaited), so this is what the next ones do.
+        steps = preview_json(self._preview(applied.catalog))
+        return json_response(
+            {
+                "dry_run": False,
+                "changed": applied.changed,
+                "version": applied.catalog.version,
+                "previous_version": applied.previous.version,
+                "digest": applied.catalog.digest,
+                **steps,
+            }
+        )
+
+    def _invalid(self, exc: CatalogInvalid) -> Response:
+        problems = [asdict(p) for p in exc.problems]
+        message = f"the catalog is invalid ({len(problems)} problem(s)); nothing was changed"
+        return _error(422, message, problems=problems)
+
+    def _preview(self, catalog: Catalog) -> Preview:
+        s = self.state
+        now = time.monotonic()
+        return preview(catalog, s.planned(), s.node_list(), s.busy_slots(), now, s.stale_after)
 
     def routing_json(self) -> dict[str, Any]:
-        models = self._published or []
-        return {"version": self._routing_version, "models": [m.model_dump() for m in models]}
+        catalog_version, models = self._published or (0, [])
+        return {
+            "version": self._routing_version,
+            "catalog_version": catalog_version,
+            "models": [m.model_dump() for m in models],
+            "routers": dict(self._acked),
+        }
 
     # -- reconcile and publish -----------------------------------------------------------
 
@@ -192,40 +313,46 @@ class ControlPlane:
         if self.settling(now):
             return
         s = self.state
+        catalog = self.catalogs.current
         decided = plan(
-            s.catalog,
-            [r.replica for r in s.replicas.values()],
-            s.serving(),
-            s.node_list(),
-            s.busy_slots(),
-            now,
-            s.stale_after,
+            catalog, s.planned(), s.serving(), s.node_list(), s.busy_slots(), now, s.stale_after
         )
         for stop in decided.stop:
-            log.info("stopping replica %s: %s", stop.replica_id, stop.reason)
-        for replica in s.apply(decided, now):
+            log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
+        for replica in s.apply(decided, catalog, now, self.config.retire_timeout):
             where = ", ".join(f"{p.node}{list(p.gpus)}" for p in replica.shards)
             log.info("placed %s (%s) on %s", replica.id, replica.model, where)
         for p in decided.pending:
             log.info("%d replica(s) of %s pending: %s", p.count, p.model, p.explanation.summary)
+
+    def release_retired(self, now: float) -> None:
+        """Let go of the retiring replicas every router has stopped routing to."""
+        routers = self.config.routers
+        routed = min((self._acked.get(r.url, -1) for r in routers), default=self._routing_version)
+        for rid, why in self.state.release(routed, now):
+            log.info("replica %s is out of every routing table; stopping it (%s)", rid, why)
 
     async def reconcile_loop(self) -> None:
         while True:
             self._wake.clear()
             self.reconcile_once(time.monotonic())
             await self.publish()
+            self.release_retired(time.monotonic())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval)
 
     async def publish(self, force: bool = False) -> None:
         """Push the routing table to every router when it changed (or when forced)."""
-        models = self.state.routing_models()
-        if models != self._published:
-            self._published = models
+        catalog = self.catalogs.current
+        published = (catalog.version, self.state.routing_models(catalog))
+        if published != self._published:
+            self._published = published
             self._routing_version = max(self._routing_version + 1, int(time.time() * 1000))
         elif not force:
+            self.state.mark_unrouted(self._routing_version)
             return
-        snap = snapshot(models, self._routing_version, self.state.catalog.version)
+        self.state.mark_unrouted(self._routing_version)
+        snap = snapshot(published[1], self._routing_version, catalog.version)
         body = snap.model_dump_json()
         await asyncio.gather(*(self._push(r.url, r.token, body) for r in self.config.routers))
 
@@ -241,14 +368,37 @@ class ControlPlane:
             return
         if response.status_code not in (200, 409):
             log.warning("router %s refused the push: %s", url, response.text[:200])
+            return
+        try:
+            held = int(response.json()["version"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("router %s answered the push with no version", url)
+            return
+        self._acked[url] = max(held, self._acked.get(url, -1))
 
     async def push_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.push_interval)
             await self.publish(force=True)
 
+    async def catalog_loop(self) -> None:
+        """Apply the catalog file whenever its content changes."""
+        while True:
+            await asyncio.sleep(self.config.catalog_poll_interval)
+            try:
+                applied = self.catalogs.check_file(time.time())
+                self._file_error = ""
+            except OSError as exc:
+                if str(exc) != self._file_error:  # once per distinct error, not every poll
+                    self._file_error = str(exc)
+                    log.warning("cannot read the catalog file: %s; the current one stays", exc)
+                continue
+            if applied is not None and applied.changed:
+                self._wake.set()
+
     async def close(self) -> None:
         await self._http.aclose()
+        self.catalogs.store.close()
 
 
 def create_apps(cp: ControlPlane) -> tuple[Starlette, Starlette]:
@@ -258,29 +408,40 @@ def create_apps(cp: ControlPlane) -> tuple[Starlette, Starlette]:
     admin = Starlette(
         routes=[
             *(Route(p, cp.admin) for p in admin_paths),
+            Route("/v1/catalog", cp.put_catalog, methods=["PUT"]),
+            Route("/v1/catalog/history", cp.catalog_history),
             Route("/v1/explain/{model:path}", cp.explain),
         ]
     )
     return agent, admin
 
 
-def load_catalog(path: Path) -> Catalog:
-    """Read and validate a catalog file; raises CatalogInvalid or OSError."""
-    return Catalog.from_yaml(path.read_text(), source=str(path))
+def open_catalogs(config: ControlPlaneConfig) -> CatalogKeeper:
+    """The store in the state dir and the catalog to start from (see `CatalogKeeper.start`).
+
+    Raises CatalogInvalid, StoreError or OSError when there is no catalog to start from.
+    """
+    store = SqliteStore(config.state_dir / STORE_FILE)
+    keeper = CatalogKeeper(store, config.catalog)
+    keeper.start(time.time())
+    return keeper
 
 
-async def serve(config: ControlPlaneConfig, catalog: Catalog, ready_file: Path | None) -> None:
+async def serve(
+    config: ControlPlaneConfig, catalogs: CatalogKeeper, ready_file: Path | None
+) -> None:
     """Run the control plane until SIGINT/SIGTERM. Engines and agents keep running."""
-    cp = ControlPlane(config, catalog)
+    cp = ControlPlane(config, catalogs)
     agent_app, admin_app = create_apps(cp)
     listeners = [
         Listener("agent", agent_app, config.host, config.agent_port),
         Listener("admin", admin_app, config.host, config.admin_port),
     ]
+    catalog = catalogs.current
     total = sum(m.replicas for m in catalog.models)
     log.info(
-        "catalog %s: %d model(s), %d replica(s); settling up to %.0fs",
-        catalog.digest,
+        "catalog version %d: %d model(s), %d replica(s); settling up to %.0fs",
+        catalog.version,
         len(catalog.models),
         total,
         cp.settle_for,
@@ -288,6 +449,6 @@ async def serve(config: ControlPlaneConfig, catalog: Catalog, ready_file: Path |
     await run_service(
         listeners,
         ready_file=ready_file,
-        loops=[cp.reconcile_loop, cp.push_loop],
+        loops=[cp.reconcile_loop, cp.push_loop, cp.catalog_loop],
         on_stop=cp.close,
     )

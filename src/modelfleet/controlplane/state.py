@@ -59,11 +59,20 @@ class NodeRecord:
 
 @dataclass
 class ReplicaRecord:
-    """A replica in the table, with the model spec it was started from."""
+    """A replica in the table, with the model spec it was started from.
+
+    A replica being taken out of service is `retiring` (why) until the routers have confirmed a
+    routing table without it (`unrouted_in` is the first routing version that left it out), or
+    `retire_by` has passed; only then is it dropped from its nodes' assignments, so its agent
+    stops the engine, which finishes the requests already in flight.
+    """
 
     replica: Replica
     spec: ModelSpec | None  # None for an adopted replica whose spec is no longer current
     adopted: bool = False
+    retiring: str = ""
+    unrouted_in: int | None = None
+    retire_by: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,7 @@ class ShardView:
     port: int | None
     pid: int | None
     restarts: int
+    startup_s: float | None
     error: str
     log_tail: tuple[str, ...]
 
@@ -85,25 +95,27 @@ class ReplicaView:
 
     id: str
     model: str
-    state: str  # ready | starting | failed | assigned
+    state: str  # ready | starting | failed | assigned | retiring
     endpoint: str | None
     shards: tuple[ShardView, ...]
+    reason: str = ""  # why it is retiring
 
 
 @dataclass
 class FleetState:
     """The control plane's memory of the fleet."""
 
-    catalog: Catalog
     stale_after: float = 10.0
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     replicas: dict[str, ReplicaRecord] = field(default_factory=dict)
     pending: tuple[Pending, ...] = ()
-    retired: dict[str, str] = field(default_factory=dict)  # replica id -> why it was stopped
+    # replica id -> (why it was stopped, when it was released): an agent that still reports one
+    # is stopping it, and it must not be adopted back
+    retired: dict[str, tuple[str, float]] = field(default_factory=dict)
 
     # -- actual state --------------------------------------------------------------------
 
-    def take_report(self, report: AgentReport, now: float) -> bool:
+    def take_report(self, report: AgentReport, catalog: Catalog, now: float) -> bool:
         """Record a node's report. Returns whether anything the planner looks at changed."""
         before = self.nodes.get(report.node)
         if before and before.report.boot_id == report.boot_id and report.seq <= before.report.seq:
@@ -112,7 +124,7 @@ class FleetState:
             )
         mark = before.mark if before else Mark.NONE
         self.nodes[report.node] = NodeRecord(report, now, mark)
-        adopted = self._adopt(report, now)
+        adopted = self._adopt(report, catalog, now)
         if before is None or adopted:
             return True
         old, new = before.report, report
@@ -123,7 +135,7 @@ class FleetState:
             new.address,
         )
 
-    def _adopt(self, report: AgentReport, now: float) -> bool:
+    def _adopt(self, report: AgentReport, catalog: Catalog, now: float) -> bool:
         """Take into the table running replicas this control plane does not know of.
 
         After a restart the table is empty while engines still run: adopting them, instead of
@@ -147,7 +159,7 @@ class FleetState:
                 ShardPlacement(found[rank][0], tuple(found[rank][1].gpus))
                 for rank in range(shard.num_shards)
             )
-            spec = self.catalog.get(shard.model)
+            spec = catalog.get(shard.model)
             if spec is not None and spec.engine_digest != shard.engine_digest:
                 spec = None
             replica = Replica(rid, shard.model, shard.engine_digest, placements, now)
@@ -159,14 +171,23 @@ class FleetState:
         return [self.nodes[name].node() for name in sorted(self.nodes)]
 
     def busy_slots(self) -> set[tuple[str, int]]:
-        """GPU slots that engines outside the table still hold (e.g. ones finishing a stop)."""
-        return {
+        """GPU slots the planner may not use beyond the replicas it plans for: those of retiring
+        replicas, and those engines outside the table still hold (e.g. ones finishing a stop)."""
+        busy = {
             (name, g)
             for name, record in self.nodes.items()
             for s in record.report.shards
             if s.replica_id not in self.replicas
             for g in s.gpus
         }
+        for record in self.replicas.values():
+            if record.retiring:
+                busy |= record.replica.gpu_slots()
+        return busy
+
+    def planned(self) -> list[Replica]:
+        """The replicas the planner counts: every one in the table that is not retiring."""
+        return [r.replica for r in self.replicas.values() if not r.retiring]
 
     def shard_views(self, record: ReplicaRecord) -> tuple[ShardView, ...]:
         views = []
@@ -182,6 +203,7 @@ class FleetState:
                     port=seen.port if seen else None,
                     pid=seen.pid if seen else None,
                     restarts=seen.restarts if seen else 0,
+                    startup_s=seen.startup_s if seen else None,
                     error=seen.error if seen else "",
                     log_tail=tuple(seen.log_tail) if seen else (),
                 )
@@ -191,7 +213,9 @@ class FleetState:
     def replica_view(self, record: ReplicaRecord) -> ReplicaView:
         shards = self.shard_views(record)
         states = {s.state for s in shards}
-        if states == {ShardState.READY.value}:
+        if record.retiring:
+            state = "retiring"
+        elif states == {ShardState.READY.value}:
             state = "ready"
         elif ShardState.FAILED.value in states:
             state = "failed"
@@ -204,43 +228,80 @@ class FleetState:
             leader = self.nodes[shards[0].node].report.address
             endpoint = f"http://{leader}:{shards[0].port}"
         r = record.replica
-        return ReplicaView(r.id, r.model, state, endpoint, shards)
+        return ReplicaView(r.id, r.model, state, endpoint, shards, record.retiring)
 
     def replica_views(self) -> list[ReplicaView]:
         records = sorted(self.replicas.values(), key=lambda r: (r.replica.model, r.replica.id))
         return [self.replica_view(r) for r in records]
 
     def serving(self) -> set[str]:
+        """Ids of the replicas every shard of which reports ready (retiring ones excluded)."""
         return {v.id for v in self.replica_views() if v.state == "ready"}
 
     # -- desired state -------------------------------------------------------------------
 
-    def apply(self, plan: Plan, now: float) -> list[Replica]:
-        """Carry out a reconcile plan on the table; return the replicas it created."""
+    def apply(
+        self, plan: Plan, catalog: Catalog, now: float, retire_within: float
+    ) -> list[Replica]:
+        """Carry out a reconcile plan on the table; return the replicas it created.
+
+        A stopped replica starts retiring: it leaves the routing table at once but stays
+        assigned (its engine keeps serving what is in flight) until `release` lets it go,
+        at the latest `retire_within` seconds from now.
+        """
         for stop in plan.stop:
-            self.replicas.pop(stop.replica_id, None)
-            self.retired[stop.replica_id] = stop.reason
+            record = self.replicas.get(stop.replica_id)
+            if record is not None and not record.retiring:
+                record.retiring = stop.reason
+                record.retire_by = now + retire_within
         created = []
         for new in plan.new:
-            spec = self.catalog.get(new.model)
+            spec = catalog.get(new.model)
             replica = Replica(_new_id(new.model), new.model, new.engine_digest, new.shards, now)
             self.replicas[replica.id] = ReplicaRecord(replica, spec)
             created.append(replica)
         self.pending = plan.pending
+        # Forget a released replica once no agent reports it, and its last assignment is older
+        # than a report could be (an agent may have started it and not yet said so).
         reported = {s.replica_id for r in self.nodes.values() for s in r.report.shards}
-        for rid in list(self.retired):
-            if rid not in reported and rid not in {s.replica_id for s in plan.stop}:
+        for rid, (_, released_at) in list(self.retired.items()):
+            if rid not in reported and now - released_at > self.stale_after:
                 del self.retired[rid]
         return created
 
-    def assignment(self, node: str) -> NodeAssignment:
+    def mark_unrouted(self, version: int) -> None:
+        """Note that routing `version` is the first without each retiring replica not yet noted."""
+        for record in self.replicas.values():
+            if record.retiring and record.unrouted_in is None:
+                record.unrouted_in = version
+
+    def release(self, routed_version: int, now: float) -> list[tuple[str, str]]:
+        """Drop from the table the retiring replicas that every router has stopped routing to
+        (it holds `routed_version` or later), or whose time to retire is up.
+
+        Their nodes' next assignments leave them out, so their agents stop the engines.
+        Returns (replica id, why) for each one released.
+        """
+        released = []
+        for rid, record in list(self.replicas.items()):
+            if not record.retiring:
+                continue
+            confirmed = record.unrouted_in is not None and record.unrouted_in <= routed_version
+            if confirmed or now >= record.retire_by:
+                del self.replicas[rid]
+                why = record.retiring if confirmed else f"{record.retiring}; routers unconfirmed"
+                self.retired[rid] = (why, now)
+                released.append((rid, why))
+        return released
+
+    def assignment(self, node: str, catalog: Catalog) -> NodeAssignment:
         """The node's whole desired shard set."""
         shards: list[ShardAssignment] = []
         for record in self.replicas.values():
             r = record.replica
-            spec = record.spec or self.catalog.get(r.model)
+            spec = record.spec or catalog.get(r.model)
             if spec is None:
-                continue  # model gone: the next pass stops this replica
+                continue  # adopted, and its model is gone: nothing to start it from
             for rank, placement in enumerate(r.shards):
                 if placement.node != node:
                     continue
@@ -262,30 +323,30 @@ class FleetState:
                 )
         return NodeAssignment(node=node, shards=shards)
 
-    def routing_models(self) -> list[RoutedModel]:
-        """Every model of the current catalog with its serving endpoints.
+    def routing_models(self, catalog: Catalog) -> list[RoutedModel]:
+        """Every model of `catalog` with the endpoints of its serving replicas.
 
-        Only models of the current catalog are published: a replica of a removed model is
-        never routed to, whatever state it is in.
+        Only models of that catalog are published, and never a retiring replica: a replica of a
+        removed model is not routed to, whatever state it is in.
         """
-        endpoints: dict[str, list[str]] = {m.name: [] for m in self.catalog.models}
+        endpoints: dict[str, list[str]] = {m.name: [] for m in catalog.models}
         for view in self.replica_views():
             if view.endpoint and view.model in endpoints:
                 endpoints[view.model].append(view.endpoint)
         return [RoutedModel(name=n, endpoints=sorted(e)) for n, e in endpoints.items()]
 
-    def explain(self, model: str, now: float) -> Placed | Unplaceable | None:
+    def explain(self, catalog: Catalog, model: str, now: float) -> Placed | Unplaceable | None:
         """Where the next replica of `model` would go, or why it could go nowhere.
 
-        None when the current catalog has no such model.
+        None when `catalog` has no such model.
         """
-        spec = self.catalog.get(model)
+        spec = catalog.get(model)
         if spec is None:
             return None
         on_node: Counter[str] = Counter()
-        for record in self.replicas.values():
-            if record.replica.model == model:
-                on_node.update(s.node for s in record.replica.shards)
+        for replica in self.planned():
+            if replica.model == model:
+                on_node.update(s.node for s in replica.shards)
         return place(spec, self.node_list(), self.used_slots(), on_node, now, self.stale_after)
 
     def used_slots(self) -> set[tuple[str, int]]:

@@ -1,0 +1,55 @@
+"""The control plane's store of desired state: applied catalogs, the last rejected one, node marks.
+
+`Store` is the seam; `SqliteStore` (in `store/sqlite.py`) is the one implementation, a file in
+the control plane's state dir. Actual state (what runs where) is never stored here: it is learned
+from agents' reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class StoredCatalog:
+    """One applied catalog version, as it was applied."""
+
+    version: int
+    digest: str
+    applied_at: float  # wall-clock seconds (time.time())
+    source: str  # "api" or the path of the catalog file
+    body: dict[str, Any]  # Catalog.to_dict(): what Catalog.new reads back to an equal catalog
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A catalog that was refused: when, from where, and every problem found."""
+
+    at: float
+    source: str
+    problems: tuple[str, ...]
+
+
+class Store(Protocol):
+    """Durable desired state. Every call is a small, synchronous, committed transaction."""
+
+    def add_catalog(self, digest: str, applied_at: float, source: str, body: dict[str, Any]) -> int:
+        """Record a newly applied catalog; returns its version, one more than the last."""
+        ...
+
+    def latest_catalog(self) -> StoredCatalog | None: ...
+
+    def catalog_history(self, limit: int) -> list[StoredCatalog]:
+        """The last `limit` versions, newest first."""
+        ...
+
+    def set_rejection(self, rejection: Rejection) -> None: ...
+
+    def last_rejection(self) -> Rejection | None: ...
+
+    def get_meta(self, key: str) -> str | None: ...
+
+    def set_meta(self, key: str, value: str) -> None: ...
+
+    def close(self) -> None: ...

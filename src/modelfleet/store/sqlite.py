@@ -1,0 +1,114 @@
+"""The store as one SQLite file in the control plane's state dir."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from modelfleet.store import Rejection, StoredCatalog
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS catalogs (
+    version    INTEGER PRIMARY KEY,
+    digest     TEXT NOT NULL,
+    applied_at REAL NOT NULL,
+    source     TEXT NOT NULL,
+    body       TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+
+
+class StoreError(RuntimeError):
+    """The store could not be opened or written; the message names the file and the cause."""
+
+
+class SqliteStore:
+    """`Store` on SQLite. `path` may be ":memory:" (tests)."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+
+    def add_catalog(self, digest: str, applied_at: float, source: str, body: dict[str, Any]) -> int:
+        with self._write():
+            cursor = self._db.execute(
+                "INSERT INTO catalogs (version, digest, applied_at, source, body) "
+                "VALUES ((SELECT COALESCE(MAX(version), 0) + 1 FROM catalogs), ?, ?, ?, ?)",
+                (digest, applied_at, source, json.dumps(body, sort_keys=True)),
+            )
+            return int(cursor.lastrowid or 0)
+
+    def latest_catalog(self) -> StoredCatalog | None:
+        rows = self.catalog_history(1)
+        return rows[0] if rows else None
+
+    def catalog_history(self, limit: int) -> list[StoredCatalog]:
+        rows = self._db.execute(
+            "SELECT version, digest, applied_at, source, body FROM catalogs "
+            "ORDER BY version DESC LIMIT ?",
+            (limit,),
+        ).fetchall()
+        return [StoredCatalog(v, d, a, s, json.loads(b)) for v, d, a, s, b in rows]
+
+    def set_rejection(self, rejection: Rejection) -> None:
+        data = {"at": rejection.at, "source": rejection.source, "problems": rejection.problems}
+        self.set_meta("last_rejection", json.dumps(data))
+
+    def last_rejection(self) -> Rejection | None:
+        raw = self.get_meta("last_rejection")
+        if raw is None:
+            return None
+        data = json.loads(raw)
+        return Rejection(data["at"], data["source"], tuple(data["problems"]))
+
+    def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._write():
+            self._db.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (key, value),
+            )
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _write(self) -> _Transaction:
+        return _Transaction(self._db, self.path)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, rolled back on an error, which becomes a StoreError."""
+
+    def __init__(self, db: sqlite3.Connection, path: str) -> None:
+        self._db = db
+        self._path = path
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, _tb: Any
+    ) -> None:
+        if kind is None:
+            self._db.execute("COMMIT")
+            return
+        self._db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.Error):
+            raise StoreError(f"cannot write the store {self._path}: {exc}") from exc

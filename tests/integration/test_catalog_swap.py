@@ -1,0 +1,295 @@
+"""Catalog changes on a running fleet: eight in a row while a client keeps using model A.
+
+Real processes: router, control plane and two agents started the way `modelfleet up` starts
+them, simulated engines started by the agents. Changes go in by the watched file and by
+`modelfleet ctl catalog apply`; nothing is restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+
+A = {"name": "a", "engine": "sim", "args": ["--ttft", "0.02", "--itl", "0.005"]}
+B = {"name": "b", "engine": "sim"}
+C = {"name": "c", "engine": "sim", "args": ["--ttft", "0.02"]}
+
+
+def catalog_text(*models: dict[str, Any]) -> str:
+    return yaml.safe_dump({"models": list(models)})
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[RunningFleet]:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "catalog.yaml").write_text(catalog_text(A))
+    running = start_fleet(state, FleetOptions(report_interval=0.5, stop_grace=10))
+    try:
+        yield running
+    finally:
+        running.fleet.stop()
+
+
+@dataclass
+class SteadyClient:
+    """Threads that send requests to one model without pause, streaming every other one."""
+
+    router: str
+    key: str
+    model: str
+    workers: int = 4
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    started: float = 0.0
+    stopped: float = 0.0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        for i in range(self.workers):
+            thread = threading.Thread(target=self._run, args=(i,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        self.stopped = time.monotonic()
+
+    @property
+    def rate(self) -> float:
+        return self.ok / (self.stopped - self.started)
+
+    def _run(self, worker: int) -> None:
+        headers = {"authorization": f"Bearer {self.key}"}
+        with httpx.Client(base_url=self.router, headers=headers, timeout=30) as http:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                stream = (n + worker) % 2 == 0
+                error = self._one(http, stream)
+                with self._lock:
+                    if error:
+                        self.failures.append(f"{time.monotonic() - self.started:.2f}s: {error}")
+                    else:
+                        self.ok += 1
+
+    def _one(self, http: httpx.Client, stream: bool) -> str:
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": "steady"}],
+            "max_tokens": 3,
+            "stream": stream,
+        }
+        try:
+            if stream:
+                with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                    text = "".join(r.iter_text())
+                    if r.status_code != 200:
+                        return f"stream HTTP {r.status_code}: {text[:200]}"
+                    if (
+                        not text.rstrip().endswith("data: [DONE]")
+                        or text.count('"content": " ') != 3
+                    ):
+                        return f"stream cut short: {text[-200:]!r}"
+                return ""
+            r = http.post("/v1/chat/completions", json=body)
+            if r.status_code != 200:
+                return f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.json()["usage"]["completion_tokens"] != 3:
+                return f"wrong usage: {r.text[:200]}"
+            return ""
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+
+class Operator:
+    """What an operator does: edit the file, run `ctl`, read the admin API."""
+
+    def __init__(self, fleet: RunningFleet, tmp: Path) -> None:
+        self.fleet = fleet
+        self.tmp = tmp
+        self.admin = httpx.Client(
+            base_url=fleet.admin_url,
+            headers={"authorization": f"Bearer {fleet.admin_token}"},
+            timeout=10,
+        )
+        self.client = httpx.Client(
+            base_url=fleet.router_url,
+            headers={"authorization": f"Bearer {fleet.api_key}"},
+            timeout=10,
+        )
+
+    def write_file(self, *models: dict[str, Any]) -> float:
+        """Replace the watched catalog file the way an editor does; returns when."""
+        tmp = self.fleet.catalog_file.with_suffix(".tmp")
+        tmp.write_text(catalog_text(*models))
+        os.replace(tmp, self.fleet.catalog_file)
+        return time.monotonic()
+
+    def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        target = ["--admin", self.fleet.admin_url, "--token", self.fleet.admin_token]
+        return subprocess.run(
+            [sys.executable, "-m", "modelfleet", "ctl", *args, *target],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    def apply(self, *models: dict[str, Any]) -> tuple[float, subprocess.CompletedProcess[str]]:
+        path = self.tmp / f"apply-{time.monotonic_ns()}.yaml"
+        path.write_text(catalog_text(*models))
+        began = time.monotonic()
+        return began, self.ctl("catalog", "apply", str(path))
+
+    def get(self, path: str) -> dict[str, Any]:
+        r = self.admin.get(path)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def replicas(self, model: str) -> list[dict[str, Any]]:
+        return [r for r in self.get("/v1/replicas")["replicas"] if r["model"] == model]
+
+    def serves(self, model: str) -> bool:
+        body = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+        return self.client.post("/v1/chat/completions", json=body).status_code == 200
+
+    def routed(self, model: str) -> list[str] | None:
+        models = self.get("/v1/routing")["models"]
+        return next((m["endpoints"] for m in models if m["name"] == model), None)
+
+    def used_gpus(self) -> set[tuple[str, int]]:
+        nodes = self.get("/v1/nodes")["nodes"]
+        return {(n["name"], g["index"]) for n in nodes for g in n["gpus"] if g["in_use"]}
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def assert_serves_in_time(op: Operator, model: str, began: float, count: int = 1) -> None:
+    """`model` serves through the router within its engines' start time plus 2 s."""
+    wait_for(f"{model} to serve", lambda: op.serves(model))
+    took = time.monotonic() - began
+    ready = wait_for(
+        f"{count} ready replica(s) of {model}",
+        lambda: [r for r in op.replicas(model) if r["state"] == "ready"][:count] or None,
+    )
+    startup = max(s["startup_s"] for r in ready for s in r["shards"])
+    print(f"{model}: served {took:.2f}s after the change; its engine took {startup:.2f}s to start")
+    assert took <= startup + 2.0, f"{model} served {took:.2f}s after the change (start {startup})"
+
+
+def gpus_of(replicas: list[dict[str, Any]]) -> set[tuple[str, int]]:
+    return {(s["node"], g) for r in replicas for s in r["shards"] for g in s["gpus"]}
+
+
+def test_eight_catalog_changes_while_a_client_uses_model_a(
+    fleet: RunningFleet, tmp_path: Path
+) -> None:
+    op = Operator(fleet, tmp_path)
+    wait_for("a to serve", lambda: op.serves("a"))
+    client = SteadyClient(fleet.router_url, fleet.api_key, "a")
+    client.start()
+    try:
+        time.sleep(1)
+
+        # 1. add B (file)
+        began = op.write_file(A, B)
+        assert_serves_in_time(op, "b", began)
+
+        # 2. scale B to 2 (ctl)
+        _, done = op.apply(A, {**B, "replicas": 2})
+        assert done.returncode == 0, done.stderr
+        assert "applied: catalog version" in done.stdout and "start" in done.stdout
+        wait_for("two endpoints of b", lambda: len(op.routed("b") or []) == 2)
+
+        # 3. add C (file)
+        began = op.write_file(A, {**B, "replicas": 2}, C)
+        assert_serves_in_time(op, "c", began)
+        [old_c] = op.replicas("c")
+
+        # 4. change C's engine arguments (ctl): replaced make-before-break
+        c2 = {**C, "args": ["--ttft", "0.03"]}
+        _, done = op.apply(A, {**B, "replicas": 2}, c2)
+        assert done.returncode == 0, done.stderr
+
+        def replaced() -> bool:
+            reps = op.replicas("c")
+            return [r["id"] for r in reps] != [old_c["id"]] and len(reps) == 1
+
+        wait_for("c replaced", replaced)
+        assert op.serves("c")
+
+        # 5. remove B (file): out of the router, then stopped, its GPUs free
+        b_gpus = gpus_of(op.replicas("b"))
+        assert len(b_gpus) == 2
+        op.write_file(A, c2)
+        wait_for("b out of the routing table", lambda: op.routed("b") is None)
+        wait_for("b's GPUs free", lambda: not (op.used_gpus() & b_gpus))
+        shown = json.loads(op.ctl("nodes", "-o", "json").stdout)["nodes"]
+        in_use = {(n["name"], g["index"]) for n in shown for g in n["gpus"] if g["in_use"]}
+        assert not (in_use & b_gpus)
+        assert "b" not in op.ctl("replicas").stdout.split()
+
+        # 6. an invalid catalog, by ctl and by the file: nothing changes
+        before = op.get("/v1/catalog")
+        replicas_before = sorted(r["id"] for r in op.get("/v1/replicas")["replicas"])
+        _, done = op.apply(A, {"name": "d", "engine": "vlm", "replica": 2})
+        assert done.returncode == 1
+        assert "unknown engine 'vlm'" in done.stderr and "did you mean 'replicas'" in done.stderr
+        bad = fleet.catalog_file.read_text().replace("engine: sim", "engine: simm", 1)
+        fleet.catalog_file.write_text(bad)
+        show = wait_for(
+            "the file's rejection",
+            lambda: (s := op.ctl("catalog", "show")).stdout.count("simm") and s,
+        )
+        assert "last rejected attempt" in show.stdout and str(fleet.catalog_file) in show.stdout
+        after = op.get("/v1/catalog")
+        assert (after["version"], after["digest"]) == (before["version"], before["digest"])
+        assert sorted(r["id"] for r in op.get("/v1/replicas")["replicas"]) == replicas_before
+
+        # 7. remove C (ctl)
+        c_gpus = gpus_of(op.replicas("c"))
+        _, done = op.apply(A)
+        assert done.returncode == 0, done.stderr
+        wait_for("c's GPUs free", lambda: not (op.used_gpus() & c_gpus))
+        assert op.routed("c") is None
+
+        # 8. add B again (file)
+        began = op.write_file(A, B)
+        assert_serves_in_time(op, "b", began)
+        time.sleep(1)
+    finally:
+        client.stop()
+
+    print(f"model a: {client.ok} requests, {client.rate:.1f}/s, failures: {client.failures}")
+    assert client.failures == []
+    assert client.rate >= 20, f"only {client.rate:.1f} requests/s reached model a"
+    history = json.loads(op.ctl("catalog", "history", "-o", "json").stdout)["versions"]
+    assert [v["version"] for v in history][:1] == [8]  # 1 + seven valid changes
+    assert [m for m in history[0]["models"]] == ["a", "b"]

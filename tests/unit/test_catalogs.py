@@ -1,0 +1,124 @@
+"""The catalog keeper: atomic swap, versions, persistence, the watched file, rejections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from modelfleet.catalog import CatalogInvalid
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.store.sqlite import SqliteStore
+
+ONE = "models:\n  - name: a\n    engine: sim\n"
+TWO = ONE + "  - name: b\n    engine: sim\n    replicas: 2\n"
+BAD = "models:\n  - name: a\n    engine: vlm\n  - name: c\n    engine: sim\n    replica: 2\n"
+
+
+def keeper(tmp_path: Path, file: Path | None = None) -> CatalogKeeper:
+    k = CatalogKeeper(SqliteStore(tmp_path / "store.sqlite"), file)
+    k.start(now=1.0)
+    return k
+
+
+def test_versions_grow_by_one_and_an_identical_catalog_is_no_new_version(tmp_path: Path) -> None:
+    k = keeper(tmp_path)
+    assert k.current.version == 1 and k.current.models == ()
+    first = k.apply(ONE, "api", 2.0)
+    assert first.changed and first.catalog.version == 2 and first.previous.version == 1
+    again = k.apply(ONE, "api", 3.0)
+    assert not again.changed and again.catalog is first.catalog
+    second = k.apply(TWO, "api", 4.0)
+    assert second.catalog.version == 3 and [m.name for m in second.catalog.models] == ["a", "b"]
+    history = k.history(10)
+    assert [v.version for v in history] == [3, 2, 1]
+    assert [v.applied_at for v in history] == [4.0, 2.0, 1.0]
+    assert history[0].digest == second.catalog.digest
+
+
+def test_a_reader_keeps_the_catalog_it_took_across_a_swap(tmp_path: Path) -> None:
+    k = keeper(tmp_path)
+    k.apply(ONE, "api", 2.0)
+    taken = k.current
+    k.apply(TWO, "api", 3.0)
+    assert [m.name for m in taken.models] == ["a"]  # what the reader took is unchanged
+    assert [m.name for m in k.current.models] == ["a", "b"]
+
+
+def test_an_invalid_catalog_changes_nothing_and_is_recorded(tmp_path: Path) -> None:
+    k = keeper(tmp_path)
+    k.apply(ONE, "api", 2.0)
+    before = k.current
+    with pytest.raises(CatalogInvalid) as info:
+        k.apply(BAD, "api", 3.0)
+    assert len(info.value.problems) == 2
+    assert k.current is before
+    rejected = k.last_rejection()
+    assert rejected is not None and rejected.at == 3.0 and rejected.source == "api"
+    assert any("unknown engine 'vlm'" in p for p in rejected.problems)
+    assert any("did you mean 'replicas'" in p for p in rejected.problems)
+    assert [v.version for v in k.history(10)] == [2, 1]
+
+
+def test_a_restart_starts_from_the_last_applied_catalog(tmp_path: Path) -> None:
+    k = keeper(tmp_path)
+    k.apply(TWO, "api", 2.0)
+    digest = k.current.digest
+    k.store.close()
+    restarted = keeper(tmp_path)
+    assert restarted.current.version == 2 and restarted.current.digest == digest
+    assert restarted.current_info.source == "api"
+    assert restarted.apply(ONE, "api", 3.0).catalog.version == 3  # versions go on growing
+
+
+def test_the_file_is_applied_when_its_content_changes(tmp_path: Path) -> None:
+    file = tmp_path / "catalog.yaml"
+    file.write_text(ONE)
+    k = keeper(tmp_path, file)
+    assert k.current.version == 1 and k.current_info.source == str(file)
+    assert k.check_file(2.0) is None  # unchanged
+    file.write_text(TWO)
+    applied = k.check_file(3.0)
+    assert applied is not None and applied.changed and applied.catalog.version == 2
+
+    file.write_text(BAD)
+    assert k.check_file(4.0) is None
+    assert k.current.version == 2
+    rejected = k.last_rejection()
+    assert rejected is not None and rejected.source == str(file) and len(rejected.problems) == 2
+
+    # An API apply stands until the file changes again; re-reading the same text does not undo it.
+    k.apply(ONE, "api", 5.0)
+    file.write_text(BAD)  # same content as before, new mtime
+    assert k.check_file(6.0) is None and k.current_info.source == "api"
+    file.write_text(TWO)
+    assert k.check_file(7.0) is not None and k.current_info.source == str(file)
+
+
+def test_start_prefers_the_store_unless_the_file_changed_meanwhile(tmp_path: Path) -> None:
+    file = tmp_path / "catalog.yaml"
+    file.write_text(ONE)
+    k = keeper(tmp_path, file)
+    k.apply(TWO, "api", 2.0)
+    k.store.close()
+    # The file did not change while the control plane was down: the API's catalog stands.
+    k = keeper(tmp_path, file)
+    assert k.current.version == 2 and k.current_info.source == "api"
+    k.store.close()
+    # It did change: the file wins; an invalid file leaves the stored catalog current.
+    file.write_text(BAD)
+    k = keeper(tmp_path, file)
+    assert k.current.version == 2 and k.last_rejection() is not None
+    k.store.close()
+    file.write_text(ONE + "  - name: z\n    engine: sim\n")
+    k = keeper(tmp_path, file)
+    assert k.current.version == 3 and [m.name for m in k.current.models] == ["a", "z"]
+
+
+def test_a_first_start_needs_a_valid_file(tmp_path: Path) -> None:
+    file = tmp_path / "catalog.yaml"
+    file.write_text(BAD)
+    with pytest.raises(CatalogInvalid):
+        keeper(tmp_path, file)
+    with pytest.raises(OSError):
+        keeper(tmp_path / "other", tmp_path / "missing.yaml")
