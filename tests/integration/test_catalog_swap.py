@@ -11,10 +11,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ import httpx
 import pytest
 import yaml
 
+from modelfleet.loadgen import SteadyClient
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
 A = {"name": "a", "engine": "sim", "args": ["--ttft", "0.02", "--itl", "0.005"]}
@@ -43,82 +42,6 @@ def fleet(tmp_path: Path) -> Iterator[RunningFleet]:
         yield running
     finally:
         running.fleet.stop()
-
-
-@dataclass
-class SteadyClient:
-    """Threads that send requests to one model without pause, streaming every other one."""
-
-    router: str
-    key: str
-    model: str
-    workers: int = 4
-    ok: int = 0
-    failures: list[str] = field(default_factory=list)
-    started: float = 0.0
-    stopped: float = 0.0
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def start(self) -> None:
-        self.started = time.monotonic()
-        for i in range(self.workers):
-            thread = threading.Thread(target=self._run, args=(i,), daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=30)
-        self.stopped = time.monotonic()
-
-    @property
-    def rate(self) -> float:
-        return self.ok / (self.stopped - self.started)
-
-    def _run(self, worker: int) -> None:
-        headers = {"authorization": f"Bearer {self.key}"}
-        with httpx.Client(base_url=self.router, headers=headers, timeout=30) as http:
-            n = 0
-            while not self._stop.is_set():
-                n += 1
-                stream = (n + worker) % 2 == 0
-                error = self._one(http, stream)
-                with self._lock:
-                    if error:
-                        self.failures.append(f"{time.monotonic() - self.started:.2f}s: {error}")
-                    else:
-                        self.ok += 1
-
-    def _one(self, http: httpx.Client, stream: bool) -> str:
-        body = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": "steady"}],
-            "max_tokens": 3,
-            "stream": stream,
-        }
-        try:
-            if stream:
-                with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                    text = "".join(r.iter_text())
-                    if r.status_code != 200:
-                        return f"stream HTTP {r.status_code}: {text[:200]}"
-                    if (
-                        not text.rstrip().endswith("data: [DONE]")
-                        or text.count('"content": " ') != 3
-                    ):
-                        return f"stream cut short: {text[-200:]!r}"
-                return ""
-            r = http.post("/v1/chat/completions", json=body)
-            if r.status_code != 200:
-                return f"HTTP {r.status_code}: {r.text[:200]}"
-            if r.json()["usage"]["completion_tokens"] != 3:
-                return f"wrong usage: {r.text[:200]}"
-            return ""
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}"
 
 
 class Operator:
