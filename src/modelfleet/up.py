@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import yaml
 
-from modelfleet.agent.supervisor import log_tail, signal_group
+from modelfleet.agent.supervisor import free_port, log_tail, signal_group
 from modelfleet.catalog import Catalog
 from modelfleet.router.table import hash_key
 from modelfleet.serving import write_json_atomic
@@ -55,11 +55,30 @@ class UpError(RuntimeError):
 
 @dataclass
 class Child:
+    """One process `up` started; `restart` replaces `proc` with a new run of the same command."""
+
     role: str
     node: str | None
-    proc: subprocess.Popen[bytes]
+    args: list[str]
+    env: dict[str, str]
     log: Path
     ready_file: Path | None
+    proc: subprocess.Popen[bytes] = field(init=False)
+
+    def launch(self) -> None:
+        """Start `modelfleet ARGS` in its own process group, output appended to the log."""
+        if self.ready_file is not None:
+            self.ready_file.unlink(missing_ok=True)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "modelfleet", *self.args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches `up` alone, which stops all in order
+                env={**os.environ, **self.env},
+            )
 
 
 @dataclass
@@ -77,24 +96,23 @@ class Fleet:
         env: dict[str, str] | None = None,
         ready_file: Path | None = None,
     ) -> Child:
-        """Start `modelfleet ARGS` in its own process group, output to a log file."""
+        """Start `modelfleet ARGS` as a child of the fleet."""
         name = f"{role}-{node}" if node else role
         if ready_file is not None:
             args = [*args, "--ready-file", str(ready_file)]
         log = self.state_dir / "logs" / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "modelfleet", *args],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches `up` alone, which stops all in order
-                env={**os.environ, **(env or {})},
-            )
-        child = Child(role, node, proc, log, ready_file)
+        child = Child(role, node, args, env or {}, log, ready_file)
+        child.launch()
         self.children.append(child)
         return child
+
+    def restart(self, child: Child, timeout: float = 15) -> dict[str, Any]:
+        """Stop `child` if it runs (SIGTERM, SIGKILL after 10 s), start it again, wait until
+        it is ready; returns its ready file."""
+        _stop_all([child.proc.pid], 10.0)
+        child.proc.wait()
+        child.launch()
+        return self.wait_ready(child, timeout)
 
     def wait_ready(self, child: Child, timeout: float) -> dict[str, Any]:
         """Wait for the child's ready file; UpError with its log tail if it exits first."""
@@ -256,8 +274,9 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
     agent_token = secrets.token_urlsafe(24)
     api_key = "mf-" + secrets.token_urlsafe(24)
     router_cfg = {
-        "port": opts.router_port,
-        "push_port": 0,
+        # Fixed ports, chosen free now, so that a restarted process is found where it was.
+        "port": opts.router_port or free_port("127.0.0.1"),
+        "push_port": free_port("127.0.0.1"),
         "push_token": admin_token,
         "api_keys": [{"name": "up", "sha256": hash_key(api_key)}],
     }
@@ -275,8 +294,8 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
         cp_cfg = {
             "catalog": str(catalog_file),
             "state_dir": str(state_dir / "control-plane"),
-            "agent_port": 0,
-            "admin_port": 0,
+            "agent_port": free_port("127.0.0.1"),
+            "admin_port": free_port("127.0.0.1"),
             "admin_token": admin_token,
             "agent_token": agent_token,
             "routers": [{"url": router_urls["push"], "token": admin_token}],

@@ -342,7 +342,13 @@ class ControlPlane:
                 await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval)
 
     async def publish(self, force: bool = False) -> None:
-        """Push the routing table to every router when it changed (or when forced)."""
+        """Push the routing table to every router when it changed (or when forced).
+
+        Nothing is pushed while settling: the table is still empty of what agents have yet to
+        report, and a router keeps serving from the one it holds.
+        """
+        if self.settling(time.monotonic()):
+            return
         catalog = self.catalogs.current
         published = (catalog.version, self.state.routing_models(catalog))
         if published != self._published:
