@@ -11,7 +11,7 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -105,6 +105,10 @@ def agent(
         list[str] | None,
         typer.Option(help="Mark a simulated GPU unhealthy: INDEX=REASON; repeatable."),
     ] = None,
+    admin_port: Annotated[
+        int | None,
+        typer.Option(help="Serve the agent's admin API (simulated GPU faults) here; 0: any."),
+    ] = None,
     report_interval: Annotated[float, typer.Option(help="Seconds between reports.")] = 2.0,
     stop_grace: Annotated[float, typer.Option(help="Seconds from SIGTERM to SIGKILL.")] = 30.0,
     backoff_base: Annotated[float, typer.Option(help="First restart delay, seconds.")] = 10.0,
@@ -150,7 +154,7 @@ def agent(
             backoff_max=backoff_max,
         ),
     )
-    asyncio.run(serve(settings, gpus, ready_file))
+    asyncio.run(serve(settings, gpus, ready_file, admin_port))
 
 
 @app.command()
@@ -273,6 +277,80 @@ def explain_placement(
 
     path = "/v1/explain/" + quote(model, safe="")
     _show(_ctl_get(path, admin, token, state_dir), output, "print_explanation")
+
+
+def _mark(
+    node: str,
+    mark: str,
+    body: dict[str, Any],
+    admin: str | None,
+    token: str | None,
+    state_dir: Path,
+    output: Output,
+) -> None:
+    from urllib.parse import quote
+
+    from modelfleet.ctl import CtlError, request, resolve_target
+
+    path = f"/v1/nodes/{quote(node, safe='')}/mark"
+    try:
+        data = request(
+            resolve_target(admin, token, state_dir),
+            "POST",
+            path,
+            json.dumps({"mark": mark, **body}).encode(),
+        )
+    except CtlError as exc:
+        _fail(str(exc), 1)
+    _show(data, output, "print_mark")
+
+
+NodeArg = Annotated[str, typer.Argument(help="The node's name, as `ctl nodes` shows it.")]
+
+
+@ctl_app.command()
+def cordon(
+    node: NodeArg,
+    admin: AdminUrl = None,
+    token: AdminToken = None,
+    state_dir: StateDir = Path(".modelfleet"),
+    output: OutputOpt = Output.table,
+) -> None:
+    """Let nothing new land on NODE; what runs there stays."""
+    _mark(node, "cordoned", {}, admin, token, state_dir, output)
+
+
+@ctl_app.command()
+def uncordon(
+    node: NodeArg,
+    admin: AdminUrl = None,
+    token: AdminToken = None,
+    state_dir: StateDir = Path(".modelfleet"),
+    output: OutputOpt = Output.table,
+) -> None:
+    """Take the mark off NODE (cordoned or draining): replicas may land there again."""
+    _mark(node, "none", {}, admin, token, state_dir, output)
+
+
+@ctl_app.command()
+def drain(
+    node: NodeArg,
+    grace: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="Seconds to wait for replacements before stopping what is left anyway "
+            "(default: the control plane's drain_grace; 0: wait without bound).",
+        ),
+    ] = None,
+    admin: AdminUrl = None,
+    token: AdminToken = None,
+    state_dir: StateDir = Path(".modelfleet"),
+    output: OutputOpt = Output.table,
+) -> None:
+    """Move every replica off NODE, make-before-break, and let nothing new land there."""
+    body = {} if grace is None else {"grace_s": grace}
+    _mark(node, "draining", body, admin, token, state_dir, output)
 
 
 @catalog_app.command("show")

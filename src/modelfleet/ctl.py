@@ -104,7 +104,9 @@ def gpu_cell(gpu: dict[str, Any]) -> str:
 
 
 def print_nodes(data: dict[str, Any], console: Console) -> None:
-    table = Table("NODE", "STATUS", "MARK", "GPUS USED", "MEMORY FREE", "LAST REPORT", "SHARDS")
+    table = Table(
+        "NODE", "STATUS", "MARK", "REPLICAS", "GPUS USED", "MEMORY FREE", "LAST REPORT", "SHARDS"
+    )
     for node in data["nodes"]:
         gpus = node["gpus"]
         used = sum(1 for g in gpus if g["in_use"])
@@ -114,10 +116,16 @@ def print_nodes(data: dict[str, Any], console: Console) -> None:
             f" ({len(gpus) - healthy} unhealthy)" if healthy < len(gpus) else ""
         )
         free = format_size(sum(g["memory_free"] for g in gpus if g["healthy"] and not g["in_use"]))
+        mark = node["mark"]
+        if mark == "draining":
+            left = node.get("drain_grace_left_s")
+            done = node.get("replicas", 0) == 0
+            mark += " (done)" if done else (f", {left:.0f}s of grace left" if left else "")
         table.add_row(
             node["name"],
             status,
-            node["mark"],
+            mark,
+            str(node.get("replicas", "-")),
             gpu_text,
             free,
             f"{node['last_report_s']:.1f}s ago",
@@ -214,11 +222,23 @@ def print_catalog_plan(data: dict[str, Any], console: Console) -> None:
         )
         console.print(f"{head} (version {data['version']})")
     elif data["changed"]:
-        console.print(
-            f"applied: catalog version {data['version']} (was {data['previous_version']})"
-        )
+        was = data["previous_version"]
+        console.print(f"applied: catalog version {data['version']} (was {was})")
     else:
         console.print(f"unchanged: the catalog is already version {data['version']}")
+    print_steps(data, console)
+
+
+def print_mark(data: dict[str, Any], console: Console) -> None:
+    line = f"node {data['node']}: {data['mark']} (was {data['was']})"
+    if data.get("drain_grace_s"):
+        line += f"; what does not move within {data['drain_grace_s']:.0f}s is stopped anyway"
+    console.print(line)
+    print_steps(data, console)
+
+
+def print_steps(data: dict[str, Any], console: Console) -> None:
+    """The replicas a change starts and stops, step by step (a preview from the admin API)."""
     if not (data["steps"] or data["pending"]):
         console.print("no replica starts or stops")
         return

@@ -46,6 +46,9 @@ class Node:
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     last_report: float | None = None  # clock of the control plane when the last report arrived
     mark: Mark = Mark.NONE
+    # While draining: when the grace period ends and what still runs here is stopped anyway
+    # (the control plane's clock); None waits for replacements without a bound.
+    drain_deadline: float | None = None
 
     def is_ready(self, now: float, stale_after: float) -> bool:
         """Whether the node reported within `stale_after` seconds of `now`."""

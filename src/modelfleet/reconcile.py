@@ -9,12 +9,12 @@ for.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from modelfleet.catalog import Catalog, ModelSpec
-from modelfleet.fleet import Node, Replica, ShardPlacement
+from modelfleet.fleet import Mark, Node, Replica, ShardPlacement
 from modelfleet.placement import Placed, Unplaceable, place
 
 
@@ -106,9 +106,10 @@ def plan(
         else:
             by_model.setdefault(replica.model, []).append(replica)
 
+    draining = {n.name: n.drain_deadline for n in nodes if n.mark is Mark.DRAINING}
     for spec in catalog.models:
         model_stops, model_new, model_pending = _plan_model(
-            spec, by_model.get(spec.name, []), serving, nodes, used, now, stale_after
+            spec, by_model.get(spec.name, []), serving, nodes, draining, used, now, stale_after
         )
         stops += model_stops
         new += model_new
@@ -122,13 +123,31 @@ def _plan_model(
     replicas: list[Replica],
     serving: Collection[str],
     nodes: Sequence[Node],
+    draining: Mapping[str, float | None],
     used: set[tuple[str, int]],
     now: float,
     stale_after: float,
 ) -> tuple[list[StopReplica], list[NewReplica], Pending | None]:
-    current = [r for r in replicas if r.engine_digest == spec.engine_digest]
-    outdated = [r for r in replicas if r.engine_digest != spec.engine_digest]
     stops: list[StopReplica] = []
+
+    # Replicas with a shard on a draining node are evicted: each gets a replacement at once and
+    # stops once the replicas left serving reach the wanted count, or when the node's grace
+    # period is over, whichever comes first.
+    evicted: list[Replica] = []
+    kept: list[Replica] = []
+    for r in replicas:
+        deadlines = [draining[s.node] for s in r.shards if s.node in draining]
+        if not deadlines:
+            kept.append(r)
+        elif any(d is not None and now >= d for d in deadlines):
+            stops.append(StopReplica(r.id, "node drained: its grace period is over"))
+        elif r.id not in serving:
+            stops.append(StopReplica(r.id, "node draining"))
+        else:
+            evicted.append(r)
+
+    current = [r for r in kept if r.engine_digest == spec.engine_digest]
+    outdated = [r for r in kept if r.engine_digest != spec.engine_digest]
 
     # Too many up-to-date replicas: stop the surplus, those not yet serving first, then the
     # newest, so the longest-serving ones stay.
@@ -139,20 +158,26 @@ def _plan_model(
         current = ranked[len(current) - spec.replicas :]
 
     # Outdated replicas (engine or arguments changed) are replaced one at a time,
-    # make-before-break: one leaves only while the serving ones left still reach the wanted
-    # count, and while any still serves, at most one replica beyond the wanted count exists.
-    serving_current = sum(1 for r in current if r.id in serving)
-    serving_outdated = sorted((r for r in outdated if r.id in serving), key=lambda r: r.created)
+    # make-before-break: an old replica (evicted ones first, then the oldest outdated) leaves
+    # only while the serving ones left still reach the wanted count, and while an outdated one
+    # still serves, at most one replica beyond the wanted count (and the evicted ones) exists.
     for replica in outdated:
         if replica.id not in serving:
             stops.append(StopReplica(replica.id, "engine or arguments changed"))
-    while serving_outdated and serving_current + len(serving_outdated) > spec.replicas:
-        stops.append(StopReplica(serving_outdated.pop(0).id, "engine or arguments changed"))
+    serving_outdated = sorted((r for r in outdated if r.id in serving), key=lambda r: r.created)
+    leaving = [(r, "node draining") for r in evicted]
+    leaving += [(r, "engine or arguments changed") for r in serving_outdated]
+    serving_current = sum(1 for r in current if r.id in serving)
+    while leaving and serving_current + len(leaving) > spec.replicas:
+        replica, why = leaving.pop(0)
+        stops.append(StopReplica(replica.id, why))
 
     new: list[NewReplica] = []
     missing = spec.replicas - len(current)
-    if serving_outdated:
-        missing = min(missing, spec.replicas + 1 - len(current) - len(serving_outdated))
+    if any(why != "node draining" for _, why in leaving):
+        still_evicted = sum(1 for _, why in leaving if why == "node draining")
+        room = spec.replicas + 1 + still_evicted - len(current) - len(leaving)
+        missing = min(missing, room)
     on_node = Counter(s.node for r in current for s in r.shards)
     pending: Pending | None = None
     for placed_so_far in range(missing):

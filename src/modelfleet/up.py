@@ -241,6 +241,8 @@ class RunningFleet:
     admin_url: str
     admin_token: str
     api_key: str
+    agent_token: str
+    agent_admin: dict[str, str]  # node -> its agent's admin API (simulated GPU faults)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -248,6 +250,8 @@ class RunningFleet:
             "admin_url": self.admin_url,
             "admin_token": self.admin_token,
             "api_key": self.api_key,
+            "agent_admin": self.agent_admin,
+            "agent_token": self.agent_token,
             "pid": os.getpid(),
             "pids": self.fleet.pids(),
             "catalog": str(self.catalog_file),
@@ -327,14 +331,17 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
                 str(opts.report_interval),
                 "--stop-grace",
                 str(opts.stop_grace),
+                "--admin-port",
+                "0",
                 *opts.agent_args,
             ]
             # The token goes by environment, not argv, where any local user could read it.
             env = {"MODELFLEET_AGENT_TOKEN": agent_token}
             ready = run_dir / f"agent-{node}.json"
             agents.append(fleet.spawn("agent", args, node=node, env=env, ready_file=ready))
+        agent_admin = {}
         for child in agents:
-            fleet.wait_ready(child, 15)
+            agent_admin[child.node] = fleet.wait_ready(child, 15)["urls"]["admin"]
     except BaseException:
         fleet.stop()
         raise
@@ -346,6 +353,8 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
         cp_urls["admin"],
         admin_token,
         api_key,
+        agent_token,
+        agent_admin,
     )
 
 

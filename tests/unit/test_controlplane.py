@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.service import ControlPlane, create_apps
 from modelfleet.ctl import print_explanation
+from modelfleet.fleet import Mark
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import AgentReport, NodeAssignment, RoutedModel, ShardReport, ShardState
 
@@ -253,5 +255,52 @@ def test_a_router_that_never_confirms_delays_a_stop_only_until_the_timeout() -> 
         assert cp.state.assignment("n", catalogs.current).shards == []
         assert "routers unconfirmed" in next(iter(cp.state.retired.values()))[0]
         await http.aclose()
+
+    asyncio.run(go())
+
+
+def test_marks_are_set_through_the_admin_api_and_outlive_a_restart(tmp_path: Path) -> None:
+    config = ControlPlaneConfig(admin_token=TOKEN, settle_for=-1, drain_grace=120)
+    headers = {"authorization": f"Bearer {TOKEN}"}
+
+    def start() -> ControlPlane:
+        catalogs = CatalogKeeper(SqliteStore(tmp_path / "store.sqlite"))
+        catalogs.start(time.time())
+        cp = ControlPlane(config, catalogs)
+        for name in ("a", "b"):
+            cp.state.take_report(report(name, SimulatedGpus("1x80GB")), catalogs.current, 0.0)
+        return cp
+
+    async def call(cp: ControlPlane, node: str, body: object) -> httpx.Response:
+        _, admin = create_apps(cp)
+        transport = httpx.ASGITransport(app=admin)
+        async with httpx.AsyncClient(transport=transport, base_url="http://cp") as c:
+            return await c.post(f"/v1/nodes/{node}/mark", json=body, headers=headers)
+
+    async def go() -> None:
+        cp = start()
+        r = await call(cp, "a", {"mark": "cordoned"})
+        assert r.status_code == 200 and r.json()["was"] == "none"
+        r = await call(cp, "b", {"mark": "draining"})
+        assert r.json()["drain_grace_s"] == 120
+        assert (await call(cp, "nope", {"mark": "cordoned"})).status_code == 404
+        bad = await call(cp, "a", {"mark": "locked"})
+        assert bad.status_code == 400 and "cordoned" in bad.json()["error"]
+        assert (await call(cp, "a", {"mark": "draining", "grace_s": -1})).status_code == 400
+        cp.store.close()
+
+        again = start()
+        marks = {n.name: n for n in again.state.node_list()}
+        assert marks["a"].mark is Mark.CORDONED and marks["a"].drain_deadline is None
+        assert marks["b"].mark is Mark.DRAINING
+        assert marks["b"].drain_deadline is not None
+        left = marks["b"].drain_deadline - time.monotonic()
+        assert 100 < left <= 120  # the grace period carried across the restart
+        nodes = {n["name"]: n for n in again.nodes_json()["nodes"]}
+        assert nodes["a"]["mark"] == "cordoned" and nodes["b"]["drain_grace_left_s"] > 100
+        r = await call(again, "a", {"mark": "none"})
+        assert r.json()["was"] == "cordoned" and again.state.marks.keys() == {"b"}
+        assert [m.node for m in again.store.marks()] == ["b"]
+        again.store.close()
 
     asyncio.run(go())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from modelfleet.catalog import Catalog
-from modelfleet.fleet import Gpu, Node, Replica, ShardPlacement
+from modelfleet.fleet import Gpu, Mark, Node, Replica, ShardPlacement
 from modelfleet.reconcile import plan, preview, settling
 
 NOW = 100.0
@@ -149,3 +151,44 @@ def test_preview_shows_what_stays_pending() -> None:
     c = catalog({"name": "huge", "gpus_per_shard": 8})
     p = preview(c, [], nodes(2), set(), NOW, 10)
     assert p.steps == () and p.pending[0].model == "huge"
+
+
+def drained(node: Node, deadline: float | None = None) -> Node:
+    return dataclasses.replace(node, mark=Mark.DRAINING, drain_deadline=deadline)
+
+
+def test_drain_replaces_before_it_stops() -> None:
+    c = catalog({"name": "a", "replicas": 2})
+    d = c.models[0].engine_digest
+    fleet = [drained(nodes(2)[0], NOW + 60), nodes(2)[1]]
+    table = [replica("r0", "a", d, node="n0", gpu=0), replica("r1", "a", d, node="n1", gpu=0)]
+    first = plan(c, table, {"r0", "r1"}, fleet, set(), NOW, 10)
+    assert not first.stop  # r0 serves until its replacement does
+    [new] = first.new
+    assert new.shards[0].node == "n1"  # never onto the draining node
+    moved = Replica("r2", "a", d, new.shards, NOW)
+    starting = plan(c, [*table, moved], {"r0", "r1"}, fleet, set(), NOW, 10)
+    assert not starting.changes
+    served = plan(c, [*table, moved], {"r0", "r1", "r2"}, fleet, set(), NOW, 10)
+    assert [(s.replica_id, s.reason) for s in served.stop] == [("r0", "node draining")]
+    assert not served.new
+
+
+def test_drain_of_the_only_node_that_fits_finishes_after_its_grace_period() -> None:
+    c = catalog({"name": "wide", "gpus_per_shard": 4})
+    d = c.models[0].engine_digest
+    wide = Replica("w", "wide", d, (ShardPlacement("n0", (0, 1, 2, 3)),), 1.0)
+    fleet = [drained(nodes(1)[0], NOW + 60)]
+    waiting = plan(c, [wide], {"w"}, fleet, set(), NOW, 10)
+    assert not waiting.stop and waiting.pending  # nowhere to go: it keeps serving meanwhile
+    over = plan(c, [wide], {"w"}, fleet, set(), NOW + 60, 10)
+    assert [s.reason for s in over.stop] == ["node drained: its grace period is over"]
+    unbounded = plan(c, [wide], {"w"}, [drained(nodes(1)[0], None)], set(), NOW + 1e6, 10)
+    assert not unbounded.stop
+
+
+def test_a_replica_not_serving_on_a_draining_node_stops_at_once() -> None:
+    c = catalog({"name": "a"})
+    d = c.models[0].engine_digest
+    p = plan(c, [replica("r0", "a", d)], set(), [drained(nodes(2)[0]), nodes(2)[1]], set(), NOW, 10)
+    assert [s.replica_id for s in p.stop] == ["r0"] and p.new[0].shards[0].node == "n1"

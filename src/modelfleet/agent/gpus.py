@@ -63,3 +63,15 @@ class SimulatedGpus:
 
     def gpus(self) -> list[GpuReport]:
         return list(self._gpus)
+
+    def set_health(self, index: int, healthy: bool, reason: str = "") -> GpuReport:
+        """Make simulated GPU `index` healthy or not (with why), as a fault would at run time."""
+        if not 0 <= index < len(self._gpus):
+            raise BadGpuSpec(f"there is no GPU {index} ({len(self._gpus)} GPUs)")
+        if not healthy and not reason.strip():
+            reason = "marked unhealthy"
+        gpu = self._gpus[index].model_copy(
+            update={"healthy": healthy, "reason": "" if healthy else reason.strip()}
+        )
+        self._gpus[index] = gpu
+        return gpu

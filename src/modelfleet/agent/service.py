@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -18,11 +19,16 @@ from pathlib import Path
 
 import httpx
 from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
-from modelfleet.agent.gpus import GpuSource
+from modelfleet.agent.gpus import BadGpuSpec, GpuSource, SimulatedGpus
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
 from modelfleet.engines import NoDriver, driver_for
-from modelfleet.serving import run_service, write_json_atomic
+from modelfleet.openai_api import json_response
+from modelfleet.serving import Listener, run_service, write_json_atomic
 from modelfleet.wire import AgentReport, NodeAssignment, ShardAssignment
 
 log = logging.getLogger("modelfleet.agent")
@@ -150,7 +156,8 @@ class Agent:
             log.warning("control plane answered with no assignment: %s", exc)
             return None
 
-    async def report_loop(self, ready_file: Path | None) -> None:
+    async def report_loop(self, ready_file: Path | None, urls: dict[str, str]) -> None:
+        """Report, apply the answer, repeat; the ready file is written after the first answer."""
         ready_written = False
         while True:
             self._changed.clear()
@@ -158,7 +165,8 @@ class Agent:
             if assignment is not None:
                 self.apply(assignment)
                 if not ready_written and ready_file is not None:
-                    write_json_atomic(ready_file, {"pid": os.getpid(), "node": self.settings.node})
+                    ready = {"pid": os.getpid(), "node": self.settings.node, "urls": urls}
+                    write_json_atomic(ready_file, ready)
                     ready_written = True
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self.settings.report_interval)
@@ -178,11 +186,68 @@ class Agent:
         await self._probe.aclose()
 
 
-async def serve(settings: AgentSettings, gpus: GpuSource, ready_file: Path | None) -> None:
-    """Run an agent until SIGINT/SIGTERM. Its engines keep running after it exits."""
+def create_admin_app(agent: Agent) -> Starlette:
+    """The agent's own small admin API (agent token): simulated GPU faults at run time.
+
+    `GET /v1/gpus` lists the GPUs as reported; `PUT /v1/gpus/{index}/health` with
+    `{"healthy": false, "reason": "XID 79"}` makes a simulated GPU fail (or recover).
+    """
+
+    def authorized(request: Request) -> bool:
+        token = agent.settings.token
+        return token is None or request.headers.get("authorization") == f"Bearer {token}"
+
+    async def list_gpus(request: Request) -> Response:
+        if not authorized(request):
+            return json_response({"error": "missing or wrong agent token"}, 401)
+        return json_response({"gpus": [g.model_dump() for g in agent.gpu_source.gpus()]})
+
+    async def set_health(request: Request) -> Response:
+        if not authorized(request):
+            return json_response({"error": "missing or wrong agent token"}, 401)
+        if not isinstance(agent.gpu_source, SimulatedGpus):
+            return json_response({"error": "only simulated GPUs can be made (un)healthy"}, 409)
+        try:
+            body = json.loads(await request.body())
+            healthy = body["healthy"]
+            if not isinstance(healthy, bool):
+                raise TypeError("'healthy' must be true or false")
+            gpu = agent.gpu_source.set_health(
+                int(request.path_params["index"]), healthy, str(body.get("reason", ""))
+            )
+        except BadGpuSpec as exc:
+            return json_response({"error": str(exc)}, 404)
+        except (ValueError, KeyError, TypeError) as exc:
+            message = f'send {{"healthy": true|false, "reason": "..."}}: {exc}'
+            return json_response({"error": message}, 400)
+        log.warning("gpu %d made %s by the admin API", gpu.index, gpu.reason or "healthy")
+        agent.changed()
+        return json_response(gpu.model_dump())
+
+    return Starlette(
+        routes=[
+            Route("/v1/gpus", list_gpus),
+            Route("/v1/gpus/{index:int}/health", set_health, methods=["PUT"]),
+        ]
+    )
+
+
+async def serve(
+    settings: AgentSettings,
+    gpus: GpuSource,
+    ready_file: Path | None,
+    admin_port: int | None = None,
+) -> None:
+    """Run an agent until SIGINT/SIGTERM. Its engines keep running after it exits.
+
+    With `admin_port` it also serves its admin API there (0 picks a free port).
+    """
     agent = Agent(settings, gpus)
+    listeners = []
+    if admin_port is not None:
+        listeners.append(Listener("admin", create_admin_app(agent), settings.address, admin_port))
 
     async def loop() -> None:
-        await agent.report_loop(ready_file)
+        await agent.report_loop(ready_file, {li.name: li.url for li in listeners})
 
-    await run_service([], loops=[loop], on_stop=agent.close)
+    await run_service(listeners, loops=[loop], on_stop=agent.close)

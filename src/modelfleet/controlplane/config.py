@@ -36,6 +36,7 @@ class ControlPlaneConfig(BaseModel):
     # How long a replica taken out of service waits for every router to confirm a routing table
     # without it before its engine is stopped anyway.
     retire_timeout: float = Field(default=10.0, ge=0)
+    drain_grace: float = Field(default=300.0, ge=0)  # default bound of a drain; 0: none
     max_report_bytes: int = Field(default=1 << 20, gt=0)
     max_catalog_bytes: int = Field(default=1 << 20, gt=0)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import asdict
@@ -30,12 +31,13 @@ from starlette.routing import Route
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane.catalogs import API_SOURCE, CatalogKeeper
 from modelfleet.controlplane.config import DEFAULT_SETTLE_FOR_S, STORE_FILE, ControlPlaneConfig
-from modelfleet.controlplane.state import FleetState, StaleReport, snapshot
-from modelfleet.fleet import Replica
+from modelfleet.controlplane.state import FleetState, NodeMark, StaleReport, snapshot
+from modelfleet.fleet import Mark, Replica
 from modelfleet.openai_api import json_response
 from modelfleet.placement import Unplaceable, describe_need
 from modelfleet.reconcile import Preview, plan, preview, settling
 from modelfleet.serving import Listener, run_service
+from modelfleet.store import StoredMark
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import AgentReport, RoutedModel
 
@@ -87,6 +89,15 @@ class ControlPlane:
         self._acked: dict[str, int] = {}  # router url -> newest routing version it holds
         self._http = http or httpx.AsyncClient(timeout=5)
         self._file_error = ""
+        self.store = catalogs.store
+        self._load_marks()
+
+    def _load_marks(self) -> None:
+        """Marks persist: take them from the store, deadlines moved onto the monotonic clock."""
+        wall, mono = time.time(), time.monotonic()
+        for m in self.store.marks():
+            deadline = None if m.drain_deadline is None else mono + (m.drain_deadline - wall)
+            self.state.set_mark(m.node, NodeMark(Mark(m.mark), deadline))
 
     # -- agent API -----------------------------------------------------------------------
 
@@ -132,6 +143,10 @@ class ControlPlane:
     def nodes_json(self) -> dict[str, Any]:
         now = time.monotonic()
         used = self.state.used_slots()
+        on_node: dict[str, int] = {}
+        for replica in self.state.planned():
+            for node_name in {s.node for s in replica.shards}:
+                on_node[node_name] = on_node.get(node_name, 0) + 1
         nodes = []
         for node in self.state.node_list():
             gpus = []
@@ -148,19 +163,69 @@ class ControlPlane:
                     }
                 )
             shards = self.state.nodes[node.name].report.shards
+            grace_left = None
+            if node.mark is Mark.DRAINING and node.drain_deadline is not None:
+                grace_left = round(max(0.0, node.drain_deadline - now), 1)
             nodes.append(
                 {
                     "name": node.name,
                     "ready": node.is_ready(now, self.state.stale_after),
                     "mark": node.mark.value,
+                    "drain_grace_left_s": grace_left,
                     "address": node.address,
                     "labels": dict(node.labels),
                     "last_report_s": round(now - (node.last_report or now), 1),
                     "gpus": gpus,
                     "shards": len(shards),
+                    "replicas": on_node.get(node.name, 0),
                 }
             )
         return {"nodes": nodes}
+
+    async def mark_node(self, request: Request) -> Response:
+        """Cordon, drain or uncordon a node: `{"mark": "cordoned" | "draining" | "none"}`, and
+        for a drain optionally `"grace_s"` (default: the config's drain_grace; 0: no bound)."""
+        if not self._admin_ok(request):
+            return _error(401, "missing or wrong admin token")
+        name = request.path_params["node"]
+        try:
+            body = json.loads(await request.body())
+            mark = Mark(body["mark"])
+            grace = float(body.get("grace_s", self.config.drain_grace))
+            if grace < 0:
+                raise ValueError("grace_s must not be negative")
+        except (ValueError, KeyError, TypeError) as exc:
+            marks = ", ".join(m.value for m in Mark)
+            return _error(
+                400, f"send {{'mark': one of {marks}, 'grace_s': seconds}}: {exc!r} is wrong"
+            )
+        if name not in self.state.nodes:
+            known = ", ".join(sorted(self.state.nodes)) or "none has reported yet"
+            return _error(404, f"no node {name!r} has reported (nodes: {known})")
+        was = self.state.marks.get(name)
+        wall, mono = time.time(), time.monotonic()
+        deadline = mono + grace if mark is Mark.DRAINING and grace > 0 else None
+        if mark is Mark.NONE:
+            self.store.clear_mark(name)
+        else:
+            wall_deadline = None if deadline is None else wall + grace
+            self.store.set_mark(StoredMark(name, mark.value, wall, wall_deadline))
+        self.state.set_mark(name, NodeMark(mark, deadline))
+        self._wake.set()
+        log.info("node %s marked %s (was %s)", name, mark.value, was.mark.value if was else "none")
+        s = self.state
+        moves = preview(
+            self.catalogs.current, s.planned(), s.node_list(), s.busy_slots(), mono, s.stale_after
+        )
+        return json_response(
+            {
+                "node": name,
+                "mark": mark.value,
+                "was": was.mark.value if was else Mark.NONE.value,
+                "drain_grace_s": grace if mark is Mark.DRAINING and grace > 0 else None,
+                **preview_json(moves),
+            }
+        )
 
     async def explain(self, request: Request) -> Response:
         if not self._admin_ok(request):
@@ -416,6 +481,7 @@ def create_apps(cp: ControlPlane) -> tuple[Starlette, Starlette]:
             *(Route(p, cp.admin) for p in admin_paths),
             Route("/v1/catalog", cp.put_catalog, methods=["PUT"]),
             Route("/v1/catalog/history", cp.catalog_history),
+            Route("/v1/nodes/{node}/mark", cp.mark_node, methods=["POST"]),
             Route("/v1/explain/{model:path}", cp.explain),
         ]
     )

@@ -32,23 +32,32 @@ class StaleReport(ValueError):
     """A report older than one already taken from the same agent run."""
 
 
+@dataclass(frozen=True)
+class NodeMark:
+    """An operator's mark on a node; `drain_deadline` is on the control plane's clock."""
+
+    mark: Mark
+    drain_deadline: float | None = None
+
+
+NO_MARK = NodeMark(Mark.NONE)
+
+
 @dataclass
 class NodeRecord:
     """One node: its latest report and when it arrived."""
 
     report: AgentReport
     received: float
-    mark: Mark = Mark.NONE
 
-    def node(self) -> Node:
+    def node(self, mark: NodeMark = NO_MARK) -> Node:
         r = self.report
         gpus = tuple(
             Gpu(g.index, g.model, g.memory_total, g.memory_used, g.healthy, g.reason)
             for g in r.gpus
         )
-        return Node(
-            r.node, gpus, r.address, MappingProxyType(dict(r.labels)), self.received, self.mark
-        )
+        labels = MappingProxyType(dict(r.labels))
+        return Node(r.node, gpus, r.address, labels, self.received, mark.mark, mark.drain_deadline)
 
     def shard(self, replica_id: str, rank: int) -> ShardReport | None:
         for s in self.report.shards:
@@ -109,6 +118,7 @@ class FleetState:
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     replicas: dict[str, ReplicaRecord] = field(default_factory=dict)
     pending: tuple[Pending, ...] = ()
+    marks: dict[str, NodeMark] = field(default_factory=dict)  # only marked nodes
     # replica id -> (why it was stopped, when it was released): an agent that still reports one
     # is stopping it, and it must not be adopted back
     retired: dict[str, tuple[str, float]] = field(default_factory=dict)
@@ -122,8 +132,7 @@ class FleetState:
             raise StaleReport(
                 f"report {report.seq} from {report.node} is not newer than {before.report.seq}"
             )
-        mark = before.mark if before else Mark.NONE
-        self.nodes[report.node] = NodeRecord(report, now, mark)
+        self.nodes[report.node] = NodeRecord(report, now)
         adopted = self._adopt(report, catalog, now)
         if before is None or adopted:
             return True
@@ -168,7 +177,13 @@ class FleetState:
         return adopted
 
     def node_list(self) -> list[Node]:
-        return [self.nodes[name].node() for name in sorted(self.nodes)]
+        return [self.nodes[name].node(self.marks.get(name, NO_MARK)) for name in sorted(self.nodes)]
+
+    def set_mark(self, node: str, mark: NodeMark) -> None:
+        if mark.mark is Mark.NONE:
+            self.marks.pop(node, None)
+        else:
+            self.marks[node] = mark
 
     def busy_slots(self) -> set[tuple[str, int]]:
         """GPU slots the planner may not use beyond the replicas it plans for: those of retiring

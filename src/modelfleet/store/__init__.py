@@ -31,6 +31,16 @@ class Rejection:
     problems: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class StoredMark:
+    """An operator's mark on a node (never "none": an unmarked node has no row)."""
+
+    node: str
+    mark: str  # a fleet.Mark value
+    since: float  # wall-clock seconds
+    drain_deadline: float | None  # wall-clock seconds; only for "draining", None: no bound
+
+
 class Store(Protocol):
     """Durable desired state. Every call is a small, synchronous, committed transaction."""
 
@@ -47,6 +57,14 @@ class Store(Protocol):
     def set_rejection(self, rejection: Rejection) -> None: ...
 
     def last_rejection(self) -> Rejection | None: ...
+
+    def set_mark(self, mark: StoredMark) -> None:
+        """Record a node's mark, replacing the one it had."""
+        ...
+
+    def clear_mark(self, node: str) -> None: ...
+
+    def marks(self) -> list[StoredMark]: ...
 
     def get_meta(self, key: str) -> str | None: ...
 

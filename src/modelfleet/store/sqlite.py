@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from modelfleet.store import Rejection, StoredCatalog
+from modelfleet.store import Rejection, StoredCatalog, StoredMark
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS catalogs (
@@ -16,6 +16,12 @@ CREATE TABLE IF NOT EXISTS catalogs (
     applied_at REAL NOT NULL,
     source     TEXT NOT NULL,
     body       TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS node_marks (
+    node           TEXT PRIMARY KEY,
+    mark           TEXT NOT NULL,
+    since          REAL NOT NULL,
+    drain_deadline REAL
 );
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
@@ -73,6 +79,25 @@ class SqliteStore:
             return None
         data = json.loads(raw)
         return Rejection(data["at"], data["source"], tuple(data["problems"]))
+
+    def set_mark(self, mark: StoredMark) -> None:
+        with self._write():
+            self._db.execute(
+                "INSERT INTO node_marks (node, mark, since, drain_deadline) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (node) DO UPDATE SET mark = excluded.mark, since = excluded.since, "
+                "drain_deadline = excluded.drain_deadline",
+                (mark.node, mark.mark, mark.since, mark.drain_deadline),
+            )
+
+    def clear_mark(self, node: str) -> None:
+        with self._write():
+            self._db.execute("DELETE FROM node_marks WHERE node = ?", (node,))
+
+    def marks(self) -> list[StoredMark]:
+        rows = self._db.execute(
+            "SELECT node, mark, since, drain_deadline FROM node_marks ORDER BY node"
+        ).fetchall()
+        return [StoredMark(*row) for row in rows]
 
     def get_meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

@@ -1,0 +1,185 @@
+"""Placement on a running fleet: why a model is not placed, and placing it once the cause is
+fixed; a drain moving replicas make-before-break under load. Real processes throughout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from modelfleet.loadgen import SteadyClient
+from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+
+RECONCILE_INTERVAL = 0.5
+BIG = {"name": "big", "engine": "sim", "gpus_per_shard": 2, "gpu_memory": "60GiB"}
+
+
+def launch(tmp_path: Path, gpus: str, models: list[dict[str, Any]]) -> RunningFleet:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "catalog.yaml").write_text(yaml.safe_dump({"models": models}))
+    options = FleetOptions(
+        gpus=gpus, report_interval=0.5, reconcile_interval=RECONCILE_INTERVAL, stop_grace=10
+    )
+    return start_fleet(state, options)
+
+
+class Ops:
+    def __init__(self, fleet: RunningFleet, tmp: Path) -> None:
+        self.fleet = fleet
+        self.tmp = tmp
+        self.admin = httpx.Client(
+            base_url=fleet.admin_url,
+            headers={"authorization": f"Bearer {fleet.admin_token}"},
+            timeout=10,
+        )
+
+    def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        target = ["--admin", self.fleet.admin_url, "--token", self.fleet.admin_token]
+        done = subprocess.run(
+            [sys.executable, "-m", "modelfleet", "ctl", *args, *target],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        return done
+
+    def apply(self, *models: dict[str, Any]) -> str:
+        path = self.tmp / f"catalog-{time.monotonic_ns()}.yaml"
+        path.write_text(yaml.safe_dump({"models": list(models)}))
+        return self.ctl("catalog", "apply", str(path)).stdout
+
+    def gpu(self, node: str, index: int, healthy: bool, reason: str = "") -> None:
+        r = httpx.put(
+            f"{self.fleet.agent_admin[node]}/v1/gpus/{index}/health",
+            json={"healthy": healthy, "reason": reason},
+            headers={"authorization": f"Bearer {self.fleet.agent_token}"},
+            timeout=10,
+        )
+        assert r.status_code == 200, r.text
+
+    def replicas(self, model: str) -> list[dict[str, Any]]:
+        data = self.admin.get("/v1/replicas").json()["replicas"]
+        return [r for r in data if r["model"] == model]
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def small_fleet(tmp_path: Path) -> Iterator[RunningFleet]:
+    fleet = launch(tmp_path, "2x80GB", [])
+    try:
+        yield fleet
+    finally:
+        fleet.fleet.stop()
+
+
+def test_an_unplaceable_model_is_explained_and_placed_once_the_cause_is_fixed(
+    small_fleet: RunningFleet, tmp_path: Path
+) -> None:
+    ops = Ops(small_fleet, tmp_path)
+    assert "node-1: cordoned (was none)" in ops.ctl("cordon", "node-1").stdout
+    ops.gpu("node-2", 1, healthy=False, reason="XID 79")
+    wait_for(
+        "node-2's gpu 1 unhealthy",
+        lambda: "XID 79" in ops.ctl("nodes").stdout,
+    )
+
+    applied = ops.apply(BIG)
+    assert "pending x1" in applied
+    pending = wait_for("big pending", lambda: ops.admin.get("/v1/replicas").json()["pending"])
+    assert pending[0]["model"] == "big" and "needs 2 GPU(s)" in pending[0]["reason"]
+    assert "pending x1" in ops.ctl("replicas").stdout
+
+    explained = ops.ctl("explain-placement", "big").stdout
+    assert "node cordoned" in explained
+    assert "gpu 1 unhealthy: XID 79" in explained
+    as_json = json.loads(ops.ctl("explain-placement", "big", "-o", "json").stdout)
+    reasons = {n["node"]: " ".join(n["reasons"]) for n in as_json["nodes"]}
+    assert set(reasons) == {"node-1", "node-2"} and not as_json["placeable"]
+    assert "has 1" in reasons["node-2"]
+
+    # The GPU recovers: placed within one reconcile pass of the agent's report.
+    fixed = time.monotonic()
+    ops.gpu("node-2", 1, healthy=True)
+    [placed] = wait_for("big placed", lambda: ops.replicas("big"))
+    took = time.monotonic() - fixed
+    print(f"placed {took:.2f}s after the GPU recovered")
+    assert took <= RECONCILE_INTERVAL + 1.0
+    assert placed["shards"][0]["node"] == "node-2"
+
+    # A second replica: node-2 is full, node-1 cordoned. Uncordoning places it.
+    ops.apply({**BIG, "replicas": 2})
+    wait_for("the second pending", lambda: ops.admin.get("/v1/replicas").json()["pending"])
+    explained = ops.ctl("explain-placement", "big").stdout
+    assert "node cordoned" in explained and "in use" in explained
+    fixed = time.monotonic()
+    assert "node-1: none (was cordoned)" in ops.ctl("uncordon", "node-1").stdout
+    wait_for("two replicas", lambda: len(ops.replicas("big")) == 2)
+    took = time.monotonic() - fixed
+    print(f"placed {took:.2f}s after the uncordon")
+    assert took <= RECONCILE_INTERVAL + 1.0
+    wait_for("both ready", lambda: [r["state"] for r in ops.replicas("big")] == ["ready", "ready"])
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[RunningFleet]:
+    model = {"name": "a", "engine": "sim", "replicas": 2, "args": ["--itl", "0.005"]}
+    fleet = launch(tmp_path, "2x80GB", [model])
+    try:
+        yield fleet
+    finally:
+        fleet.fleet.stop()
+
+
+def test_drain_moves_replicas_make_before_break_under_load(
+    fleet: RunningFleet, tmp_path: Path
+) -> None:
+    ops = Ops(fleet, tmp_path)
+    wait_for(
+        "a on both nodes",
+        lambda: (
+            sorted(r["shards"][0]["node"] for r in ops.replicas("a") if r["state"] == "ready")
+            == ["node-1", "node-2"]
+        ),
+    )
+    client = SteadyClient(fleet.router_url, fleet.api_key, "a")
+    client.start()
+    try:
+        time.sleep(1)
+        out = ops.ctl("drain", "node-1", "--grace", "60").stdout
+        assert "node-1: draining (was none)" in out
+        assert "start" in out and "node draining" in out  # the plan: a move off node-1
+
+        def moved() -> bool:
+            reps = ops.replicas("a")
+            nodes = [r["shards"][0]["node"] for r in reps if r["state"] == "ready"]
+            return len(reps) == 2 and nodes == ["node-2", "node-2"]
+
+        wait_for("a off node-1", moved)
+        shown = wait_for(
+            "node-1 drained", lambda: (s := ops.ctl("nodes").stdout).count("(done)") and s
+        )
+        assert "draining (done)" in shown
+        time.sleep(1)
+    finally:
+        client.stop()
+    print(f"model a: {client.ok} requests, {client.rate:.1f}/s, failures: {client.failures}")
+    assert client.failures == [] and client.ok > 0
+    assert ops.admin.get("/v1/replicas").json()["pending"] == []
