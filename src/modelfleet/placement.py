@@ -6,11 +6,12 @@ each, every reason it was rejected, with figures. That is what `ctl explain-plac
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from modelfleet.catalog import ModelSpec
-from modelfleet.fleet import Mark, Node, ShardPlacement
+from modelfleet.fleet import Gpu, Mark, Node, ShardPlacement
 from modelfleet.units import format_size
 
 
@@ -59,6 +60,17 @@ def describe_need(spec: ModelSpec) -> str:
     return need
 
 
+def gpu_fits(spec: ModelSpec, gpu: Gpu) -> bool:
+    """Whether a healthy, free GPU is of the model and has the memory `spec` asks for."""
+    if spec.gpu_model and spec.gpu_model.lower() not in gpu.model.lower():
+        return False
+    return gpu.memory_free >= spec.gpu_memory
+
+
+def labels_fit(spec: ModelSpec, node: Node) -> bool:
+    return all(node.labels.get(k) == v for k, v in spec.node_labels.items())
+
+
 def judge_node(
     spec: ModelSpec,
     node: Node,
@@ -88,12 +100,12 @@ def judge_node(
             excluded.append(f"gpu {gpu.index} unhealthy: {gpu.reason or 'no reason given'}")
         elif (node.name, gpu.index) in used:
             excluded.append(f"gpu {gpu.index} in use")
+        elif gpu_fits(spec, gpu):
+            usable.append(gpu.index)
         elif spec.gpu_model and spec.gpu_model.lower() not in gpu.model.lower():
             excluded.append(f"gpu {gpu.index} is {gpu.model}, not {spec.gpu_model}")
-        elif gpu.memory_free < spec.gpu_memory:
-            excluded.append(f"gpu {gpu.index} has {format_size(gpu.memory_free)} free")
         else:
-            usable.append(gpu.index)
+            excluded.append(f"gpu {gpu.index} has {format_size(gpu.memory_free)} free")
     if len(usable) < spec.gpus_per_shard:
         detail = f" ({'; '.join(excluded)})" if excluded else ""
         reasons.append(f"needs {describe_need(spec)}, has {len(usable)}{detail}")
@@ -143,3 +155,118 @@ def place(
         tuple(ShardPlacement(v.node, v.usable_gpus[: spec.gpus_per_shard]) for v in chosen),
         tuple(sorted(verdicts, key=lambda v: v.node)),
     )
+
+
+_GpuKey = tuple[str | None, int]  # (gpu model asked for, lower-cased; memory asked for)
+_HeapKey = tuple[str, _GpuKey, tuple[tuple[str, str], ...], int, str]
+
+
+@dataclass
+class FreeGpus:
+    """The fleet's free GPUs during one planning pass, indexed so a placement does not judge
+    every node.
+
+    `claim` answers as `place` would for the same state (the same nodes qualify, in the same
+    policy order, with the same ties broken by node name) and records the GPUs it hands out,
+    so the next claim sees them taken. Where `place` judges every node per replica, `claim`
+    keeps, per kind of request, a heap of the nodes that can host a shard, ordered by the
+    policy; a heap entry that a later claim made stale is dropped when it comes up. What is
+    built for one kind of request is built once per pass, and only when such a replica is
+    placed, so a pass with nothing to place builds nothing.
+    """
+
+    nodes: Mapping[str, Node]  # ready, unmarked nodes only
+    used: set[tuple[str, int]]
+    _usable: dict[_GpuKey, dict[str, tuple[int, ...]]] = field(default_factory=dict)
+    _heaps: dict[_HeapKey, list[tuple[int | str, ...]]] = field(default_factory=dict)
+    _specs: dict[_HeapKey, ModelSpec] = field(default_factory=dict)
+    _counts: dict[str, dict[str, int]] = field(default_factory=dict)  # spread: model -> node -> n
+
+    @classmethod
+    def of(
+        cls, nodes: Sequence[Node], used: Collection[tuple[str, int]], now: float, stale: float
+    ) -> FreeGpus:
+        eligible = {n.name: n for n in nodes if n.mark is Mark.NONE and n.is_ready(now, stale)}
+        return cls(eligible, set(used))
+
+    def claim(
+        self, spec: ModelSpec, replicas_on_node: Mapping[str, int]
+    ) -> tuple[ShardPlacement, ...] | None:
+        """Choose and take GPUs for one replica of `spec`; None when no placement exists.
+
+        `replicas_on_node` counts the model's replicas per node before this pass; the index
+        counts what it places itself from then on.
+        """
+        key = self._heap_key(spec)
+        heap = self._heaps.get(key)
+        if heap is None:
+            heap = self._build(key, spec, replicas_on_node)
+        chosen: list[str] = []
+        valid: list[tuple[int | str, ...]] = []
+        while heap and len(chosen) < spec.shards:
+            entry = heapq.heappop(heap)
+            name = str(entry[-1])
+            if name in chosen or entry != self._entry(key, name):
+                continue  # stale: a fresher entry for this node was pushed when it changed
+            chosen.append(name)
+            valid.append(entry)
+        if len(chosen) < spec.shards:
+            for entry in valid:
+                heapq.heappush(heap, entry)
+            return None
+        usable = self._usable[key[1]]
+        shards = tuple(ShardPlacement(n, usable[n][: spec.gpus_per_shard]) for n in chosen)
+        self._take(spec, shards)
+        return shards
+
+    def _heap_key(self, spec: ModelSpec) -> _HeapKey:
+        labels = tuple(sorted(spec.node_labels.items()))
+        model = spec.name if spec.placement == "spread" else ""
+        gpu_key = (spec.gpu_model.lower() if spec.gpu_model else None, spec.gpu_memory)
+        return (spec.placement, gpu_key, labels, spec.gpus_per_shard, model)
+
+    def _build(
+        self, key: _HeapKey, spec: ModelSpec, replicas_on_node: Mapping[str, int]
+    ) -> list[tuple[int | str, ...]]:
+        if key[1] not in self._usable:
+            self._usable[key[1]] = {
+                name: tuple(
+                    g.index
+                    for g in node.gpus
+                    if g.healthy and (name, g.index) not in self.used and gpu_fits(spec, g)
+                )
+                for name, node in self.nodes.items()
+            }
+        self._specs[key] = spec
+        if spec.placement == "spread" and spec.name not in self._counts:
+            self._counts[spec.name] = {n: c for n, c in replicas_on_node.items() if c}
+        heap = [e for name in self.nodes if (e := self._entry(key, name)) is not None]
+        heapq.heapify(heap)
+        self._heaps[key] = heap
+        return heap
+
+    def _entry(self, key: _HeapKey, name: str) -> tuple[int | str, ...] | None:
+        """The node's place in the heap now, or None when it cannot host a shard."""
+        usable = self._usable[key[1]][name]
+        if len(usable) < key[3]:
+            return None
+        if key[2] and not labels_fit(self._specs[key], self.nodes[name]):
+            return None
+        if key[0] == "pack":
+            return (len(usable), name)
+        return (self._counts[key[4]].get(name, 0), -len(usable), name)
+
+    def _take(self, spec: ModelSpec, shards: tuple[ShardPlacement, ...]) -> None:
+        if spec.placement == "spread":
+            counts = self._counts[spec.name]
+            for s in shards:
+                counts[s.node] = counts.get(s.node, 0) + 1
+        for s in shards:
+            self.used.update((s.node, g) for g in s.gpus)
+            for usable in self._usable.values():
+                usable[s.node] = tuple(g for g in usable[s.node] if (s.node, g) not in self.used)
+            # Every heap gets the node's fresh entry; the entries it had are stale from now on.
+            for key, heap in self._heaps.items():
+                entry = self._entry(key, s.node)
+                if entry is not None:
+                    heapq.heappush(heap, entry)

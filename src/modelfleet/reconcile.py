@@ -8,14 +8,16 @@ for.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.fleet import Mark, Node, Replica, ShardPlacement
-from modelfleet.placement import Placed, Unplaceable, place
+from modelfleet.placement import FreeGpus, Unplaceable, place
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,18 @@ class StopReplica:
 
 @dataclass(frozen=True)
 class Pending:
-    """Replicas of a model that are wanted but cannot be placed now, with the explanation."""
+    """Replicas of a model that are wanted but cannot be placed now, and why.
+
+    The explanation judges every node, so it is worked out only when someone reads it.
+    """
 
     model: str
     count: int
-    explanation: Unplaceable
+    explain: Callable[[], Unplaceable] = field(repr=False, compare=False)
+
+    @cached_property
+    def explanation(self) -> Unplaceable:
+        return self.explain()
 
 
 @dataclass(frozen=True)
@@ -95,9 +104,17 @@ def plan(
     stops: list[StopReplica] = []
     new: list[NewReplica] = []
     pending: list[Pending] = []
-    used: set[tuple[str, int]] = set(busy)
-    for replica in replicas:
-        used |= replica.gpu_slots()
+    free: FreeGpus | None = None
+
+    def free_gpus() -> FreeGpus:
+        """The index of free GPUs, built the first time a replica is to be placed."""
+        nonlocal free
+        if free is None:
+            used = set(busy)
+            for replica in replicas:
+                used.update((s.node, g) for s in replica.shards for g in s.gpus)
+            free = FreeGpus.of(nodes, used, now, stale_after)
+        return free
 
     by_model: dict[str, list[Replica]] = {}
     for replica in replicas:
@@ -109,7 +126,7 @@ def plan(
     draining = {n.name: n.drain_deadline for n in nodes if n.mark is Mark.DRAINING}
     for spec in catalog.models:
         model_stops, model_new, model_pending = _plan_model(
-            spec, by_model.get(spec.name, []), serving, nodes, draining, used, now, stale_after
+            spec, by_model.get(spec.name, []), serving, nodes, draining, free_gpus, now, stale_after
         )
         stops += model_stops
         new += model_new
@@ -124,7 +141,7 @@ def _plan_model(
     serving: Collection[str],
     nodes: Sequence[Node],
     draining: Mapping[str, float | None],
-    used: set[tuple[str, int]],
+    free_gpus: Callable[[], FreeGpus],
     now: float,
     stale_after: float,
 ) -> tuple[list[StopReplica], list[NewReplica], Pending | None]:
@@ -178,18 +195,24 @@ def _plan_model(
         still_evicted = sum(1 for _, why in leaving if why == "node draining")
         room = spec.replicas + 1 + still_evicted - len(current) - len(leaving)
         missing = min(missing, room)
-    on_node = Counter(s.node for r in current for s in r.shards)
     pending: Pending | None = None
+    if missing <= 0:
+        return stops, new, pending
+    on_node = Counter(s.node for r in current for s in r.shards)
+    free = free_gpus()
     for placed_so_far in range(missing):
-        answer = place(spec, nodes, used, on_node, now, stale_after)
-        if isinstance(answer, Unplaceable):
-            pending = Pending(spec.name, missing - placed_so_far, answer)
+        shards = free.claim(spec, on_node)
+        if shards is None:
+            pending = Pending(
+                spec.name,
+                missing - placed_so_far,
+                functools.partial(
+                    place, spec, nodes, frozenset(free.used), Counter(on_node), now, stale_after
+                ),
+            )
             break
-        assert isinstance(answer, Placed)
-        new.append(NewReplica(spec.name, spec.engine_digest, answer.shards))
-        for shard in answer.shards:
-            on_node[shard.node] += 1
-            used.update((shard.node, g) for g in shard.gpus)
+        new.append(NewReplica(spec.name, spec.engine_digest, shards))
+        on_node.update(s.node for s in shards)
     return stops, new, pending
 
 

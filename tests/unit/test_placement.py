@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelfleet.catalog import Catalog, ModelSpec
-from modelfleet.fleet import Gpu, Mark, Node
-from modelfleet.placement import Placed, Unplaceable, judge_node, place
+from modelfleet.fleet import Gpu, Mark, Node, ShardPlacement
+from modelfleet.placement import FreeGpus, Placed, Unplaceable, judge_node, place
 
 NOW = 1000.0
 STALE = 10.0
@@ -32,9 +33,17 @@ gpus = st.builds(
 
 
 @st.composite
-def fleets(draw: st.DrawFn) -> tuple[list[Node], set[tuple[str, int]]]:
+def fleets(
+    draw: st.DrawFn, max_nodes: int = 4, mostly_eligible: bool = False
+) -> tuple[list[Node], set[tuple[str, int]]]:
+    """Small fleets; `mostly_eligible` makes most nodes ready and unmarked, so that placements
+    have several candidates to choose among."""
+    reports = [None, NOW - 1, NOW - 100]
+    marks = list(Mark)
+    if mostly_eligible:
+        reports, marks = [NOW - 1] * 4 + reports, [Mark.NONE] * 4 + marks
     nodes = []
-    for i in range(draw(st.integers(0, 4))):
+    for i in range(draw(st.integers(0, max_nodes))):
         raw = draw(st.lists(gpus, min_size=0, max_size=4))
         node_gpus = tuple(
             Gpu(
@@ -51,8 +60,8 @@ def fleets(draw: st.DrawFn) -> tuple[list[Node], set[tuple[str, int]]]:
             Node(
                 f"n{i}",
                 node_gpus,
-                last_report=draw(st.sampled_from([None, NOW - 1, NOW - 100])),
-                mark=draw(st.sampled_from(list(Mark))),
+                last_report=draw(st.sampled_from(reports)),
+                mark=draw(st.sampled_from(marks)),
                 labels={"zone": draw(st.sampled_from(["a", "b"]))},
             )
         )
@@ -150,3 +159,51 @@ def test_spread_keeps_replicas_apart_and_pack_fills_a_node() -> None:
 def test_no_nodes_is_explained() -> None:
     answer = place(spec(), [], set(), {}, NOW, STALE)
     assert isinstance(answer, Unplaceable) and "no nodes" in answer.summary
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets(max_nodes=6, mostly_eligible=True), st.lists(specs, min_size=1, max_size=6))
+def test_the_index_places_as_place_does_claim_after_claim(
+    fleet: tuple[list[Node], set[tuple[str, int]]], asked: list[ModelSpec]
+) -> None:
+    """FreeGpus answers each claim exactly as place() would on the state the claims before it
+    left: the same nodes, the same GPUs, the same order, and None where place() explains."""
+    nodes, used = fleet
+    index = FreeGpus.of(nodes, used, NOW, STALE)
+    taken = set(used)
+    on_node: dict[str, dict[str, int]] = {}
+    # One name per distinct spec, as in a catalog; an equal spec again is another replica.
+    names: list[ModelSpec] = []
+    for raw in asked:
+        if raw not in names:
+            names.append(raw)
+        s = dataclasses.replace(raw, name=f"m{names.index(raw)}")
+        counts = on_node.setdefault(s.name, {})
+        expected = place(s, nodes, taken, counts, NOW, STALE)
+        got = index.claim(s, {})
+        if isinstance(expected, Unplaceable):
+            assert got is None
+            continue
+        assert got == expected.shards
+        for shard in got:
+            taken.update((shard.node, g) for g in shard.gpus)
+            counts[shard.node] = counts.get(shard.node, 0) + 1
+    assert index.used == taken
+
+
+def test_the_index_sees_what_other_kinds_of_claim_took() -> None:
+    """Claims of different kinds interleaved: each heap learns what the others took."""
+    nodes = [
+        Node(f"n{i}", tuple(Gpu(j, "H100", 80 * GIB) for j in range(4)), last_report=NOW)
+        for i in range(2)
+    ]
+    one = dataclasses.replace(spec(), name="one")
+    wide = dataclasses.replace(spec(gpus_per_shard=3, placement="pack"), name="wide")
+    index = FreeGpus.of(nodes, set(), NOW, STALE)
+    assert index.claim(one, {}) == (ShardPlacement("n0", (0,)),)
+    assert index.claim(one, {}) == (ShardPlacement("n1", (0,)),)  # spread
+    assert index.claim(wide, {}) == (ShardPlacement("n0", (1, 2, 3)),)
+    # n0 is full now, though the spread heap still holds its entry from before the wide claim.
+    assert index.claim(one, {}) == (ShardPlacement("n1", (1,)),)
+    assert index.claim(wide, {}) is None
+    assert index.claim(one, {}) == (ShardPlacement("n1", (2,)),)
