@@ -384,11 +384,15 @@ class ControlPlane:
         )
         for stop in decided.stop:
             log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
+        before = s.pending
         for replica in s.apply(decided, catalog, now, self.config.retire_timeout):
             where = ", ".join(f"{p.node}{list(p.gpus)}" for p in replica.shards)
             log.info("placed %s (%s) on %s", replica.id, replica.model, where)
+        # Pending replicas are logged when they change, not on every pass.
+        was = {p.model: p.count for p in before}
         for p in decided.pending:
-            log.info("%d replica(s) of %s pending: %s", p.count, p.model, p.explanation.summary)
+            if was.get(p.model) != p.count:
+                log.info("%d replica(s) of %s pending: %s", p.count, p.model, p.explanation.summary)
 
     def release_retired(self, now: float) -> None:
         """Let go of the retiring replicas every router has stopped routing to."""

@@ -7,6 +7,7 @@ admin API and the publisher ask. It does no I/O and reads no clock: callers pass
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 from collections import Counter
@@ -45,25 +46,36 @@ NO_MARK = NodeMark(Mark.NONE)
 
 @dataclass
 class NodeRecord:
-    """One node: its latest report and when it arrived."""
+    """One node: its latest report, when it arrived, and what is derived from it once per
+    report (not once per pass): the core's `Node`, and its shards by (replica id, rank)."""
 
     report: AgentReport
     received: float
+    mark: NodeMark = NO_MARK
+    node: Node = field(init=False)
+    shards: dict[tuple[str, int], ShardReport] = field(init=False)
+    ready: frozenset[tuple[str, int]] = field(init=False)  # the shards that report ready
 
-    def node(self, mark: NodeMark = NO_MARK) -> Node:
+    def __post_init__(self) -> None:
         r = self.report
+        self.shards = {(s.replica_id, s.rank): s for s in r.shards}
+        self.ready = frozenset(k for k, s in self.shards.items() if s.state is ShardState.READY)
         gpus = tuple(
             Gpu(g.index, g.model, g.memory_total, g.memory_used, g.healthy, g.reason)
             for g in r.gpus
         )
         labels = MappingProxyType(dict(r.labels))
-        return Node(r.node, gpus, r.address, labels, self.received, mark.mark, mark.drain_deadline)
+        self.node = Node(r.node, gpus, r.address, labels, self.received)
+        self.set_mark(self.mark)
+
+    def set_mark(self, mark: NodeMark) -> None:
+        self.mark = mark
+        self.node = dataclasses.replace(
+            self.node, mark=mark.mark, drain_deadline=mark.drain_deadline
+        )
 
     def shard(self, replica_id: str, rank: int) -> ShardReport | None:
-        for s in self.report.shards:
-            if s.replica_id == replica_id and s.rank == rank:
-                return s
-        return None
+        return self.shards.get((replica_id, rank))
 
 
 @dataclass
@@ -122,6 +134,7 @@ class FleetState:
     # replica id -> (why it was stopped, when it was released): an agent that still reports one
     # is stopping it, and it must not be adopted back
     retired: dict[str, tuple[str, float]] = field(default_factory=dict)
+    _names: list[str] | None = None  # the nodes' names, sorted; None when a node was added
 
     # -- actual state --------------------------------------------------------------------
 
@@ -132,7 +145,9 @@ class FleetState:
             raise StaleReport(
                 f"report {report.seq} from {report.node} is not newer than {before.report.seq}"
             )
-        self.nodes[report.node] = NodeRecord(report, now)
+        if before is None:
+            self._names = None
+        self.nodes[report.node] = NodeRecord(report, now, self.marks.get(report.node, NO_MARK))
         adopted = self._adopt(report, catalog, now)
         if before is None or adopted:
             return True
@@ -177,13 +192,18 @@ class FleetState:
         return adopted
 
     def node_list(self) -> list[Node]:
-        return [self.nodes[name].node(self.marks.get(name, NO_MARK)) for name in sorted(self.nodes)]
+        """Every node that has reported, by name."""
+        if self._names is None:
+            self._names = sorted(self.nodes)
+        return [self.nodes[name].node for name in self._names]
 
     def set_mark(self, node: str, mark: NodeMark) -> None:
         if mark.mark is Mark.NONE:
             self.marks.pop(node, None)
         else:
             self.marks[node] = mark
+        if node in self.nodes:
+            self.nodes[node].set_mark(mark)
 
     def busy_slots(self) -> set[tuple[str, int]]:
         """GPU slots the planner may not use beyond the replicas it plans for: those of retiring
@@ -250,8 +270,20 @@ class FleetState:
         return [self.replica_view(r) for r in records]
 
     def serving(self) -> set[str]:
-        """Ids of the replicas every shard of which reports ready (retiring ones excluded)."""
-        return {v.id for v in self.replica_views() if v.state == "ready"}
+        """Ids of the replicas every shard of which reports ready (retiring ones excluded):
+        those `replica_view` shows as "ready", without building the views."""
+        serving = set()
+        nodes = self.nodes
+        for rid, record in self.replicas.items():
+            if record.retiring:
+                continue
+            for rank, placement in enumerate(record.replica.shards):
+                node = nodes.get(placement.node)
+                if node is None or (rid, rank) not in node.ready:
+                    break
+            else:
+                serving.add(rid)
+        return serving
 
     # -- desired state -------------------------------------------------------------------
 
