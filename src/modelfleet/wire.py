@@ -43,6 +43,8 @@ class ShardReport(_Message):
     engine_digest: str
     state: ShardState
     port: int | None = None
+    # Rank 0 of a replica of several shards: the port its engine's peers rendezvous at.
+    dist_port: int | None = None
     pid: int | None = None
     restarts: int = 0
     startup_s: float | None = None  # seconds from the engine's start to its first ready probe
@@ -73,6 +75,9 @@ class ShardAssignment(_Message):
     gpus: list[int]
     engine_digest: str
     startup_timeout: float
+    # A replica of several shards: "host:port" where shard 0 expects its peers, once shard 0's
+    # agent has reported it (None before; a shard of rank > 0 waits for it to start).
+    leader: str | None = None
 
     @property
     def key(self) -> str:

@@ -182,3 +182,52 @@ def test_control_plane_refuses_an_invalid_catalog_listing_every_problem(tmp_path
     assert "model a: engine: unknown engine 'vlm'" in done.stderr
     assert "model b: replicas: must be a positive integer, got 0" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_shard_of_rank_1_starts_once_it_knows_where_shard_0_is(tmp_path: Path) -> None:
+    out = tmp_path / "leader.txt"
+    write_leader = (
+        f"{sys.executable} -c \"import sys,time; open(sys.argv[1],'w').write(sys.argv[2]); "
+        f'time.sleep(60)" {out} {{leader}}'
+    )
+
+    def rank(r: int, leader: str | None) -> ShardAssignment:
+        return ShardAssignment(
+            replica_id="tp",
+            model="m",
+            engine="command",
+            source="m",
+            args=[],
+            env={},
+            command=write_leader,
+            rank=r,
+            num_shards=2,
+            gpus=[0],
+            engine_digest="d",
+            startup_timeout=30,
+            leader=leader,
+        )
+
+    async def go() -> None:
+        settings = AgentSettings(
+            control_plane="http://127.0.0.1:9",
+            node="n",
+            token=None,
+            state_dir=tmp_path,
+            supervisor=SupervisorSettings(stop_grace=1.0),
+        )
+        agent = Agent(settings, SimulatedGpus("1x80GB"))
+        agent.apply(NodeAssignment(node="n", shards=[rank(1, None)]))
+        assert agent.shards == {}  # waits for shard 0's address
+        agent.apply(NodeAssignment(node="n", shards=[rank(1, "10.0.0.7:29500")]))
+        deadline = time.monotonic() + 20
+        while not out.exists() or not out.read_text():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert out.read_text() == "10.0.0.7:29500"
+        agent.apply(NodeAssignment(node="n", shards=[]))
+        while agent.stopping:
+            await asyncio.sleep(0.05)
+        await agent.close()
+
+    asyncio.run(go())

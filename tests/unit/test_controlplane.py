@@ -304,3 +304,50 @@ def test_marks_are_set_through_the_admin_api_and_outlive_a_restart(tmp_path: Pat
         again.store.close()
 
     asyncio.run(go())
+
+
+def test_every_shard_is_told_its_rank_and_where_shard_0_meets_its_peers() -> None:
+    catalogs = keeper([{"name": "tp", "engine": "sim", "shards": 2, "gpus_per_shard": 2}])
+    config = ControlPlaneConfig(admin_token=TOKEN, settle_for=-1)
+    cp = ControlPlane(config, catalogs)
+    catalog = catalogs.current
+    gpus = SimulatedGpus("2x80GB")
+    for node in ("a", "b"):
+        cp.state.take_report(
+            AgentReport(
+                node=node,
+                boot_id="b",
+                seq=1,
+                address=f"10.0.0.{ord(node)}",
+                gpus=gpus.gpus(),
+                shards=[],
+            ),
+            catalog,
+            1.0,
+        )
+    cp.reconcile_once(1.0)
+    [a] = cp.state.assignment("a", catalog).shards
+    [b] = cp.state.assignment("b", catalog).shards
+    assert (a.rank, a.num_shards, b.rank, b.num_shards) == (0, 2, 1, 2)
+    assert a.replica_id == b.replica_id and a.leader is None and b.leader is None
+
+    # Shard 0's agent reports the port its peers are to meet it at; then everyone is told.
+    rank0 = ShardReport(
+        replica_id=a.replica_id,
+        model="tp",
+        rank=0,
+        num_shards=2,
+        gpus=a.gpus,
+        engine_digest=a.engine_digest,
+        state=ShardState.STARTING,
+        dist_port=29500,
+    )
+    cp.state.take_report(
+        AgentReport(
+            node="a", boot_id="b", seq=2, address="10.0.0.97", gpus=gpus.gpus(), shards=[rank0]
+        ),
+        catalog,
+        2.0,
+    )
+    assert cp.state.assignment("b", catalog).shards[0].leader == "10.0.0.97:29500"
+    assert cp.state.assignment("a", catalog).shards[0].leader == "10.0.0.97:29500"

@@ -88,8 +88,11 @@ class Agent:
             if want is None or want.engine_digest != shard.assignment.engine_digest:
                 self._stop(key)
         for key, a in wanted.items():
-            if key not in self.shards and key not in self.stopping:
-                self._start(a)
+            if key in self.shards or key in self.stopping:
+                continue
+            if a.num_shards > 1 and a.rank > 0 and a.leader is None:
+                continue  # started once shard 0 has said where it meets its peers
+            self._start(a)
 
     def _start(self, assignment: ShardAssignment) -> None:
         try:

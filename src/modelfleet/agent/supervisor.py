@@ -90,6 +90,11 @@ class Shard:
         self.started_at = 0.0
         self.restarts = 0
         self.startup_s: float | None = None
+        # Shard 0 of a replica of several shards picks where its peers meet it, once, so a
+        # restart of it keeps the address its peers were given.
+        self.dist_port: int | None = None
+        if assignment.num_shards > 1 and assignment.rank == 0:
+            self.dist_port = free_port(settings.engine_host)
         self.task: asyncio.Task[None] | None = None
 
     def report(self) -> ShardReport:
@@ -104,12 +109,20 @@ class Shard:
             engine_digest=a.engine_digest,
             state=self.state,
             port=self.port,
+            dist_port=self.dist_port,
             pid=self.proc.pid if self.proc else None,
             restarts=self.restarts,
             startup_s=self.startup_s,
             error=self.error,
             log_tail=log_tail(self.log_path) if failed else [],
         )
+
+    @property
+    def leader(self) -> str | None:
+        """Where this replica's shard 0 meets its peers; None for a replica of one shard."""
+        if self.dist_port is not None:
+            return f"{self.settings.engine_host}:{self.dist_port}"
+        return self.assignment.leader
 
     def _set(self, state: ShardState, error: str = "") -> None:
         if (state, error) != (self.state, self.error):
@@ -146,7 +159,7 @@ class Shard:
         host = self.settings.engine_host
         self.port = free_port(host)
         try:
-            launch = self.driver.launch(self.assignment, host, self.port)
+            launch = self.driver.launch(self.assignment, host, self.port, self.leader)
         except NoDriver as exc:
             self._set(ShardState.FAILED, str(exc))
             return None

@@ -349,6 +349,9 @@ class FleetState:
             spec = record.spec or catalog.get(r.model)
             if spec is None:
                 continue  # adopted, and its model is gone: nothing to start it from
+            if all(p.node != node for p in r.shards):
+                continue
+            leader = self._leader(r) if len(r.shards) > 1 else None
             for rank, placement in enumerate(r.shards):
                 if placement.node != node:
                     continue
@@ -366,9 +369,18 @@ class FleetState:
                         gpus=list(placement.gpus),
                         engine_digest=r.engine_digest,
                         startup_timeout=spec.startup_timeout,
+                        leader=leader,
                     )
                 )
         return NodeAssignment(node=node, shards=shards)
+
+    def _leader(self, replica: Replica) -> str | None:
+        """Where shard 0 of `replica` meets its peers, as its agent reported; None until then."""
+        first = self.nodes.get(replica.shards[0].node)
+        seen = first.shard(replica.id, 0) if first else None
+        if first is None or seen is None or seen.dist_port is None:
+            return None
+        return f"{first.report.address}:{seen.dist_port}"
 
     def routing_models(self, catalog: Catalog) -> list[RoutedModel]:
         """Every model of `catalog` with the endpoints of its serving replicas.

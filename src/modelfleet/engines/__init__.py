@@ -33,7 +33,10 @@ class EngineDriver(Protocol):
     name: str
     health_path: str
 
-    def launch(self, shard: ShardAssignment, host: str, port: int) -> Launch: ...
+    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+        """The command for `shard`, serving on host:port. `leader` is where the replica's
+        shard 0 meets its peers ("host:port"), for a replica of several shards."""
+        ...
 
 
 def _gpu_env(shard: ShardAssignment) -> dict[str, str]:
@@ -46,7 +49,7 @@ class SimDriver:
     name = "sim"
     health_path = "/health"
 
-    def launch(self, shard: ShardAssignment, host: str, port: int) -> Launch:
+    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
         argv = [sys.executable, "-m", "modelfleet", "engine-sim", "--model", shard.model]
         argv += ["--host", host, "--port", str(port), *shard.args]
         return Launch(argv, _gpu_env(shard))
@@ -55,14 +58,15 @@ class SimDriver:
 class CommandDriver:
     """An engine given as a command template in the catalog.
 
-    The template may use {model}, {source}, {host}, {port}, {rank}, {num_shards} and {gpus}
-    (comma-separated indices); the catalog's args are appended.
+    The template may use {model}, {source}, {host}, {port}, {rank}, {num_shards}, {gpus}
+    (comma-separated indices) and {leader} (shard 0's "host:port" for a replica of several
+    shards, empty otherwise); the catalog's args are appended.
     """
 
     name = "command"
     health_path = "/health"
 
-    def launch(self, shard: ShardAssignment, host: str, port: int) -> Launch:
+    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
         template = shard.command or ""
         fields = {
             "model": shard.model,
@@ -72,6 +76,7 @@ class CommandDriver:
             "rank": shard.rank,
             "num_shards": shard.num_shards,
             "gpus": ",".join(str(g) for g in shard.gpus),
+            "leader": leader or "",
         }
         try:
             argv = [part.format(**fields) for part in shlex.split(template)]
