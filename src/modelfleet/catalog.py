@@ -308,6 +308,8 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         problem("command", "missing: engine 'command' needs a command template")
     if engine in ENGINES and engine != "command" and command is not None:
         problem("command", f"only engine 'command' takes a command template, not {engine!r}")
+    if engine == "llamacpp" and shards > 1:
+        problem("shards", f"engine 'llamacpp' runs one shard per replica, got {shards}")
 
     placement = raw.get("placement", "spread")
     if placement not in PLACEMENTS:

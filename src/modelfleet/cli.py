@@ -87,8 +87,12 @@ def agent(
     control_plane: Annotated[str, typer.Option(help="The control plane's agent API URL.")],
     node: Annotated[str, typer.Option(help="This node's name.")],
     simulate_gpus: Annotated[
-        str, typer.Option(help="Simulated GPUs, COUNTxSIZE[:MODEL][,...], e.g. 4x80GB.")
-    ],
+        str | None,
+        typer.Option(
+            help="Simulated GPUs, COUNTxSIZE[:MODEL][,...], e.g. 4x80GB. Without it the agent "
+            "reads the node's NVIDIA GPUs through NVML."
+        ),
+    ] = None,
     token: Annotated[
         str | None, typer.Option(envvar="MODELFLEET_AGENT_TOKEN", help="The agent token.")
     ] = None,
@@ -113,11 +117,20 @@ def agent(
     stop_grace: Annotated[float, typer.Option(help="Seconds from SIGTERM to SIGKILL.")] = 30.0,
     backoff_base: Annotated[float, typer.Option(help="First restart delay, seconds.")] = 10.0,
     backoff_max: Annotated[float, typer.Option(help="Longest restart delay, seconds.")] = 300.0,
+    healthy_reset: Annotated[
+        float, typer.Option(help="Seconds ready after which the restart delay starts over.")
+    ] = 600.0,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Run a node's agent: report GPUs and shards, run the engines it is assigned."""
-    from modelfleet.agent.gpus import BadGpuSpec, SimulatedGpus
+    from modelfleet.agent.gpus import (
+        BadGpuSpec,
+        GpuSource,
+        NvmlGpus,
+        NvmlUnavailable,
+        SimulatedGpus,
+    )
     from modelfleet.agent.service import AgentSettings, serve
     from modelfleet.agent.supervisor import SupervisorSettings
     from modelfleet.serving import configure_logging
@@ -129,10 +142,19 @@ def agent(
         if not sep or not index.strip().isdigit():
             _fail(f"--unhealthy-gpu {item!r}: write INDEX=REASON, e.g. '3=XID 79'")
         unhealthy[int(index)] = reason.strip() or "marked unhealthy"
-    try:
-        gpus = SimulatedGpus(simulate_gpus, unhealthy)
-    except BadGpuSpec as exc:
-        _fail(f"--simulate-gpus: {exc}")
+    gpus: GpuSource
+    if simulate_gpus is None:
+        if unhealthy:
+            _fail("--unhealthy-gpu applies to simulated GPUs: give --simulate-gpus too")
+        try:
+            gpus = NvmlGpus()
+        except NvmlUnavailable as exc:
+            _fail(f"no GPUs to report: {exc}. Pass --simulate-gpus 4x80GB to simulate some.")
+    else:
+        try:
+            gpus = SimulatedGpus(simulate_gpus, unhealthy)
+        except BadGpuSpec as exc:
+            _fail(f"--simulate-gpus: {exc}")
     labels = []
     for item in label or []:
         key, sep, value = item.partition("=")
@@ -152,6 +174,7 @@ def agent(
             stop_grace=stop_grace,
             backoff_base=backoff_base,
             backoff_max=backoff_max,
+            healthy_reset=healthy_reset,
         ),
     )
     asyncio.run(serve(settings, gpus, ready_file, admin_port))
@@ -187,6 +210,13 @@ def engine_sim(
     max_concurrency: Annotated[int, typer.Option(help="Requests decoding at once.")] = 16,
     output_tokens: Annotated[int, typer.Option(help="Tokens when max_tokens is unset.")] = 16,
     startup_delay: Annotated[float, typer.Option(help="Seconds before listening.")] = 0.0,
+    fault: Annotated[
+        str,
+        typer.Option(
+            help="A fault to rehearse: none, exit-at-start (exits 1 after logging an error), "
+            "never-ready (listens, but /health answers 503 forever)."
+        ),
+    ] = "none",
     drain_timeout: Annotated[
         float, typer.Option(help="Longest wait for in-flight on stop.")
     ] = 30.0,
@@ -195,11 +225,13 @@ def engine_sim(
 ) -> None:
     """Run the engine simulator: an OpenAI-compatible server that behaves like vLLM."""
     from modelfleet.serving import configure_logging
-    from modelfleet.simulator.engine import SimSettings
+    from modelfleet.simulator.engine import FAULTS, SimSettings
     from modelfleet.simulator.server import serve
 
     if max_concurrency < 1:
         _fail("--max-concurrency must be at least 1")
+    if fault not in FAULTS:
+        _fail(f"--fault {fault!r}: one of {', '.join(FAULTS)}")
     configure_logging(log_level)
     settings = SimSettings(
         model=model,
@@ -208,6 +240,7 @@ def engine_sim(
         itl=itl,
         max_concurrency=max_concurrency,
         output_tokens=output_tokens,
+        fault=fault,
     )
     asyncio.run(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
 
@@ -253,15 +286,36 @@ def nodes(
     _show(_ctl_get("/v1/nodes", admin, token, state_dir), output, "print_nodes")
 
 
-@ctl_app.command()
+replicas_app = typer.Typer(help="The replicas, their shards and state, and what is pending.")
+ctl_app.add_typer(replicas_app, name="replicas")
+
+
+@replicas_app.callback(invoke_without_command=True)
 def replicas(
+    context: typer.Context,
     admin: AdminUrl = None,
     token: AdminToken = None,
     state_dir: StateDir = Path(".modelfleet"),
     output: OutputOpt = Output.table,
 ) -> None:
     """The replicas, their shards and state, and the replicas that are pending."""
-    _show(_ctl_get("/v1/replicas", admin, token, state_dir), output, "print_replicas")
+    if context.invoked_subcommand is None:
+        _show(_ctl_get("/v1/replicas", admin, token, state_dir), output, "print_replicas")
+
+
+@replicas_app.command("show")
+def replicas_show(
+    replica: Annotated[str, typer.Argument(help="A replica id, as `ctl replicas` lists it.")],
+    admin: AdminUrl = None,
+    token: AdminToken = None,
+    state_dir: StateDir = Path(".modelfleet"),
+    output: OutputOpt = Output.table,
+) -> None:
+    """One replica: each shard's state, error, restarts, backoff and engine log tail."""
+    from urllib.parse import quote
+
+    path = "/v1/replicas/" + quote(replica, safe="")
+    _show(_ctl_get(path, admin, token, state_dir), output, "print_replica")
 
 
 @ctl_app.command("explain-placement")

@@ -253,3 +253,49 @@ def print_steps(data: dict[str, Any], console: Console) -> None:
         "steps run in order: the next step follows once the replicas a step started serve",
         style="dim",
     )
+
+
+def print_replica(data: dict[str, Any], console: Console) -> None:
+    """One replica in full: a line for it, a table of its shards, then each failed shard's
+    error and the tail of its engine's log."""
+    head = f"replica {data['id']}  model {data['model']}  state {data['state']}"
+    if data["endpoint"]:
+        head += f"  endpoint {data['endpoint']}"
+    console.print(head, highlight=False)
+    if data.get("reason"):
+        console.print(f"retiring: {escape(data['reason'])}", highlight=False)
+    table = Table(
+        "SHARD",
+        "NODE",
+        "GPUS",
+        "STATE",
+        "PID",
+        "PORT",
+        "RESTARTS",
+        "FAILURES",
+        "STARTED IN",
+        "NEXT START",
+    )
+    for s in data["shards"]:
+        nxt = f"after {s['backoff_s']:.0f}s backoff" if s.get("backoff_s") is not None else "-"
+        started = f"{s['startup_s']:.1f}s" if s.get("startup_s") is not None else "-"
+        table.add_row(
+            str(s["rank"]),
+            s["node"],
+            ",".join(str(g) for g in s["gpus"]),
+            s["state"],
+            str(s["pid"] or "-"),
+            str(s["port"] or "-"),
+            str(s["restarts"]),
+            str(s.get("failures", 0)),
+            started,
+            nxt,
+        )
+    console.print(table)
+    for s in data["shards"]:
+        if s["error"]:
+            console.print(f"shard {s['rank']} error: {escape(s['error'])}", highlight=False)
+        if s["log_tail"]:
+            console.print(f"shard {s['rank']} log, last {len(s['log_tail'])} line(s):")
+            for line in s["log_tail"]:
+                console.print(f"  {escape(line)}", highlight=False, soft_wrap=True)

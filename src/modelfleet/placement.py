@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from modelfleet.catalog import ModelSpec
 from modelfleet.fleet import Gpu, Mark, Node, ShardPlacement
@@ -77,9 +78,16 @@ def judge_node(
     used: Collection[tuple[str, int]],
     now: float,
     stale_after: float,
+    avoided: str = "",
 ) -> NodeVerdict:
-    """Whether one shard of `spec` fits on `node`, and if not, every reason why."""
+    """Whether one shard of `spec` fits on `node`, and if not, every reason why.
+
+    `avoided` says why the model is kept off this node for now (a replica of it kept failing
+    here), or is empty.
+    """
     reasons: list[str] = []
+    if avoided:
+        reasons.append(f"avoided: a replica of {spec.name} failed here ({avoided})")
     if not node.is_ready(now, stale_after):
         if node.last_report is None:
             reasons.append("node not ready: it has never reported")
@@ -119,15 +127,17 @@ def place(
     replicas_on_node: Mapping[str, int],
     now: float,
     stale_after: float,
+    avoid: Mapping[str, str] = MappingProxyType({}),
 ) -> Placed | Unplaceable:
     """Choose GPUs for one new replica of `spec`, or explain why none can be chosen.
 
     `used` holds every (node, GPU index) already taken; `replicas_on_node` counts the
-    replicas of this model per node, which `spread` uses to keep them apart. Each shard goes
-    to a different node, using `gpus_per_shard` GPUs of it. The answer depends only on the
-    arguments: the same input always gives the same placement.
+    replicas of this model per node, which `spread` uses to keep them apart; `avoid` maps the
+    nodes this model is kept off to why. Each shard goes to a different node, using
+    `gpus_per_shard` GPUs of it. The answer depends only on the arguments: the same input
+    always gives the same placement.
     """
-    verdicts = [judge_node(spec, n, used, now, stale_after) for n in nodes]
+    verdicts = [judge_node(spec, n, used, now, stale_after, avoid.get(n.name, "")) for n in nodes]
     fitting = [v for v in verdicts if v.fits]
     if len(fitting) < spec.shards:
         if not nodes:
@@ -190,12 +200,15 @@ class FreeGpus:
         return cls(eligible, set(used))
 
     def claim(
-        self, spec: ModelSpec, replicas_on_node: Mapping[str, int]
+        self,
+        spec: ModelSpec,
+        replicas_on_node: Mapping[str, int],
+        avoid: Collection[str] = frozenset(),
     ) -> tuple[ShardPlacement, ...] | None:
         """Choose and take GPUs for one replica of `spec`; None when no placement exists.
 
         `replicas_on_node` counts the model's replicas per node before this pass; the index
-        counts what it places itself from then on.
+        counts what it places itself from then on. Nodes in `avoid` are passed over.
         """
         key = self._heap_key(spec)
         heap = self._heaps.get(key)
@@ -208,12 +221,16 @@ class FreeGpus:
             name = str(entry[-1])
             if name in chosen or entry != self._entry(key, name):
                 continue  # stale: a fresher entry for this node was pushed when it changed
-            chosen.append(name)
             valid.append(entry)
+            if name not in avoid:
+                chosen.append(name)
         if len(chosen) < spec.shards:
             for entry in valid:
                 heapq.heappush(heap, entry)
             return None
+        for entry in valid:  # the avoided ones, still good for other claims
+            if entry[-1] not in chosen:
+                heapq.heappush(heap, entry)
         usable = self._usable[key[1]]
         shards = tuple(ShardPlacement(n, usable[n][: spec.gpus_per_shard]) for n in chosen)
         self._take(spec, shards)

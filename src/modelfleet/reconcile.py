@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from types import MappingProxyType
 from typing import Literal
 
 from modelfleet.catalog import Catalog, ModelSpec
@@ -94,12 +95,16 @@ def plan(
     busy: Collection[tuple[str, int]],
     now: float,
     stale_after: float,
+    failed: Mapping[str, str] = MappingProxyType({}),
+    avoid: Mapping[str, Mapping[str, str]] = MappingProxyType({}),
 ) -> Plan:
     """Decide one pass.
 
     `replicas` is the control plane's table; `serving` the ids of those whose every shard is
     ready; `busy` the GPU slots agents report in use beyond the table (an engine still
-    stopping holds its GPUs until it exits).
+    stopping holds its GPUs until it exits). `failed` maps the replicas that failed too often
+    to why: they are stopped and placed anew, off the nodes `avoid` keeps each model from
+    (model -> node -> why).
     """
     stops: list[StopReplica] = []
     new: list[NewReplica] = []
@@ -124,9 +129,10 @@ def plan(
             by_model.setdefault(replica.model, []).append(replica)
 
     draining = {n.name: n.drain_deadline for n in nodes if n.mark is Mark.DRAINING}
+    shared = _Pass(serving, nodes, draining, free_gpus, now, stale_after, failed, avoid)
     for spec in catalog.models:
         model_stops, model_new, model_pending = _plan_model(
-            spec, by_model.get(spec.name, []), serving, nodes, draining, free_gpus, now, stale_after
+            spec, by_model.get(spec.name, []), shared
         )
         stops += model_stops
         new += model_new
@@ -135,17 +141,32 @@ def plan(
     return Plan(tuple(new), tuple(stops), tuple(pending))
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """What the planning of every model in one pass shares."""
+
+    serving: Collection[str]
+    nodes: Sequence[Node]
+    draining: Mapping[str, float | None]
+    free_gpus: Callable[[], FreeGpus]
+    now: float
+    stale_after: float
+    failed: Mapping[str, str]
+    avoid: Mapping[str, Mapping[str, str]]
+
+
 def _plan_model(
-    spec: ModelSpec,
-    replicas: list[Replica],
-    serving: Collection[str],
-    nodes: Sequence[Node],
-    draining: Mapping[str, float | None],
-    free_gpus: Callable[[], FreeGpus],
-    now: float,
-    stale_after: float,
+    spec: ModelSpec, replicas: list[Replica], shared: _Pass
 ) -> tuple[list[StopReplica], list[NewReplica], Pending | None]:
+    serving, draining, now = shared.serving, shared.draining, shared.now
     stops: list[StopReplica] = []
+
+    # A replica that failed too often is stopped and placed anew elsewhere, not restarted.
+    failing = [r for r in replicas if r.id in shared.failed]
+    for r in failing:
+        stops.append(StopReplica(r.id, shared.failed[r.id]))
+    if failing:
+        replicas = [r for r in replicas if r.id not in shared.failed]
 
     # Replicas with a shard on a draining node are evicted: each gets a replacement at once and
     # stops once the replicas left serving reach the wanted count, or when the node's grace
@@ -199,15 +220,23 @@ def _plan_model(
     if missing <= 0:
         return stops, new, pending
     on_node = Counter(s.node for r in current for s in r.shards)
-    free = free_gpus()
+    free = shared.free_gpus()
+    avoid = shared.avoid.get(spec.name, MappingProxyType({}))
     for placed_so_far in range(missing):
-        shards = free.claim(spec, on_node)
+        shards = free.claim(spec, on_node, avoid)
         if shards is None:
             pending = Pending(
                 spec.name,
                 missing - placed_so_far,
                 functools.partial(
-                    place, spec, nodes, frozenset(free.used), Counter(on_node), now, stale_after
+                    place,
+                    spec,
+                    shared.nodes,
+                    frozenset(free.used),
+                    Counter(on_node),
+                    now,
+                    shared.stale_after,
+                    avoid,
                 ),
             )
             break

@@ -3,8 +3,9 @@
 It starts, in this order, a router, a control plane and two agents (`node-1`, `node-2`, four
 simulated 80 GB GPUs each), each as its own process and process group, waits until every
 replica of the default catalog serves through the router, and writes what a client and an
-operator need to `<state-dir>/up.json`. SIGINT or SIGTERM stops everything it started, engines
-included, in the reverse order.
+operator need to `<state-dir>/up.json`. While the fleet runs, a process of it that dies is
+started again and `up.json` rewritten with its new pid. SIGINT or SIGTERM stops everything it
+started, engines included, in the reverse order.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -386,16 +388,10 @@ def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> in
         write_json_atomic(state_dir / "up.json", info)
         _print_summary(info, catalog, state_dir, serving)
 
-        exited: set[int] = set()
+        keeper = Restarts()
         while not stopping:
-            for c in fleet.fleet.children:
-                if c.proc.poll() is not None and c.proc.pid not in exited:
-                    exited.add(c.proc.pid)
-                    where = f" on {c.node}" if c.node else ""
-                    code = c.proc.returncode
-                    print(
-                        f"warning: {c.role}{where} exited with code {code}; see {c.log}", flush=True
-                    )
+            if keeper.tend(fleet, lambda: stopping):
+                write_json_atomic(state_dir / "up.json", fleet.info())
             time.sleep(0.2)
     finally:
         print("stopping the fleet ...", flush=True)
@@ -403,6 +399,56 @@ def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> in
         (state_dir / "up.json").unlink(missing_ok=True)
     print("stopped.", flush=True)
     return 0
+
+
+@dataclass
+class Restarts:
+    """`up` as a service manager: a process of the fleet that dies is started again, at once
+    the first time, then after a delay that doubles (to 30 s) while it keeps dying within
+    30 s of its start. An agent's engines are not restarted: they outlive it, and the new
+    agent adopts them."""
+
+    delay: dict[int, float] = field(default_factory=dict)  # id(child) -> next delay
+    due: dict[int, float] = field(default_factory=dict)  # id(child) -> when to restart it
+    started: dict[int, float] = field(default_factory=dict)  # id(child) -> last restart
+
+    def tend(self, fleet: RunningFleet, stopping: Callable[[], bool]) -> bool:
+        """Restart what died and is due; True when anything was restarted."""
+        restarted = False
+        now = time.monotonic()
+        for c in fleet.fleet.children:
+            if c.proc.poll() is None or stopping():
+                continue
+            key = id(c)
+            where = f" on {c.node}" if c.node else ""
+            if key not in self.due:
+                delay = self.delay.get(key, 0.0)
+                self.due[key] = now + delay
+                print(
+                    f"warning: {c.role}{where} exited with code {c.proc.returncode}; "
+                    f"restarting it in {delay:.0f}s (log: {c.log})",
+                    flush=True,
+                )
+            if now < self.due[key]:
+                continue
+            del self.due[key]
+            try:
+                ready = fleet.fleet.restart(c)
+            except UpError as exc:
+                print(f"warning: {c.role}{where} did not come back: {exc}", flush=True)
+                self.delay[key] = min(30.0, max(1.0, 2 * self.delay.get(key, 0.0)))
+                continue
+            if c.role == "agent" and c.node:
+                fleet.agent_admin[c.node] = ready["urls"]["admin"]
+            print(f"{c.role}{where} restarted: pid {c.proc.pid}", flush=True)
+            self.delay[key] = min(30.0, max(1.0, 2 * self.delay.get(key, 0.0)))
+            self.started[key] = time.monotonic()
+            restarted = True
+        for key, since in list(self.started.items()):
+            if time.monotonic() - since > 30:  # it has stayed up: the next death restarts at once
+                self.delay.pop(key, None)
+                del self.started[key]
+        return restarted
 
 
 def _print_summary(info: dict[str, Any], catalog: Catalog, state_dir: Path, serving: bool) -> None:

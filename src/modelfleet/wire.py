@@ -47,6 +47,8 @@ class ShardReport(_Message):
     dist_port: int | None = None
     pid: int | None = None
     restarts: int = 0
+    failures: int = 0  # in a row, since the engine was last healthy for long enough
+    backoff_s: float | None = None  # while failed: the wait before the next start
     startup_s: float | None = None  # seconds from the engine's start to its first ready probe
     error: str = ""
     log_tail: list[str] = Field(default_factory=list, max_length=MAX_LOG_TAIL_LINES)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -231,3 +232,70 @@ def test_a_shard_of_rank_1_starts_once_it_knows_where_shard_0_is(tmp_path: Path)
         await agent.close()
 
     asyncio.run(go())
+
+
+def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path) -> None:
+    """Engines outlive their agent; the next agent takes over the ones still running (same pid,
+    no restart), forgets the dead ones, and stops what it is no longer assigned."""
+
+    def sim(rid: str) -> ShardAssignment:
+        return ShardAssignment(
+            replica_id=rid, model="m", engine="sim", source="m", args=[], env={}, rank=0,
+            num_shards=1, gpus=[0], engine_digest="d", startup_timeout=30,
+        )  # fmt: skip
+
+    settings = AgentSettings(
+        control_plane="http://127.0.0.1:9",
+        node="n",
+        token=None,
+        state_dir=tmp_path,
+        supervisor=SupervisorSettings(stop_grace=2.0),
+    )
+
+    async def until_ready(agent: Agent, keys: list[str]) -> None:
+        deadline = time.monotonic() + 20
+        while any(agent.shards[k].state is not ShardState.READY for k in keys):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+    async def first_run() -> dict[str, int]:
+        agent = Agent(settings, SimulatedGpus("2x80GB"))
+        agent.apply(NodeAssignment(node="n", shards=[sim("keep"), sim("drop"), sim("dead")]))
+        await until_ready(agent, ["keep/0", "drop/0", "dead/0"])
+        pids = {k: s.proc.pid for k, s in agent.shards.items() if s.proc}
+        await agent.close()  # as a crash would: the engines are left running
+        return pids
+
+    pids = asyncio.run(first_run())
+    assert all(alive(p) for p in pids.values())
+    os.killpg(pids["dead/0"], signal.SIGKILL)  # one engine dies while no agent runs
+    deadline = time.monotonic() + 10
+    while alive(pids["dead/0"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+    async def second_run() -> None:
+        agent = Agent(settings, SimulatedGpus("2x80GB"))
+        assert sorted(agent.adopt()) == ["drop/0", "keep/0"]
+        await until_ready(agent, ["keep/0", "drop/0"])
+        assert {k: s.proc.pid for k, s in agent.shards.items() if s.proc} == {
+            "keep/0": pids["keep/0"],
+            "drop/0": pids["drop/0"],
+        }
+        agent.apply(NodeAssignment(node="n", shards=[sim("keep")]))
+        while agent.stopping:
+            await asyncio.sleep(0.05)
+        assert not alive(pids["drop/0"]) and alive(pids["keep/0"])
+        assert agent.shards["keep/0"].proc.pid == pids["keep/0"]  # type: ignore[union-attr]
+        agent.apply(NodeAssignment(node="n", shards=[]))
+        while agent.stopping:
+            await asyncio.sleep(0.05)
+        await agent.close()
+
+    try:
+        asyncio.run(second_run())
+    finally:
+        for pid in pids.values():
+            if alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+    assert not alive(pids["keep/0"])

@@ -127,6 +127,31 @@ def test_up_serves_every_model_and_stops_everything(procs: Procs, tmp_path: Path
     )
     assert gone.returncode != 0 and "cannot reach" in gone.stderr and "Traceback" not in gone.stderr
 
+    # `up` is a service manager: a process of the fleet that dies is started again, and up.json
+    # says so. The router comes back on its port; an agent comes back and adopts its engines.
+    node1 = state / "agents" / "node-1" / "shards.json"
+    engines_before = sorted(s["pid"] for s in json.loads(node1.read_text())["shards"].values())
+    pickers = {"router": lambda p: p["router"], "agent": lambda p: p["agent"]["node-1"]}
+    for role, pick in pickers.items():
+        old = pick(pids)
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            now = json.loads((state / "up.json").read_text())["pids"]
+            if pick(now) != old and alive(pick(now)):
+                break
+            assert time.monotonic() < deadline, f"{role} was not restarted"
+            time.sleep(0.1)
+        everything.append(pick(now))
+    reply = client.chat.completions.create(
+        model="sim-chat", messages=[{"role": "user", "content": "still there?"}], max_tokens=2
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 2
+    time.sleep(2)  # a few reports of the new agent
+    engines_after = sorted(s["pid"] for s in json.loads(node1.read_text())["shards"].values())
+    assert engines_after == engines_before and all(alive(p) for p in engines_after)
+    assert "restarted: pid" in procs.log("up")
+
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=60) == 0
     # Engines may have restarted since up.json was written: check what the agents recorded too.

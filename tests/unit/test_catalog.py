@@ -168,3 +168,8 @@ def test_round_trip_through_yaml() -> None:
     catalog = Catalog.new([model(replicas=2, node_labels={"zone": "a"}, gpu_model="H100")])
     again = Catalog.from_yaml(yaml.safe_dump(catalog.to_dict()))
     assert again.digest == catalog.digest
+
+
+def test_llamacpp_runs_one_shard_per_replica() -> None:
+    [(name, field, message)] = problems_of([model(engine="llamacpp", shards=2)])
+    assert (name, field) == ("m", "shards") and "one shard per replica" in message

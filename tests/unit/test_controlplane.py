@@ -351,3 +351,48 @@ def test_every_shard_is_told_its_rank_and_where_shard_0_meets_its_peers() -> Non
     )
     assert cp.state.assignment("b", catalog).shards[0].leader == "10.0.0.97:29500"
     assert cp.state.assignment("a", catalog).shards[0].leader == "10.0.0.97:29500"
+
+
+def test_a_replica_failing_on_a_node_moves_off_it() -> None:
+    config = ControlPlaneConfig(admin_token=TOKEN, settle_for=-1, max_failures=3)
+    catalogs = keeper([{"name": "a", "engine": "sim"}])
+    cp = ControlPlane(config, catalogs)
+    gpus = SimulatedGpus("1x80GB")
+    catalog = catalogs.current
+    for node in ("n1", "n2"):
+        cp.state.take_report(report(node, gpus), catalog, 1.0)
+    cp.reconcile_once(1.0)
+    [first] = cp.state.replicas.values()
+    node = first.replica.shards[0].node
+
+    def failing(failures: int, seq: int) -> AgentReport:
+        [a] = cp.state.assignment(node, catalog).shards
+        shard = ShardReport(
+            replica_id=a.replica_id,
+            model="a",
+            rank=0,
+            num_shards=1,
+            gpus=a.gpus,
+            engine_digest=a.engine_digest,
+            state=ShardState.FAILED,
+            failures=failures,
+            error="engine exited (1)",
+        )
+        return AgentReport(
+            node=node, boot_id="b", seq=seq, address="127.0.0.1", gpus=gpus.gpus(), shards=[shard]
+        )
+
+    cp.state.take_report(failing(2, 2), catalog, 2.0)
+    cp.reconcile_once(2.0)
+    assert list(cp.state.replicas) == [first.replica.id]  # two failures: restarted in place
+    cp.state.take_report(failing(3, 3), catalog, 3.0)
+    cp.reconcile_once(3.0)
+    views = {v.id: v for v in cp.state.replica_views()}
+    assert views[first.replica.id].state == "retiring"
+    assert "failed 3 times in a row" in views[first.replica.id].reason
+    [moved] = [v for v in views.values() if v.id != first.replica.id]
+    assert moved.shards[0].node != node
+    explained = cp.state.explain(catalog, "a", 3.0)
+    assert explained is not None
+    verdict = next(v for v in explained.verdicts if v.node == node)
+    assert any("avoided" in r and "engine exited (1)" in r for r in verdict.reasons)

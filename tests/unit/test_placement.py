@@ -162,9 +162,13 @@ def test_no_nodes_is_explained() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(fleets(max_nodes=6, mostly_eligible=True), st.lists(specs, min_size=1, max_size=6))
+@given(
+    fleets(max_nodes=6, mostly_eligible=True),
+    st.lists(specs, min_size=1, max_size=6),
+    st.sets(st.sampled_from(["n0", "n1", "n2"])),
+)
 def test_the_index_places_as_place_does_claim_after_claim(
-    fleet: tuple[list[Node], set[tuple[str, int]]], asked: list[ModelSpec]
+    fleet: tuple[list[Node], set[tuple[str, int]]], asked: list[ModelSpec], avoid: set[str]
 ) -> None:
     """FreeGpus answers each claim exactly as place() would on the state the claims before it
     left: the same nodes, the same GPUs, the same order, and None where place() explains."""
@@ -179,8 +183,10 @@ def test_the_index_places_as_place_does_claim_after_claim(
             names.append(raw)
         s = dataclasses.replace(raw, name=f"m{names.index(raw)}")
         counts = on_node.setdefault(s.name, {})
-        expected = place(s, nodes, taken, counts, NOW, STALE)
-        got = index.claim(s, {})
+        # The first spec keeps off the `avoid` nodes, as a model that failed there would.
+        kept_off = {n: "failed" for n in avoid} if s.name == "m0" else {}
+        expected = place(s, nodes, taken, counts, NOW, STALE, kept_off)
+        got = index.claim(s, {}, kept_off)
         if isinstance(expected, Unplaceable):
             assert got is None
             continue

@@ -192,3 +192,20 @@ def test_a_replica_not_serving_on_a_draining_node_stops_at_once() -> None:
     d = c.models[0].engine_digest
     p = plan(c, [replica("r0", "a", d)], set(), [drained(nodes(2)[0]), nodes(2)[1]], set(), NOW, 10)
     assert [s.replica_id for s in p.stop] == ["r0"] and p.new[0].shards[0].node == "n1"
+
+
+def test_a_replica_that_failed_too_often_is_placed_anew_elsewhere() -> None:
+    c = catalog({"name": "a"})
+    d = c.models[0].engine_digest
+    why = "failed 3 times in a row on n0: engine exited (1)"
+    p = plan(
+        c, [replica("r0", "a", d)], set(), nodes(2), set(), NOW, 10, {"r0": why}, {"a": {"n0": why}}
+    )
+    assert [(s.replica_id, s.reason) for s in p.stop] == [("r0", why)]
+    assert [s.node for r in p.new for s in r.shards] == ["n1"]
+    # With nowhere else to go it waits, and says why the node it failed on is not used.
+    p = plan(c, [], set(), nodes(1), set(), NOW, 10, {}, {"a": {"n0": why}})
+    assert not p.new
+    assert "avoided: a replica of a failed here" in " ".join(
+        p.pending[0].explanation.verdicts[0].reasons
+    )

@@ -1,4 +1,5 @@
-"""Where an agent's GPUs come from: a `GpuSource`. Here, the simulated one.
+"""Where an agent's GPUs come from: a `GpuSource`. NVML on a machine with NVIDIA's driver, or
+simulated GPUs for development, tests and rehearsals.
 
 Simulated GPUs are described on the command line as `COUNTxSIZE[:MODEL]`, several groups
 separated by commas: `4x80GB`, `8x80GB:H100`, `2x80GB:H100,2x40GB:A100`.
@@ -6,8 +7,10 @@ separated by commas: `4x80GB`, `8x80GB:H100`, `2x80GB:H100,2x40GB:A100`.
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Protocol
+from types import ModuleType
+from typing import Any, Protocol
 
 from modelfleet.units import BadSize, parse_size
 from modelfleet.wire import GpuReport
@@ -19,6 +22,9 @@ class GpuSource(Protocol):
     """Something that lists a node's GPUs with their health."""
 
     def gpus(self) -> list[GpuReport]: ...
+
+
+log = logging.getLogger("modelfleet.agent")
 
 
 class BadGpuSpec(ValueError):
@@ -75,3 +81,136 @@ class SimulatedGpus:
         )
         self._gpus[index] = gpu
         return gpu
+
+
+# XIDs after which a GPU is not to be trusted with work until it is reset or serviced: double
+# bit ECC (48), page retirement and row remapping events (63, 64), NVLink (74), fallen off the
+# bus (79), contained and uncontained ECC (94, 95), and the GPU having stopped processing or
+# its firmware having failed (46, 62, 119, 120). Application errors (13, 31, 43, 45, 68) are
+# the engine's, not the GPU's, and are not among them.
+CRITICAL_XIDS = frozenset({46, 48, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML could not be loaded or initialised (no NVIDIA driver, or no nvidia-ml-py)."""
+
+
+class NvmlGpus:
+    """The node's NVIDIA GPUs as NVML reports them.
+
+    Each report gives every GPU's name, total and used memory, and its health. A GPU is
+    unhealthy, with the reason, when NVML says it is lost, when a row remapping failed or
+    waits for a reset, when retired pages wait for a reset, when it has uncorrectable ECC
+    errors since the driver loaded, or once a critical XID event was seen for it (an XID
+    stays until the agent restarts: the GPU needs a reset either way).
+
+    `nvml` is the `pynvml` module of nvidia-ml-py; tests pass a fake with the same functions.
+    """
+
+    def __init__(self, nvml: ModuleType | Any | None = None) -> None:
+        if nvml is None:
+            try:
+                import pynvml as nvml  # type: ignore[no-redef]
+            except ImportError as exc:
+                raise NvmlUnavailable(f"nvidia-ml-py is not installed: {exc}") from exc
+        self.nvml = nvml
+        try:
+            nvml.nvmlInit()
+            count = nvml.nvmlDeviceGetCount()
+            self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        except nvml.NVMLError as exc:
+            raise NvmlUnavailable(f"NVML: {exc}") from exc
+        self._xids: dict[int, str] = {}
+        self._events = self._watch_xids()
+
+    def _watch_xids(self) -> Any:
+        nvml = self.nvml
+        try:
+            events = nvml.nvmlEventSetCreate()
+            for handle in self._handles:
+                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, events)
+        except nvml.NVMLError as exc:
+            log.warning("NVML: XID events cannot be watched (%s); other health checks stand", exc)
+            return None
+        return events
+
+    def _drain_xids(self) -> None:
+        if self._events is None:
+            return
+        nvml = self.nvml
+        while True:
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._events, 0)
+            except nvml.NVMLError:
+                return  # a timeout: nothing more waiting
+            xid = int(data.eventData)
+            if xid not in CRITICAL_XIDS:
+                continue
+            try:
+                index = int(nvml.nvmlDeviceGetIndex(data.device))
+            except nvml.NVMLError:
+                continue
+            if index not in self._xids:
+                self._xids[index] = f"XID {xid}"
+                log.error("gpu %d: critical XID %d; excluded until a restart", index, xid)
+
+    def gpus(self) -> list[GpuReport]:
+        self._drain_xids()
+        return [self._gpu(index, handle) for index, handle in enumerate(self._handles)]
+
+    def _gpu(self, index: int, handle: Any) -> GpuReport:
+        nvml = self.nvml
+        try:
+            name = nvml.nvmlDeviceGetName(handle)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        except nvml.NVMLError as exc:
+            lost = getattr(nvml, "NVML_ERROR_GPU_IS_LOST", None)
+            reason = "NVML: GPU is lost" if getattr(exc, "value", None) == lost else f"NVML: {exc}"
+            return GpuReport(
+                index=index,
+                model="unknown",
+                memory_total=0,
+                memory_used=0,
+                healthy=False,
+                reason=reason,
+            )
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+        reasons = self._faults(handle)
+        if index in self._xids:
+            reasons.insert(0, self._xids[index])
+        return GpuReport(
+            index=index,
+            model=str(name),
+            memory_total=int(memory.total),
+            memory_used=int(memory.used),
+            healthy=not reasons,
+            reason="; ".join(reasons),
+        )
+
+    def _faults(self, handle: Any) -> list[str]:
+        """What NVML says is wrong with the GPU's memory; a check it does not support is skipped."""
+        nvml = self.nvml
+        faults = []
+        try:
+            _, _, pending, failed = nvml.nvmlDeviceGetRemappedRows(handle)
+            if failed:
+                faults.append("row remapping failed")
+            elif pending:
+                faults.append("row remapping pending: reset the GPU")
+        except nvml.NVMLError:
+            pass
+        try:
+            if nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle) == nvml.NVML_FEATURE_ENABLED:
+                faults.append("retired pages pending: reset the GPU")
+        except nvml.NVMLError:
+            pass
+        try:
+            errors = nvml.nvmlDeviceGetTotalEccErrors(
+                handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+            )
+            if errors:
+                faults.append(f"{errors} uncorrectable ECC error(s)")
+        except nvml.NVMLError:
+            pass
+        return faults

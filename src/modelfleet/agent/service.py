@@ -94,12 +94,12 @@ class Agent:
                 continue  # started once shard 0 has said where it meets its peers
             self._start(a)
 
-    def _start(self, assignment: ShardAssignment) -> None:
+    def _shard(self, assignment: ShardAssignment) -> Shard:
         try:
             driver = driver_for(assignment.engine)
         except NoDriver as exc:
             driver = exc  # the shard reports the error as its failure
-        shard = Shard(
+        return Shard(
             assignment,
             driver,
             self.settings.state_dir / "logs",
@@ -107,9 +107,45 @@ class Agent:
             self.changed,
             self._probe,
         )
+
+    def _start(self, assignment: ShardAssignment) -> None:
+        shard = self._shard(assignment)
         self.shards[assignment.key] = shard
         shard.start()
         self.changed()
+
+    def adopt(self) -> list[str]:
+        """Take over the engines an earlier run of this agent started and that still run.
+
+        They are supervised as if this run had started them: probed, restarted when they fail,
+        stopped when the control plane no longer assigns them. An engine whose process is gone
+        is forgotten. Returns the keys of the shards adopted.
+        """
+        path = self.settings.state_dir / "shards.json"
+        try:
+            records = json.loads(path.read_text())["shards"]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("cannot read %s (%s); adopting nothing", path, exc)
+            return []
+        adopted = []
+        for key, record in records.items():
+            try:
+                assignment = ShardAssignment.model_validate(record["assignment"])
+            except (KeyError, ValidationError):
+                log.warning("shard %s: no assignment in its record; not adopted", key)
+                continue
+            shard = self._shard(assignment)
+            if not shard.adopt(record):
+                log.info("shard %s: its engine (pid %s) is gone", key, record.get("pid"))
+                continue
+            self.shards[key] = shard
+            shard.start()
+            adopted.append(key)
+            log.info("shard %s: adopted its running engine, pid %s", key, record.get("pid"))
+        self.changed()
+        return adopted
 
     def _stop(self, key: str) -> None:
         shard = self.shards.pop(key)
@@ -126,20 +162,8 @@ class Agent:
         task.add_done_callback(self._tasks.discard)
 
     def _record(self) -> None:
-        """Write what this agent started to its state dir (for re-adoption and for `up`)."""
-        records = {
-            key: {
-                "replica_id": s.assignment.replica_id,
-                "rank": s.assignment.rank,
-                "model": s.assignment.model,
-                "pid": s.proc.pid if s.proc else None,
-                "port": s.port,
-                "argv": s.argv,
-                "started_at": s.started_at,
-                "state": s.state.value,
-            }
-            for key, s in (*self.shards.items(), *self.stopping.items())
-        }
+        """Write what this agent runs to its state dir, for a later run to adopt (and `up`)."""
+        records = {key: s.record() for key, s in (*self.shards.items(), *self.stopping.items())}
         write_json_atomic(self.settings.state_dir / "shards.json", {"shards": records})
 
     async def send_report(self) -> NodeAssignment | None:
@@ -160,7 +184,9 @@ class Agent:
             return None
 
     async def report_loop(self, ready_file: Path | None, urls: dict[str, str]) -> None:
-        """Report, apply the answer, repeat; the ready file is written after the first answer."""
+        """Adopt what an earlier run left running; then report, apply the answer, repeat. The
+        ready file is written after the first answer."""
+        self.adopt()
         ready_written = False
         while True:
             self._changed.clear()

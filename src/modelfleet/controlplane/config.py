@@ -37,6 +37,10 @@ class ControlPlaneConfig(BaseModel):
     # without it before its engine is stopped anyway.
     retire_timeout: float = Field(default=10.0, ge=0)
     drain_grace: float = Field(default=300.0, ge=0)  # default bound of a drain; 0: none
+    # A replica whose engine failed this many times in a row is placed anew elsewhere, and its
+    # model kept off that node for `failure_avoid` seconds.
+    max_failures: int = Field(default=3, ge=1)
+    failure_avoid: float = Field(default=600.0, ge=0)
     max_report_bytes: int = Field(default=1 << 20, gt=0)
     max_catalog_bytes: int = Field(default=1 << 20, gt=0)
 

@@ -255,7 +255,12 @@ class ControlPlane:
 
     def replicas_json(self) -> dict[str, Any]:
         catalog = self.catalogs.current
-        replicas = [asdict(v) for v in self.state.replica_views()]
+        replicas = []
+        for view in self.state.replica_views():
+            data = asdict(view)
+            for shard in data["shards"]:
+                del shard["log_tail"]  # `replicas/ID` has it; a list of every tail is too much
+            replicas.append(data)
         pending = []
         for p in self.state.pending:
             spec = catalog.get(p.model)
@@ -269,6 +274,20 @@ class ControlPlane:
                 }
             )
         return {"replicas": replicas, "pending": pending}
+
+    async def replica(self, request: Request) -> Response:
+        """One replica with every shard's state, error, restarts, backoff and log tail."""
+        if not self._admin_ok(request):
+            return _error(401, "missing or wrong admin token")
+        rid = request.path_params["replica"]
+        record = self.state.replicas.get(rid)
+        if record is None:
+            retired = self.state.retired.get(rid)
+            if retired is not None:
+                return _error(404, f"replica {rid!r} was stopped: {retired[0]}")
+            known = ", ".join(sorted(self.state.replicas)) or "none"
+            return _error(404, f"no replica {rid!r} (replicas: {known})")
+        return json_response(asdict(self.state.replica_view(record)))
 
     def catalog_json(self) -> dict[str, Any]:
         current = self.catalogs.current_info
@@ -379,8 +398,20 @@ class ControlPlane:
             return
         s = self.state
         catalog = self.catalogs.current
+        failed = {}
+        for rid, (node, why) in s.failing(self.config.max_failures).items():
+            s.keep_off(s.replicas[rid].replica.model, node, why, now + self.config.failure_avoid)
+            failed[rid] = why
         decided = plan(
-            catalog, s.planned(), s.serving(), s.node_list(), s.busy_slots(), now, s.stale_after
+            catalog,
+            s.planned(),
+            s.serving(),
+            s.node_list(),
+            s.busy_slots(),
+            now,
+            s.stale_after,
+            failed,
+            s.avoiding(now),
         )
         for stop in decided.stop:
             log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
@@ -485,6 +516,7 @@ def create_apps(cp: ControlPlane) -> tuple[Starlette, Starlette]:
             *(Route(p, cp.admin) for p in admin_paths),
             Route("/v1/catalog", cp.put_catalog, methods=["PUT"]),
             Route("/v1/catalog/history", cp.catalog_history),
+            Route("/v1/replicas/{replica:path}", cp.replica),
             Route("/v1/nodes/{node}/mark", cp.mark_node, methods=["POST"]),
             Route("/v1/explain/{model:path}", cp.explain),
         ]

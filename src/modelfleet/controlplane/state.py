@@ -105,6 +105,8 @@ class ShardView:
     port: int | None
     pid: int | None
     restarts: int
+    failures: int  # in a row
+    backoff_s: float | None  # while failed: the wait before its agent starts it again
     startup_s: float | None
     error: str
     log_tail: tuple[str, ...]
@@ -135,6 +137,8 @@ class FleetState:
     # is stopping it, and it must not be adopted back
     retired: dict[str, tuple[str, float]] = field(default_factory=dict)
     _names: list[str] | None = None  # the nodes' names, sorted; None when a node was added
+    # model -> node -> (until when, why): where a replica of the model kept failing
+    avoid: dict[str, dict[str, tuple[float, str]]] = field(default_factory=dict)
 
     # -- actual state --------------------------------------------------------------------
 
@@ -220,6 +224,36 @@ class FleetState:
                 busy |= record.replica.gpu_slots()
         return busy
 
+    def failing(self, max_failures: int) -> dict[str, tuple[str, str]]:
+        """Replicas (not retiring) with a shard whose engine failed `max_failures` times in a
+        row: replica id -> (node, why)."""
+        failing = {}
+        for rid, record in self.replicas.items():
+            if record.retiring:
+                continue
+            for rank, placement in enumerate(record.replica.shards):
+                node = self.nodes.get(placement.node)
+                seen = node.shard(rid, rank) if node else None
+                if seen is not None and seen.failures >= max_failures:
+                    why = f"failed {seen.failures} times in a row on {placement.node}"
+                    failing[rid] = (placement.node, f"{why}: {seen.error}" if seen.error else why)
+                    break
+        return failing
+
+    def keep_off(self, model: str, node: str, why: str, until: float) -> None:
+        """Place no replica of `model` on `node` until `until`."""
+        self.avoid.setdefault(model, {})[node] = (until, why)
+
+    def avoiding(self, now: float) -> dict[str, dict[str, str]]:
+        """model -> node -> why, for what is still kept off at `now` (the rest is forgotten)."""
+        for model, nodes in list(self.avoid.items()):
+            for node, (until, _) in list(nodes.items()):
+                if now >= until:
+                    del nodes[node]
+            if not nodes:
+                del self.avoid[model]
+        return {m: {n: why for n, (_, why) in nodes.items()} for m, nodes in self.avoid.items()}
+
     def planned(self) -> list[Replica]:
         """The replicas the planner counts: every one in the table that is not retiring."""
         return [r.replica for r in self.replicas.values() if not r.retiring]
@@ -238,6 +272,8 @@ class FleetState:
                     port=seen.port if seen else None,
                     pid=seen.pid if seen else None,
                     restarts=seen.restarts if seen else 0,
+                    failures=seen.failures if seen else 0,
+                    backoff_s=seen.backoff_s if seen else None,
                     startup_s=seen.startup_s if seen else None,
                     error=seen.error if seen else "",
                     log_tail=tuple(seen.log_tail) if seen else (),
@@ -406,7 +442,9 @@ class FleetState:
         for replica in self.planned():
             if replica.model == model:
                 on_node.update(s.node for s in replica.shards)
-        return place(spec, self.node_list(), self.used_slots(), on_node, now, self.stale_after)
+        avoid = self.avoiding(now).get(model, {})
+        nodes, used = self.node_list(), self.used_slots()
+        return place(spec, nodes, used, on_node, now, self.stale_after, avoid)
 
     def used_slots(self) -> set[tuple[str, int]]:
         """Every GPU slot taken: by replicas in the table, or by engines still holding one."""

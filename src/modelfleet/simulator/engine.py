@@ -19,6 +19,9 @@ _WORDS = (
 ).split(" ")
 
 
+FAULTS = ("none", "exit-at-start", "never-ready")
+
+
 @dataclass(frozen=True)
 class SimSettings:
     """How the simulated engine behaves; every figure is a command-line flag of engine-sim."""
@@ -29,6 +32,7 @@ class SimSettings:
     itl: float = 0.01  # seconds between output tokens
     max_concurrency: int = 16
     output_tokens: int = 16  # when the request sets no max_tokens
+    fault: str = "none"  # one of FAULTS: what goes wrong on purpose, for rehearsals and tests
 
 
 def count_prompt_tokens(text: str) -> int:

@@ -66,6 +66,8 @@ def create_app(settings: SimSettings) -> Starlette:
     created = int(time.time())
 
     async def health(_: Request) -> Response:
+        if settings.fault == "never-ready":
+            return Response(b"still loading (simulated fault: never-ready)\n", status_code=503)
         return Response(status_code=200)
 
     async def models(_: Request) -> Response:
@@ -195,5 +197,11 @@ async def serve(
     """Run the simulator until SIGINT/SIGTERM; `startup_delay` stands in for loading weights."""
     if startup_delay > 0:
         await asyncio.sleep(startup_delay)
+    if settings.fault == "exit-at-start":
+        print(f"loading {settings.model} ...", flush=True)
+        print(
+            "RuntimeError: CUDA error: out of memory (simulated fault: exit-at-start)", flush=True
+        )
+        raise SystemExit(1)
     listener = Listener("engine", create_app(settings), host, port)
     await run_service([listener], ready_file=ready_file, drain_timeout=drain_timeout)

@@ -1,0 +1,71 @@
+"""What every engine driver is: the `EngineDriver` seam and the `Launch` it answers with."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from dataclasses import dataclass
+from typing import Protocol
+
+from modelfleet.wire import ShardAssignment
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What to execute for one shard, and where it answers when it is ready.
+
+    `health_path` is probed on the engine's host and port (200 means ready); None for a shard
+    that serves no HTTP (a worker rank of a replica of several shards), which counts as ready
+    while it runs.
+    """
+
+    argv: list[str]
+    env: dict[str, str]
+    health_path: str | None = "/health"
+
+
+class NoDriver(LookupError):
+    """The agent cannot start this engine: no driver for it, or the engine is not installed."""
+
+
+class EngineDriver(Protocol):
+    """Turns a shard assignment into an engine process and a readiness probe."""
+
+    name: str
+
+    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+        """The command for `shard`, serving on host:port. `leader` is where the replica's
+        shard 0 meets its peers ("host:port"), for a replica of several shards; raises NoDriver
+        when the engine cannot be started here."""
+        ...
+
+
+def gpu_env(shard: ShardAssignment) -> dict[str, str]:
+    """The shard's GPUs, numbered as NVML numbers them (PCI bus order), and its own env."""
+    return {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in shard.gpus),
+        **shard.env,
+    }
+
+
+def split_leader(shard: ShardAssignment, leader: str | None) -> tuple[str, str]:
+    """(host, port) of shard 0's rendezvous; NoDriver when a replica of several shards has none."""
+    host, sep, port = (leader or "").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise NoDriver(f"shard {shard.rank} of {shard.num_shards} has no address of shard 0")
+    return host, port
+
+
+def executable(name: str) -> str:
+    """The path of `name` on PATH; NoDriver naming it when it is not there."""
+    found = shutil.which(name)
+    if found is None:
+        raise NoDriver(f"`{name}` is not on this node's PATH; install it or use engine 'command'")
+    return found
+
+
+def importable(module: str, package: str) -> None:
+    """NoDriver naming `package` when `module` cannot be imported by the agent's Python."""
+    if importlib.util.find_spec(module) is None:
+        raise NoDriver(f"{package} is not installed in the agent's Python ({module} not found)")

@@ -1,0 +1,35 @@
+"""An engine given as a command template in the catalog."""
+
+from __future__ import annotations
+
+import shlex
+
+from modelfleet.engines.base import Launch, NoDriver, gpu_env
+from modelfleet.wire import ShardAssignment
+
+
+class CommandDriver:
+    """The template may use {model}, {source}, {host}, {port}, {rank}, {num_shards}, {gpus}
+    (comma-separated indices) and {leader} (shard 0's "host:port" for a replica of several
+    shards, empty otherwise); the catalog's args are appended. Ready when /health answers.
+    """
+
+    name = "command"
+
+    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+        template = shard.command or ""
+        fields = {
+            "model": shard.model,
+            "source": shard.source,
+            "host": host,
+            "port": port,
+            "rank": shard.rank,
+            "num_shards": shard.num_shards,
+            "gpus": ",".join(str(g) for g in shard.gpus),
+            "leader": leader or "",
+        }
+        try:
+            argv = [part.format(**fields) for part in shlex.split(template)]
+        except (KeyError, IndexError, ValueError) as exc:
+            raise NoDriver(f"command template {template!r} cannot be filled in: {exc}") from exc
+        return Launch(argv + list(shard.args), gpu_env(shard))

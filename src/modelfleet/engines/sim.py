@@ -1,0 +1,17 @@
+"""The engine simulator (`modelfleet engine-sim`), run with the agent's own Python."""
+
+from __future__ import annotations
+
+import sys
+
+from modelfleet.engines.base import Launch, gpu_env
+from modelfleet.wire import ShardAssignment
+
+
+class SimDriver:
+    name = "sim"
+
+    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+        argv = [sys.executable, "-m", "modelfleet", "engine-sim", "--model", shard.model]
+        argv += ["--host", host, "--port", str(port), *shard.args]
+        return Launch(argv, gpu_env(shard))

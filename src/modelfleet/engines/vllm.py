@@ -1,0 +1,31 @@
+"""vLLM: `vllm serve SOURCE`, tensor parallel over the shard's GPUs.
+
+A replica of several shards runs one `vllm serve` per node with vLLM's own multi-node flags:
+tensor parallel inside each node, pipeline parallel across the nodes (`--pipeline-parallel-size`
+= shards), `--nnodes`, `--node-rank` and shard 0's rendezvous as `--master-addr` /
+`--master-port`; the shards of rank 1 and up run `--headless` and serve no HTTP.
+"""
+
+from __future__ import annotations
+
+from modelfleet.engines.base import Launch, executable, gpu_env, split_leader
+from modelfleet.wire import ShardAssignment
+
+
+class VllmDriver:
+    name = "vllm"
+
+    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+        argv = [executable("vllm"), "serve", shard.source, "--host", host, "--port", str(port)]
+        argv += ["--served-model-name", shard.model]
+        argv += ["--tensor-parallel-size", str(len(shard.gpus))]
+        health: str | None = "/health"
+        if shard.num_shards > 1:
+            master_host, master_port = split_leader(shard, leader)
+            argv += ["--pipeline-parallel-size", str(shard.num_shards)]
+            argv += ["--nnodes", str(shard.num_shards), "--node-rank", str(shard.rank)]
+            argv += ["--master-addr", master_host, "--master-port", master_port]
+            if shard.rank > 0:
+                argv.append("--headless")
+                health = None
+        return Launch([*argv, *shard.args], gpu_env(shard), health)

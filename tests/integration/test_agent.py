@@ -1,0 +1,176 @@
+"""The agent with real processes: engines that outlive it, engines that fail, engines that
+never become ready."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from modelfleet.loadgen import SteadyClient
+from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+
+from .conftest import alive
+
+
+def launch(tmp_path: Path, models: list[dict[str, Any]], **options: Any) -> RunningFleet:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "catalog.yaml").write_text(yaml.safe_dump({"models": models}))
+    return start_fleet(state, FleetOptions(report_interval=0.5, **options))
+
+
+def admin(fleet: RunningFleet) -> httpx.Client:
+    return httpx.Client(
+        base_url=fleet.admin_url,
+        headers={"authorization": f"Bearer {fleet.admin_token}"},
+        timeout=10,
+    )
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def target(fleet: RunningFleet) -> list[str]:
+    return ["--admin", fleet.admin_url, "--token", fleet.admin_token]
+
+
+def ctl(fleet: RunningFleet, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "modelfleet", "ctl", *args, *target(fleet)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture
+def steady(tmp_path: Path) -> Iterator[RunningFleet]:
+    model = {"name": "a", "engine": "sim", "replicas": 2, "args": ["--itl", "0.02"]}
+    fleet = launch(tmp_path, [model])
+    try:
+        yield fleet
+    finally:
+        fleet.fleet.stop()
+
+
+def test_engines_outlive_an_agent_killed_with_sigkill_and_are_adopted(
+    steady: RunningFleet,
+) -> None:
+    api = admin(steady)
+
+    def ready() -> dict[str, tuple[str, int]]:
+        reps = api.get("/v1/replicas").json()["replicas"]
+        return {
+            r["id"]: (r["shards"][0]["node"], r["shards"][0]["pid"])
+            for r in reps
+            if r["state"] == "ready"
+        }
+
+    before = wait_for("both replicas ready", lambda: len(ready()) == 2 and ready())
+    [agent] = [c for c in steady.fleet.children if c.role == "agent" and c.node == "node-1"]
+    [(engine_pid)] = [pid for node, pid in before.values() if node == "node-1"]
+
+    client = SteadyClient(steady.router_url, steady.api_key, "a", max_tokens=8)
+    client.start()
+    try:
+        time.sleep(1)
+        os.kill(agent.proc.pid, signal.SIGKILL)
+        agent.proc.wait()
+        time.sleep(2)  # the agent is gone; its engine keeps serving
+        assert alive(engine_pid)
+        steady.fleet.restart(agent)
+        after = wait_for("the engine adopted", lambda: ready() == before and ready())
+        time.sleep(1)
+    finally:
+        client.stop()
+    assert after == before  # same replicas, same engine pids: nothing was restarted
+    print(f"model a: {client.ok} requests, {client.rate:.1f}/s, failures: {client.failures}")
+    assert client.failures == [] and client.ok > 0
+    assert "adopted its running engine" in agent.log.read_text()
+    recorded = json.loads((steady.fleet.state_dir / "agents/node-1/shards.json").read_text())
+    assert [s["pid"] for s in recorded["shards"].values()] == [engine_pid]
+
+
+@pytest.fixture
+def crashing(tmp_path: Path) -> Iterator[RunningFleet]:
+    models = [
+        {"name": "crashy", "engine": "sim", "args": ["--fault", "exit-at-start"]},
+        {
+            "name": "stuck",
+            "engine": "sim",
+            "args": ["--fault", "never-ready"],
+            "startup_timeout": 1,
+        },
+    ]
+    fleet = launch(
+        tmp_path,
+        models,
+        agent_args=("--backoff-base", "2", "--backoff-max", "2"),
+        control_plane={"max_failures": 3},
+    )
+    try:
+        yield fleet
+    finally:
+        fleet.fleet.stop()
+
+
+def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(
+    crashing: RunningFleet,
+) -> None:
+    api = admin(crashing)
+
+    def replica(model: str) -> dict[str, Any] | None:
+        reps = [r for r in api.get("/v1/replicas").json()["replicas"] if r["model"] == model]
+        return reps[0] if reps else None
+
+    first = wait_for(
+        "crashy backing off",
+        lambda: (r := replica("crashy")) and r["shards"][0]["backoff_s"] is not None and r,
+    )
+    shown = ctl(crashing, "replicas", "show", first["id"])
+    assert "after 2s backoff" in shown and "engine exited (1)" in shown
+    assert "simulated fault: exit-at-start" in shown  # the engine's own last words
+    full = api.get(f"/v1/replicas/{first['id']}").json()
+    assert any("exit-at-start" in line for line in full["shards"][0]["log_tail"])
+
+    # After three failures in a row it is placed on the other node, then kept off both.
+    first_node = first["shards"][0]["node"]
+    moved = wait_for(
+        "crashy placed elsewhere",
+        lambda: (r := replica("crashy")) and r["shards"][0]["node"] != first_node and r,
+    )
+    assert moved["id"] != first["id"]
+    explained = wait_for(
+        "crashy kept off both nodes",
+        lambda: (
+            "avoided" in (s := ctl(crashing, "explain-placement", "crashy"))
+            and s.count("avoided") == 2
+            and s
+        ),
+    )
+    assert "failed 3 times in a row" in explained
+
+    stuck = wait_for(
+        "stuck timing out",
+        lambda: (r := replica("stuck")) and "startup timed out" in r["shards"][0]["error"] and r,
+    )
+    assert stuck["shards"][0]["error"] == "startup timed out after 1s"
