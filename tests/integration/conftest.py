@@ -6,17 +6,22 @@ Readiness is the process's own ready file (written once it listens), not polling
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import yaml
+
+from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
 
 class Procs:
@@ -86,3 +91,38 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield p
     finally:
         p.stop_all()
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 30, every: float = 0.05) -> Any:
+    """Call `check` until it returns something true, and return that; fail after `timeout`.
+
+    A connection error counts as "not yet": a service that is being restarted refuses.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if result := check():
+                return result
+        except httpx.TransportError:
+            pass
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextlib.contextmanager
+def fleet_of(tmp: Path, models: list[dict[str, Any]], **options: Any) -> Iterator[RunningFleet]:
+    """A fleet started as `modelfleet up` starts one (agents reporting every 0.5 s unless
+    `options` say otherwise), serving `models`; every process of it is stopped afterwards."""
+    state = tmp / "state"
+    state.mkdir()
+    (state / "catalog.yaml").write_text(yaml.safe_dump({"models": models}))
+    running = start_fleet(state, FleetOptions(**{"report_interval": 0.5, **options}))
+    try:
+        yield running
+    finally:
+        running.fleet.stop()
+
+
+def ctl_target(fleet: RunningFleet) -> list[str]:
+    """The flags that point `modelfleet ctl` at `fleet`'s admin API."""
+    return ["--admin", fleet.admin_url, "--token", fleet.admin_token]

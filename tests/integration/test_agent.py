@@ -9,25 +9,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from modelfleet.loadgen import SteadyClient
-from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+from modelfleet.up import RunningFleet
 
-from .conftest import alive
-
-
-def launch(tmp_path: Path, models: list[dict[str, Any]], **options: Any) -> RunningFleet:
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "catalog.yaml").write_text(yaml.safe_dump({"models": models}))
-    return start_fleet(state, FleetOptions(report_interval=0.5, **options))
+from .conftest import alive, ctl_target, fleet_of, wait_for
 
 
 def admin(fleet: RunningFleet) -> httpx.Client:
@@ -38,22 +30,9 @@ def admin(fleet: RunningFleet) -> httpx.Client:
     )
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def target(fleet: RunningFleet) -> list[str]:
-    return ["--admin", fleet.admin_url, "--token", fleet.admin_token]
-
-
 def ctl(fleet: RunningFleet, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "modelfleet", "ctl", *args, *target(fleet)],
+        [sys.executable, "-m", "modelfleet", "ctl", *args, *ctl_target(fleet)],
         capture_output=True,
         text=True,
         timeout=30,
@@ -65,11 +44,8 @@ def ctl(fleet: RunningFleet, *args: str) -> str:
 @pytest.fixture
 def steady(tmp_path: Path) -> Iterator[RunningFleet]:
     model = {"name": "a", "engine": "sim", "replicas": 2, "args": ["--itl", "0.02"]}
-    fleet = launch(tmp_path, [model])
-    try:
+    with fleet_of(tmp_path, [model]) as fleet:
         yield fleet
-    finally:
-        fleet.fleet.stop()
 
 
 def test_engines_outlive_an_agent_killed_with_sigkill_and_are_adopted(
@@ -121,16 +97,13 @@ def crashing(tmp_path: Path) -> Iterator[RunningFleet]:
             "startup_timeout": 1,
         },
     ]
-    fleet = launch(
+    with fleet_of(
         tmp_path,
         models,
         agent_args=("--backoff-base", "2", "--backoff-max", "2"),
         control_plane={"max_failures": 3},
-    )
-    try:
+    ) as fleet:
         yield fleet
-    finally:
-        fleet.fleet.stop()
 
 
 def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,9 @@ import pytest
 import yaml
 
 from modelfleet.loadgen import SteadyClient
-from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+from modelfleet.up import RunningFleet
+
+from .conftest import ctl_target, fleet_of, wait_for
 
 A = {"name": "a", "engine": "sim", "args": ["--ttft", "0.02", "--itl", "0.005"]}
 B = {"name": "b", "engine": "sim"}
@@ -34,14 +36,8 @@ def catalog_text(*models: dict[str, Any]) -> str:
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[RunningFleet]:
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "catalog.yaml").write_text(catalog_text(A))
-    running = start_fleet(state, FleetOptions(report_interval=0.5, stop_grace=10))
-    try:
+    with fleet_of(tmp_path, [A], stop_grace=10) as running:
         yield running
-    finally:
-        running.fleet.stop()
 
 
 class Operator:
@@ -69,9 +65,8 @@ class Operator:
         return time.monotonic()
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        target = ["--admin", self.fleet.admin_url, "--token", self.fleet.admin_token]
         return subprocess.run(
-            [sys.executable, "-m", "modelfleet", "ctl", *args, *target],
+            [sys.executable, "-m", "modelfleet", "ctl", *args, *ctl_target(self.fleet)],
             capture_output=True,
             text=True,
             timeout=30,
@@ -102,16 +97,6 @@ class Operator:
     def used_gpus(self) -> set[tuple[str, int]]:
         nodes = self.get("/v1/nodes")["nodes"]
         return {(n["name"], g["index"]) for n in nodes for g in n["gpus"] if g["in_use"]}
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def assert_serves_in_time(op: Operator, model: str, began: float, count: int = 1) -> None:

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +16,13 @@ import pytest
 import yaml
 
 from modelfleet.loadgen import SteadyClient
-from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+from modelfleet.up import RunningFleet
+
+from .conftest import ctl_target, fleet_of, wait_for
 
 RECONCILE_INTERVAL = 0.5
+OPTIONS = {"gpus": "2x80GB", "reconcile_interval": RECONCILE_INTERVAL, "stop_grace": 10}
 BIG = {"name": "big", "engine": "sim", "gpus_per_shard": 2, "gpu_memory": "60GiB"}
-
-
-def launch(tmp_path: Path, gpus: str, models: list[dict[str, Any]]) -> RunningFleet:
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "catalog.yaml").write_text(yaml.safe_dump({"models": models}))
-    options = FleetOptions(
-        gpus=gpus, report_interval=0.5, reconcile_interval=RECONCILE_INTERVAL, stop_grace=10
-    )
-    return start_fleet(state, options)
 
 
 class Ops:
@@ -43,9 +36,8 @@ class Ops:
         )
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        target = ["--admin", self.fleet.admin_url, "--token", self.fleet.admin_token]
         done = subprocess.run(
-            [sys.executable, "-m", "modelfleet", "ctl", *args, *target],
+            [sys.executable, "-m", "modelfleet", "ctl", *args, *ctl_target(self.fleet)],
             capture_output=True,
             text=True,
             timeout=30,
@@ -72,22 +64,10 @@ class Ops:
         return [r for r in data if r["model"] == model]
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture
 def small_fleet(tmp_path: Path) -> Iterator[RunningFleet]:
-    fleet = launch(tmp_path, "2x80GB", [])
-    try:
+    with fleet_of(tmp_path, [], **OPTIONS) as fleet:
         yield fleet
-    finally:
-        fleet.fleet.stop()
 
 
 def test_an_unplaceable_model_is_explained_and_placed_once_the_cause_is_fixed(
@@ -141,11 +121,8 @@ def test_an_unplaceable_model_is_explained_and_placed_once_the_cause_is_fixed(
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[RunningFleet]:
     model = {"name": "a", "engine": "sim", "replicas": 2, "args": ["--itl", "0.005"]}
-    fleet = launch(tmp_path, "2x80GB", [model])
-    try:
+    with fleet_of(tmp_path, [model], **OPTIONS) as fleet:
         yield fleet
-    finally:
-        fleet.fleet.stop()
 
 
 def test_drain_moves_replicas_make_before_break_under_load(

@@ -14,9 +14,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import yaml
 
-from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+from modelfleet.up import RunningFleet
+
+from .conftest import fleet_of
 
 pytestmark = pytest.mark.real_engine
 
@@ -45,14 +46,8 @@ def fleet(tmp_path: Path, gguf: Path) -> Iterator[RunningFleet]:
         "args": ["--chat_format", "gemma", "--n_ctx", "1024"],
         "startup_timeout": 120,
     }
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "catalog.yaml").write_text(yaml.safe_dump({"models": [model]}))
-    running = start_fleet(state, FleetOptions(nodes=("node-1",), report_interval=0.5))
-    try:
+    with fleet_of(tmp_path, [model], nodes=("node-1",)) as running:
         yield running
-    finally:
-        running.fleet.stop()
 
 
 def test_llamacpp_serves_chat_completions_through_the_router(fleet: RunningFleet) -> None:

@@ -6,14 +6,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import yaml
 
 from modelfleet.loadgen import SteadyClient
-from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+from modelfleet.up import RunningFleet
+
+from .conftest import fleet_of, wait_for
 
 A = {"name": "a", "engine": "sim", "replicas": 2, "args": ["--ttft", "0.02", "--itl", "0.005"]}
 B = {"name": "b", "engine": "sim"}
@@ -21,32 +22,14 @@ B = {"name": "b", "engine": "sim"}
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[RunningFleet]:
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "catalog.yaml").write_text(yaml.safe_dump({"models": [A]}))
-    running = start_fleet(state, FleetOptions(report_interval=0.5))
-    try:
+    with fleet_of(tmp_path, [A]) as running:
         yield running
-    finally:
-        running.fleet.stop()
 
 
 def replicas(admin: httpx.Client) -> dict[str, tuple[str, tuple[int | None, ...]]]:
     """replica id -> (state, engine pids)."""
     data = admin.get("/v1/replicas").json()["replicas"]
     return {r["id"]: (r["state"], tuple(s["pid"] for s in r["shards"])) for r in data}
-
-
-def wait_for(what: str, check: Any, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if result := check():
-                return result
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_a_restarted_control_plane_keeps_its_catalog_and_adopts_what_runs(
