@@ -97,6 +97,7 @@ def plan(
     stale_after: float,
     failed: Mapping[str, str] = MappingProxyType({}),
     avoid: Mapping[str, Mapping[str, str]] = MappingProxyType({}),
+    lost_after: float | None = None,
 ) -> Plan:
     """Decide one pass.
 
@@ -104,7 +105,8 @@ def plan(
     ready; `busy` the GPU slots agents report in use beyond the table (an engine still
     stopping holds its GPUs until it exits). `failed` maps the replicas that failed too often
     to why: they are stopped and placed anew, off the nodes `avoid` keeps each model from
-    (model -> node -> why).
+    (model -> node -> why). A node silent for longer than `lost_after` is lost: its replicas
+    are replaced elsewhere as a drain would replace them.
     """
     stops: list[StopReplica] = []
     new: list[NewReplica] = []
@@ -128,8 +130,17 @@ def plan(
         else:
             by_model.setdefault(replica.model, []).append(replica)
 
-    draining = {n.name: n.drain_deadline for n in nodes if n.mark is Mark.DRAINING}
-    shared = _Pass(serving, nodes, draining, free_gpus, now, stale_after, failed, avoid)
+    leaving: dict[str, tuple[str, float | None]] = {}
+    for n in nodes:
+        if n.mark is Mark.DRAINING:
+            leaving[n.name] = ("node draining", n.drain_deadline)
+        elif (
+            lost_after is not None
+            and n.last_report is not None
+            and now - n.last_report > lost_after
+        ):
+            leaving[n.name] = (f"node lost: no report for {now - n.last_report:.0f}s", None)
+    shared = _Pass(serving, nodes, leaving, free_gpus, now, stale_after, failed, avoid)
     for spec in catalog.models:
         model_stops, model_new, model_pending = _plan_model(
             spec, by_model.get(spec.name, []), shared
@@ -147,7 +158,7 @@ class _Pass:
 
     serving: Collection[str]
     nodes: Sequence[Node]
-    draining: Mapping[str, float | None]
+    leaving: Mapping[str, tuple[str, float | None]]  # node -> (why, until when at the latest)
     free_gpus: Callable[[], FreeGpus]
     now: float
     stale_after: float
@@ -158,7 +169,7 @@ class _Pass:
 def _plan_model(
     spec: ModelSpec, replicas: list[Replica], shared: _Pass
 ) -> tuple[list[StopReplica], list[NewReplica], Pending | None]:
-    serving, draining, now = shared.serving, shared.draining, shared.now
+    serving, now = shared.serving, shared.now
     stops: list[StopReplica] = []
 
     # A replica that failed too often is stopped and placed anew elsewhere, not restarted.
@@ -168,21 +179,21 @@ def _plan_model(
     if failing:
         replicas = [r for r in replicas if r.id not in shared.failed]
 
-    # Replicas with a shard on a draining node are evicted: each gets a replacement at once and
-    # stops once the replicas left serving reach the wanted count, or when the node's grace
-    # period is over, whichever comes first.
-    evicted: list[Replica] = []
+    # Replicas with a shard on a node being left (draining, or lost) are evicted: each gets a
+    # replacement at once and stops once the replicas left serving reach the wanted count, or
+    # when a draining node's grace period is over, whichever comes first.
+    evicted: list[tuple[Replica, str]] = []
     kept: list[Replica] = []
     for r in replicas:
-        deadlines = [draining[s.node] for s in r.shards if s.node in draining]
-        if not deadlines:
+        marks = [shared.leaving[s.node] for s in r.shards if s.node in shared.leaving]
+        if not marks:
             kept.append(r)
-        elif any(d is not None and now >= d for d in deadlines):
+        elif any(d is not None and now >= d for _, d in marks):
             stops.append(StopReplica(r.id, "node drained: its grace period is over"))
         elif r.id not in serving:
-            stops.append(StopReplica(r.id, "node draining"))
+            stops.append(StopReplica(r.id, marks[0][0]))
         else:
-            evicted.append(r)
+            evicted.append((r, marks[0][0]))
 
     current = [r for r in kept if r.engine_digest == spec.engine_digest]
     outdated = [r for r in kept if r.engine_digest != spec.engine_digest]
@@ -203,18 +214,18 @@ def _plan_model(
         if replica.id not in serving:
             stops.append(StopReplica(replica.id, "engine or arguments changed"))
     serving_outdated = sorted((r for r in outdated if r.id in serving), key=lambda r: r.created)
-    leaving = [(r, "node draining") for r in evicted]
-    leaving += [(r, "engine or arguments changed") for r in serving_outdated]
+    going = [(r, why, True) for r, why in evicted]
+    going += [(r, "engine or arguments changed", False) for r in serving_outdated]
     serving_current = sum(1 for r in current if r.id in serving)
-    while leaving and serving_current + len(leaving) > spec.replicas:
-        replica, why = leaving.pop(0)
+    while going and serving_current + len(going) > spec.replicas:
+        replica, why, _ = going.pop(0)
         stops.append(StopReplica(replica.id, why))
 
     new: list[NewReplica] = []
     missing = spec.replicas - len(current)
-    if any(why != "node draining" for _, why in leaving):
-        still_evicted = sum(1 for _, why in leaving if why == "node draining")
-        room = spec.replicas + 1 + still_evicted - len(current) - len(leaving)
+    if any(not was_evicted for _, _, was_evicted in going):
+        still_evicted = sum(1 for _, _, was_evicted in going if was_evicted)
+        room = spec.replicas + 1 + still_evicted - len(current) - len(going)
         missing = min(missing, room)
     pending: Pending | None = None
     if missing <= 0:

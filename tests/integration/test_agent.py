@@ -147,3 +147,44 @@ def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(
         lambda: (r := replica("stuck")) and "startup timed out" in r["shards"][0]["error"] and r,
     )
     assert stuck["shards"][0]["error"] == "startup timed out after 1s"
+
+
+def test_a_lost_node_is_replaced_make_before_break(tmp_path: Path) -> None:
+    model = {"name": "a", "engine": "sim", "args": ["--itl", "0.02"]}
+    options = {"control_plane": {"node_stale_after": 1, "node_lost_after": 2}}
+    with fleet_of(tmp_path, [model], **options) as fleet:
+        api = admin(fleet)
+        [first] = wait_for(
+            "a ready",
+            lambda: [
+                r for r in api.get("/v1/replicas").json()["replicas"] if r["state"] == "ready"
+            ],
+        )
+        node, engine_pid = first["shards"][0]["node"], first["shards"][0]["pid"]
+        [agent] = [c for c in fleet.fleet.children if c.role == "agent" and c.node == node]
+        client = SteadyClient(fleet.router_url, fleet.api_key, "a", max_tokens=8)
+        client.start()
+        try:
+            os.kill(agent.proc.pid, signal.SIGKILL)  # the node goes silent; its engine serves on
+            agent.proc.wait()
+            moved = wait_for(
+                "a replaced on the other node",
+                lambda: [
+                    r
+                    for r in api.get("/v1/replicas").json()["replicas"]
+                    if r["state"] == "ready" and r["shards"][0]["node"] != node
+                ],
+            )
+            wait_for(
+                "the lost replica gone",
+                lambda: len(api.get("/v1/replicas").json()["replicas"]) == 1,
+            )
+            time.sleep(0.5)
+        finally:
+            client.stop()
+        print(f"model a: {client.ok} requests, failures: {client.failures}")
+        assert client.failures == [] and client.ok > 0 and moved[0]["id"] != first["id"]
+        # The node comes back: its agent adopts the old engine, finds it unassigned, stops it.
+        assert alive(engine_pid)
+        fleet.fleet.restart(agent)
+        wait_for("the old engine stopped", lambda: not alive(engine_pid))

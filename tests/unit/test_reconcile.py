@@ -209,3 +209,17 @@ def test_a_replica_that_failed_too_often_is_placed_anew_elsewhere() -> None:
     assert "avoided: a replica of a failed here" in " ".join(
         p.pending[0].explanation.verdicts[0].reasons
     )
+
+
+def test_replicas_of_a_lost_node_are_replaced_before_they_are_stopped() -> None:
+    c = catalog({"name": "a"})
+    d = c.models[0].engine_digest
+    silent = dataclasses.replace(nodes(2)[0], last_report=NOW - 61)
+    fleet = [silent, nodes(2)[1]]
+    table = [replica("r0", "a", d, node="n0")]
+    assert not plan(c, table, {"r0"}, fleet, set(), NOW, 10, lost_after=120).changes
+    first = plan(c, table, {"r0"}, fleet, set(), NOW, 10, lost_after=60)
+    assert not first.stop and [s.node for r in first.new for s in r.shards] == ["n1"]
+    moved = Replica("r1", "a", d, first.new[0].shards, NOW)
+    done = plan(c, [*table, moved], {"r0", "r1"}, fleet, set(), NOW, 10, lost_after=60)
+    assert [(s.replica_id, s.reason) for s in done.stop] == [("r0", "node lost: no report for 61s")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RouterTarget(BaseModel):
@@ -30,7 +30,10 @@ class ControlPlaneConfig(BaseModel):
     known_nodes: list[str] = Field(default_factory=list)  # settling ends once all have reported
     settle_for: float = 0.0  # negative: no window; zero: the default; positive: that long
     reconcile_interval: float = Field(default=1.0, gt=0)
-    node_stale_after: float = Field(default=10.0, gt=0)
+    node_stale_after: float = Field(default=10.0, gt=0)  # no report this long: nothing new lands
+    # No report this long: the node is lost, and its replicas are replaced elsewhere,
+    # make-before-break (an agent that was only down finds its engines unassigned and stops them).
+    node_lost_after: float = Field(default=60.0, gt=0)
     push_interval: float = Field(default=10.0, gt=0)
     catalog_poll_interval: float = Field(default=0.25, gt=0)
     # How long a replica taken out of service waits for every router to confirm a routing table
@@ -43,6 +46,15 @@ class ControlPlaneConfig(BaseModel):
     failure_avoid: float = Field(default=600.0, ge=0)
     max_report_bytes: int = Field(default=1 << 20, gt=0)
     max_catalog_bytes: int = Field(default=1 << 20, gt=0)
+
+    @model_validator(mode="after")
+    def _lost_after_stale(self) -> ControlPlaneConfig:
+        if self.node_lost_after < self.node_stale_after:
+            raise ValueError(
+                f"node_lost_after ({self.node_lost_after}) must be at least node_stale_after "
+                f"({self.node_stale_after}): a lost node's replicas must not be placed on it again"
+            )
+        return self
 
     def resolve(self, folder: Path) -> ControlPlaneConfig:
         """This config with its relative paths made relative to `folder`."""

@@ -412,6 +412,7 @@ class ControlPlane:
             s.stale_after,
             failed,
             s.avoiding(now),
+            self.config.node_lost_after,
         )
         for stop in decided.stop:
             log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
