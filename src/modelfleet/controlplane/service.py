@@ -443,7 +443,8 @@ class ControlPlane:
                 await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval)
 
     async def publish(self, force: bool = False) -> None:
-        """Push the routing table to every router when it changed (or when forced).
+        """Push the routing table to every router when it changed (or when forced), and again
+        to each router that has not taken the current one (it was down, or refused it).
 
         Nothing is pushed while settling: the table is still empty of what agents have yet to
         report, and a router keeps serving from the one it holds.
@@ -455,13 +456,18 @@ class ControlPlane:
         if published != self._published:
             self._published = published
             self._routing_version = max(self._routing_version + 1, int(time.time() * 1000))
-        elif not force:
-            self.state.mark_unrouted(self._routing_version)
-            return
+            force = True
         self.state.mark_unrouted(self._routing_version)
+        routers = [
+            r
+            for r in self.config.routers
+            if force or self._acked.get(r.url, -1) < self._routing_version
+        ]
+        if not routers:
+            return
         snap = snapshot(published[1], self._routing_version, catalog.version)
         body = snap.model_dump_json()
-        await asyncio.gather(*(self._push(r.url, r.token, body) for r in self.config.routers))
+        await asyncio.gather(*(self._push(r.url, r.token, body) for r in routers))
 
     async def _push(self, url: str, token: str, body: str) -> None:
         try:
