@@ -126,3 +126,82 @@ def fleet_of(tmp: Path, models: list[dict[str, Any]], **options: Any) -> Iterato
 def ctl_target(fleet: RunningFleet) -> list[str]:
     """The flags that point `modelfleet ctl` at `fleet`'s admin API."""
     return ["--admin", fleet.admin_url, "--token", fleet.admin_token]
+
+
+class Operator:
+    """What an operator does to a running fleet: edit its catalog file, run `ctl`, read the
+    admin API, make a simulated GPU fail."""
+
+    def __init__(self, fleet: RunningFleet, tmp: Path) -> None:
+        self.fleet = fleet
+        self.tmp = tmp
+        self.admin = httpx.Client(
+            base_url=fleet.admin_url,
+            headers={"authorization": f"Bearer {fleet.admin_token}"},
+            timeout=10,
+        )
+        self.client = httpx.Client(
+            base_url=fleet.router_url,
+            headers={"authorization": f"Bearer {fleet.api_key}"},
+            timeout=10,
+        )
+
+    def write_file(self, *models: dict[str, Any]) -> float:
+        """Replace the watched catalog file the way an editor does; returns when."""
+        tmp = self.fleet.catalog_file.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump({"models": list(models)}))
+        os.replace(tmp, self.fleet.catalog_file)
+        return time.monotonic()
+
+    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`modelfleet ctl ARGS` against this fleet; with `check`, it must exit 0."""
+        done = subprocess.run(
+            [sys.executable, "-m", "modelfleet", "ctl", *args, *ctl_target(self.fleet)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if check:
+            assert done.returncode == 0, done.stderr
+        return done
+
+    def apply(
+        self, *models: dict[str, Any], check: bool = True
+    ) -> tuple[float, subprocess.CompletedProcess[str]]:
+        """`ctl catalog apply` of a file listing `models`; returns when it began, and ctl's run."""
+        path = self.tmp / f"apply-{time.monotonic_ns()}.yaml"
+        path.write_text(yaml.safe_dump({"models": list(models)}))
+        began = time.monotonic()
+        return began, self.ctl("catalog", "apply", str(path), check=check)
+
+    def get(self, path: str) -> Any:
+        r = self.admin.get(path)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def replicas(self, model: str | None = None) -> list[dict[str, Any]]:
+        return [
+            r for r in self.get("/v1/replicas")["replicas"] if model is None or r["model"] == model
+        ]
+
+    def serves(self, model: str) -> bool:
+        body = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+        return self.client.post("/v1/chat/completions", json=body).status_code == 200
+
+    def routed(self, model: str) -> list[str] | None:
+        models = self.get("/v1/routing")["models"]
+        return next((m["endpoints"] for m in models if m["name"] == model), None)
+
+    def used_gpus(self) -> set[tuple[str, int]]:
+        nodes = self.get("/v1/nodes")["nodes"]
+        return {(n["name"], g["index"]) for n in nodes for g in n["gpus"] if g["in_use"]}
+
+    def gpu(self, node: str, index: int, healthy: bool, reason: str = "") -> None:
+        """Make a simulated GPU fail (or recover) through its agent's admin API."""
+        r = httpx.put(
+            f"{self.fleet.agent_admin[node]}/v1/gpus/{index}/health",
+            json={"healthy": healthy, "reason": reason},
+            headers={"authorization": f"Bearer {self.fleet.agent_token}"},
+            timeout=10,
+        )
+        assert r.status_code == 200, r.text

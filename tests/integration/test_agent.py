@@ -6,39 +6,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from modelfleet.loadgen import SteadyClient
 from modelfleet.up import RunningFleet
 
-from .conftest import alive, ctl_target, fleet_of, wait_for
-
-
-def admin(fleet: RunningFleet) -> httpx.Client:
-    return httpx.Client(
-        base_url=fleet.admin_url,
-        headers={"authorization": f"Bearer {fleet.admin_token}"},
-        timeout=10,
-    )
-
-
-def ctl(fleet: RunningFleet, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "modelfleet", "ctl", *args, *ctl_target(fleet)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+from .conftest import Operator, alive, fleet_of, wait_for
 
 
 @pytest.fixture
@@ -49,9 +27,9 @@ def steady(tmp_path: Path) -> Iterator[RunningFleet]:
 
 
 def test_engines_outlive_an_agent_killed_with_sigkill_and_are_adopted(
-    steady: RunningFleet,
+    steady: RunningFleet, tmp_path: Path
 ) -> None:
-    api = admin(steady)
+    api = Operator(steady, tmp_path).admin
 
     def ready() -> dict[str, tuple[str, int]]:
         reps = api.get("/v1/replicas").json()["replicas"]
@@ -107,9 +85,10 @@ def crashing(tmp_path: Path) -> Iterator[RunningFleet]:
 
 
 def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(
-    crashing: RunningFleet,
+    crashing: RunningFleet, tmp_path: Path
 ) -> None:
-    api = admin(crashing)
+    op = Operator(crashing, tmp_path)
+    api = op.admin
 
     def replica(model: str) -> dict[str, Any] | None:
         reps = [r for r in api.get("/v1/replicas").json()["replicas"] if r["model"] == model]
@@ -119,7 +98,7 @@ def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(
         "crashy backing off",
         lambda: (r := replica("crashy")) and r["shards"][0]["backoff_s"] is not None and r,
     )
-    shown = ctl(crashing, "replicas", "show", first["id"])
+    shown = op.ctl("replicas", "show", first["id"]).stdout
     assert "after 2s backoff" in shown and "engine exited (1)" in shown
     assert "simulated fault: exit-at-start" in shown  # the engine's own last words
     full = api.get(f"/v1/replicas/{first['id']}").json()
@@ -135,7 +114,7 @@ def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(
     explained = wait_for(
         "crashy kept off both nodes",
         lambda: (
-            "avoided" in (s := ctl(crashing, "explain-placement", "crashy"))
+            "avoided" in (s := op.ctl("explain-placement", "crashy").stdout)
             and s.count("avoided") == 2
             and s
         ),
@@ -153,7 +132,7 @@ def test_a_lost_node_is_replaced_make_before_break(tmp_path: Path) -> None:
     model = {"name": "a", "engine": "sim", "args": ["--itl", "0.02"]}
     options = {"control_plane": {"node_stale_after": 1, "node_lost_after": 2}}
     with fleet_of(tmp_path, [model], **options) as fleet:
-        api = admin(fleet)
+        api = Operator(fleet, tmp_path).admin
         [first] = wait_for(
             "a ready",
             lambda: [

@@ -4,64 +4,20 @@ fixed; a drain moving replicas make-before-break under load. Real processes thro
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
-import yaml
 
 from modelfleet.loadgen import SteadyClient
 from modelfleet.up import RunningFleet
 
-from .conftest import ctl_target, fleet_of, wait_for
+from .conftest import Operator, fleet_of, wait_for
 
 RECONCILE_INTERVAL = 0.5
 OPTIONS = {"gpus": "2x80GB", "reconcile_interval": RECONCILE_INTERVAL, "stop_grace": 10}
 BIG = {"name": "big", "engine": "sim", "gpus_per_shard": 2, "gpu_memory": "60GiB"}
-
-
-class Ops:
-    def __init__(self, fleet: RunningFleet, tmp: Path) -> None:
-        self.fleet = fleet
-        self.tmp = tmp
-        self.admin = httpx.Client(
-            base_url=fleet.admin_url,
-            headers={"authorization": f"Bearer {fleet.admin_token}"},
-            timeout=10,
-        )
-
-    def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [sys.executable, "-m", "modelfleet", "ctl", *args, *ctl_target(self.fleet)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert done.returncode == 0, done.stderr
-        return done
-
-    def apply(self, *models: dict[str, Any]) -> str:
-        path = self.tmp / f"catalog-{time.monotonic_ns()}.yaml"
-        path.write_text(yaml.safe_dump({"models": list(models)}))
-        return self.ctl("catalog", "apply", str(path)).stdout
-
-    def gpu(self, node: str, index: int, healthy: bool, reason: str = "") -> None:
-        r = httpx.put(
-            f"{self.fleet.agent_admin[node]}/v1/gpus/{index}/health",
-            json={"healthy": healthy, "reason": reason},
-            headers={"authorization": f"Bearer {self.fleet.agent_token}"},
-            timeout=10,
-        )
-        assert r.status_code == 200, r.text
-
-    def replicas(self, model: str) -> list[dict[str, Any]]:
-        data = self.admin.get("/v1/replicas").json()["replicas"]
-        return [r for r in data if r["model"] == model]
 
 
 @pytest.fixture
@@ -73,7 +29,7 @@ def small_fleet(tmp_path: Path) -> Iterator[RunningFleet]:
 def test_an_unplaceable_model_is_explained_and_placed_once_the_cause_is_fixed(
     small_fleet: RunningFleet, tmp_path: Path
 ) -> None:
-    ops = Ops(small_fleet, tmp_path)
+    ops = Operator(small_fleet, tmp_path)
     assert "node-1: cordoned (was none)" in ops.ctl("cordon", "node-1").stdout
     ops.gpu("node-2", 1, healthy=False, reason="XID 79")
     wait_for(
@@ -81,7 +37,8 @@ def test_an_unplaceable_model_is_explained_and_placed_once_the_cause_is_fixed(
         lambda: "XID 79" in ops.ctl("nodes").stdout,
     )
 
-    applied = ops.apply(BIG)
+    _, applied_run = ops.apply(BIG)
+    applied = applied_run.stdout
     assert "pending x1" in applied
     pending = wait_for("big pending", lambda: ops.admin.get("/v1/replicas").json()["pending"])
     assert pending[0]["model"] == "big" and "needs 2 GPU(s)" in pending[0]["reason"]
@@ -128,7 +85,7 @@ def fleet(tmp_path: Path) -> Iterator[RunningFleet]:
 def test_drain_moves_replicas_make_before_break_under_load(
     fleet: RunningFleet, tmp_path: Path
 ) -> None:
-    ops = Ops(fleet, tmp_path)
+    ops = Operator(fleet, tmp_path)
     wait_for(
         "a on both nodes",
         lambda: (

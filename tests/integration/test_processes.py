@@ -43,6 +43,18 @@ def start_router(procs: Procs, tmp: Path, models: list[dict[str, object]]) -> st
     return wait_json(ready, proc)["urls"]["router"]
 
 
+def offline_agent(state_dir: Path, stop_grace: float) -> AgentSettings:
+    """An agent's settings with no control plane to reach (9 is the discard port): tests drive
+    it by calling apply() with assignments themselves."""
+    return AgentSettings(
+        control_plane="http://127.0.0.1:9",
+        node="n",
+        token=None,
+        state_dir=state_dir,
+        supervisor=SupervisorSettings(stop_grace=stop_grace),
+    )
+
+
 def chat(router: str, model: str, stream: bool = False) -> httpx.Response:
     body = {
         "model": model,
@@ -124,13 +136,7 @@ def test_agent_starts_and_stops_assigned_shards(tmp_path: Path) -> None:
     stubborn = f'{sys.executable} -c "{ignore_term}"'
 
     async def go() -> None:
-        settings = AgentSettings(
-            control_plane="http://127.0.0.1:9",
-            node="n",
-            token=None,
-            state_dir=tmp_path,
-            supervisor=SupervisorSettings(stop_grace=1.0),
-        )
+        settings = offline_agent(tmp_path, stop_grace=1.0)
         agent = Agent(settings, SimulatedGpus("2x80GB"))
         agent.apply(
             NodeAssignment(
@@ -210,13 +216,7 @@ def test_a_shard_of_rank_1_starts_once_it_knows_where_shard_0_is(tmp_path: Path)
         )
 
     async def go() -> None:
-        settings = AgentSettings(
-            control_plane="http://127.0.0.1:9",
-            node="n",
-            token=None,
-            state_dir=tmp_path,
-            supervisor=SupervisorSettings(stop_grace=1.0),
-        )
+        settings = offline_agent(tmp_path, stop_grace=1.0)
         agent = Agent(settings, SimulatedGpus("1x80GB"))
         agent.apply(NodeAssignment(node="n", shards=[rank(1, None)]))
         assert agent.shards == {}  # waits for shard 0's address
@@ -244,13 +244,7 @@ def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path
             num_shards=1, gpus=[0], engine_digest="d", startup_timeout=30,
         )  # fmt: skip
 
-    settings = AgentSettings(
-        control_plane="http://127.0.0.1:9",
-        node="n",
-        token=None,
-        state_dir=tmp_path,
-        supervisor=SupervisorSettings(stop_grace=2.0),
-    )
+    settings = offline_agent(tmp_path, stop_grace=2.0)
 
     async def until_ready(agent: Agent, keys: list[str]) -> None:
         deadline = time.monotonic() + 20
