@@ -20,7 +20,14 @@ from modelfleet.controlplane.service import ControlPlane, create_apps
 from modelfleet.ctl import print_explanation
 from modelfleet.fleet import Mark
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, NodeAssignment, RoutedModel, ShardReport, ShardState
+from modelfleet.wire import (
+    AgentReport,
+    NodeAssignment,
+    RoutedModel,
+    ShardAssignment,
+    ShardReport,
+    ShardState,
+)
 
 TOKEN = "admin-token-123"
 
@@ -154,20 +161,25 @@ class FakeRouter:
         return next((m["endpoints"] for m in self.held["models"] if m["name"] == model), None)
 
 
+def shard_of(a: ShardAssignment, state: ShardState, **extra: Any) -> ShardReport:
+    """The report an agent gives of running assignment `a`."""
+    return ShardReport(
+        replica_id=a.replica_id,
+        model=a.model,
+        rank=a.rank,
+        num_shards=a.num_shards,
+        gpus=a.gpus,
+        engine_digest=a.engine_digest,
+        state=state,
+        **extra,
+    )
+
+
 def serving_report(cp: ControlPlane, node: str, seq: int, gpus: SimulatedGpus) -> AgentReport:
     """What an agent that runs every assigned shard, all ready, would report."""
     catalog = cp.catalogs.current
     shards = [
-        ShardReport(
-            replica_id=a.replica_id,
-            model=a.model,
-            rank=a.rank,
-            num_shards=a.num_shards,
-            gpus=a.gpus,
-            engine_digest=a.engine_digest,
-            state=ShardState.READY,
-            port=9000 + i,
-        )
+        shard_of(a, ShardState.READY, port=9000 + i)
         for i, a in enumerate(cp.state.assignment(node, catalog).shards)
     ]
     return AgentReport(
@@ -332,16 +344,7 @@ def test_every_shard_is_told_its_rank_and_where_shard_0_meets_its_peers() -> Non
     assert a.replica_id == b.replica_id and a.leader is None and b.leader is None
 
     # Shard 0's agent reports the port its peers are to meet it at; then everyone is told.
-    rank0 = ShardReport(
-        replica_id=a.replica_id,
-        model="tp",
-        rank=0,
-        num_shards=2,
-        gpus=a.gpus,
-        engine_digest=a.engine_digest,
-        state=ShardState.STARTING,
-        dist_port=29500,
-    )
+    rank0 = shard_of(a, ShardState.STARTING, dist_port=29500)
     cp.state.take_report(
         AgentReport(
             node="a", boot_id="b", seq=2, address="10.0.0.97", gpus=gpus.gpus(), shards=[rank0]
@@ -367,17 +370,7 @@ def test_a_replica_failing_on_a_node_moves_off_it() -> None:
 
     def failing(failures: int, seq: int) -> AgentReport:
         [a] = cp.state.assignment(node, catalog).shards
-        shard = ShardReport(
-            replica_id=a.replica_id,
-            model="a",
-            rank=0,
-            num_shards=1,
-            gpus=a.gpus,
-            engine_digest=a.engine_digest,
-            state=ShardState.FAILED,
-            failures=failures,
-            error="engine exited (1)",
-        )
+        shard = shard_of(a, ShardState.FAILED, failures=failures, error="engine exited (1)")
         return AgentReport(
             node=node, boot_id="b", seq=seq, address="127.0.0.1", gpus=gpus.gpus(), shards=[shard]
         )
