@@ -15,34 +15,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PositiveFloat,
+    PositiveInt,
+    StringConstraints,
+    ValidationError,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from modelfleet.units import BadSize, parse_size
 
-ENGINES = ("vllm", "sglang", "llamacpp", "sim", "command")
-PLACEMENTS = ("spread", "pack")
+Engine = Literal["vllm", "sglang", "llamacpp", "sim", "command"]
+ENGINES: tuple[str, ...] = get_args(Engine)
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 Placement = Literal["spread", "pack"]
-
-_MODEL_KEYS = (
-    "name",
-    "engine",
-    "source",
-    "args",
-    "env",
-    "command",
-    "replicas",
-    "shards",
-    "gpus_per_shard",
-    "gpu_memory",
-    "gpu_model",
-    "node_labels",
-    "placement",
-    "startup_timeout",
-)
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
 _TOP_KEYS = ("models",)
 
 
@@ -190,7 +184,7 @@ class Catalog:
             for key in data
             if key not in _TOP_KEYS
         ]
-        models = data.get("models")
+        models: Any = data.get("models")
         if models is None:
             problems.append(Problem("-", "models", "missing: the file must list its models"))
         if problems:
@@ -226,6 +220,73 @@ def _unknown_key_message(key: str, known: Sequence[str]) -> str:
     return f"unknown key{hint}"
 
 
+def _size(value: object) -> int:
+    try:
+        return parse_size(value)
+    except BadSize as exc:
+        raise PydanticCustomError("size", str(exc)) from exc
+
+
+_Text = Annotated[str, StringConstraints(strip_whitespace=False, min_length=1, pattern=r"\S")]
+_Scalar = str | int | float  # YAML reads `8192` and `0.9` as numbers; they are kept as text
+
+
+class _ModelInput(BaseModel):
+    """One model as a catalog file writes it: what `Catalog.new` validates each entry with."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Annotated[str, StringConstraints(pattern=r"^\S+$")]
+    engine: Engine
+    source: _Text | None = None
+    args: list[_Scalar] = []
+    env: dict[str, _Scalar] = {}
+    command: _Text | None = None
+    replicas: PositiveInt = 1
+    shards: PositiveInt = 1
+    gpus_per_shard: PositiveInt = 1
+    gpu_memory: Annotated[int, BeforeValidator(_size)] = 0
+    gpu_model: _Text | None = None
+    node_labels: dict[str, _Scalar] = {}
+    placement: Placement = "spread"
+    startup_timeout: PositiveFloat = DEFAULT_STARTUP_TIMEOUT_S
+
+
+_MODEL_KEYS = tuple(_ModelInput.model_fields)
+
+# What each field must be, said to an operator whose value pydantic refused.
+_EXPECTED = {
+    "name": "must be a non-empty string without spaces",
+    "source": "must be a non-empty string",
+    "args": "must be a list of strings",
+    "env": "must be a mapping of strings to strings",
+    "command": "must be a non-empty string",
+    "replicas": "must be a positive integer",
+    "shards": "must be a positive integer",
+    "gpus_per_shard": "must be a positive integer",
+    "gpu_model": "must be a non-empty string",
+    "node_labels": "must be a mapping of strings to strings",
+    "placement": f"must be one of {', '.join(PLACEMENTS)}",
+    "startup_timeout": "must be a positive number of seconds",
+}
+
+
+def _problem_message(key: str, error: ErrorDetails, raw: Mapping[str, Any]) -> str:
+    """What an operator reads for pydantic's `error` about field `key` of model `raw`."""
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return _unknown_key_message(key, _MODEL_KEYS)
+    if kind == "missing":
+        return f"missing; one of {', '.join(ENGINES)}" if key == "engine" else "missing"
+    if key == "engine":
+        engine = raw.get("engine")
+        close = difflib.get_close_matches(str(engine), ENGINES, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return f"unknown engine {engine!r}; one of {', '.join(ENGINES)}{hint}"
+    if key == "gpu_memory":
+        return error["msg"]
+    return f"{_EXPECTED.get(key, error['msg'])}, got {raw.get(key)!r}"
+
+
 def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec | None:
     label = f"#{index + 1}"
     if not isinstance(raw, Mapping):
@@ -234,112 +295,42 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
     name = raw.get("name")
     if isinstance(name, str) and name.strip() and not any(c.isspace() for c in name):
         label = name
-    else:
-        message = (
-            "missing"
-            if name is None
-            else f"must be a non-empty string without spaces, got {name!r}"
-        )
-        problems.append(Problem(label, "name", message))
-        name = None
     before = len(problems)
+    try:
+        model = _ModelInput.model_validate(raw)
+    except ValidationError as exc:
+        seen: set[str] = set()
+        for error in exc.errors():
+            key = str(error["loc"][0]) if error["loc"] else "-"
+            if key not in seen:
+                seen.add(key)
+                problems.append(Problem(label, key, _problem_message(key, error, raw)))
+        return None
 
     def problem(key: str, message: str) -> None:
         problems.append(Problem(label, key, message))
 
-    for key in raw:
-        if key not in _MODEL_KEYS:
-            problem(str(key), _unknown_key_message(str(key), _MODEL_KEYS))
-
-    engine = raw.get("engine")
-    if engine is None:
-        problem("engine", f"missing; one of {', '.join(ENGINES)}")
-    elif engine not in ENGINES:
-        close = difflib.get_close_matches(str(engine), ENGINES, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        problem("engine", f"unknown engine {engine!r}; one of {', '.join(ENGINES)}{hint}")
-
-    def positive_int(key: str) -> int:
-        value = raw.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problem(key, f"must be a positive integer, got {value!r}")
-            return 1
-        return value
-
-    replicas = positive_int("replicas")
-    shards = positive_int("shards")
-    gpus_per_shard = positive_int("gpus_per_shard")
-
-    gpu_memory = 0
-    if "gpu_memory" in raw:
-        try:
-            gpu_memory = parse_size(raw["gpu_memory"])
-        except BadSize as exc:
-            problem("gpu_memory", str(exc))
-
-    args = raw.get("args", [])
-    if not isinstance(args, list) or not all(isinstance(a, str | int | float) for a in args):
-        problem("args", f"must be a list of strings, got {args!r}")
-        args = []
-
-    def str_mapping(key: str) -> dict[str, str]:
-        value = raw.get(key, {})
-        if not isinstance(value, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str | int | float) for k, v in value.items()
-        ):
-            problem(key, f"must be a mapping of strings to strings, got {value!r}")
-            return {}
-        return {k: str(v) for k, v in value.items()}
-
-    env = str_mapping("env")
-    node_labels = str_mapping("node_labels")
-
-    def optional_str(key: str) -> str | None:
-        value = raw.get(key)
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            problem(key, f"must be a non-empty string, got {value!r}")
-            return None
-        return value
-
-    source = optional_str("source")
-    gpu_model = optional_str("gpu_model")
-    command = optional_str("command")
-    if engine == "command" and command is None and "command" not in raw:
+    if model.engine == "command" and model.command is None:
         problem("command", "missing: engine 'command' needs a command template")
-    if engine in ENGINES and engine != "command" and command is not None:
-        problem("command", f"only engine 'command' takes a command template, not {engine!r}")
-    if engine == "llamacpp" and shards > 1:
-        problem("shards", f"engine 'llamacpp' runs one shard per replica, got {shards}")
-
-    placement = raw.get("placement", "spread")
-    if placement not in PLACEMENTS:
-        problem("placement", f"must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-        placement = "spread"
-
-    startup_timeout = raw.get("startup_timeout", DEFAULT_STARTUP_TIMEOUT_S)
-    if (
-        isinstance(startup_timeout, bool)
-        or not isinstance(startup_timeout, int | float)
-        or startup_timeout <= 0
-    ):
-        problem("startup_timeout", f"must be a positive number of seconds, got {startup_timeout!r}")
-        startup_timeout = DEFAULT_STARTUP_TIMEOUT_S
-
-    if name is None or len(problems) > before:
+    if model.engine != "command" and model.command is not None:
+        problem("command", f"only engine 'command' takes a command template, not {model.engine!r}")
+    if model.engine == "llamacpp" and model.shards > 1:
+        problem("shards", f"engine 'llamacpp' runs one shard per replica, got {model.shards}")
+    if len(problems) > before:
         return None
     return ModelSpec(
-        name=name,
-        engine=engine,
-        source=source or name,
-        args=tuple(str(a) for a in args),
-        env=MappingProxyType(env),
-        command=command,
-        replicas=replicas,
-        shards=shards,
-        gpus_per_shard=gpus_per_shard,
-        gpu_memory=gpu_memory,
-        gpu_model=gpu_model,
-        node_labels=MappingProxyType(node_labels),
-        placement=placement,
-        startup_timeout=float(startup_timeout),
+        name=model.name,
+        engine=model.engine,
+        source=model.source or model.name,
+        args=tuple(str(a) for a in model.args),
+        env=MappingProxyType({k: str(v) for k, v in model.env.items()}),
+        command=model.command,
+        replicas=model.replicas,
+        shards=model.shards,
+        gpus_per_shard=model.gpus_per_shard,
+        gpu_memory=model.gpu_memory,
+        gpu_model=model.gpu_model,
+        node_labels=MappingProxyType({k: str(v) for k, v in model.node_labels.items()}),
+        placement=model.placement,
+        startup_timeout=float(model.startup_timeout),
     )

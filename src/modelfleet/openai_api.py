@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-JSON = "application/json"
+from modelfleet.web import JSON
 
 
 def error_body(
@@ -22,11 +22,8 @@ def error_body(
 def error_response(
     status: int, message: str, type_: str, code: str | None = None, param: str | None = None
 ) -> Response:
+    """An OpenAI-style error answer."""
     return Response(error_body(message, type_, code, param), status_code=status, media_type=JSON)
-
-
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(json.dumps(data).encode(), status_code=status, media_type=JSON)
 
 
 class BadRequest(ValueError):

@@ -18,7 +18,7 @@ from typing import Literal
 
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.fleet import Mark, Node, Replica, ShardPlacement
-from modelfleet.placement import FreeGpus, Unplaceable, place
+from modelfleet.placement import FreeGpus, Placed, Unplaceable, place
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,24 @@ class StopReplica:
 class Pending:
     """Replicas of a model that are wanted but cannot be placed now, and why.
 
-    The explanation judges every node, so it is worked out only when someone reads it.
+    The explanation judges every node, so it is worked out only when someone reads it, by
+    `explain` (a full `place`). When that finds room after all (the pass's free-GPU index saw
+    none: the two disagree, or the fleet changed since), the explanation still says so as an
+    `Unplaceable`, naming where `place` would put the replica.
     """
 
     model: str
     count: int
-    explain: Callable[[], Unplaceable] = field(repr=False, compare=False)
+    explain: Callable[[], Placed | Unplaceable] = field(repr=False, compare=False)
 
     @cached_property
     def explanation(self) -> Unplaceable:
-        return self.explain()
+        found = self.explain()
+        if isinstance(found, Unplaceable):
+            return found
+        where = ", ".join(f"{s.node}{list(s.gpus)}" for s in found.shards)
+        summary = f"not placed in the last pass, though {where} fits now; the next pass places it"
+        return Unplaceable(self.model, summary, found.verdicts)
 
 
 @dataclass(frozen=True)

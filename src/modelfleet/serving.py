@@ -13,10 +13,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ class Listener:
     port: int = 0
     sock: socket.socket | None = field(default=None, repr=False)
 
-    def bind(self) -> None:
+    def bind(self) -> socket.socket:
+        """Bind and listen (port 0: the kernel picks one, which `port` then holds)."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -45,6 +47,7 @@ class Listener:
         sock.setblocking(False)
         self.sock = sock
         self.port = sock.getsockname()[1]
+        return sock
 
     @property
     def url(self) -> str:
@@ -81,7 +84,7 @@ async def run_service(
     listeners: list[Listener],
     *,
     ready_file: Path | None = None,
-    loops: list[Callable[[], Awaitable[None]]] | None = None,
+    loops: list[Callable[[], Coroutine[Any, Any, None]]] | None = None,
     on_ready: Callable[[], Awaitable[None]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     drain_timeout: float = 30.0,
@@ -96,25 +99,25 @@ async def run_service(
     servers: list[_Server] = []
     server_tasks: list[asyncio.Task[None]] = []
     for listener in listeners:
-        if listener.sock is None:
-            listener.bind()
+        sock = listener.sock or listener.bind()
         config = uvicorn.Config(
             listener.app,
             log_level="warning",
             access_log=False,
             lifespan="on",
-            timeout_graceful_shutdown=drain_timeout,
+            timeout_graceful_shutdown=math.ceil(drain_timeout),
             timeout_keep_alive=30,
         )
         server = _Server(config)
         servers.append(server)
-        server_tasks.append(asyncio.create_task(server.serve(sockets=[listener.sock])))
+        server_tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
 
     while not all(s.started for s in servers):
         if any(t.done() for t in server_tasks):
             for t in server_tasks:
-                if t.done() and t.exception():
-                    raise t.exception()  # type: ignore[misc]
+                failure = t.exception() if t.done() else None
+                if failure is not None:
+                    raise failure
             raise RuntimeError("a listener stopped during start-up")
         await asyncio.sleep(0.01)
 

@@ -23,7 +23,7 @@ class BadSize(ValueError):
     """A memory size that could not be read; the message says what is accepted."""
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: object) -> int:
     """Return the number of bytes that `text` names.
 
     Integers are bytes. Strings take a number and one of B, KB, MB, GB, TB (powers of ten)

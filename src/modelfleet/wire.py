@@ -8,6 +8,7 @@ versioned. Every exchange is level-triggered, so a lost or repeated message heal
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,6 +53,22 @@ class ShardReport(_Message):
     startup_s: float | None = None  # seconds from the engine's start to its first ready probe
     error: str = ""
     log_tail: list[str] = Field(default_factory=list, max_length=MAX_LOG_TAIL_LINES)
+
+    @classmethod
+    def of(cls, assignment: ShardAssignment, state: ShardState, **seen: Any) -> ShardReport:
+        """The report of a shard running `assignment`, in `state`, with what else was seen
+        of it (port, pid, restarts, error, ...)."""
+        a = assignment
+        return cls(
+            replica_id=a.replica_id,
+            model=a.model,
+            rank=a.rank,
+            num_shards=a.num_shards,
+            gpus=a.gpus,
+            engine_digest=a.engine_digest,
+            state=state,
+            **seen,
+        )
 
 
 class AgentReport(_Message):
@@ -105,3 +122,10 @@ class RoutingSnapshot(_Message):
     version: int = Field(ge=0)
     catalog_version: int = 0
     models: list[RoutedModel]
+
+
+class RoutingAck(_Message):
+    """A router's answer to a push: whether it took the snapshot, and the version it holds."""
+
+    applied: bool
+    version: int

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import httpx
 import pytest
 import yaml
 
+from modelfleet.processes import stop_groups
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
 
@@ -48,15 +48,9 @@ class Procs:
         return path.read_text() if path.exists() else ""
 
     def stop_all(self) -> None:
+        stop_groups([p.pid for p in self.started], grace=20)
         for proc in self.started:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.started:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.wait()
 
 
 def wait_json(path: Path, proc: subprocess.Popen[bytes], timeout: float = 30) -> dict[str, Any]:
@@ -69,19 +63,6 @@ def wait_json(path: Path, proc: subprocess.Popen[bytes], timeout: float = 30) ->
             raise AssertionError(f"process exited with {proc.returncode} before writing {path}")
         time.sleep(0.05)
     raise AssertionError(f"{path} did not appear within {timeout}s")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) no longer runs.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture

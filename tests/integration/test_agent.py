@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from modelfleet.loadgen import SteadyClient
+from modelfleet.processes import running as alive
 from modelfleet.up import RunningFleet
 
-from .conftest import Operator, alive, fleet_of, wait_for
+from .conftest import Operator, fleet_of, wait_for
 
 
 @pytest.fixture

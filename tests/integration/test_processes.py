@@ -16,9 +16,10 @@ import yaml
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.agent.service import Agent, AgentSettings
 from modelfleet.agent.supervisor import SupervisorSettings
+from modelfleet.processes import running as alive
 from modelfleet.wire import NodeAssignment, ShardAssignment, ShardState
 
-from .conftest import Procs, alive, wait_json
+from .conftest import Procs, wait_json
 
 KEY = "mf-test-key"
 
@@ -137,28 +138,27 @@ def test_agent_starts_and_stops_assigned_shards(tmp_path: Path) -> None:
 
     async def go() -> None:
         settings = offline_agent(tmp_path, stop_grace=1.0)
-        agent = Agent(settings, SimulatedGpus("2x80GB"))
-        agent.apply(
-            NodeAssignment(
-                node="n", shards=[shard("sim", "sim"), shard("hard", "command", stubborn)]
+        async with Agent(settings, SimulatedGpus("2x80GB")) as agent:
+            agent.apply(
+                NodeAssignment(
+                    node="n", shards=[shard("sim", "sim"), shard("hard", "command", stubborn)]
+                )
             )
-        )
-        deadline = time.monotonic() + 20
-        while agent.shards["sim/0"].state is not ShardState.READY:
-            assert time.monotonic() < deadline, agent.shards["sim/0"].error
-            await asyncio.sleep(0.05)
-        pids = [s.proc.pid for s in agent.shards.values() if s.proc]
-        assert len(pids) == 2 and all(alive(p) for p in pids)
-        report = agent.report()
-        assert {s.replica_id: s.state for s in report.shards}["sim"] is ShardState.READY
+            deadline = time.monotonic() + 20
+            while agent.shards["sim/0"].state is not ShardState.READY:
+                assert time.monotonic() < deadline, agent.shards["sim/0"].error
+                await asyncio.sleep(0.05)
+            pids = [s.proc.pid for s in agent.shards.values() if s.proc]
+            assert len(pids) == 2 and all(alive(p) for p in pids)
+            report = agent.report()
+            assert {s.replica_id: s.state for s in report.shards}["sim"] is ShardState.READY
 
-        agent.apply(NodeAssignment(node="n", shards=[]))
-        assert not agent.shards and set(agent.stopping) == {"sim/0", "hard/0"}
-        while agent.stopping:
-            assert time.monotonic() < deadline + 10
-            await asyncio.sleep(0.05)
-        assert not any(alive(p) for p in pids)
-        await agent.close()
+            agent.apply(NodeAssignment(node="n", shards=[]))
+            assert not agent.shards and set(agent.stopping) == {"sim/0", "hard/0"}
+            while agent.stopping:
+                assert time.monotonic() < deadline + 10
+                await asyncio.sleep(0.05)
+            assert not any(alive(p) for p in pids)
 
     asyncio.run(go())
 
@@ -217,19 +217,18 @@ def test_a_shard_of_rank_1_starts_once_it_knows_where_shard_0_is(tmp_path: Path)
 
     async def go() -> None:
         settings = offline_agent(tmp_path, stop_grace=1.0)
-        agent = Agent(settings, SimulatedGpus("1x80GB"))
-        agent.apply(NodeAssignment(node="n", shards=[rank(1, None)]))
-        assert agent.shards == {}  # waits for shard 0's address
-        agent.apply(NodeAssignment(node="n", shards=[rank(1, "10.0.0.7:29500")]))
-        deadline = time.monotonic() + 20
-        while not out.exists() or not out.read_text():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        assert out.read_text() == "10.0.0.7:29500"
-        agent.apply(NodeAssignment(node="n", shards=[]))
-        while agent.stopping:
-            await asyncio.sleep(0.05)
-        await agent.close()
+        async with Agent(settings, SimulatedGpus("1x80GB")) as agent:
+            agent.apply(NodeAssignment(node="n", shards=[rank(1, None)]))
+            assert agent.shards == {}  # waits for shard 0's address
+            agent.apply(NodeAssignment(node="n", shards=[rank(1, "10.0.0.7:29500")]))
+            deadline = time.monotonic() + 20
+            while not out.exists() or not out.read_text():
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert out.read_text() == "10.0.0.7:29500"
+            agent.apply(NodeAssignment(node="n", shards=[]))
+            while agent.stopping:
+                await asyncio.sleep(0.05)
 
     asyncio.run(go())
 
@@ -253,11 +252,11 @@ def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path
             await asyncio.sleep(0.05)
 
     async def first_run() -> dict[str, int]:
-        agent = Agent(settings, SimulatedGpus("2x80GB"))
-        agent.apply(NodeAssignment(node="n", shards=[sim("keep"), sim("drop"), sim("dead")]))
-        await until_ready(agent, ["keep/0", "drop/0", "dead/0"])
-        pids = {k: s.proc.pid for k, s in agent.shards.items() if s.proc}
-        await agent.close()  # as a crash would: the engines are left running
+        async with Agent(settings, SimulatedGpus("2x80GB")) as agent:
+            agent.apply(NodeAssignment(node="n", shards=[sim("keep"), sim("drop"), sim("dead")]))
+            await until_ready(agent, ["keep/0", "drop/0", "dead/0"])
+            pids = {k: s.proc.pid for k, s in agent.shards.items() if s.proc}
+        # Leaving the block ends the agent as a crash would: its engines are left running.
         return pids
 
     pids = asyncio.run(first_run())
@@ -269,22 +268,21 @@ def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path
         time.sleep(0.05)
 
     async def second_run() -> None:
-        agent = Agent(settings, SimulatedGpus("2x80GB"))
-        assert sorted(agent.adopt()) == ["drop/0", "keep/0"]
-        await until_ready(agent, ["keep/0", "drop/0"])
-        assert {k: s.proc.pid for k, s in agent.shards.items() if s.proc} == {
-            "keep/0": pids["keep/0"],
-            "drop/0": pids["drop/0"],
-        }
-        agent.apply(NodeAssignment(node="n", shards=[sim("keep")]))
-        while agent.stopping:
-            await asyncio.sleep(0.05)
-        assert not alive(pids["drop/0"]) and alive(pids["keep/0"])
-        assert agent.shards["keep/0"].proc.pid == pids["keep/0"]  # type: ignore[union-attr]
-        agent.apply(NodeAssignment(node="n", shards=[]))
-        while agent.stopping:
-            await asyncio.sleep(0.05)
-        await agent.close()
+        async with Agent(settings, SimulatedGpus("2x80GB")) as agent:
+            assert sorted(agent.adopt()) == ["drop/0", "keep/0"]
+            await until_ready(agent, ["keep/0", "drop/0"])
+            assert {k: s.proc.pid for k, s in agent.shards.items() if s.proc} == {
+                "keep/0": pids["keep/0"],
+                "drop/0": pids["drop/0"],
+            }
+            agent.apply(NodeAssignment(node="n", shards=[sim("keep")]))
+            while agent.stopping:
+                await asyncio.sleep(0.05)
+            assert not alive(pids["drop/0"]) and alive(pids["keep/0"])
+            assert agent.shards["keep/0"].proc.pid == pids["keep/0"]  # type: ignore[union-attr]
+            agent.apply(NodeAssignment(node="n", shards=[]))
+            while agent.stopping:
+                await asyncio.sleep(0.05)
 
     try:
         asyncio.run(second_run())

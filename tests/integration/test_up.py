@@ -14,7 +14,9 @@ import httpx
 import openai
 import pytest
 
-from .conftest import Procs, alive, wait_for, wait_json
+from modelfleet.processes import running as alive
+
+from .conftest import Procs, wait_for, wait_json
 
 
 def ctl(

@@ -8,6 +8,7 @@ import time
 import yaml
 
 from modelfleet.agent.gpus import NvmlGpus
+from modelfleet.controlplane import views
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.service import ControlPlane
@@ -68,9 +69,9 @@ def test_a_lost_gpu_is_shown_with_its_reason_and_nothing_lands_on_it() -> None:
     cp.state.take_report(report, keeper.current, now)
     cp.reconcile_once(now)
 
-    [node] = cp.nodes_json()["nodes"]
-    lost = node["gpus"][1]
-    assert (lost["healthy"], lost["reason"], lost["in_use"]) == (False, "NVML: GPU is lost", False)
+    [node] = views.nodes(cp.state, now).nodes
+    lost = node.gpus[1]
+    assert (lost.healthy, lost.reason, lost.in_use) == (False, "NVML: GPU is lost", False)
     placed = [s.gpus for s in cp.state.assignment("gpu-1", keeper.current).shards]
     assert placed == [[0]]  # one replica on GPU 0; the second is pending, not on GPU 1
     [pending] = cp.state.pending

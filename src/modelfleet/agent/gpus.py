@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import re
-from types import ModuleType
 from typing import Any, Protocol
 
 from modelfleet.units import BadSize, parse_size
@@ -107,13 +106,14 @@ class NvmlGpus:
     `nvml` is the `pynvml` module of nvidia-ml-py; tests pass a fake with the same functions.
     """
 
-    def __init__(self, nvml: ModuleType | Any | None = None) -> None:
+    def __init__(self, nvml: Any = None) -> None:
         if nvml is None:
             try:
-                import pynvml as nvml  # type: ignore[no-redef]
+                import pynvml
             except ImportError as exc:
                 raise NvmlUnavailable(f"nvidia-ml-py is not installed: {exc}") from exc
-        self.nvml = nvml
+            nvml = pynvml
+        self.nvml: Any = nvml
         try:
             nvml.nvmlInit()
             count = nvml.nvmlDeviceGetCount()

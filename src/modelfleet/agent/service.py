@@ -3,7 +3,7 @@
 Level-triggered: every `report_interval` seconds, and at once after a change, the agent sends
 its whole state (GPUs and shards) and gets back the node's whole desired shard set, which it
 makes true: it starts what is missing and stops what is no longer assigned. The agent records
-each engine it started in `<state-dir>/shards.json` (pid, port, command, start time).
+each engine it started in its state dir (`agent/records.py`), for a later run to adopt.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 import httpx
 from pydantic import ValidationError
@@ -25,10 +28,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from modelfleet.agent.gpus import BadGpuSpec, GpuSource, SimulatedGpus
+from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
-from modelfleet.engines import NoDriver, driver_for
-from modelfleet.openai_api import json_response
+from modelfleet.engines import EngineDriver, NoDriver, driver_for
 from modelfleet.serving import Listener, run_service, write_json_atomic
+from modelfleet.web import bearer_matches, error_response, json_response
 from modelfleet.wire import AgentReport, NodeAssignment, ShardAssignment
 
 log = logging.getLogger("modelfleet.agent")
@@ -47,7 +51,12 @@ class AgentSettings:
 
 
 class Agent:
-    """The agent's state: its shards, and the connection to the control plane."""
+    """The agent's state: its shards, and the connection to the control plane.
+
+    Use it as an async context manager: inside, every shard's supervision and every engine
+    being stopped runs as a task of the agent's task group; leaving it cancels them (the
+    engines keep running, to be adopted by the next run) and records what runs.
+    """
 
     def __init__(self, settings: AgentSettings, gpus: GpuSource) -> None:
         self.settings = settings
@@ -60,7 +69,34 @@ class Agent:
         headers = {"authorization": f"Bearer {settings.token}"} if settings.token else {}
         self._cp = httpx.AsyncClient(base_url=settings.control_plane, headers=headers, timeout=10)
         self._probe = httpx.AsyncClient()
+        self._group = asyncio.TaskGroup()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> Agent:
+        await self._group.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop supervising (the engines keep running: they outlive the agent), record them."""
+        for task in list(self._tasks):
+            task.cancel()
+        try:
+            await self._group.__aexit__(exc_type, exc, tb)
+        finally:
+            self._record()
+            await self._cp.aclose()
+            await self._probe.aclose()
+
+    def _run(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = self._group.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def changed(self) -> None:
         self._changed.set()
@@ -95,6 +131,7 @@ class Agent:
             self._start(a)
 
     def _shard(self, assignment: ShardAssignment) -> Shard:
+        driver: EngineDriver | NoDriver
         try:
             driver = driver_for(assignment.engine)
         except NoDriver as exc:
@@ -108,10 +145,12 @@ class Agent:
             self._probe,
         )
 
+    def _supervise(self, key: str, shard: Shard) -> None:
+        self.shards[key] = shard
+        shard.task = self._run(shard.supervise(), f"shard {key}")
+
     def _start(self, assignment: ShardAssignment) -> None:
-        shard = self._shard(assignment)
-        self.shards[assignment.key] = shard
-        shard.start()
+        self._supervise(assignment.key, self._shard(assignment))
         self.changed()
 
     def adopt(self) -> list[str]:
@@ -121,29 +160,15 @@ class Agent:
         stopped when the control plane no longer assigns them. An engine whose process is gone
         is forgotten. Returns the keys of the shards adopted.
         """
-        path = self.settings.state_dir / "shards.json"
-        try:
-            records = json.loads(path.read_text())["shards"]
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("cannot read %s (%s); adopting nothing", path, exc)
-            return []
         adopted = []
-        for key, record in records.items():
-            try:
-                assignment = ShardAssignment.model_validate(record["assignment"])
-            except (KeyError, ValidationError):
-                log.warning("shard %s: no assignment in its record; not adopted", key)
-                continue
-            shard = self._shard(assignment)
+        for key, record in read_records(self.settings.state_dir).items():
+            shard = self._shard(record.assignment)
             if not shard.adopt(record):
-                log.info("shard %s: its engine (pid %s) is gone", key, record.get("pid"))
+                log.info("shard %s: its engine (pid %s) is gone", key, record.pid)
                 continue
-            self.shards[key] = shard
-            shard.start()
+            self._supervise(key, shard)
             adopted.append(key)
-            log.info("shard %s: adopted its running engine, pid %s", key, record.get("pid"))
+            log.info("shard %s: adopted its running engine, pid %s", key, record.pid)
         self.changed()
         return adopted
 
@@ -153,18 +178,19 @@ class Agent:
         log.info("shard %s: no longer assigned; stopping", key)
 
         async def stop() -> None:
-            await shard.stop()
+            try:
+                await shard.stop()
+            except Exception:
+                log.exception("shard %s: stopping its engine failed", key)
             self.stopping.pop(key, None)
             self.changed()
 
-        task = asyncio.create_task(stop())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._run(stop(), f"stop {key}")
 
     def _record(self) -> None:
         """Write what this agent runs to its state dir, for a later run to adopt (and `up`)."""
         records = {key: s.record() for key, s in (*self.shards.items(), *self.stopping.items())}
-        write_json_atomic(self.settings.state_dir / "shards.json", {"shards": records})
+        write_records(self.settings.state_dir, records)
 
     async def send_report(self) -> NodeAssignment | None:
         """One exchange with the control plane; None when it failed (logged, retried later)."""
@@ -200,20 +226,6 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self.settings.report_interval)
 
-    async def close(self) -> None:
-        """Leave the engines running (they outlive the agent), stop supervising them."""
-        for shard in (*self.shards.values(), *self.stopping.values()):
-            if shard.task is not None:
-                shard.task.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(
-            *(s.task for s in self.shards.values() if s.task), *self._tasks, return_exceptions=True
-        )
-        self._record()
-        await self._cp.aclose()
-        await self._probe.aclose()
-
 
 def create_admin_app(agent: Agent) -> Starlette:
     """The agent's own small admin API (agent token): simulated GPU faults at run time.
@@ -224,18 +236,18 @@ def create_admin_app(agent: Agent) -> Starlette:
 
     def authorized(request: Request) -> bool:
         token = agent.settings.token
-        return token is None or request.headers.get("authorization") == f"Bearer {token}"
+        return token is None or bearer_matches(request.headers.get("authorization"), token)
 
     async def list_gpus(request: Request) -> Response:
         if not authorized(request):
-            return json_response({"error": "missing or wrong agent token"}, 401)
+            return error_response(401, "missing or wrong agent token")
         return json_response({"gpus": [g.model_dump() for g in agent.gpu_source.gpus()]})
 
     async def set_health(request: Request) -> Response:
         if not authorized(request):
-            return json_response({"error": "missing or wrong agent token"}, 401)
+            return error_response(401, "missing or wrong agent token")
         if not isinstance(agent.gpu_source, SimulatedGpus):
-            return json_response({"error": "only simulated GPUs can be made (un)healthy"}, 409)
+            return error_response(409, "only simulated GPUs can be made (un)healthy")
         try:
             body = json.loads(await request.body())
             healthy = body["healthy"]
@@ -245,10 +257,10 @@ def create_admin_app(agent: Agent) -> Starlette:
                 int(request.path_params["index"]), healthy, str(body.get("reason", ""))
             )
         except BadGpuSpec as exc:
-            return json_response({"error": str(exc)}, 404)
+            return error_response(404, str(exc))
         except (ValueError, KeyError, TypeError) as exc:
             message = f'send {{"healthy": true|false, "reason": "..."}}: {exc}'
-            return json_response({"error": message}, 400)
+            return error_response(400, message)
         log.warning("gpu %d made %s by the admin API", gpu.index, gpu.reason or "healthy")
         agent.changed()
         return json_response(gpu.model_dump())
@@ -271,12 +283,13 @@ async def serve(
 
     With `admin_port` it also serves its admin API there (0 picks a free port).
     """
-    agent = Agent(settings, gpus)
-    listeners = []
-    if admin_port is not None:
-        listeners.append(Listener("admin", create_admin_app(agent), settings.address, admin_port))
+    async with Agent(settings, gpus) as agent:
+        listeners = []
+        if admin_port is not None:
+            app = create_admin_app(agent)
+            listeners.append(Listener("admin", app, settings.address, admin_port))
 
-    async def loop() -> None:
-        await agent.report_loop(ready_file, {li.name: li.url for li in listeners})
+        async def loop() -> None:
+            await agent.report_loop(ready_file, {li.name: li.url for li in listeners})
 
-    await run_service(listeners, loops=[loop], on_stop=agent.close)
+        await run_service(listeners, loops=[loop])

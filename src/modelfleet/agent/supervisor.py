@@ -9,22 +9,21 @@ report carries the last lines of the engine's log.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
-import socket
 import subprocess
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 
+from modelfleet.agent.records import EngineRecord
+from modelfleet.backoff import Backoff
 from modelfleet.engines import EngineDriver, NoDriver
+from modelfleet.processes import ProcessId, free_port, log_tail, stop_groups
 from modelfleet.wire import MAX_LOG_TAIL_LINES, ShardAssignment, ShardReport, ShardState
 
 log = logging.getLogger("modelfleet.agent")
@@ -40,66 +39,34 @@ class SupervisorSettings:
     backoff_max: float = 300.0
     healthy_reset: float = 600.0  # this long ready resets the backoff
 
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def log_tail(path: Path, lines: int = MAX_LOG_TAIL_LINES) -> list[str]:
-    """The last `lines` lines of a log file (empty when there is none)."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 256 * 1024))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return []
-    return list(deque(text.splitlines(), maxlen=lines))
-
-
-def signal_group(pid: int, sig: signal.Signals) -> bool:
-    """Send `sig` to the process group led by `pid`; False when it is already gone."""
-    try:
-        os.killpg(pid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, from /proc), or None when it is gone
-    or has exited. With the pid it names one process: a pid can be reused, this pair cannot."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] == "Z":  # exited, not yet reaped
-        return None
-    return int(fields[19])
+    @property
+    def backoff(self) -> Backoff:
+        return Backoff(self.backoff_base, self.backoff_max, self.healthy_reset)
 
 
 class EngineProcess(Protocol):
     """A running engine: `subprocess.Popen`, or `Adopted` for one an earlier agent started."""
 
-    pid: int
+    @property
+    def pid(self) -> int: ...
 
     def poll(self) -> int | None: ...
 
 
 class Adopted:
     """An engine started by an earlier run of this agent. It is not this process's child, so
-    its exit is seen through /proc and its exit code is unknown (reported as -1)."""
+    its exit is seen by its identity no longer running, and its exit code is unknown (-1)."""
 
-    def __init__(self, pid: int, ticks: int) -> None:
-        self.pid = pid
-        self.ticks = ticks
+    def __init__(self, process: ProcessId) -> None:
+        self.process = process
         self.returncode: int | None = None
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
     def poll(self) -> int | None:
-        if self.returncode is None and start_ticks(self.pid) != self.ticks:
+        if self.returncode is None and not self.process.running():
             self.returncode = -1
         return self.returncode
 
@@ -126,6 +93,7 @@ class Shard:
         self.error = ""
         self.port: int | None = None
         self.proc: EngineProcess | None = None
+        self.process: ProcessId | None = None  # the engine's identity, for a later adoption
         self.argv: list[str] = []
         self.health_path: str | None = "/health"
         self.started_at = 0.0  # wall clock, for the record
@@ -144,19 +112,13 @@ class Shard:
     # -- what is reported and recorded ---------------------------------------------------
 
     def report(self) -> ShardReport:
-        a = self.assignment
         failed = self.state is ShardState.FAILED
         # The tail of the last failure goes with every report until the engine is ready again,
         # so a crash loop shows its cause also while the next start is under way.
         tail = failed or (self.failures > 0 and self.state is ShardState.STARTING)
-        return ShardReport(
-            replica_id=a.replica_id,
-            model=a.model,
-            rank=a.rank,
-            num_shards=a.num_shards,
-            gpus=a.gpus,
-            engine_digest=a.engine_digest,
-            state=self.state,
+        return ShardReport.of(
+            self.assignment,
+            self.state,
             port=self.port,
             dist_port=self.dist_port,
             pid=self.proc.pid if self.proc else None,
@@ -165,41 +127,41 @@ class Shard:
             backoff_s=self.backoff_s if failed else None,
             startup_s=self.startup_s,
             error=self.error,
-            log_tail=log_tail(self.log_path) if tail else [],
+            log_tail=log_tail(self.log_path, MAX_LOG_TAIL_LINES) if tail else [],
         )
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> EngineRecord:
         """What the agent's state dir keeps of this shard: enough for a later run of the agent
         to find its engine again and take it over."""
-        pid = self.proc.pid if self.proc else None
-        return {
-            "assignment": self.assignment.model_dump(),
-            "replica_id": self.assignment.replica_id,
-            "rank": self.assignment.rank,
-            "model": self.assignment.model,
-            "pid": pid,
-            "start_ticks": start_ticks(pid) if pid else None,
-            "port": self.port,
-            "dist_port": self.dist_port,
-            "argv": self.argv,
-            "health_path": self.health_path,
-            "started_at": self.started_at,
-            "restarts": self.restarts,
-            "state": self.state.value,
-        }
+        return EngineRecord(
+            assignment=self.assignment,
+            pid=self.process.pid if self.process else None,
+            process_started=self.process.started if self.process else None,
+            port=self.port,
+            dist_port=self.dist_port,
+            argv=self.argv,
+            health_path=self.health_path,
+            started_at=self.started_at,
+            restarts=self.restarts,
+            state=self.state,
+        )
 
-    def adopt(self, record: dict[str, Any]) -> bool:
-        """Take over the engine `record` describes, if that very process still runs."""
-        pid, ticks = record.get("pid"), record.get("start_ticks")
-        if not isinstance(pid, int) or not isinstance(ticks, int) or start_ticks(pid) != ticks:
+    def adopt(self, record: EngineRecord) -> bool:
+        """Take over the engine `record` describes, if that very process still runs (a pid
+        now used by another process does not count: its start time differs)."""
+        if record.pid is None or record.process_started is None:
             return False
-        self.proc = Adopted(pid, ticks)
-        self.port = record.get("port")
-        self.dist_port = record.get("dist_port") or self.dist_port
-        self.argv = list(record.get("argv") or [])
-        self.health_path = record.get("health_path")
-        self.started_at = float(record.get("started_at") or time.time())
-        self.restarts = int(record.get("restarts") or 0)
+        process = ProcessId(record.pid, record.process_started)
+        if not process.running():
+            return False
+        self.proc = Adopted(process)
+        self.process = process
+        self.port = record.port
+        self.dist_port = record.dist_port or self.dist_port
+        self.argv = list(record.argv)
+        self.health_path = record.health_path
+        self.started_at = record.started_at or time.time()
+        self.restarts = record.restarts
         self.adopted = True
         return True
 
@@ -217,24 +179,27 @@ class Shard:
 
     # -- supervision ---------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._supervise(), name=f"shard {self.assignment.key}")
-
-    async def _supervise(self) -> None:
+    async def supervise(self) -> None:
         """Run the engine (or watch the adopted one), and restart it after a backoff when it
-        fails, until cancelled."""
+        fails, until cancelled. Whatever goes wrong here, the engine's start included, fails
+        the shard with the reason shown, and is retried after the backoff like a crash."""
+        backoff = self.settings.backoff
         while True:
-            if self.adopted:
-                self.adopted = False
-                ready_since = await self._watch()
-            else:
-                ready_since = await self._watch() if self._spawn() else None
-            healthy_for = time.monotonic() - ready_since if ready_since is not None else 0.0
-            if healthy_for >= self.settings.healthy_reset:
-                self.failures = 0
-            self.failures += 1
-            delay = self.settings.backoff_base * 2 ** (self.failures - 1)
-            self.backoff_s = min(delay, self.settings.backoff_max)
+            try:
+                if self.adopted:
+                    self.adopted = False
+                    ready_since = await self._watch()
+                else:
+                    ready_since = await self._watch() if self._spawn() else None
+            except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as exc:
+                log.exception("shard %s: supervision failed", self.assignment.key)
+                self._set(ShardState.FAILED, f"supervision failed: {type(exc).__name__}: {exc}")
+                ready_since = None
+            ready_for = time.monotonic() - ready_since if ready_since is not None else 0.0
+            self.failures = backoff.failures(self.failures, ready_for)
+            self.backoff_s = backoff.delay(self.failures)
             log.warning(
                 "shard %s failed (%s); restart %d in %.0fs",
                 self.assignment.key,
@@ -262,10 +227,10 @@ class Shard:
             return False
         self.argv = launch.argv
         self.health_path = launch.health_path
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as out:
-            try:
-                self.proc = subprocess.Popen(
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("ab") as out:
+                proc = subprocess.Popen(
                     launch.argv,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
@@ -273,15 +238,16 @@ class Shard:
                     env={**os.environ, **launch.env},
                     start_new_session=True,
                 )
-            except OSError as exc:
-                self._set(ShardState.FAILED, f"cannot start {launch.argv[0]}: {exc.strerror}")
-                return False
+        except OSError as exc:
+            what = exc.filename or launch.argv[0]
+            self._set(ShardState.FAILED, f"cannot start {launch.argv[0]}: {what}: {exc.strerror}")
+            return False
+        self.proc = proc
+        self.process = ProcessId.of(proc.pid)
         self.started_at = time.time()
         self.startup_s = None
         self._changed()
-        log.info(
-            "shard %s: started pid %d on port %d", self.assignment.key, self.proc.pid, self.port
-        )
+        log.info("shard %s: started pid %d on port %d", self.assignment.key, proc.pid, self.port)
         return True
 
     async def _watch(self) -> float | None:
@@ -321,27 +287,18 @@ class Shard:
         return response.status_code == 200
 
     async def _terminate(self) -> None:
-        """SIGTERM the engine's process group, then SIGKILL it after the grace period."""
+        """Stop the engine's process group: SIGTERM, SIGKILL after the grace period."""
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return
-        signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.settings.stop_grace
-        while proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if proc.poll() is None:
-            log.warning(
-                "shard %s: pid %d ignored SIGTERM; killing it", self.assignment.key, proc.pid
-            )
-            signal_group(proc.pid, signal.SIGKILL)
-            while proc.poll() is None:
-                await asyncio.sleep(0.05)
+        killed = await asyncio.to_thread(stop_groups, [proc.pid], self.settings.stop_grace)
+        if killed:
+            log.warning("shard %s: pid %d ignored SIGTERM; killed", self.assignment.key, proc.pid)
 
     async def stop(self) -> None:
         """Stop supervising and stop the engine (it finishes in-flight requests first)."""
         self._set(ShardState.STOPPING)
         if self.task is not None:
             self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+            await asyncio.gather(self.task, return_exceptions=True)
         await self._terminate()

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from modelfleet.admin import ReplicaInfo, ReplicaState, ShardInfo
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.fleet import Gpu, Mark, Node, Replica, ShardPlacement
 from modelfleet.placement import Placed, Unplaceable, place
@@ -22,7 +23,6 @@ from modelfleet.wire import (
     AgentReport,
     NodeAssignment,
     RoutedModel,
-    RoutingSnapshot,
     ShardAssignment,
     ShardReport,
     ShardState,
@@ -94,34 +94,6 @@ class ReplicaRecord:
     retiring: str = ""
     unrouted_in: int | None = None
     retire_by: float = 0.0
-
-
-@dataclass(frozen=True)
-class ShardView:
-    rank: int
-    node: str
-    gpus: tuple[int, ...]
-    state: str  # a ShardState value, or "assigned" before its agent has reported it
-    port: int | None
-    pid: int | None
-    restarts: int
-    failures: int  # in a row
-    backoff_s: float | None  # while failed: the wait before its agent starts it again
-    startup_s: float | None
-    error: str
-    log_tail: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ReplicaView:
-    """A replica as the admin API shows it."""
-
-    id: str
-    model: str
-    state: str  # ready | starting | failed | assigned | retiring
-    endpoint: str | None
-    shards: tuple[ShardView, ...]
-    reason: str = ""  # why it is retiring
 
 
 @dataclass
@@ -258,16 +230,16 @@ class FleetState:
         """The replicas the planner counts: every one in the table that is not retiring."""
         return [r.replica for r in self.replicas.values() if not r.retiring]
 
-    def shard_views(self, record: ReplicaRecord) -> tuple[ShardView, ...]:
+    def shard_views(self, record: ReplicaRecord) -> list[ShardInfo]:
         views = []
         for rank, placement in enumerate(record.replica.shards):
             node = self.nodes.get(placement.node)
             seen = node.shard(record.replica.id, rank) if node else None
             views.append(
-                ShardView(
+                ShardInfo(
                     rank=rank,
                     node=placement.node,
-                    gpus=placement.gpus,
+                    gpus=list(placement.gpus),
                     state=seen.state.value if seen else "assigned",
                     port=seen.port if seen else None,
                     pid=seen.pid if seen else None,
@@ -276,14 +248,15 @@ class FleetState:
                     backoff_s=seen.backoff_s if seen else None,
                     startup_s=seen.startup_s if seen else None,
                     error=seen.error if seen else "",
-                    log_tail=tuple(seen.log_tail) if seen else (),
+                    log_tail=list(seen.log_tail) if seen else [],
                 )
             )
-        return tuple(views)
+        return views
 
-    def replica_view(self, record: ReplicaRecord) -> ReplicaView:
+    def replica_view(self, record: ReplicaRecord) -> ReplicaInfo:
         shards = self.shard_views(record)
         states = {s.state for s in shards}
+        state: ReplicaState
         if record.retiring:
             state = "retiring"
         elif states == {ShardState.READY.value}:
@@ -299,9 +272,16 @@ class FleetState:
             leader = self.nodes[shards[0].node].report.address
             endpoint = f"http://{leader}:{shards[0].port}"
         r = record.replica
-        return ReplicaView(r.id, r.model, state, endpoint, shards, record.retiring)
+        return ReplicaInfo(
+            id=r.id,
+            model=r.model,
+            state=state,
+            endpoint=endpoint,
+            shards=shards,
+            reason=record.retiring,
+        )
 
-    def replica_views(self) -> list[ReplicaView]:
+    def replica_views(self) -> list[ReplicaInfo]:
         records = sorted(self.replicas.values(), key=lambda r: (r.replica.model, r.replica.id))
         return [self.replica_view(r) for r in records]
 
@@ -461,7 +441,3 @@ class FleetState:
 def _new_id(model: str) -> str:
     stem = re.sub(r"[^A-Za-z0-9.-]+", "-", model).strip("-")[:40] or "replica"
     return f"{stem}-{secrets.token_hex(3)}"
-
-
-def snapshot(models: list[RoutedModel], version: int, catalog_version: int) -> RoutingSnapshot:
-    return RoutingSnapshot(version=version, catalog_version=catalog_version, models=models)

@@ -21,10 +21,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from modelfleet.openai_api import BadRequest, error_response, json_response, parse_body
-from modelfleet.router.table import ApiKey, Balancer, KeyRing, RoutingTable, hash_key
+from modelfleet.apikeys import hash_key
+from modelfleet.openai_api import BadRequest, error_response, parse_body
+from modelfleet.router.table import ApiKey, Balancer, KeyRing, RoutingTable
 from modelfleet.serving import Listener, run_service
-from modelfleet.wire import RoutedModel, RoutingSnapshot
+from modelfleet.web import JSON, bearer_matches, json_response
+from modelfleet.web import error_response as web_error
+from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot
 
 log = logging.getLogger("modelfleet.router")
 
@@ -204,24 +207,23 @@ class Router:
     # -- push API -----------------------------------------------------------------------
 
     def _push_authorized(self, request: Request) -> bool:
-        token = self.config.push_token
-        return token is not None and request.headers.get("authorization") == f"Bearer {token}"
+        return bearer_matches(request.headers.get("authorization"), self.config.push_token)
 
     async def put_routing(self, request: Request) -> Response:
         if not self._push_authorized(request):
-            return json_response({"error": "missing or wrong admin token"}, 401)
+            return web_error(401, "missing or wrong admin token")
         try:
             snapshot = RoutingSnapshot.model_validate_json(await request.body())
         except ValidationError as exc:
-            return json_response({"error": f"not a routing snapshot: {exc}"}, 400)
+            return web_error(400, f"not a routing snapshot: {exc}")
         applied = self.apply(snapshot)
-        status = 200 if applied else 409
-        return json_response({"applied": applied, "version": self.snapshot.version}, status)
+        ack = RoutingAck(applied=applied, version=self.snapshot.version)
+        return Response(ack.model_dump_json(), status_code=200 if applied else 409, media_type=JSON)
 
     async def get_routing(self, request: Request) -> Response:
         if not self._push_authorized(request):
-            return json_response({"error": "missing or wrong admin token"}, 401)
-        return Response(self.snapshot.model_dump_json(), media_type="application/json")
+            return web_error(401, "missing or wrong admin token")
+        return Response(self.snapshot.model_dump_json(), media_type=JSON)
 
 
 def create_apps(router: Router) -> tuple[Starlette, Starlette]:

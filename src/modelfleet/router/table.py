@@ -6,11 +6,11 @@ that took the table once sees one consistent version to the end.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from modelfleet.apikeys import hash_key
 from modelfleet.wire import RoutingSnapshot
 
 
@@ -24,10 +24,6 @@ class ApiKey:
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 class KeyRing:

@@ -22,15 +22,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from modelfleet.openai_api import (
-    BadRequest,
-    error_response,
-    json_response,
-    parse_body,
-    prompt_text,
-)
+from modelfleet.openai_api import BadRequest, error_response, parse_body, prompt_text
 from modelfleet.serving import Listener, run_service
 from modelfleet.simulator.engine import SimEngine, SimSettings
+from modelfleet.web import json_response
 
 
 class _VllmMetrics:
@@ -173,13 +168,20 @@ async def _stream(
     async for token in tokens:
         n_out += 1
         if chat:
-            choice = {"index": 0, "delta": {"content": token}, "finish_reason": None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": token},
+                "finish_reason": None,
+            }
         else:
             choice = {"index": 0, "text": token, "logprobs": None, "finish_reason": None}
         yield event([choice])
     finish = _finish_reason(n_out, max_tokens)
     last: dict[str, Any] = {"index": 0, "finish_reason": finish}
-    last.update({"delta": {}} if chat else {"text": "", "logprobs": None})
+    if chat:
+        last["delta"] = {}
+    else:
+        last.update(text="", logprobs=None)
     yield event([last])
     if include_usage:
         yield event([], usage=_usage(n_prompt, n_out))

@@ -1,0 +1,254 @@
+"""The admin API's messages: what the control plane answers and what `ctl` reads.
+
+One schema, imported by both ends. The control plane serves it as an OpenAPI document at
+`/openapi.json` on its admin listener, so operators can drive the fleet from their own tools.
+Every error of the admin API is an `ErrorAnswer`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from modelfleet.wire import RoutedModel
+
+MarkName = Literal["none", "cordoned", "draining"]
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class CatalogProblem(_Answer):
+    """One problem of a refused catalog: which model, which field, and what is wrong."""
+
+    model: str
+    field: str
+    message: str
+
+
+class ErrorAnswer(_Answer):
+    """Every error of the admin API. `problems` lists what is wrong with a refused catalog."""
+
+    error: str
+    problems: list[CatalogProblem] | None = None
+
+
+# -- nodes ---------------------------------------------------------------------------------
+
+
+class GpuInfo(_Answer):
+    index: int
+    model: str
+    memory_total: int
+    memory_free: int
+    healthy: bool
+    reason: str  # why it is unhealthy
+    in_use: bool
+
+
+class NodeInfo(_Answer):
+    name: str
+    ready: bool  # reported within node_stale_after
+    mark: MarkName
+    drain_grace_left_s: float | None  # while draining with a bound
+    address: str
+    labels: dict[str, str]
+    last_report_s: float  # seconds since its last report
+    gpus: list[GpuInfo]
+    shards: int  # shards its agent reports
+    replicas: int  # replicas with a shard on it
+
+
+class NodesAnswer(_Answer):
+    nodes: list[NodeInfo]
+
+
+class MarkRequest(BaseModel):
+    """Cordon (`cordoned`), drain (`draining`) or uncordon (`none`) a node."""
+
+    model_config = ConfigDict(extra="forbid")
+    mark: MarkName
+    # A drain's bound in seconds: what has not moved by then is stopped anyway. None: the
+    # control plane's drain_grace; 0: no bound.
+    grace_s: float | None = Field(default=None, ge=0)
+
+
+# -- placement -----------------------------------------------------------------------------
+
+
+class NodeVerdict(_Answer):
+    """What placement made of one node: the GPUs a shard could use there, or why none."""
+
+    node: str
+    usable_gpus: list[int]
+    reasons: list[str]  # empty when the node can host a shard
+
+
+class ShardSpot(_Answer):
+    """Where one shard of a replica goes: a node and its GPUs."""
+
+    node: str
+    gpus: list[int]
+
+
+class Explanation(_Answer):
+    """Where a model's next replica would go, or every node considered and why not."""
+
+    model: str
+    needs: str  # what each shard needs, in words
+    pending: int  # replicas of the model that cannot be placed now
+    pending_reason: str
+    placeable: bool
+    summary: str
+    placement: list[ShardSpot]  # the next replica's shards, when placeable
+    nodes: list[NodeVerdict]
+
+
+# -- replicas ------------------------------------------------------------------------------
+
+ReplicaState = Literal["ready", "starting", "failed", "assigned", "retiring"]
+
+
+class ShardInfo(_Answer):
+    rank: int
+    node: str
+    gpus: list[int]
+    state: str  # a shard state (starting, ready, failed, stopping), or "assigned" before its
+    # agent has reported it
+    port: int | None
+    pid: int | None
+    restarts: int
+    failures: int  # in a row
+    backoff_s: float | None  # while failed: the wait before its agent starts it again
+    startup_s: float | None  # seconds from the engine's start to ready
+    error: str
+    log_tail: list[str]  # the engine's last log lines; only in a single replica's answer
+
+
+class ReplicaInfo(_Answer):
+    id: str
+    model: str
+    state: ReplicaState
+    endpoint: str | None  # where routers send its requests, once ready
+    shards: list[ShardInfo]
+    reason: str = ""  # why it is retiring
+
+
+class PendingInfo(_Answer):
+    """Replicas of a model that cannot be placed now, and every node's verdict."""
+
+    model: str
+    count: int
+    reason: str
+    needs: str
+    nodes: list[NodeVerdict]
+
+
+class ReplicasAnswer(_Answer):
+    replicas: list[ReplicaInfo]
+    pending: list[PendingInfo]
+
+
+# -- catalog -------------------------------------------------------------------------------
+
+
+class ModelInfo(_Answer):
+    """One model of the catalog, as validated (sizes in bytes, every default filled in)."""
+
+    name: str
+    engine: str
+    source: str
+    args: list[str]
+    env: dict[str, str]
+    command: str | None
+    replicas: int
+    shards: int
+    gpus_per_shard: int
+    gpu_memory: int
+    gpu_model: str | None
+    node_labels: dict[str, str]
+    placement: str
+    startup_timeout: float
+
+
+class Rejection(_Answer):
+    """The last catalog that was refused: when, from where, and every problem."""
+
+    at: float
+    source: str
+    problems: list[str]
+
+
+class CatalogAnswer(_Answer):
+    version: int
+    digest: str
+    applied_at: float  # wall-clock seconds
+    source: str  # "api" or the path of the catalog file
+    models: list[ModelInfo]
+    last_rejection: Rejection | None
+
+
+class CatalogVersion(_Answer):
+    version: int
+    digest: str
+    applied_at: float
+    source: str
+    models: list[str]
+
+
+class CatalogHistory(_Answer):
+    versions: list[CatalogVersion]  # newest first
+
+
+class Step(_Answer):
+    """One replica a change starts or stops, at the pass (`step`, from 1) it happens."""
+
+    step: int
+    action: Literal["start", "stop"]
+    id: str  # "new-1", "new-2", ... for a replica yet to start
+    model: str
+    shards: list[ShardSpot]
+    reason: str
+
+
+class PendingStep(_Answer):
+    model: str
+    count: int
+    reason: str
+
+
+class CatalogChange(_Answer):
+    """What applying a catalog did (or, for a dry run, would do), step by step."""
+
+    dry_run: bool
+    changed: bool  # the catalog differs from the one that was current
+    version: int  # the current version, after the apply
+    previous_version: int | None = None
+    digest: str | None = None
+    steps: list[Step]
+    pending: list[PendingStep]
+
+
+class MarkAnswer(_Answer):
+    """A node's new mark, and what moves because of it."""
+
+    node: str
+    mark: MarkName
+    was: MarkName
+    drain_grace_s: float | None
+    steps: list[Step]
+    pending: list[PendingStep]
+
+
+# -- routing -------------------------------------------------------------------------------
+
+
+class RoutingAnswer(_Answer):
+    """The routing table last published, and the newest version each router confirmed."""
+
+    version: int
+    catalog_version: int
+    models: list[RoutedModel]
+    routers: dict[str, int]

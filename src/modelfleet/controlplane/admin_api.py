@@ -1,0 +1,191 @@
+"""The admin API: what operators (and `ctl`) read and change, behind the admin token.
+
+Every request and answer is a model of `modelfleet.admin`; the document at `/openapi.json`
+describes them all. Every error answer is an `ErrorAnswer` (`{"error": ...}`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.responses import Response
+
+from modelfleet import admin
+from modelfleet.catalog import CatalogInvalid
+from modelfleet.controlplane import views
+from modelfleet.controlplane.catalogs import API_SOURCE
+from modelfleet.fleet import Mark
+from modelfleet.web import JSON, bearer_matches
+
+if TYPE_CHECKING:
+    from modelfleet.controlplane.service import ControlPlane
+
+
+class Refused(Exception):
+    """An admin request refused: the status and the `ErrorAnswer` sent back."""
+
+    def __init__(self, status: int, answer: admin.ErrorAnswer) -> None:
+        super().__init__(answer.error)
+        self.status = status
+        self.answer = answer
+
+    @classmethod
+    def because(cls, status: int, message: str) -> Refused:
+        return cls(status, admin.ErrorAnswer(error=message))
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": admin.ErrorAnswer} for status in (401, *statuses)}
+
+
+_CATALOG_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/yaml": {"schema": {"type": "string"}},
+            "application/json": {"schema": {"type": "object"}},
+        },
+        "description": "A catalog file: `models:` and a list of models (YAML or JSON).",
+    }
+}
+
+
+def create_admin_app(cp: ControlPlane) -> FastAPI:
+    """The admin API of `cp`."""
+
+    async def authorized(request: Request) -> None:
+        if not bearer_matches(request.headers.get("authorization"), cp.config.admin_token):
+            raise Refused.because(401, "missing or wrong admin token")
+
+    app = FastAPI(
+        title="modelfleet admin API",
+        version="1",
+        description="Nodes, replicas, placement, marks and the catalog of a modelfleet fleet. "
+        "Send the admin token as `Authorization: Bearer TOKEN`.",
+        docs_url=None,
+        redoc_url=None,
+        dependencies=[Depends(authorized)],
+    )
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, exc: Refused) -> Response:
+        body = exc.answer.model_dump_json(exclude_none=True)
+        return Response(body, status_code=exc.status, media_type=JSON)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(_: Request, exc: RequestValidationError) -> Response:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        answer = admin.ErrorAnswer(error=f"malformed request: {problems}")
+        return Response(answer.model_dump_json(exclude_none=True), status_code=400, media_type=JSON)
+
+    @app.get("/v1/nodes", responses=_errors())
+    async def nodes() -> admin.NodesAnswer:
+        """The nodes, their GPUs and health, marks and what runs on them."""
+        return views.nodes(cp.state, cp.clock.monotonic())
+
+    @app.post("/v1/nodes/{node}/mark", responses=_errors(400, 404))
+    async def mark_node(node: str, body: admin.MarkRequest) -> admin.MarkAnswer:
+        """Cordon, drain or uncordon a node, and say what moves because of it."""
+        if node not in cp.state.nodes:
+            known = ", ".join(sorted(cp.state.nodes)) or "none has reported yet"
+            raise Refused.because(404, f"no node {node!r} has reported (nodes: {known})")
+        grace = cp.config.drain_grace if body.grace_s is None else body.grace_s
+        was = cp.set_mark(node, Mark(body.mark), grace)
+        moves, pending = views.steps(cp.preview(cp.catalogs.current))
+        draining = body.mark == Mark.DRAINING.value and grace > 0
+        return admin.MarkAnswer(
+            node=node,
+            mark=body.mark,
+            was=was.value,
+            drain_grace_s=grace if draining else None,
+            steps=moves,
+            pending=pending,
+        )
+
+    @app.get("/v1/replicas", responses=_errors())
+    async def replicas() -> admin.ReplicasAnswer:
+        """The replicas, their shards and state, and what is pending and why."""
+        return views.replicas(cp.state, cp.catalogs.current)
+
+    @app.get("/v1/replicas/{replica:path}", responses=_errors(404))
+    async def replica(replica: str) -> admin.ReplicaInfo:
+        """One replica with every shard's state, error, restarts, backoff and log tail."""
+        record = cp.state.replicas.get(replica)
+        if record is None:
+            retired = cp.state.retired.get(replica)
+            if retired is not None:
+                raise Refused.because(404, f"replica {replica!r} was stopped: {retired[0]}")
+            known = ", ".join(sorted(cp.state.replicas)) or "none"
+            raise Refused.because(404, f"no replica {replica!r} (replicas: {known})")
+        return cp.state.replica_view(record)
+
+    @app.get("/v1/explain/{model:path}", responses=_errors(404))
+    async def explain(model: str) -> admin.Explanation:
+        """Where the model's next replica would go, or every node and why not."""
+        catalog = cp.catalogs.current
+        answer = views.explanation(cp.state, catalog, model, cp.clock.monotonic())
+        if answer is None:
+            known = ", ".join(m.name for m in catalog.models) or "none"
+            raise Refused.because(
+                404, f"model {model!r} is not in the current catalog (models: {known})"
+            )
+        return answer
+
+    @app.get("/v1/catalog", responses=_errors())
+    async def catalog() -> admin.CatalogAnswer:
+        """The current catalog, its version, and the last rejected attempt."""
+        return views.catalog(cp.catalogs)
+
+    @app.get("/v1/catalog/history", responses=_errors(400))
+    async def catalog_history(limit: Annotated[int, Query(ge=1)] = 20) -> admin.CatalogHistory:
+        """The last applied catalog versions, newest first."""
+        return views.history(cp.catalogs, limit)
+
+    @app.put("/v1/catalog", responses=_errors(413, 422), openapi_extra=_CATALOG_BODY)
+    async def put_catalog(request: Request, dry_run: bool = False) -> admin.CatalogChange:
+        """Apply the catalog in the body, or with `dry_run` only say what applying it would
+        do. An invalid catalog changes nothing and gets 422 with every problem."""
+        body = await request.body()
+        limit = cp.config.max_catalog_bytes
+        if len(body) > limit:
+            raise Refused.because(413, f"catalog of {len(body)} bytes exceeds {limit}")
+        text = body.decode(errors="replace")
+        current = cp.catalogs.current
+        try:
+            if dry_run:
+                candidate = cp.catalogs.validate(text, API_SOURCE)
+                moves, pending = views.steps(cp.preview(candidate))
+                return admin.CatalogChange(
+                    dry_run=True,
+                    changed=candidate.digest != current.digest,
+                    version=current.version,
+                    steps=moves,
+                    pending=pending,
+                )
+            applied = cp.catalogs.apply(text, API_SOURCE, cp.clock.time())
+        except CatalogInvalid as exc:
+            raise Refused(422, views.refused(exc)) from None
+        if applied.changed:
+            cp.wake()
+        # No pass has run since the swap (nothing awaited), so this is what the next ones do.
+        moves, pending = views.steps(cp.preview(applied.catalog))
+        return admin.CatalogChange(
+            dry_run=False,
+            changed=applied.changed,
+            version=applied.catalog.version,
+            previous_version=applied.previous.version,
+            digest=applied.catalog.digest,
+            steps=moves,
+            pending=pending,
+        )
+
+    @app.get("/v1/routing", responses=_errors())
+    async def routing() -> admin.RoutingAnswer:
+        """The routing table last pushed to the routers, and what each confirmed."""
+        return cp.publisher.answer()
+
+    return app

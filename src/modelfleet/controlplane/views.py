@@ -1,0 +1,177 @@
+"""The admin API's answers, built from the control plane's state when they are asked for."""
+
+from __future__ import annotations
+
+from modelfleet import admin
+from modelfleet.catalog import Catalog, CatalogInvalid
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.state import FleetState
+from modelfleet.fleet import Mark, Replica
+from modelfleet.placement import NodeVerdict, Unplaceable, describe_need
+from modelfleet.reconcile import Preview
+
+
+def verdict(v: NodeVerdict) -> admin.NodeVerdict:
+    return admin.NodeVerdict(node=v.node, usable_gpus=list(v.usable_gpus), reasons=list(v.reasons))
+
+
+def _spots(replica: Replica) -> list[admin.ShardSpot]:
+    return [admin.ShardSpot(node=s.node, gpus=list(s.gpus)) for s in replica.shards]
+
+
+def steps(p: Preview) -> tuple[list[admin.Step], list[admin.PendingStep]]:
+    """A preview's steps and what would stay pending, as the admin API answers them."""
+    return (
+        [
+            admin.Step(
+                step=s.step,
+                action=s.action,
+                id=s.replica.id,
+                model=s.replica.model,
+                shards=_spots(s.replica),
+                reason=s.reason,
+            )
+            for s in p.steps
+        ],
+        [
+            admin.PendingStep(model=x.model, count=x.count, reason=x.explanation.summary)
+            for x in p.pending
+        ],
+    )
+
+
+def nodes(state: FleetState, now: float) -> admin.NodesAnswer:
+    used = state.used_slots()
+    on_node: dict[str, int] = {}
+    for replica in state.planned():
+        for node_name in {s.node for s in replica.shards}:
+            on_node[node_name] = on_node.get(node_name, 0) + 1
+    answer = []
+    for node in state.node_list():
+        gpus = [
+            admin.GpuInfo(
+                index=g.index,
+                model=g.model,
+                memory_total=g.memory_total,
+                memory_free=g.memory_free,
+                healthy=g.healthy,
+                reason=g.reason,
+                in_use=(node.name, g.index) in used,
+            )
+            for g in node.gpus
+        ]
+        grace_left = None
+        if node.mark is Mark.DRAINING and node.drain_deadline is not None:
+            grace_left = round(max(0.0, node.drain_deadline - now), 1)
+        answer.append(
+            admin.NodeInfo(
+                name=node.name,
+                ready=node.is_ready(now, state.stale_after),
+                mark=node.mark.value,
+                drain_grace_left_s=grace_left,
+                address=node.address,
+                labels=dict(node.labels),
+                last_report_s=round(now - (node.last_report or now), 1),
+                gpus=gpus,
+                shards=len(state.nodes[node.name].report.shards),
+                replicas=on_node.get(node.name, 0),
+            )
+        )
+    return admin.NodesAnswer(nodes=answer)
+
+
+def replicas(state: FleetState, catalog: Catalog) -> admin.ReplicasAnswer:
+    """Every replica and shard (log tails left out: a replica's own answer has them), and
+    what is pending with every node's verdict."""
+    listed = [
+        view.model_copy(
+            update={"shards": [s.model_copy(update={"log_tail": []}) for s in view.shards]}
+        )
+        for view in state.replica_views()
+    ]
+    pending = []
+    for p in state.pending:
+        spec = catalog.get(p.model)
+        pending.append(
+            admin.PendingInfo(
+                model=p.model,
+                count=p.count,
+                reason=p.explanation.summary,
+                needs=describe_need(spec) if spec else "",
+                nodes=[verdict(v) for v in p.explanation.verdicts],
+            )
+        )
+    return admin.ReplicasAnswer(replicas=listed, pending=pending)
+
+
+def explanation(
+    state: FleetState, catalog: Catalog, model: str, now: float
+) -> admin.Explanation | None:
+    """Where `model`'s next replica would go, or why it cannot; None when it is not in
+    `catalog`."""
+    answer = state.explain(catalog, model, now)
+    spec = catalog.get(model)
+    if answer is None or spec is None:
+        return None
+    pending = state.pending_for(model)
+    if isinstance(answer, Unplaceable):
+        placeable, summary, placement = False, answer.summary, []
+    else:
+        placeable = True
+        where = ", ".join(f"{s.node} gpus {list(s.gpus)}" for s in answer.shards)
+        summary = f"the next replica would go to {where}"
+        placement = [admin.ShardSpot(node=s.node, gpus=list(s.gpus)) for s in answer.shards]
+    return admin.Explanation(
+        model=model,
+        needs=describe_need(spec),
+        pending=pending.count if pending else 0,
+        pending_reason=pending.explanation.summary if pending else "",
+        placeable=placeable,
+        summary=summary,
+        placement=placement,
+        nodes=[verdict(v) for v in answer.verdicts],
+    )
+
+
+def catalog(keeper: CatalogKeeper) -> admin.CatalogAnswer:
+    current = keeper.current_info
+    c = current.catalog
+    rejected = keeper.last_rejection()
+    return admin.CatalogAnswer(
+        version=c.version,
+        digest=c.digest,
+        applied_at=current.applied_at,
+        source=current.source,
+        models=[admin.ModelInfo.model_validate(m.to_dict()) for m in c.models],
+        last_rejection=(
+            admin.Rejection(
+                at=rejected.at, source=rejected.source, problems=list(rejected.problems)
+            )
+            if rejected
+            else None
+        ),
+    )
+
+
+def history(keeper: CatalogKeeper, limit: int) -> admin.CatalogHistory:
+    return admin.CatalogHistory(
+        versions=[
+            admin.CatalogVersion(
+                version=v.version,
+                digest=v.digest,
+                applied_at=v.applied_at,
+                source=v.source,
+                models=[m["name"] for m in v.body["models"]],
+            )
+            for v in keeper.history(limit)
+        ]
+    )
+
+
+def refused(exc: CatalogInvalid) -> admin.ErrorAnswer:
+    """A refused catalog as the admin API answers it: every problem."""
+    problems = [
+        admin.CatalogProblem(model=p.model, field=p.field, message=p.message) for p in exc.problems
+    ]
+    message = f"the catalog is invalid ({len(problems)} problem(s)); nothing was changed"
+    return admin.ErrorAnswer(error=message, problems=problems)

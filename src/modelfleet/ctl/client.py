@@ -1,0 +1,148 @@
+"""Finding and calling the admin API; every answer is a model of `modelfleet.admin`.
+
+Where to find the admin API, in order: `--admin URL --token T`, then the variables
+`MODELFLEET_ADMIN_URL` / `MODELFLEET_ADMIN_TOKEN`, then `<state-dir>/up.json` written by
+`modelfleet up`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from modelfleet import admin
+
+Answer = TypeVar("Answer", bound=BaseModel)
+
+
+class CtlError(Exception):
+    """A failure ctl reports as one line and a non-zero exit."""
+
+
+class CatalogRefused(CtlError):
+    """The admin API refused a catalog; `problems` lists every problem it found."""
+
+    def __init__(self, message: str, problems: list[admin.CatalogProblem]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class AdminTarget:
+    url: str
+    token: str
+
+
+def resolve_target(admin_url: str | None, token: str | None, state_dir: Path) -> AdminTarget:
+    """Find the admin API from flags, environment, or the state dir's up.json."""
+    admin_url = admin_url or os.environ.get("MODELFLEET_ADMIN_URL")
+    token = token or os.environ.get("MODELFLEET_ADMIN_TOKEN")
+    if admin_url is None or token is None:
+        up_file = state_dir / "up.json"
+        try:
+            up = json.loads(up_file.read_text())
+        except FileNotFoundError:
+            raise CtlError(
+                f"no admin API given and no {up_file} (is `modelfleet up` running?); "
+                "pass --admin URL --token T or set MODELFLEET_ADMIN_URL / MODELFLEET_ADMIN_TOKEN"
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise CtlError(f"cannot read {up_file}: {exc}") from exc
+        admin_url = admin_url or up.get("admin_url")
+        token = token or up.get("admin_token")
+        if not admin_url or not token:
+            raise CtlError(f"{up_file} has no admin_url / admin_token")
+    return AdminTarget(admin_url.rstrip("/"), token)
+
+
+class AdminClient:
+    """The admin API of one control plane, one method per route."""
+
+    def __init__(self, target: AdminTarget) -> None:
+        self.target = target
+
+    def _call(
+        self,
+        answer: type[Answer],
+        method: str,
+        path: str,
+        content: bytes | None = None,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Answer:
+        """Call the admin API; every failure becomes a one-line CtlError (CatalogRefused when
+        a catalog was refused)."""
+        url = self.target.url
+        try:
+            response = httpx.request(
+                method,
+                url + path,
+                content=content,
+                params=params,
+                headers={
+                    "authorization": f"Bearer {self.target.token}",
+                    "content-type": content_type,
+                },
+                timeout=10,
+            )
+        except httpx.HTTPError as exc:
+            raise CtlError(f"cannot reach the admin API at {url}: {exc}") from exc
+        if response.status_code == 401:
+            raise CtlError(f"the admin API at {url} refused the token (401)")
+        if response.status_code != 200:
+            try:
+                error = admin.ErrorAnswer.model_validate_json(response.content)
+            except ValidationError:
+                detail = response.text[:200]
+            else:
+                if error.problems is not None:
+                    raise CatalogRefused(error.error, error.problems)
+                detail = error.error
+            raise CtlError(f"{url}{path} answered {response.status_code}: {detail}")
+        try:
+            return answer.model_validate_json(response.content)
+        except ValidationError as exc:
+            raise CtlError(
+                f"{url}{path} answered something ctl cannot read "
+                f"(is the control plane of another version?): {exc.error_count()} problem(s)"
+            ) from exc
+
+    def nodes(self) -> admin.NodesAnswer:
+        return self._call(admin.NodesAnswer, "GET", "/v1/nodes")
+
+    def mark(self, node: str, request: admin.MarkRequest) -> admin.MarkAnswer:
+        path = f"/v1/nodes/{quote(node, safe='')}/mark"
+        body = request.model_dump_json(exclude_none=True).encode()
+        return self._call(admin.MarkAnswer, "POST", path, body)
+
+    def replicas(self) -> admin.ReplicasAnswer:
+        return self._call(admin.ReplicasAnswer, "GET", "/v1/replicas")
+
+    def replica(self, replica_id: str) -> admin.ReplicaInfo:
+        return self._call(admin.ReplicaInfo, "GET", "/v1/replicas/" + quote(replica_id, safe=""))
+
+    def explain(self, model: str) -> admin.Explanation:
+        return self._call(admin.Explanation, "GET", "/v1/explain/" + quote(model, safe=""))
+
+    def catalog(self) -> admin.CatalogAnswer:
+        return self._call(admin.CatalogAnswer, "GET", "/v1/catalog")
+
+    def catalog_history(self, limit: int) -> admin.CatalogHistory:
+        params = {"limit": str(limit)}
+        return self._call(admin.CatalogHistory, "GET", "/v1/catalog/history", params=params)
+
+    def apply_catalog(self, content: bytes, dry_run: bool) -> admin.CatalogChange:
+        params = {"dry_run": "true"} if dry_run else None
+        return self._call(
+            admin.CatalogChange, "PUT", "/v1/catalog", content, params, "application/yaml"
+        )
+
+    def routing(self) -> admin.RoutingAnswer:
+        return self._call(admin.RoutingAnswer, "GET", "/v1/routing")

@@ -1,0 +1,255 @@
+"""The `modelfleet ctl` command line: one command per admin API route.
+
+`--admin`, `--token`, `--state-dir` and `-o` belong to `ctl` itself (one callback takes them)
+and may be written before or after the command (`modelfleet` moves them first, through
+`with_options_first`): `ctl -o json nodes` and `ctl nodes -o json` are the same.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
+
+import typer
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+    from rich.console import Console
+
+    from modelfleet.ctl.client import AdminClient
+
+T = TypeVar("T", bound="BaseModel")
+
+
+class Output(StrEnum):
+    table = "table"
+    json = "json"
+
+
+# ctl's own options, each taking a value: `with_options_first` moves them before the command.
+_GLOBAL_OPTIONS = ("--admin", "--token", "--state-dir", "--output", "-o")
+
+
+def with_options_first(args: list[str]) -> list[str]:
+    """ctl's arguments with its own options moved before the command, so that they may be
+    written anywhere, as kubectl's are: `nodes -o json` becomes `-o json nodes`."""
+    hoisted: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            rest += args[i:]
+            break
+        if arg.split("=", 1)[0] in _GLOBAL_OPTIONS and "=" in arg:
+            hoisted.append(arg)
+        elif arg in _GLOBAL_OPTIONS and i + 1 < len(args):
+            hoisted += args[i : i + 2]
+            i += 1
+        elif arg.startswith("-o") and not arg.startswith("--") and len(arg) > 2:
+            hoisted.append(arg)
+        else:
+            rest.append(arg)
+        i += 1
+    return hoisted + rest
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@dataclass(frozen=True)
+class Ctl:
+    """What every ctl command is given: where the admin API is, and how to print."""
+
+    admin: str | None
+    token: str | None
+    state_dir: Path
+    output: Output
+
+    def client(self) -> AdminClient:
+        from modelfleet.ctl.client import AdminClient, CtlError, resolve_target
+
+        try:
+            return AdminClient(resolve_target(self.admin, self.token, self.state_dir))
+        except CtlError as exc:
+            fail(str(exc), 1)
+
+    def show(self, call: Callable[[AdminClient], T], render: Callable[[T, Console], None]) -> None:
+        """Call the admin API and print its answer (as JSON with `-o json`)."""
+        from modelfleet.ctl.client import CatalogRefused, CtlError
+
+        try:
+            answer = call(self.client())
+        except CatalogRefused:
+            raise
+        except CtlError as exc:
+            fail(str(exc), 1)
+        if self.output is Output.json:
+            typer.echo(json.dumps(answer.model_dump(mode="json"), indent=2))
+            return
+        from rich.console import Console
+
+        render(answer, Console(width=200))
+
+
+app = typer.Typer(
+    help="Operate a running fleet through its admin API.",
+    no_args_is_help=True,
+)
+catalog_app = typer.Typer(
+    help="Show, change and list the fleet's catalog; no restart needed.", no_args_is_help=True
+)
+replicas_app = typer.Typer(help="The replicas, their shards and state, and what is pending.")
+app.add_typer(catalog_app, name="catalog")
+app.add_typer(replicas_app, name="replicas")
+
+
+@app.callback()
+def options(
+    context: typer.Context,
+    admin: Annotated[
+        str | None, typer.Option("--admin", help="The admin API URL (or MODELFLEET_ADMIN_URL).")
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option("--token", help="The admin token (or MODELFLEET_ADMIN_TOKEN).")
+    ] = None,
+    state_dir: Annotated[
+        Path, typer.Option("--state-dir", help="Where `modelfleet up` keeps its up.json.")
+    ] = Path(".modelfleet"),
+    output: Annotated[Output, typer.Option("--output", "-o", help="table or json.")] = (
+        Output.table
+    ),
+) -> None:
+    """Operate a running fleet through its admin API."""
+    context.obj = Ctl(admin, token, state_dir, output)
+
+
+def _ctl(context: typer.Context) -> Ctl:
+    found = context.find_object(Ctl)
+    assert found is not None, "the ctl callback sets it"
+    return found
+
+
+def _render(name: str) -> Callable[[Any, Console], None]:
+    from modelfleet.ctl import render
+
+    printer: Callable[[Any, Console], None] = getattr(render, name)
+    return printer
+
+
+@app.command()
+def nodes(context: typer.Context) -> None:
+    """The nodes, their GPUs and health."""
+    _ctl(context).show(lambda c: c.nodes(), _render("print_nodes"))
+
+
+@replicas_app.callback(invoke_without_command=True)
+def replicas(context: typer.Context) -> None:
+    """The replicas, their shards and state, and the replicas that are pending."""
+    if context.invoked_subcommand is None:
+        _ctl(context).show(lambda c: c.replicas(), _render("print_replicas"))
+
+
+@replicas_app.command("show")
+def replicas_show(
+    context: typer.Context,
+    replica: Annotated[str, typer.Argument(help="A replica id, as `ctl replicas` lists it.")],
+) -> None:
+    """One replica: each shard's state, error, restarts, backoff and engine log tail."""
+    _ctl(context).show(lambda c: c.replica(replica), _render("print_replica"))
+
+
+@app.command("explain-placement")
+def explain_placement(
+    context: typer.Context,
+    model: Annotated[str, typer.Argument(help="A model of the current catalog.")],
+) -> None:
+    """Where the model's next replica would go, or every node and why it was rejected."""
+    _ctl(context).show(lambda c: c.explain(model), _render("print_explanation"))
+
+
+NodeArg = Annotated[str, typer.Argument(help="The node's name, as `ctl nodes` shows it.")]
+
+
+def _mark(context: typer.Context, node: str, mark: str, grace: float | None = None) -> None:
+    from modelfleet.admin import MarkRequest
+
+    request = MarkRequest.model_validate({"mark": mark, "grace_s": grace})
+    _ctl(context).show(lambda c: c.mark(node, request), _render("print_mark"))
+
+
+@app.command()
+def cordon(context: typer.Context, node: NodeArg) -> None:
+    """Let nothing new land on NODE; what runs there stays."""
+    _mark(context, node, "cordoned")
+
+
+@app.command()
+def uncordon(context: typer.Context, node: NodeArg) -> None:
+    """Take the mark off NODE (cordoned or draining): replicas may land there again."""
+    _mark(context, node, "none")
+
+
+@app.command()
+def drain(
+    context: typer.Context,
+    node: NodeArg,
+    grace: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="Seconds to wait for replacements before stopping what is left anyway "
+            "(default: the control plane's drain_grace; 0: wait without bound).",
+        ),
+    ] = None,
+) -> None:
+    """Move every replica off NODE, make-before-break, and let nothing new land there."""
+    _mark(context, node, "draining", grace)
+
+
+@catalog_app.command("show")
+def catalog_show(context: typer.Context) -> None:
+    """The current catalog with its version, and the last rejected attempt if any."""
+    _ctl(context).show(lambda c: c.catalog(), _render("print_catalog"))
+
+
+@catalog_app.command("history")
+def catalog_history(
+    context: typer.Context,
+    limit: Annotated[int, typer.Option(min=1, help="How many versions, newest first.")] = 20,
+) -> None:
+    """The last applied catalog versions with time, digest and source."""
+    _ctl(context).show(lambda c: c.catalog_history(limit), _render("print_catalog_history"))
+
+
+@catalog_app.command("apply")
+def catalog_apply(
+    context: typer.Context,
+    file: Annotated[Path, typer.Argument(help="A catalog file (YAML).")],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print what would start and stop; change nothing.")
+    ] = False,
+) -> None:
+    """Make FILE the current catalog (or, with --dry-run, print the plan). An invalid catalog
+    changes nothing: every problem is printed and the exit code is 1."""
+    from modelfleet.ctl.client import CatalogRefused
+
+    try:
+        content = file.read_bytes()
+    except OSError as exc:
+        fail(f"cannot read {file}: {exc.strerror}", 1)
+    try:
+        _ctl(context).show(
+            lambda c: c.apply_catalog(content, dry_run), _render("print_catalog_plan")
+        )
+    except CatalogRefused as exc:
+        typer.echo(f"error: {file}: {exc}", err=True)
+        for p in exc.problems:
+            typer.echo(f"  - model {p.model}: {p.field}: {p.message}", err=True)
+        raise typer.Exit(1) from None

@@ -1,0 +1,216 @@
+"""How `ctl` prints the admin API's answers as tables (`-o json` prints them as they came)."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from modelfleet import admin
+from modelfleet.units import format_size
+
+
+def gpu_state(gpu: admin.GpuInfo) -> str:
+    if not gpu.healthy:
+        return f"unhealthy ({gpu.reason or 'no reason given'})"
+    return "used" if gpu.in_use else "free"
+
+
+def print_nodes(data: admin.NodesAnswer, console: Console) -> None:
+    table = Table(
+        "NODE", "STATUS", "MARK", "REPLICAS", "GPUS USED", "MEMORY FREE", "LAST REPORT", "SHARDS"
+    )
+    for node in data.nodes:
+        gpus = node.gpus
+        used = sum(1 for g in gpus if g.in_use)
+        healthy = sum(1 for g in gpus if g.healthy)
+        status = "ready" if node.ready else "not ready"
+        gpu_text = f"{used}/{len(gpus)}" + (
+            f" ({len(gpus) - healthy} unhealthy)" if healthy < len(gpus) else ""
+        )
+        free = format_size(sum(g.memory_free for g in gpus if g.healthy and not g.in_use))
+        mark: str = node.mark
+        if mark == "draining":
+            left = node.drain_grace_left_s
+            done = node.replicas == 0
+            mark += " (done)" if done else (f", {left:.0f}s of grace left" if left else "")
+        table.add_row(
+            node.name,
+            status,
+            mark,
+            str(node.replicas),
+            gpu_text,
+            free,
+            f"{node.last_report_s:.1f}s ago",
+            str(node.shards),
+        )
+    console.print(table)
+    detail = Table("NODE", "GPU", "MODEL", "MEMORY", "STATE")
+    for node in data.nodes:
+        for g in node.gpus:
+            detail.add_row(
+                node.name, str(g.index), g.model, format_size(g.memory_total), gpu_state(g)
+            )
+    console.print(detail)
+
+
+def print_replicas(data: admin.ReplicasAnswer, console: Console) -> None:
+    table = Table("REPLICA", "MODEL", "STATE", "SHARDS (node[gpus]: state)", "ENDPOINT", "ERROR")
+    for r in data.replicas:
+        shards = ", ".join(f"{s.node}{s.gpus}: {s.state}" for s in r.shards)
+        error = "; ".join(s.error for s in r.shards if s.error)
+        table.add_row(r.id, r.model, r.state, shards, r.endpoint or "-", error or "-")
+    for p in data.pending:
+        table.add_row("-", p.model, f"pending x{p.count}", "-", "-", p.reason)
+    console.print(table)
+
+
+def print_explanation(data: admin.Explanation, console: Console) -> None:
+    console.print(f"model {data.model}: each shard needs {data.needs}")
+    if data.pending:
+        console.print(f"{data.pending} replica(s) pending: {data.pending_reason}")
+    console.print(f"next replica: {data.summary}")
+    table = Table("NODE", "FITS", "USABLE GPUS", "WHY NOT")
+    for v in data.nodes:
+        fits = "yes" if not v.reasons else "no"
+        usable = ",".join(str(g) for g in v.usable_gpus) or "-"
+        table.add_row(v.node, fits, usable, "\n".join(v.reasons) or "-")
+    console.print(table)
+
+
+def _when(epoch: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
+
+
+def print_catalog(data: admin.CatalogAnswer, console: Console) -> None:
+    console.print(
+        f"catalog version {data.version}  digest {data.digest}  "
+        f"applied {_when(data.applied_at)} from {escape(data.source)}"
+    )
+    table = Table("MODEL", "ENGINE", "REPLICAS", "SHARDS x GPUS", "GPU MEMORY", "ARGS")
+    for m in data.models:
+        table.add_row(
+            m.name,
+            m.engine,
+            str(m.replicas),
+            f"{m.shards} x {m.gpus_per_shard}",
+            format_size(m.gpu_memory) if m.gpu_memory else "-",
+            escape(" ".join(m.args)) or "-",
+        )
+    console.print(table)
+    rejected = data.last_rejection
+    if rejected:
+        console.print(
+            f"last rejected attempt: {_when(rejected.at)} from {escape(rejected.source)}, "
+            f"{len(rejected.problems)} problem(s):"
+        )
+        for problem in rejected.problems:
+            console.print(f"  - {escape(problem)}", highlight=False)
+
+
+def print_catalog_history(data: admin.CatalogHistory, console: Console) -> None:
+    table = Table("VERSION", "APPLIED", "DIGEST", "SOURCE", "MODELS")
+    for v in data.versions:
+        table.add_row(
+            str(v.version),
+            _when(v.applied_at),
+            v.digest,
+            escape(v.source),
+            ", ".join(v.models) or "-",
+        )
+    console.print(table)
+
+
+def _where(step: admin.Step) -> str:
+    return ", ".join(f"{s.node}{s.gpus}" for s in step.shards)
+
+
+def print_catalog_plan(data: admin.CatalogChange, console: Console) -> None:
+    if data.dry_run:
+        head = "dry run, nothing changed: " + (
+            "this catalog differs from the current one"
+            if data.changed
+            else "this catalog is the current one"
+        )
+        console.print(f"{head} (version {data.version})")
+    elif data.changed:
+        console.print(f"applied: catalog version {data.version} (was {data.previous_version})")
+    else:
+        console.print(f"unchanged: the catalog is already version {data.version}")
+    print_steps(data.steps, data.pending, console)
+
+
+def print_mark(data: admin.MarkAnswer, console: Console) -> None:
+    line = f"node {data.node}: {data.mark} (was {data.was})"
+    if data.drain_grace_s:
+        line += f"; what does not move within {data.drain_grace_s:.0f}s is stopped anyway"
+    console.print(line)
+    print_steps(data.steps, data.pending, console)
+
+
+def print_steps(
+    steps: list[admin.Step], pending: list[admin.PendingStep], console: Console
+) -> None:
+    """The replicas a change starts and stops, step by step (a preview from the admin API)."""
+    if not (steps or pending):
+        console.print("no replica starts or stops")
+        return
+    table = Table("STEP", "ACTION", "REPLICA", "MODEL", "WHERE", "WHY")
+    for s in steps:
+        rid = "(new)" if s.action == "start" else s.id
+        table.add_row(str(s.step), s.action, rid, s.model, _where(s), s.reason or "-")
+    for p in pending:
+        table.add_row("-", f"pending x{p.count}", "-", p.model, "-", p.reason)
+    console.print(table)
+    console.print(
+        "steps run in order: the next step follows once the replicas a step started serve",
+        style="dim",
+    )
+
+
+def print_replica(data: admin.ReplicaInfo, console: Console) -> None:
+    """One replica in full: a line for it, a table of its shards, then each failed shard's
+    error and the tail of its engine's log."""
+    head = f"replica {data.id}  model {data.model}  state {data.state}"
+    if data.endpoint:
+        head += f"  endpoint {data.endpoint}"
+    console.print(head, highlight=False)
+    if data.reason:
+        console.print(f"retiring: {escape(data.reason)}", highlight=False)
+    table = Table(
+        "SHARD",
+        "NODE",
+        "GPUS",
+        "STATE",
+        "PID",
+        "PORT",
+        "RESTARTS",
+        "FAILURES",
+        "STARTED IN",
+        "NEXT START",
+    )
+    for s in data.shards:
+        nxt = f"after {s.backoff_s:.0f}s backoff" if s.backoff_s is not None else "-"
+        started = f"{s.startup_s:.1f}s" if s.startup_s is not None else "-"
+        table.add_row(
+            str(s.rank),
+            s.node,
+            ",".join(str(g) for g in s.gpus),
+            s.state,
+            str(s.pid or "-"),
+            str(s.port or "-"),
+            str(s.restarts),
+            str(s.failures),
+            started,
+            nxt,
+        )
+    console.print(table)
+    for s in data.shards:
+        if s.error:
+            console.print(f"shard {s.rank} error: {escape(s.error)}", highlight=False)
+        if s.log_tail:
+            console.print(f"shard {s.rank} log, last {len(s.log_tail)} line(s):")
+            for line in s.log_tail:
+                console.print(f"  {escape(line)}", highlight=False, soft_wrap=True)

@@ -1,0 +1,112 @@
+"""Processes the fleet starts and stops: ports, identities, log tails, and one way to stop.
+
+Every modelfleet process that starts another (an agent its engines, `up` its fleet, a test its
+services) starts it in a process group of its own and ends it through `stop_groups`: SIGTERM to
+each group, a grace period, then SIGKILL to what is left. A process is named by its pid and
+its start time (`ProcessId`), so a pid the kernel has since given to another process is never
+mistaken for the one that was started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+# How much of a log file `log_tail` reads back from its end.
+_TAIL_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """One process, for as long as it runs: its pid and when it started (seconds since the
+    epoch, as psutil reads it from the kernel). A reused pid has another start time."""
+
+    pid: int
+    started: float
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId | None:
+        """The identity of the running process `pid`; None when there is none (or a zombie)."""
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return cls(pid, proc.create_time())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    def running(self) -> bool:
+        """Whether this very process still runs (not one that took over its pid)."""
+        now = ProcessId.of(self.pid)
+        return now is not None and abs(now.started - self.started) < 0.01
+
+
+def running(pid: int) -> bool:
+    """Whether a process `pid` runs now (an exited child not yet reaped does not)."""
+    return ProcessId.of(pid) is not None
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def log_tail(path: Path, lines: int) -> list[str]:
+    """The last `lines` lines of a log file (empty when there is none)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - _TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return list(deque(text.splitlines(), maxlen=lines))
+
+
+def signal_group(pid: int, sig: signal.Signals) -> bool:
+    """Send `sig` to the process group led by `pid`; False when it is already gone."""
+    try:
+        os.killpg(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _reap(pid: int) -> None:
+    """Collect `pid`'s exit status if it is a child of ours, so it stops being a zombie."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _gone(pid: int) -> bool:
+    _reap(pid)
+    return not running(pid)
+
+
+def stop_groups(pids: Iterable[int], grace: float, poll: float = 0.05) -> list[int]:
+    """Stop the process groups led by `pids`: SIGTERM, up to `grace` seconds for them to exit,
+    then SIGKILL. Returns when every leader is gone, with the pids that had to be killed."""
+    pids = [p for p in pids if not _gone(p)]
+    for pid in pids:
+        signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(not _gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(poll)
+    killed = [p for p in pids if not _gone(p)]
+    for pid in killed:
+        signal_group(pid, signal.SIGKILL)
+    while any(not _gone(p) for p in killed):
+        time.sleep(poll)
+    return killed

@@ -1,0 +1,130 @@
+"""The processes `up` starts: each `modelfleet ...` in its own process group, with its log,
+its ready file, and one way to stop them all."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelfleet.agent.records import recorded_engine_pids
+from modelfleet.processes import log_tail, stop_groups
+
+
+class UpError(RuntimeError):
+    """`up` could not bring the fleet up; the message says which part and why."""
+
+
+def agent_state_dir(state_dir: Path, node: str) -> Path:
+    """Where the agent of `node` keeps its records and engine logs."""
+    return state_dir / "agents" / node
+
+
+@dataclass
+class Child:
+    """One process `up` started; `restart` replaces `proc` with a new run of the same command."""
+
+    role: str
+    node: str | None
+    args: list[str]
+    env: dict[str, str]
+    log: Path
+    ready_file: Path | None
+    proc: subprocess.Popen[bytes] = field(init=False)
+    started_at: float = field(init=False, default=0.0)  # monotonic, at the last launch
+
+    def launch(self) -> None:
+        """Start `modelfleet ARGS` in its own process group, output appended to the log."""
+        if self.ready_file is not None:
+            self.ready_file.unlink(missing_ok=True)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "modelfleet", *self.args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches `up` alone, which stops all in order
+                env={**os.environ, **self.env},
+            )
+        self.started_at = time.monotonic()
+
+
+@dataclass
+class Fleet:
+    """The processes `up` started, and how to stop them."""
+
+    state_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def spawn(
+        self,
+        role: str,
+        args: list[str],
+        node: str | None = None,
+        env: dict[str, str] | None = None,
+        ready_file: Path | None = None,
+    ) -> Child:
+        """Start `modelfleet ARGS` as a child of the fleet."""
+        name = f"{role}-{node}" if node else role
+        if ready_file is not None:
+            args = [*args, "--ready-file", str(ready_file)]
+        log = self.state_dir / "logs" / f"{name}.log"
+        child = Child(role, node, args, env or {}, log, ready_file)
+        child.launch()
+        self.children.append(child)
+        return child
+
+    def restart(self, child: Child, timeout: float = 15) -> dict[str, Any]:
+        """Stop `child` if it runs (SIGTERM, SIGKILL after 10 s), start it again, wait until
+        it is ready; returns its ready file."""
+        stop_groups([child.proc.pid], 10.0)
+        child.proc.wait()
+        child.launch()
+        return self.wait_ready(child, timeout)
+
+    def wait_ready(self, child: Child, timeout: float) -> dict[str, Any]:
+        """Wait for the child's ready file; UpError with its log tail if it exits first."""
+        assert child.ready_file is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if child.ready_file.exists():
+                ready: dict[str, Any] = json.loads(child.ready_file.read_text())
+                return ready
+            if child.proc.poll() is not None:
+                tail = "\n".join(log_tail(child.log, 20))
+                raise UpError(f"{child.role} exited with code {child.proc.returncode}:\n{tail}")
+            time.sleep(0.05)
+        raise UpError(f"{child.role} was not ready within {timeout:.0f}s; see {child.log}")
+
+    def engine_pids(self) -> dict[str, list[int]]:
+        """The engines each agent recorded as started, by node."""
+        nodes = sorted({c.node for c in self.children if c.node})
+        return {n: recorded_engine_pids(agent_state_dir(self.state_dir, n)) for n in nodes}
+
+    def pids(self) -> dict[str, Any]:
+        pids: dict[str, Any] = {"agent": {}, "engine": self.engine_pids()}
+        for c in self.children:
+            if c.node:
+                pids[c.role][c.node] = c.proc.pid
+            else:
+                pids[c.role] = c.proc.pid
+        return pids
+
+    def stop(self) -> None:
+        """Stop everything: control plane, agents, then the engines they left, router last."""
+        engines = self.engine_pids()
+        for role in ("control-plane", "agent"):
+            stop_groups([c.proc.pid for c in self.children if c.role == role], 10.0)
+        engines_now = self.engine_pids()  # the agents may have started more before they stopped
+        all_engines = {p for pids in (*engines.values(), *engines_now.values()) for p in pids}
+        stop_groups(sorted(all_engines), 15.0)
+        stop_groups([c.proc.pid for c in self.children if c.role == "router"], 10.0)
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.wait()

@@ -1,0 +1,97 @@
+"""`modelfleet up`: bring the fleet up, print how to use it, keep it up, stop it all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from modelfleet.catalog import Catalog
+from modelfleet.processes import running
+from modelfleet.serving import write_json_atomic
+from modelfleet.up.children import UpError
+from modelfleet.up.configs import FleetOptions
+from modelfleet.up.fleet import start_fleet, wait_serving
+from modelfleet.up.restarts import Restarts
+
+
+def _running_fleet(state_dir: Path) -> int | None:
+    try:
+        up = json.loads((state_dir / "up.json").read_text())
+        pid = int(up["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if pid != os.getpid() and running(pid) else None
+
+
+def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> int:
+    """Bring the fleet up, print how to use it, and stop it all on SIGINT/SIGTERM."""
+    state_dir = state_dir.resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    running = _running_fleet(state_dir)
+    if running is not None:
+        raise UpError(f"a fleet is already running from {state_dir} (pid {running}); stop it first")
+    catalog_file = state_dir / "catalog.yaml"
+    if catalog_file.exists():  # refuse a broken file before starting anything
+        Catalog.from_yaml(catalog_file.read_text(), source=str(catalog_file))
+
+    stopping = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    fleet = start_fleet(state_dir, FleetOptions(router_port=router_port))
+    try:
+        catalog = Catalog.from_yaml(catalog_file.read_text(), source=str(catalog_file))
+        serving = wait_serving(fleet.push_url, fleet.admin_token, catalog, serve_timeout)
+        info = fleet.info()
+        write_json_atomic(state_dir / "up.json", info)
+        _print_summary(info, catalog, state_dir, serving)
+
+        keeper = Restarts()
+        while not stopping:
+            if keeper.tend(fleet, lambda: stopping, time.monotonic()):
+                write_json_atomic(state_dir / "up.json", fleet.info())
+            time.sleep(0.2)
+    finally:
+        print("stopping the fleet ...", flush=True)
+        fleet.fleet.stop()
+        (state_dir / "up.json").unlink(missing_ok=True)
+    print("stopped.", flush=True)
+    return 0
+
+
+def _print_summary(info: dict[str, Any], catalog: Catalog, state_dir: Path, serving: bool) -> None:
+    first = catalog.models[0].name if catalog.models else "MODEL"
+    body = json.dumps({"model": first, "messages": [{"role": "user", "content": "Hello!"}]})
+    models = ", ".join(
+        f"{m.name} ({m.replicas} replica{'s' if m.replicas > 1 else ''})" for m in catalog.models
+    )
+    lines = [
+        f"modelfleet is up  (state: {state_dir})",
+        f"  router url:  {info['router_url']}   OpenAI-compatible, send the API key",
+        f"  admin url:   {info['admin_url']}   token: {info['admin_token']}",
+        f"  api key:     {info['api_key']}",
+        f"  models:      {models}",
+    ]
+    if not serving:
+        lines.append("  warning: not every replica serves yet; `modelfleet ctl replicas` says why")
+    lines += [
+        "",
+        "Try it:",
+        f"  curl -s {info['router_url']}/v1/chat/completions \\",
+        f"    -H 'Authorization: Bearer {info['api_key']}' -H 'Content-Type: application/json' \\",
+        f"    -d '{body}'",
+        "",
+        "  modelfleet ctl nodes        modelfleet ctl replicas",
+        "",
+        f"Everything above is also in {state_dir / 'up.json'}. Ctrl-C stops the whole fleet.",
+    ]
+    print("\n".join(lines), flush=True)

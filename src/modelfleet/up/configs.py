@@ -1,0 +1,40 @@
+"""What `up` runs: the default catalog, the shape of the fleet, and each process's config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+NODES = ("node-1", "node-2")
+GPUS_PER_NODE = "4x80GB"
+
+DEFAULT_CATALOG = """\
+# The catalog `modelfleet up` serves. Edit it and run `modelfleet up` again.
+models:
+  - name: sim-chat
+    engine: sim
+    replicas: 2
+    gpus_per_shard: 1
+    gpu_memory: 20GiB
+    args: ["--ttft", "0.05", "--itl", "0.01"]
+  - name: sim-large
+    engine: sim
+    replicas: 1
+    gpus_per_shard: 2
+    gpu_memory: 60GiB
+    args: ["--ttft", "0.2", "--itl", "0.02"]
+"""
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    """The shape of a fleet `up` starts. The defaults are what `modelfleet up` runs."""
+
+    nodes: tuple[str, ...] = NODES
+    gpus: str = GPUS_PER_NODE  # every node's simulated GPUs
+    router_port: int = 0
+    report_interval: float = 1.0
+    reconcile_interval: float = 0.5
+    stop_grace: float = 10.0
+    control_plane: dict[str, Any] = field(default_factory=dict)  # more control-plane settings
+    agent_args: tuple[str, ...] = ()  # more agent flags

@@ -1,0 +1,167 @@
+"""Starting a fleet: router, control plane and agents, each once its predecessor listens."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from modelfleet.apikeys import hash_key, new_key
+from modelfleet.catalog import Catalog
+from modelfleet.processes import free_port
+from modelfleet.up.children import Fleet, agent_state_dir
+from modelfleet.up.configs import DEFAULT_CATALOG, FleetOptions
+from modelfleet.wire import RoutingSnapshot
+
+
+@dataclass
+class RunningFleet:
+    """A started fleet: its processes and what a client and an operator need to reach it."""
+
+    fleet: Fleet
+    catalog_file: Path
+    router_url: str
+    push_url: str
+    admin_url: str
+    admin_token: str
+    api_key: str
+    agent_token: str
+    agent_admin: dict[str, str]  # node -> its agent's admin API (simulated GPU faults)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "router_url": self.router_url,
+            "admin_url": self.admin_url,
+            "admin_token": self.admin_token,
+            "api_key": self.api_key,
+            "agent_admin": self.agent_admin,
+            "agent_token": self.agent_token,
+            "pid": os.getpid(),
+            "pids": self.fleet.pids(),
+            "catalog": str(self.catalog_file),
+        }
+
+
+def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> RunningFleet:
+    """Start router, control plane and agents, each once its predecessor listens.
+
+    The catalog is `<state_dir>/catalog.yaml` (written with the default catalog when absent);
+    the control plane watches it. On an error the processes already started are stopped.
+    """
+    opts = options or FleetOptions()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = state_dir / "run"
+    run_dir.mkdir(exist_ok=True)
+    for stale in run_dir.glob("*.json"):
+        stale.unlink()
+    catalog_file = state_dir / "catalog.yaml"
+    if not catalog_file.exists():
+        catalog_file.write_text(DEFAULT_CATALOG)
+
+    admin_token = secrets.token_urlsafe(24)
+    agent_token = secrets.token_urlsafe(24)
+    api_key = new_key()
+    router_cfg = {
+        # Fixed ports, chosen free now, so that a restarted process is found where it was.
+        "port": opts.router_port or free_port("127.0.0.1"),
+        "push_port": free_port("127.0.0.1"),
+        "push_token": admin_token,
+        "api_keys": [{"name": "up", "sha256": hash_key(api_key)}],
+    }
+    (state_dir / "router.yaml").write_text(yaml.safe_dump(router_cfg))
+
+    fleet = Fleet(state_dir)
+    try:
+        router = fleet.spawn(
+            "router",
+            ["router", "--config", str(state_dir / "router.yaml")],
+            ready_file=run_dir / "router.json",
+        )
+        router_urls = fleet.wait_ready(router, 15)["urls"]
+
+        cp_cfg = {
+            "catalog": str(catalog_file),
+            "state_dir": str(state_dir / "control-plane"),
+            "agent_port": free_port("127.0.0.1"),
+            "admin_port": free_port("127.0.0.1"),
+            "admin_token": admin_token,
+            "agent_token": agent_token,
+            "routers": [{"url": router_urls["push"], "token": admin_token}],
+            "known_nodes": list(opts.nodes),
+            "reconcile_interval": opts.reconcile_interval,
+            **opts.control_plane,
+        }
+        (state_dir / "control-plane.yaml").write_text(yaml.safe_dump(cp_cfg))
+        cp = fleet.spawn(
+            "control-plane",
+            ["control-plane", "--config", str(state_dir / "control-plane.yaml")],
+            ready_file=run_dir / "control-plane.json",
+        )
+        cp_urls = fleet.wait_ready(cp, 15)["urls"]
+
+        agents = []
+        for node in opts.nodes:
+            args = [
+                "agent",
+                "--control-plane",
+                cp_urls["agent"],
+                "--node",
+                node,
+                "--simulate-gpus",
+                opts.gpus,
+                "--state-dir",
+                str(agent_state_dir(state_dir, node)),
+                "--report-interval",
+                str(opts.report_interval),
+                "--stop-grace",
+                str(opts.stop_grace),
+                "--admin-port",
+                "0",
+                *opts.agent_args,
+            ]
+            # The token goes by environment, not argv, where any local user could read it.
+            env = {"MODELFLEET_AGENT_TOKEN": agent_token}
+            ready = run_dir / f"agent-{node}.json"
+            agents.append(fleet.spawn("agent", args, node=node, env=env, ready_file=ready))
+        agent_admin: dict[str, str] = {}
+        for node, child in zip(opts.nodes, agents, strict=True):
+            agent_admin[node] = fleet.wait_ready(child, 15)["urls"]["admin"]
+    except BaseException:
+        fleet.stop()
+        raise
+    return RunningFleet(
+        fleet,
+        catalog_file,
+        router_urls["router"],
+        router_urls["push"],
+        cp_urls["admin"],
+        admin_token,
+        api_key,
+        agent_token,
+        agent_admin,
+    )
+
+
+def wait_serving(push_url: str, token: str, catalog: Catalog, timeout: float) -> bool:
+    """Wait until the router holds an endpoint for every replica of the catalog."""
+    want = {m.name: m.replicas for m in catalog.models}
+    deadline = time.monotonic() + timeout
+    with httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=2) as http:
+        while time.monotonic() < deadline:
+            try:
+                snap = RoutingSnapshot.model_validate_json(
+                    http.get(f"{push_url}/v1/routing").content
+                )
+                have = {m.name: len(m.endpoints) for m in snap.models}
+                if all(have.get(name, 0) >= n for name, n in want.items()):
+                    return True
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.1)
+    return False
