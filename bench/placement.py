@@ -136,21 +136,10 @@ def full_state(n: int, replicas: int) -> ControlPlane:
     cp.reconcile_once(NOW)
     seq = 2
     by_node: dict[str, list[ShardReport]] = {name: [] for name in names}
-    for record in cp.state.replicas.values():
-        r = record.replica
-        for rank, shard in enumerate(r.shards):
-            by_node[shard.node].append(
-                ShardReport(
-                    replica_id=r.id,
-                    model=r.model,
-                    rank=rank,
-                    num_shards=len(r.shards),
-                    gpus=list(shard.gpus),
-                    engine_digest=r.engine_digest,
-                    state=ShardState.READY,
-                    port=20000 + len(by_node[shard.node]),
-                )
-            )
+    for node, assigned in cp.state.assignments(catalog).items():
+        by_node[node] = [
+            ShardReport.of(a, ShardState.READY, port=20000 + i) for i, a in enumerate(assigned)
+        ]
     for name, node_gpus in zip(names, gpus, strict=True):
         report = AgentReport(
             node=name,

@@ -56,6 +56,7 @@ class NodeInfo(_Answer):
     address: str
     labels: dict[str, str]
     last_report_s: float  # seconds since its last report
+    reports: int  # reports taken from it since the control plane started
     gpus: list[GpuInfo]
     shards: int  # shards its agent reports
     replicas: int  # replicas with a shard on it
@@ -240,6 +241,21 @@ class MarkAnswer(_Answer):
     drain_grace_s: float | None
     steps: list[Step]
     pending: list[PendingStep]
+
+
+# -- the control plane itself -----------------------------------------------------------
+
+
+class StatusAnswer(_Answer):
+    """What the control plane is doing: settling after its start, or reconciling."""
+
+    settling: bool  # still waiting for agents to report what runs; nothing placed or stopped
+    reconcile_passes: int  # passes that planned (not settling) since the control plane started
+    catalog_version: int
+    routing_version: int  # of the routing table last published
+    nodes: int  # nodes that have reported
+    replicas: int  # in the table, retiring ones included
+    pending: int  # replicas wanted that cannot be placed now
 
 
 # -- routing -------------------------------------------------------------------------------

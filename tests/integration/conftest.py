@@ -6,6 +6,7 @@ Readiness is the process's own ready file (written once it listens), not polling
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -20,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from modelfleet.loadgen import SteadyClient
 from modelfleet.processes import stop_groups
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
@@ -90,6 +92,16 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 30, every: fl
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+async def until(what: str, check: Callable[[], Any], timeout: float = 20) -> Any:
+    """`wait_for` for a test running on an event loop: the loop keeps running meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 @contextlib.contextmanager
 def fleet_of(tmp: Path, models: list[dict[str, Any]], **options: Any) -> Iterator[RunningFleet]:
     """A fleet started as `modelfleet up` starts one (agents reporting every 0.5 s unless
@@ -102,6 +114,12 @@ def fleet_of(tmp: Path, models: list[dict[str, Any]], **options: Any) -> Iterato
         yield running
     finally:
         running.fleet.stop()
+
+
+def wait_requests(client: SteadyClient, count: int, what: str = "") -> None:
+    """Wait until `client` has had `count` more requests answered in full."""
+    done = client.ok + count
+    wait_for(f"{count} more requests answered{what}", lambda: client.ok >= done)
 
 
 def ctl_target(fleet: RunningFleet) -> list[str]:
@@ -172,6 +190,19 @@ class Operator:
     def routed(self, model: str) -> list[str] | None:
         models = self.get("/v1/routing")["models"]
         return next((m["endpoints"] for m in models if m["name"] == model), None)
+
+    def passes(self) -> int:
+        """Reconcile passes the control plane has made since it started."""
+        return int(self.get("/v1/status")["reconcile_passes"])
+
+    def reports(self, node: str) -> int:
+        """Reports the control plane has taken from `node` since it started."""
+        return next(int(n["reports"]) for n in self.get("/v1/nodes")["nodes"] if n["name"] == node)
+
+    def wait_passes(self, count: int) -> None:
+        """Wait until the control plane has made `count` more reconcile passes."""
+        done = self.passes() + count
+        wait_for(f"{count} more reconcile passes", lambda: self.passes() >= done)
 
     def used_gpus(self) -> set[tuple[str, int]]:
         nodes = self.get("/v1/nodes")["nodes"]

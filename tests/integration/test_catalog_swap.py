@@ -18,7 +18,7 @@ import pytest
 from modelfleet.loadgen import SteadyClient
 from modelfleet.up import RunningFleet
 
-from .conftest import Operator, fleet_of, wait_for
+from .conftest import Operator, fleet_of, wait_for, wait_requests
 
 A = {"name": "a", "engine": "sim", "args": ["--ttft", "0.02", "--itl", "0.005"]}
 B = {"name": "b", "engine": "sim"}
@@ -31,17 +31,17 @@ def fleet(tmp_path: Path) -> Iterator[RunningFleet]:
         yield running
 
 
-def assert_serves_in_time(op: Operator, model: str, began: float, count: int = 1) -> None:
-    """`model` serves through the router within its engines' start time plus 2 s."""
+def wait_served(op: Operator, model: str, began: float) -> None:
+    """Wait until `model` serves through the router; print how long that took after the change
+    (bench/catalog_swap.py measures it; a test asserts no timing)."""
     wait_for(f"{model} to serve", lambda: op.serves(model))
     took = time.monotonic() - began
     ready = wait_for(
-        f"{count} ready replica(s) of {model}",
-        lambda: [r for r in op.replicas(model) if r["state"] == "ready"][:count] or None,
+        f"a ready replica of {model}",
+        lambda: [r for r in op.replicas(model) if r["state"] == "ready"],
     )
     startup = max(s["startup_s"] for r in ready for s in r["shards"])
     print(f"{model}: served {took:.2f}s after the change; its engine took {startup:.2f}s to start")
-    assert took <= startup + 2.0, f"{model} served {took:.2f}s after the change (start {startup})"
 
 
 def gpus_of(replicas: list[dict[str, Any]]) -> set[tuple[str, int]]:
@@ -56,11 +56,11 @@ def test_eight_catalog_changes_while_a_client_uses_model_a(
     client = SteadyClient(fleet.router_url, fleet.api_key, "a")
     client.start()
     try:
-        time.sleep(1)
+        wait_requests(client, 10, " before the first change")
 
         # 1. add B (file)
         began = op.write_file(A, B)
-        assert_serves_in_time(op, "b", began)
+        wait_served(op, "b", began)
 
         # 2. scale B to 2 (ctl)
         _, done = op.apply(A, {**B, "replicas": 2})
@@ -70,7 +70,7 @@ def test_eight_catalog_changes_while_a_client_uses_model_a(
 
         # 3. add C (file)
         began = op.write_file(A, {**B, "replicas": 2}, C)
-        assert_serves_in_time(op, "c", began)
+        wait_served(op, "c", began)
         [old_c] = op.replicas("c")
 
         # 4. change C's engine arguments (ctl): replaced make-before-break, so a client of C
@@ -86,7 +86,7 @@ def test_eight_catalog_changes_while_a_client_uses_model_a(
             return [r["id"] for r in reps] != [old_c["id"]] and len(reps) == 1
 
         wait_for("c replaced", replaced)
-        time.sleep(0.5)
+        wait_requests(client_c, 10, " by the new replica of c")
         client_c.stop()
         print(f"model c during its replacement: {client_c.ok} requests, {client_c.failures}")
         assert client_c.failures == [] and client_c.ok > 0
@@ -128,14 +128,13 @@ def test_eight_catalog_changes_while_a_client_uses_model_a(
 
         # 8. add B again (file)
         began = op.write_file(A, B)
-        assert_serves_in_time(op, "b", began)
-        time.sleep(1)
+        wait_served(op, "b", began)
+        wait_requests(client, 10, " after the last change")
     finally:
         client.stop()
 
     print(f"model a: {client.ok} requests, {client.rate:.1f}/s, failures: {client.failures}")
-    assert client.failures == []
-    assert client.rate >= 20, f"only {client.rate:.1f} requests/s reached model a"
+    assert client.failures == [] and client.ok > 0
     history = json.loads(op.ctl("catalog", "history", "-o", "json").stdout)["versions"]
     assert [v["version"] for v in history][:1] == [8]  # 1 + seven valid changes
     assert [m for m in history[0]["models"]] == ["a", "b"]

@@ -5,21 +5,24 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 
 from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.agent.records import EngineRecord, write_records
 from modelfleet.agent.service import Agent, AgentSettings
-from modelfleet.agent.supervisor import SupervisorSettings
+from modelfleet.agent.supervisor import Shard, SupervisorSettings
+from modelfleet.engines import Launch, driver_for
+from modelfleet.processes import ProcessId, stop_groups
 from modelfleet.processes import running as alive
 from modelfleet.wire import NodeAssignment, ShardAssignment, ShardState
 
-from .conftest import Procs, wait_json
+from .conftest import Procs, until, wait_for, wait_json
 
 KEY = "mf-test-key"
 
@@ -95,18 +98,24 @@ def test_router_with_a_static_config_and_no_control_plane(procs: Procs, tmp_path
 def test_engine_finishes_in_flight_requests_on_sigterm(procs: Procs, tmp_path: Path) -> None:
     engine, pid = start_engine(procs, tmp_path, "drain", "--itl", "0.05", "--ttft", "0.0")
     result: dict[str, object] = {}
+    streaming = threading.Event()
 
     def stream() -> None:
         body = {"model": "drain", "prompt": "x", "max_tokens": 30, "stream": True}
         with httpx.stream("POST", f"{engine}/v1/completions", json=body, timeout=20) as r:
-            result["text"] = "".join(r.iter_text())
+            chunks = []
+            for chunk in r.iter_text():
+                chunks.append(chunk)
+                streaming.set()
+            result["text"] = "".join(chunks)
 
     thread = threading.Thread(target=stream)
     thread.start()
-    time.sleep(0.4)  # the request is mid-stream (30 tokens take 1.5 s)
+    assert streaming.wait(timeout=20), "the stream's first chunk did not come within 20 s"
     proc = procs.started[-1]
     proc.send_signal(signal.SIGTERM)
     thread.join(timeout=20)
+    assert not thread.is_alive(), "the stream did not end within 20 s of the SIGTERM"
     assert str(result["text"]).rstrip().endswith("data: [DONE]")
     assert str(result["text"]).count('"text": " ') == 30
     assert proc.wait(timeout=10) == 0 and not alive(pid)
@@ -144,10 +153,9 @@ def test_agent_starts_and_stops_assigned_shards(tmp_path: Path) -> None:
                     node="n", shards=[shard("sim", "sim"), shard("hard", "command", stubborn)]
                 )
             )
-            deadline = time.monotonic() + 20
-            while agent.shards["sim/0"].state is not ShardState.READY:
-                assert time.monotonic() < deadline, agent.shards["sim/0"].error
-                await asyncio.sleep(0.05)
+            await until(
+                "the sim shard ready", lambda: agent.shards["sim/0"].state is ShardState.READY
+            )
             pids = [s.proc.pid for s in agent.shards.values() if s.proc]
             assert len(pids) == 2 and all(alive(p) for p in pids)
             report = agent.report()
@@ -155,9 +163,7 @@ def test_agent_starts_and_stops_assigned_shards(tmp_path: Path) -> None:
 
             agent.apply(NodeAssignment(node="n", shards=[]))
             assert not agent.shards and set(agent.stopping) == {"sim/0", "hard/0"}
-            while agent.stopping:
-                assert time.monotonic() < deadline + 10
-                await asyncio.sleep(0.05)
+            await until("both shards stopped", lambda: not agent.stopping)
             assert not any(alive(p) for p in pids)
 
     asyncio.run(go())
@@ -221,14 +227,10 @@ def test_a_shard_of_rank_1_starts_once_it_knows_where_shard_0_is(tmp_path: Path)
             agent.apply(NodeAssignment(node="n", shards=[rank(1, None)]))
             assert agent.shards == {}  # waits for shard 0's address
             agent.apply(NodeAssignment(node="n", shards=[rank(1, "10.0.0.7:29500")]))
-            deadline = time.monotonic() + 20
-            while not out.exists() or not out.read_text():
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+            await until("rank 1 started", lambda: out.exists() and out.read_text())
             assert out.read_text() == "10.0.0.7:29500"
             agent.apply(NodeAssignment(node="n", shards=[]))
-            while agent.stopping:
-                await asyncio.sleep(0.05)
+            await until("the unassigned shards stopped", lambda: not agent.stopping)
 
     asyncio.run(go())
 
@@ -246,10 +248,10 @@ def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path
     settings = offline_agent(tmp_path, stop_grace=2.0)
 
     async def until_ready(agent: Agent, keys: list[str]) -> None:
-        deadline = time.monotonic() + 20
-        while any(agent.shards[k].state is not ShardState.READY for k in keys):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await until(
+            f"shards {keys} ready",
+            lambda: all(agent.shards[k].state is ShardState.READY for k in keys),
+        )
 
     async def first_run() -> dict[str, int]:
         async with Agent(settings, SimulatedGpus("2x80GB")) as agent:
@@ -262,10 +264,7 @@ def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path
     pids = asyncio.run(first_run())
     assert all(alive(p) for p in pids.values())
     os.killpg(pids["dead/0"], signal.SIGKILL)  # one engine dies while no agent runs
-    deadline = time.monotonic() + 10
-    while alive(pids["dead/0"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for("the killed engine gone", lambda: not alive(pids["dead/0"]))
 
     async def second_run() -> None:
         async with Agent(settings, SimulatedGpus("2x80GB")) as agent:
@@ -276,13 +275,11 @@ def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path
                 "drop/0": pids["drop/0"],
             }
             agent.apply(NodeAssignment(node="n", shards=[sim("keep")]))
-            while agent.stopping:
-                await asyncio.sleep(0.05)
+            await until("the unassigned shards stopped", lambda: not agent.stopping)
             assert not alive(pids["drop/0"]) and alive(pids["keep/0"])
             assert agent.shards["keep/0"].proc.pid == pids["keep/0"]  # type: ignore[union-attr]
             agent.apply(NodeAssignment(node="n", shards=[]))
-            while agent.stopping:
-                await asyncio.sleep(0.05)
+            await until("the unassigned shards stopped", lambda: not agent.stopping)
 
     try:
         asyncio.run(second_run())
@@ -291,3 +288,83 @@ def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path
             if alive(pid):
                 os.killpg(pid, signal.SIGKILL)
     assert not alive(pids["keep/0"])
+
+
+def test_adoption_refuses_a_pid_that_now_names_another_process(tmp_path: Path) -> None:
+    """A recorded engine's pid, reused by another process since, is not adopted: the start
+    time in the record does not match. The same record with the right start time is."""
+    impostor = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        identity = ProcessId.of(impostor.pid)
+        assert identity is not None
+        assignment = ShardAssignment(
+            replica_id="old", model="m", engine="sim", source="m", args=[], env={}, rank=0,
+            num_shards=1, gpus=[0], engine_digest="d", startup_timeout=30,
+        )  # fmt: skip
+
+        def record(started: float) -> None:
+            engine = EngineRecord(
+                assignment=assignment, pid=impostor.pid, process_started=started, port=9
+            )
+            write_records(tmp_path, {assignment.key: engine})
+
+        async def adopted() -> list[str]:
+            settings = offline_agent(tmp_path, stop_grace=1.0)
+            async with Agent(settings, SimulatedGpus("1x80GB")) as agent:
+                return agent.adopt()
+
+        record(identity.started - 50)  # the engine that had this pid started earlier
+        assert asyncio.run(adopted()) == []
+        assert alive(impostor.pid)  # not adopted, and not touched either
+        record(identity.started)
+        assert asyncio.run(adopted()) == ["old/0"]
+    finally:
+        stop_groups([impostor.pid], grace=5)
+
+
+def test_a_failure_while_supervising_fails_the_shard_with_its_reason(tmp_path: Path) -> None:
+    """Whatever goes wrong while a shard is supervised shows as the shard's error, never as a
+    shard left starting: a log folder that cannot be made, or a driver that raises."""
+    (tmp_path / "logs").write_text("a file where the log folder should be")
+
+    class Broken:
+        name = "broken"
+
+        def launch(self, *_: object) -> Launch:
+            raise RuntimeError("the driver broke")
+
+    def assignment(rid: str) -> ShardAssignment:
+        return ShardAssignment(
+            replica_id=rid, model="m", engine="sim", source="m", args=[], env={}, rank=0,
+            num_shards=1, gpus=[0], engine_digest="d", startup_timeout=30,
+        )  # fmt: skip
+
+    async def go() -> None:
+        settings = SupervisorSettings(backoff_base=60)
+        async with httpx.AsyncClient() as http:
+            no_logs = Shard(
+                assignment("a"), driver_for("sim"), tmp_path / "logs", settings, lambda: None, http
+            )
+            broken = Shard(
+                assignment("b"), Broken(), tmp_path / "other", settings, lambda: None, http
+            )
+            tasks = [asyncio.create_task(s.supervise()) for s in (no_logs, broken)]
+            try:
+                for shard in (no_logs, broken):
+                    await until(
+                        f"shard {shard.assignment.key} failed",
+                        lambda s=shard: s.state is ShardState.FAILED,  # type: ignore[misc]
+                    )
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        first = no_logs.report()
+        assert str(tmp_path / "logs") in first.error and first.backoff_s == 60
+        second = broken.report()
+        assert second.error == "supervision failed: RuntimeError: the driver broke"
+        assert second.state is ShardState.FAILED and second.failures == 1
+
+    asyncio.run(go())

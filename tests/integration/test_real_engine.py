@@ -7,7 +7,6 @@ it writes is not asserted on, only how many tokens it was asked for and gave.
 from __future__ import annotations
 
 import importlib.util
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from modelfleet.up import RunningFleet
 
-from .conftest import fleet_of
+from .conftest import fleet_of, wait_for
 
 pytestmark = pytest.mark.real_engine
 
@@ -58,15 +57,16 @@ def test_llamacpp_serves_chat_completions_through_the_router(fleet: RunningFleet
         "max_tokens": 1,
     }
     headers = {"authorization": f"Bearer {fleet.api_key}"}
-    deadline = time.monotonic() + 120
-    while (
-        httpx.post(
-            f"{fleet.router_url}/v1/chat/completions", json=probe, headers=headers, timeout=60
-        ).status_code
-        != 200
-    ):
-        assert time.monotonic() < deadline, "llama.cpp did not serve within 120 s"
-        time.sleep(0.5)
+    wait_for(
+        "llama.cpp to serve through the router",
+        lambda: (
+            httpx.post(
+                f"{fleet.router_url}/v1/chat/completions", json=probe, headers=headers, timeout=60
+            ).status_code
+            == 200
+        ),
+        timeout=120,
+    )
 
     reply = client.chat.completions.create(
         model="gemma-270m",

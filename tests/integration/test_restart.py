@@ -3,7 +3,6 @@ the replicas that run instead of placing new ones, and clients notice nothing.""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import yaml
 from modelfleet.loadgen import SteadyClient
 from modelfleet.up import RunningFleet
 
-from .conftest import fleet_of, wait_for
+from .conftest import fleet_of, wait_for, wait_requests
 
 A = {"name": "a", "engine": "sim", "replicas": 2, "args": ["--ttft", "0.02", "--itl", "0.005"]}
 B = {"name": "b", "engine": "sim"}
@@ -52,7 +51,7 @@ def test_a_restarted_control_plane_keeps_its_catalog_and_adopts_what_runs(
     client = SteadyClient(fleet.router_url, fleet.api_key, "a")
     client.start()
     try:
-        time.sleep(1)
+        wait_requests(client, 10, " before the restart")
         [cp] = [c for c in fleet.fleet.children if c.role == "control-plane"]
         old_pid = cp.proc.pid
         urls = fleet.fleet.restart(cp)["urls"]
@@ -62,9 +61,13 @@ def test_a_restarted_control_plane_keeps_its_catalog_and_adopts_what_runs(
             headers={"authorization": f"Bearer {fleet.admin_token}"},
             timeout=5,
         )
-        after = wait_for("the replicas adopted", lambda: replicas(admin) == before and before)
-        time.sleep(2)  # a few passes: nothing is placed anew or stopped
-        assert replicas(admin) == after
+        wait_for("the replicas adopted", lambda: replicas(admin) == before)
+        passes = admin.get("/v1/status").json()["reconcile_passes"]
+        wait_for(
+            "three reconcile passes after the adoption",
+            lambda: admin.get("/v1/status").json()["reconcile_passes"] >= passes + 3,
+        )
+        assert replicas(admin) == before  # nothing was placed anew or stopped in those passes
         catalog_after = admin.get("/v1/catalog").json()
         assert (catalog_after["version"], catalog_after["digest"]) == (
             catalog_before["version"],

@@ -6,7 +6,8 @@ import dataclasses
 
 from modelfleet.catalog import Catalog
 from modelfleet.fleet import Gpu, Mark, Node, Replica, ShardPlacement
-from modelfleet.reconcile import plan, preview, settling
+from modelfleet.placement import Placed, Unplaceable
+from modelfleet.reconcile import Pending, plan, preview, settling
 
 NOW = 100.0
 GIB = 2**30
@@ -223,3 +224,14 @@ def test_replicas_of_a_lost_node_are_replaced_before_they_are_stopped() -> None:
     moved = Replica("r1", "a", d, first.new[0].shards, NOW)
     done = plan(c, [*table, moved], {"r0", "r1"}, fleet, set(), NOW, 10, lost_after=60)
     assert [(s.replica_id, s.reason) for s in done.stop] == [("r0", "node lost: no report for 61s")]
+
+
+def test_a_pending_explanation_is_an_unplaceable_even_when_place_finds_room() -> None:
+    """The pass's free-GPU index saw no room but a full `place` finds some (they disagree, or
+    the fleet changed since): the explanation says where it fits instead of failing."""
+    placed = Placed((ShardPlacement("n1", (0,)),), verdicts=())
+    pending = Pending("m", 1, lambda: placed)
+    assert isinstance(pending.explanation, Unplaceable)
+    assert "n1[0] fits now" in pending.explanation.summary
+    refused = Unplaceable("m", "no node has a free GPU", ())
+    assert Pending("m", 1, lambda: refused).explanation is refused

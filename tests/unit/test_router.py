@@ -1,12 +1,22 @@
-"""The router's push API in-process: whole snapshots, swapped atomically, older ones ignored."""
+"""The router in-process: whole snapshots swapped atomically, retries before the first byte."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
 
 import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from modelfleet.router.service import Router, RouterConfig, create_apps
+from modelfleet.serving import Listener
 from modelfleet.wire import RoutedModel, RoutingSnapshot
 
 
@@ -66,5 +76,63 @@ def test_the_router_takes_newer_snapshots_whole_and_ignores_older_ones() -> None
         assert empty.status_code == 503
         await push.aclose()
         await client.aclose()
+
+    asyncio.run(go())
+
+
+@contextlib.asynccontextmanager
+async def upstream(status: int, hits: list[int]) -> AsyncIterator[str]:
+    """An engine on 127.0.0.1 that answers every completion with `status`, counting them."""
+
+    async def complete(_: Request) -> Response:
+        hits.append(status)
+        body = {"choices": [{"index": 0, "text": "ok"}]} if status == 200 else {"error": "busy"}
+        return JSONResponse(body, status_code=status)
+
+    app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
+    listener = Listener("engine", app)
+    sock = listener.bind()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "the test engine did not start listening"
+            await asyncio.sleep(0.01)
+        yield listener.url
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.mark.parametrize("status", [502, 503])
+def test_a_busy_or_broken_replica_is_retried_on_another_before_the_first_byte(
+    status: int,
+) -> None:
+    """Each request that meets the failing engine first is answered by the healthy one."""
+
+    async def go() -> None:
+        failing: list[int] = []
+        healthy: list[int] = []
+        async with upstream(status, failing) as bad, upstream(200, healthy) as good:
+            router = Router(
+                RouterConfig(
+                    api_keys=[{"name": "k", "key": "client-key"}],
+                    models=[RoutedModel(name="m", endpoints=[bad, good])],
+                )
+            )
+            client_app, _ = create_apps(router)
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=client_app),
+                base_url="http://router",
+                headers={"authorization": "Bearer client-key"},
+            ) as client:
+                for _ in range(4):
+                    r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+                    assert r.status_code == 200, r.text
+            await router.close()
+        # Ties rotate, so the failing engine was tried first for some requests: every one of
+        # those was retried on the healthy engine, which answered all four.
+        assert failing and len(healthy) == 4
 
     asyncio.run(go())

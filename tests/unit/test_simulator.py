@@ -86,21 +86,42 @@ def test_bad_requests_are_openai_errors() -> None:
 
 def test_concurrency_limit_queues_and_metrics_use_vllm_names() -> None:
     async def go() -> None:
-        settings = SimSettings(model="m", ttft=0.2, itl=0.0, max_concurrency=1)
+        # A first token that takes an hour: the three requests stay running or waiting while
+        # the metrics are read, however slow this machine is.
+        settings = SimSettings(model="m", ttft=3600, itl=0.0, max_concurrency=1)
         app = create_app(settings)
+        engine = app.state.engine
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://sim"
         ) as c:
             body = {"model": "m", "prompt": "x", "max_tokens": 1}
             requests = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(3)]
-            await asyncio.sleep(0.1)
+            deadline = asyncio.get_running_loop().time() + 10
+            while (engine.running, engine.waiting) != (1, 2):
+                assert asyncio.get_running_loop().time() < deadline, (
+                    f"waited for 1 running and 2 waiting, have {engine.running}, {engine.waiting}"
+                )
+                await asyncio.sleep(0.01)
             metrics = (await c.get("/metrics")).text
             assert 'vllm:num_requests_running{model_name="m"} 1.0' in metrics
             assert 'vllm:num_requests_waiting{model_name="m"} 2.0' in metrics
-            assert all(r.status_code == 200 for r in await asyncio.gather(*requests))
+            for request in requests:
+                request.cancel()
+            await asyncio.gather(*requests, return_exceptions=True)
+
+    run(go())
+
+
+def test_metrics_count_tokens_and_requests() -> None:
+    async def go() -> None:
+        async with client(max_concurrency=1) as c:
+            body = {"model": "m", "prompt": "x", "max_tokens": 1}
+            done = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(3)))
+            assert all(r.status_code == 200 for r in done)
             metrics = (await c.get("/metrics")).text
             assert 'vllm:generation_tokens_total{model_name="m"} 3.0' in metrics
             assert 'vllm:prompt_tokens_total{model_name="m"} 3.0' in metrics
+            assert 'vllm:num_requests_running{model_name="m"} 0.0' in metrics
             assert (await c.get("/health")).status_code == 200
             models = (await c.get("/v1/models")).json()
             assert [m["id"] for m in models["data"]] == ["m"]

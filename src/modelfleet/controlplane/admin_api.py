@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from starlette.responses import Response
 
 from modelfleet import admin
@@ -67,6 +68,10 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         dependencies=[Depends(authorized)],
+        # A JSON body is read as JSON whatever its Content-Type says (curl -d sends a form
+        # type). Strict checking guards token-less local APIs against cross-site requests;
+        # every route here needs the admin token, which a browser does not send unasked.
+        strict_content_type=False,
     )
 
     @app.exception_handler(Refused)
@@ -145,7 +150,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         """The last applied catalog versions, newest first."""
         return views.history(cp.catalogs, limit)
 
-    @app.put("/v1/catalog", responses=_errors(413, 422), openapi_extra=_CATALOG_BODY)
+    @app.put("/v1/catalog", responses=_errors(400, 413, 422), openapi_extra=_CATALOG_BODY)
     async def put_catalog(request: Request, dry_run: bool = False) -> admin.CatalogChange:
         """Apply the catalog in the body, or with `dry_run` only say what applying it would
         do. An invalid catalog changes nothing and gets 422 with every problem."""
@@ -183,9 +188,50 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             pending=pending,
         )
 
+    @app.get("/v1/status", responses=_errors())
+    async def status() -> admin.StatusAnswer:
+        """Whether the control plane is settling, how many passes it made, what is current."""
+        state = cp.state
+        return admin.StatusAnswer(
+            settling=cp.settling(cp.clock.monotonic()),
+            reconcile_passes=cp.passes,
+            catalog_version=cp.catalogs.current.version,
+            routing_version=cp.publisher.version,
+            nodes=len(state.nodes),
+            replicas=len(state.replicas),
+            pending=sum(p.count for p in state.pending),
+        )
+
     @app.get("/v1/routing", responses=_errors())
     async def routing() -> admin.RoutingAnswer:
         """The routing table last pushed to the routers, and what each confirmed."""
         return cp.publisher.answer()
 
+    def document() -> dict[str, Any]:
+        """FastAPI's document, saying what this API answers to a malformed request: 400 with
+        an ErrorAnswer (see `malformed`), not FastAPI's own 422."""
+        if app.openapi_schema is None:
+            doc = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            error = {"$ref": "#/components/schemas/ErrorAnswer"}
+            for operations in doc["paths"].values():
+                for operation in operations.values():
+                    answers = operation["responses"]
+                    default = answers.get("422", {}).get("content", {}).get("application/json")
+                    if default and default["schema"]["$ref"].endswith("/HTTPValidationError"):
+                        del answers["422"]
+                        answers["400"] = {
+                            "description": "Malformed request",
+                            "content": {"application/json": {"schema": error}},
+                        }
+            for unused in ("HTTPValidationError", "ValidationError"):
+                doc["components"]["schemas"].pop(unused, None)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = document  # type: ignore[method-assign]
     return app

@@ -54,6 +54,7 @@ class ControlPlane:
         self._http = http or httpx.AsyncClient(timeout=5)
         self.publisher = Publisher(config.routers, self._http)
         self._file_error = ""
+        self.passes = 0  # reconcile passes that planned, for operators (and tests) to count
         self.store = catalogs.store
         self._load_marks()
 
@@ -109,6 +110,7 @@ class ControlPlane:
         """One pass: plan against what is known, carry the plan out (unless settling)."""
         if self.settling(now):
             return
+        self.passes += 1
         s = self.state
         catalog = self.catalogs.current
         failed = {}

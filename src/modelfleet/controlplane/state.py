@@ -52,6 +52,7 @@ class NodeRecord:
     report: AgentReport
     received: float
     mark: NodeMark = NO_MARK
+    reports: int = 1  # taken from this node since the control plane started
     node: Node = field(init=False)
     shards: dict[tuple[str, int], ShardReport] = field(init=False)
     ready: frozenset[tuple[str, int]] = field(init=False)  # the shards that report ready
@@ -123,7 +124,10 @@ class FleetState:
             )
         if before is None:
             self._names = None
-        self.nodes[report.node] = NodeRecord(report, now, self.marks.get(report.node, NO_MARK))
+        taken = before.reports + 1 if before else 1
+        self.nodes[report.node] = NodeRecord(
+            report, now, self.marks.get(report.node, NO_MARK), taken
+        )
         adopted = self._adopt(report, catalog, now)
         if before is None or adopted:
             return True
@@ -359,19 +363,26 @@ class FleetState:
 
     def assignment(self, node: str, catalog: Catalog) -> NodeAssignment:
         """The node's whole desired shard set."""
-        shards: list[ShardAssignment] = []
+        return NodeAssignment(node=node, shards=self._assignments(catalog, node).get(node, []))
+
+    def assignments(self, catalog: Catalog) -> dict[str, list[ShardAssignment]]:
+        """Every node's desired shards, in one walk of the table (for a whole-fleet view)."""
+        return self._assignments(catalog, None)
+
+    def _assignments(self, catalog: Catalog, only: str | None) -> dict[str, list[ShardAssignment]]:
+        by_node: dict[str, list[ShardAssignment]] = {}
         for record in self.replicas.values():
             r = record.replica
             spec = record.spec or catalog.get(r.model)
             if spec is None:
                 continue  # adopted, and its model is gone: nothing to start it from
-            if all(p.node != node for p in r.shards):
+            if only is not None and all(p.node != only for p in r.shards):
                 continue
             leader = self._leader(r) if len(r.shards) > 1 else None
             for rank, placement in enumerate(r.shards):
-                if placement.node != node:
+                if only is not None and placement.node != only:
                     continue
-                shards.append(
+                by_node.setdefault(placement.node, []).append(
                     ShardAssignment(
                         replica_id=r.id,
                         model=r.model,
@@ -388,7 +399,7 @@ class FleetState:
                         leader=leader,
                     )
                 )
-        return NodeAssignment(node=node, shards=shards)
+        return by_node
 
     def _leader(self, replica: Replica) -> str | None:
         """Where shard 0 of `replica` meets its peers, as its agent reported; None until then."""

@@ -72,6 +72,7 @@ def nodes(state: FleetState, now: float) -> admin.NodesAnswer:
                 address=node.address,
                 labels=dict(node.labels),
                 last_report_s=round(now - (node.last_report or now), 1),
+                reports=state.nodes[node.name].reports,
                 gpus=gpus,
                 shards=len(state.nodes[node.name].report.shards),
                 replicas=on_node.get(node.name, 0),

@@ -144,5 +144,8 @@ class AdminClient:
             admin.CatalogChange, "PUT", "/v1/catalog", content, params, "application/yaml"
         )
 
+    def status(self) -> admin.StatusAnswer:
+        return self._call(admin.StatusAnswer, "GET", "/v1/status")
+
     def routing(self) -> admin.RoutingAnswer:
         return self._call(admin.RoutingAnswer, "GET", "/v1/routing")

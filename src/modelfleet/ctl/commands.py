@@ -144,6 +144,12 @@ def _render(name: str) -> Callable[[Any, Console], None]:
 
 
 @app.command()
+def status(context: typer.Context) -> None:
+    """Whether the control plane is settling or reconciling, and what is current."""
+    _ctl(context).show(lambda c: c.status(), _render("print_status"))
+
+
+@app.command()
 def nodes(context: typer.Context) -> None:
     """The nodes, their GPUs and health."""
     _ctl(context).show(lambda c: c.nodes(), _render("print_nodes"))

@@ -18,6 +18,16 @@ def gpu_state(gpu: admin.GpuInfo) -> str:
     return "used" if gpu.in_use else "free"
 
 
+def print_status(data: admin.StatusAnswer, console: Console) -> None:
+    doing = "settling: waiting for agents to report" if data.settling else "reconciling"
+    console.print(
+        f"control plane {doing}; {data.reconcile_passes} pass(es)\n"
+        f"catalog version {data.catalog_version}, routing version {data.routing_version}\n"
+        f"{data.nodes} node(s), {data.replicas} replica(s), {data.pending} pending",
+        highlight=False,
+    )
+
+
 def print_nodes(data: admin.NodesAnswer, console: Console) -> None:
     table = Table(
         "NODE", "STATUS", "MARK", "REPLICAS", "GPUS USED", "MEMORY FREE", "LAST REPORT", "SHARDS"

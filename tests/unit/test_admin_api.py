@@ -1,0 +1,168 @@
+"""The admin API's schema: every route is in `/openapi.json`, and every answer validates
+against what the document says of it, errors included."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import yaml
+from fastapi.routing import APIRoute
+from jsonschema import Draft202012Validator
+
+from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.config import ControlPlaneConfig
+from modelfleet.controlplane.service import ControlPlane, create_apps
+from modelfleet.store.sqlite import SqliteStore
+from modelfleet.wire import AgentReport, ShardReport, ShardState
+
+TOKEN = "admin-token-123"
+CATALOG = {
+    "models": [
+        {"name": "small", "engine": "sim", "replicas": 2},
+        {"name": "wide", "engine": "sim", "gpus_per_shard": 8},
+    ]
+}
+
+# One request per route that it answers with 200, and one it refuses: (method, path, body,
+# status). Every route of the app must be here (checked below), so a new route needs a line.
+CALLS: list[tuple[str, str, str | None, int]] = [
+    ("GET", "/v1/status", None, 200),
+    ("GET", "/v1/nodes", None, 200),
+    ("POST", "/v1/nodes/a/mark", '{"mark": "cordoned"}', 200),
+    ("POST", "/v1/nodes/a/mark", '{"mark": "draining", "grace_s": 30}', 200),
+    ("POST", "/v1/nodes/a/mark", '{"mark": "locked"}', 400),
+    ("POST", "/v1/nodes/nope/mark", '{"mark": "none"}', 404),
+    ("GET", "/v1/replicas", None, 200),
+    ("GET", "/v1/replicas/{replica}", None, 200),
+    ("GET", "/v1/replicas/nope", None, 404),
+    ("GET", "/v1/explain/small", None, 200),
+    ("GET", "/v1/explain/wide", None, 200),
+    ("GET", "/v1/explain/nope", None, 404),
+    ("GET", "/v1/catalog", None, 200),
+    ("GET", "/v1/catalog/history?limit=5", None, 200),
+    ("GET", "/v1/catalog/history?limit=0", None, 400),
+    ("PUT", "/v1/catalog?dry_run=true", yaml.safe_dump(CATALOG), 200),
+    ("PUT", "/v1/catalog", yaml.safe_dump(CATALOG), 200),
+    ("PUT", "/v1/catalog", "models:\n  - name: x\n    engine: vlm\n", 422),
+    ("GET", "/v1/routing", None, 200),
+]
+
+
+def control_plane() -> ControlPlane:
+    """A control plane with two nodes, one ready replica and one pending model."""
+    keeper = CatalogKeeper(SqliteStore(":memory:"))
+    keeper.start(0.0)
+    keeper.apply(yaml.safe_dump(CATALOG), "api", 0.0)
+    cp = ControlPlane(ControlPlaneConfig(admin_token=TOKEN, settle_for=-1), keeper)
+    now = time.monotonic()
+    gpus = SimulatedGpus("2x80GB", {1: "XID 79"})
+    for node in ("a", "b"):
+        report = AgentReport(
+            node=node, boot_id="b", seq=1, address="127.0.0.1", gpus=gpus.gpus(), shards=[]
+        )
+        cp.state.take_report(report, keeper.current, now)
+    cp.reconcile_once(now)
+    [shard] = cp.state.assignment("a", keeper.current).shards
+    ready = ShardReport.of(shard, ShardState.READY, port=9000, pid=123, log_tail=["loaded"])
+    report = AgentReport(
+        node="a", boot_id="b", seq=2, address="127.0.0.1", gpus=gpus.gpus(), shards=[ready]
+    )
+    cp.state.take_report(report, keeper.current, now)
+    return cp
+
+
+def answer_schema(doc: dict[str, Any], path: str, method: str, status: int) -> dict[str, Any]:
+    """The JSON schema the document gives for one answer, with its components to resolve
+    `$ref`s against."""
+    operation = doc["paths"][path][method.lower()]
+    responses = operation["responses"]
+    assert str(status) in responses, f"{method} {path}: status {status} is not documented"
+    schema = responses[str(status)]["content"]["application/json"]["schema"]
+    return {**schema, "components": doc["components"]}
+
+
+def template_of(path: str, doc: dict[str, Any]) -> str:
+    """The document's path template that `path` (without its query) falls under."""
+    bare = path.split("?", 1)[0].split("/")
+    for template in doc["paths"]:
+        parts = template.split("/")
+        if len(parts) == len(bare) and all(
+            t == b or t.startswith("{") for t, b in zip(parts, bare, strict=True)
+        ):
+            return str(template)
+    raise AssertionError(f"{path} is under no path of the document")
+
+
+def test_every_admin_route_is_documented_and_every_answer_matches_the_document() -> None:
+    cp = control_plane()
+    _, admin_app = create_apps(cp)
+    replica_id = next(iter(cp.state.replicas))
+
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=admin_app)
+        headers = {"authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://cp", headers=headers
+        ) as c:
+            doc = (await c.get("/openapi.json")).json()
+            routes = {
+                (method, route.path.replace(":path}", "}"))
+                for route in admin_app.routes
+                if isinstance(route, APIRoute)
+                for method in route.methods
+            }
+            documented = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+            assert routes == documented
+            assert len(routes) >= 10
+
+            called = set()
+            for method, path, body, status in CALLS:
+                url = path.replace("{replica}", replica_id)
+                r = await c.request(method, url, content=body)
+                assert r.status_code == status, f"{method} {url}: {r.status_code} {r.text}"
+                template = template_of(url, doc)
+                called.add((method, template))
+                schema = answer_schema(doc, template, method, status)
+                Draft202012Validator(schema).validate(r.json())
+            assert called == routes, f"routes with no call: {routes - called}"
+
+            # Every route refuses a wrong token, with a documented error answer.
+            for method, template in sorted(routes):
+                url = template.replace("{replica}", replica_id).replace("{node}", "a")
+                url = url.replace("{model}", "small")
+                r = await c.request(method, url, headers={"authorization": "Bearer wrong"})
+                assert r.status_code == 401, f"{method} {url}: {r.status_code}"
+                schema = answer_schema(doc, template, method, 401)
+                Draft202012Validator(schema).validate(r.json())
+
+    asyncio.run(go())
+
+
+def test_a_replica_answer_carries_its_log_tail_and_the_list_does_not() -> None:
+    cp = control_plane()
+    _, admin_app = create_apps(cp)
+    replica_id = next(rid for rid, r in cp.state.replicas.items() if r.replica.model == "small")
+
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=admin_app)
+        headers = {"authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://cp", headers=headers
+        ) as c:
+            listed = (await c.get("/v1/replicas")).json()["replicas"]
+            tails = {r["id"]: r["shards"][0]["log_tail"] for r in listed}
+            ready = [
+                rid
+                for rid, r in cp.state.replicas.items()
+                if cp.state.replica_view(r).state == "ready"
+            ]
+            assert ready and all(tails[rid] == [] for rid in ready)
+            one = (await c.get(f"/v1/replicas/{ready[0]}")).json()
+            assert one["shards"][0]["log_tail"] == ["loaded"]
+            assert replica_id in tails
+
+    asyncio.run(go())
