@@ -33,7 +33,7 @@ import yaml
 from modelfleet.catalog import Catalog
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
-from modelfleet.controlplane.service import ControlPlane
+from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.fleet import Gpu, Mark, Node
 from modelfleet.reconcile import plan
 from modelfleet.store.sqlite import SqliteStore

@@ -15,7 +15,8 @@ from jsonschema import Draft202012Validator
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
-from modelfleet.controlplane.service import ControlPlane, create_apps
+from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.service import create_apps
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import AgentReport, ShardReport, ShardState
 
@@ -75,6 +76,16 @@ def control_plane() -> ControlPlane:
     return cp
 
 
+def admin_client(cp: ControlPlane) -> httpx.AsyncClient:
+    """A client of `cp`'s admin API, in-process, with the admin token."""
+    _, admin_app = create_apps(cp)
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=admin_app),
+        base_url="http://cp",
+        headers={"authorization": f"Bearer {TOKEN}"},
+    )
+
+
 def answer_schema(doc: dict[str, Any], path: str, method: str, status: int) -> dict[str, Any]:
     """The JSON schema the document gives for one answer, with its components to resolve
     `$ref`s against."""
@@ -103,11 +114,7 @@ def test_every_admin_route_is_documented_and_every_answer_matches_the_document()
     replica_id = next(iter(cp.state.replicas))
 
     async def go() -> None:
-        transport = httpx.ASGITransport(app=admin_app)
-        headers = {"authorization": f"Bearer {TOKEN}"}
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://cp", headers=headers
-        ) as c:
+        async with admin_client(cp) as c:
             doc = (await c.get("/openapi.json")).json()
             routes = {
                 (method, route.path.replace(":path}", "}"))
@@ -144,25 +151,14 @@ def test_every_admin_route_is_documented_and_every_answer_matches_the_document()
 
 def test_a_replica_answer_carries_its_log_tail_and_the_list_does_not() -> None:
     cp = control_plane()
-    _, admin_app = create_apps(cp)
-    replica_id = next(rid for rid, r in cp.state.replicas.items() if r.replica.model == "small")
+    [ready] = [r.replica.id for r in cp.state.replicas.values() if r.replica.shards[0].node == "a"]
 
     async def go() -> None:
-        transport = httpx.ASGITransport(app=admin_app)
-        headers = {"authorization": f"Bearer {TOKEN}"}
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://cp", headers=headers
-        ) as c:
+        async with admin_client(cp) as c:
             listed = (await c.get("/v1/replicas")).json()["replicas"]
-            tails = {r["id"]: r["shards"][0]["log_tail"] for r in listed}
-            ready = [
-                rid
-                for rid, r in cp.state.replicas.items()
-                if cp.state.replica_view(r).state == "ready"
-            ]
-            assert ready and all(tails[rid] == [] for rid in ready)
-            one = (await c.get(f"/v1/replicas/{ready[0]}")).json()
+            assert {r["id"]: r["state"] for r in listed}[ready] == "ready"
+            assert all(s["log_tail"] == [] for r in listed for s in r["shards"])
+            one = (await c.get(f"/v1/replicas/{ready}")).json()
             assert one["shards"][0]["log_tail"] == ["loaded"]
-            assert replica_id in tails
 
     asyncio.run(go())

@@ -18,7 +18,8 @@ from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane import views
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
-from modelfleet.controlplane.service import ControlPlane, create_apps
+from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.service import create_apps
 from modelfleet.ctl.render import print_explanation
 from modelfleet.fleet import Mark
 from modelfleet.store.sqlite import SqliteStore

@@ -11,7 +11,7 @@ from modelfleet.agent.gpus import NvmlGpus
 from modelfleet.controlplane import views
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
-from modelfleet.controlplane.service import ControlPlane
+from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import AgentReport
 

@@ -6,22 +6,22 @@ describes them all. Every error answer is an `ErrorAnswer` (`{"error": ...}`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from pydantic import ValidationError
 from starlette.responses import Response
 
 from modelfleet import admin
 from modelfleet.catalog import CatalogInvalid
 from modelfleet.controlplane import views
 from modelfleet.controlplane.catalogs import API_SOURCE
+from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.fleet import Mark
 from modelfleet.web import JSON, bearer_matches
-
-if TYPE_CHECKING:
-    from modelfleet.controlplane.service import ControlPlane
 
 
 class Refused(Exception):
@@ -53,6 +53,19 @@ _CATALOG_BODY = {
 }
 
 
+_MARK_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": admin.MarkRequest.model_json_schema()}},
+    }
+}
+
+
+def _problems(errors: Sequence[Mapping[str, Any]]) -> str:
+    """pydantic's errors in one line: `field: what is wrong; ...`."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors)
+
+
 def create_admin_app(cp: ControlPlane) -> FastAPI:
     """The admin API of `cp`."""
 
@@ -68,10 +81,6 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         dependencies=[Depends(authorized)],
-        # A JSON body is read as JSON whatever its Content-Type says (curl -d sends a form
-        # type). Strict checking guards token-less local APIs against cross-site requests;
-        # every route here needs the admin token, which a browser does not send unasked.
-        strict_content_type=False,
     )
 
     @app.exception_handler(Refused)
@@ -81,9 +90,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def malformed(_: Request, exc: RequestValidationError) -> Response:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = _problems([{**e, "loc": e["loc"][1:]} for e in exc.errors()])
         answer = admin.ErrorAnswer(error=f"malformed request: {problems}")
         return Response(answer.model_dump_json(exclude_none=True), status_code=400, media_type=JSON)
 
@@ -92,9 +99,14 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         """The nodes, their GPUs and health, marks and what runs on them."""
         return views.nodes(cp.state, cp.clock.monotonic())
 
-    @app.post("/v1/nodes/{node}/mark", responses=_errors(400, 404))
-    async def mark_node(node: str, body: admin.MarkRequest) -> admin.MarkAnswer:
+    @app.post("/v1/nodes/{node}/mark", responses=_errors(400, 404), openapi_extra=_MARK_BODY)
+    async def mark_node(node: str, request: Request) -> admin.MarkAnswer:
         """Cordon, drain or uncordon a node, and say what moves because of it."""
+        # The body is read as JSON whatever its Content-Type says: `curl -d` sends a form type.
+        try:
+            body = admin.MarkRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise Refused.because(400, f"malformed request: {_problems(exc.errors())}") from None
         if node not in cp.state.nodes:
             known = ", ".join(sorted(cp.state.nodes)) or "none has reported yet"
             raise Refused.because(404, f"no node {node!r} has reported (nodes: {known})")

@@ -3,20 +3,16 @@ node's whole desired shard set (level-triggered: a lost or repeated report heals
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.state import StaleReport
 from modelfleet.web import JSON, bearer_matches, error_response
 from modelfleet.wire import AgentReport
-
-if TYPE_CHECKING:
-    from modelfleet.controlplane.service import ControlPlane
 
 
 def create_agent_app(cp: ControlPlane) -> Starlette:

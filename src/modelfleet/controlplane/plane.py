@@ -1,0 +1,188 @@
+"""`ControlPlane`: the control plane's state and its loops, around `FleetState`, the
+`CatalogKeeper` and the pure planner.
+
+The reconcile loop runs every `reconcile_interval` seconds and at once after a report, a mark
+or a catalog swap that changed something; each pass that changes the routing table is pushed
+to every router (`publisher.py`). A replica taken out of service is stopped only after every
+router has confirmed a table without it. The listeners (`agent_api.py`, `admin_api.py`) call
+into it; `service.py` runs it all as a process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+
+from modelfleet.catalog import Catalog
+from modelfleet.clock import SYSTEM_CLOCK, Clock
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.config import DEFAULT_SETTLE_FOR_S, ControlPlaneConfig
+from modelfleet.controlplane.publisher import Publisher
+from modelfleet.controlplane.state import FleetState, NodeMark
+from modelfleet.fleet import Mark
+from modelfleet.reconcile import Preview, plan, preview, settling
+from modelfleet.store import StoredMark
+
+log = logging.getLogger("modelfleet.controlplane")
+
+
+class ControlPlane:
+    """The control plane's services around one `FleetState` and one `CatalogKeeper`."""
+
+    def __init__(
+        self,
+        config: ControlPlaneConfig,
+        catalogs: CatalogKeeper,
+        http: httpx.AsyncClient | None = None,  # how it reaches routers; tests pass a mock
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.config = config
+        self.catalogs = catalogs
+        self.clock = clock
+        self.state = FleetState(stale_after=config.node_stale_after)
+        self.started_at = clock.monotonic()
+        self.settle_for = config.settle_for or DEFAULT_SETTLE_FOR_S
+        self._wake = asyncio.Event()
+        self._http = http or httpx.AsyncClient(timeout=5)
+        self.publisher = Publisher(config.routers, self._http)
+        self._file_error = ""
+        self.passes = 0  # reconcile passes that planned, for operators (and tests) to count
+        self.store = catalogs.store
+        self._load_marks()
+
+    def wake(self) -> None:
+        """Run the next reconcile pass now: something it plans from has changed."""
+        self._wake.set()
+
+    # -- marks -----------------------------------------------------------------------------
+
+    def _load_marks(self) -> None:
+        """Marks persist: take them from the store, deadlines moved onto the monotonic clock."""
+        wall, mono = self.clock.time(), self.clock.monotonic()
+        for m in self.store.marks():
+            deadline = None if m.drain_deadline is None else mono + (m.drain_deadline - wall)
+            self.state.set_mark(m.node, NodeMark(Mark(m.mark), deadline))
+
+    def set_mark(self, node: str, mark: Mark, grace: float) -> Mark:
+        """Mark `node` (a drain bounded by `grace` seconds; 0: no bound), persist it, and
+        return the mark it had."""
+        was = self.state.marks.get(node)
+        wall, mono = self.clock.time(), self.clock.monotonic()
+        bounded = mark is Mark.DRAINING and grace > 0
+        if mark is Mark.NONE:
+            self.store.clear_mark(node)
+        else:
+            self.store.set_mark(
+                StoredMark(node, mark.value, wall, wall + grace if bounded else None)
+            )
+        self.state.set_mark(node, NodeMark(mark, mono + grace if bounded else None))
+        self.wake()
+        previous = was.mark if was else Mark.NONE
+        log.info("node %s marked %s (was %s)", node, mark.value, previous.value)
+        return previous
+
+    def preview(self, catalog: Catalog) -> Preview:
+        """What the next passes would start and stop to make `catalog` true."""
+        s = self.state
+        now = self.clock.monotonic()
+        return preview(catalog, s.planned(), s.node_list(), s.busy_slots(), now, s.stale_after)
+
+    # -- reconcile and publish -----------------------------------------------------------
+
+    def settling(self, now: float) -> bool:
+        return settling(
+            now,
+            self.started_at,
+            self.settle_for,
+            self.config.known_nodes,
+            self.state.nodes.keys(),
+        )
+
+    def reconcile_once(self, now: float) -> None:
+        """One pass: plan against what is known, carry the plan out (unless settling)."""
+        if self.settling(now):
+            return
+        self.passes += 1
+        s = self.state
+        catalog = self.catalogs.current
+        failed = {}
+        for rid, (node, why) in s.failing(self.config.max_failures).items():
+            s.keep_off(s.replicas[rid].replica.model, node, why, now + self.config.failure_avoid)
+            failed[rid] = why
+        decided = plan(
+            catalog,
+            s.planned(),
+            s.serving(),
+            s.node_list(),
+            s.busy_slots(),
+            now,
+            s.stale_after,
+            failed,
+            s.avoiding(now),
+            self.config.node_lost_after,
+        )
+        for stop in decided.stop:
+            log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
+        before = s.pending
+        for replica in s.apply(decided, catalog, now, self.config.retire_timeout):
+            where = ", ".join(f"{p.node}{list(p.gpus)}" for p in replica.shards)
+            log.info("placed %s (%s) on %s", replica.id, replica.model, where)
+        # Pending replicas are logged when they change, not on every pass.
+        was = {p.model: p.count for p in before}
+        for p in decided.pending:
+            if was.get(p.model) != p.count:
+                log.info("%d replica(s) of %s pending: %s", p.count, p.model, p.explanation.summary)
+
+    def release_retired(self, now: float) -> None:
+        """Let go of the retiring replicas every router has stopped routing to."""
+        for rid, why in self.state.release(self.publisher.routed_version(), now):
+            log.info("replica %s is out of every routing table; stopping it (%s)", rid, why)
+
+    async def publish(self, force: bool = False) -> None:
+        """Push the routing table to the routers (see `Publisher.publish`).
+
+        Nothing is pushed while settling: the table is still empty of what agents have yet to
+        report, and a router keeps serving from the one it holds.
+        """
+        if self.settling(self.clock.monotonic()):
+            return
+        catalog = self.catalogs.current
+        models = self.state.routing_models(catalog)
+        await self.publisher.publish(catalog.version, models, self.clock.time(), force)
+        self.state.mark_unrouted(self.publisher.version)
+
+    async def reconcile_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            self.reconcile_once(self.clock.monotonic())
+            await self.publish()
+            self.release_retired(self.clock.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval)
+
+    async def push_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.push_interval)
+            await self.publish(force=True)
+
+    async def catalog_loop(self) -> None:
+        """Apply the catalog file whenever its content changes."""
+        while True:
+            await asyncio.sleep(self.config.catalog_poll_interval)
+            try:
+                applied = self.catalogs.check_file(self.clock.time())
+                self._file_error = ""
+            except OSError as exc:
+                if str(exc) != self._file_error:  # once per distinct error, not every poll
+                    self._file_error = str(exc)
+                    log.warning("cannot read the catalog file: %s; the current one stays", exc)
+                continue
+            if applied is not None and applied.changed:
+                self.wake()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+        self.catalogs.store.close()
