@@ -252,7 +252,8 @@ class StatusAnswer(_Answer):
     settling: bool  # still waiting for agents to report what runs; nothing placed or stopped
     reconcile_passes: int  # passes that planned (not settling) since the control plane started
     catalog_version: int
-    routing_version: int  # of the routing table last published
+    routing_epoch: int  # one more at every start of the control plane
+    routing_version: int  # of the routing table last published, within the epoch
     nodes: int  # nodes that have reported
     replicas: int  # in the table, retiring ones included
     pending: int  # replicas wanted that cannot be placed now
@@ -262,8 +263,9 @@ class StatusAnswer(_Answer):
 
 
 class RoutingAnswer(_Answer):
-    """The routing table last published, and the newest version each router confirmed."""
+    """The routing table last published, and the version of it each router confirmed."""
 
+    epoch: int  # one more at every start of the control plane
     version: int
     catalog_version: int
     models: list[RoutedModel]

@@ -111,6 +111,16 @@ def agent(
     healthy_reset: Annotated[
         float, typer.Option(help="Seconds ready after which the restart delay starts over.")
     ] = 600.0,
+    liveness_interval: Annotated[
+        float, typer.Option(help="Seconds between health probes of a ready engine.")
+    ] = 5.0,
+    liveness_timeout: Annotated[
+        float, typer.Option(help="Seconds a health probe of a ready engine may take.")
+    ] = 2.0,
+    liveness_failures: Annotated[
+        int,
+        typer.Option(min=1, help="Failed probes in a row after which a ready engine restarts."),
+    ] = 3,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "info",
 ) -> None:
@@ -166,6 +176,9 @@ def agent(
             backoff_base=backoff_base,
             backoff_max=backoff_max,
             healthy_reset=healthy_reset,
+            liveness_interval=liveness_interval,
+            liveness_timeout=liveness_timeout,
+            liveness_failures=liveness_failures,
         ),
     )
     asyncio.run(serve(settings, gpus, ready_file, admin_port))
@@ -208,6 +221,13 @@ def engine_sim(
             "never-ready (listens, but /health answers 503 forever)."
         ),
     ] = "none",
+    hang_after: Annotated[
+        float | None,
+        typer.Option(
+            help="A hung engine to rehearse: after SECONDS it answers nothing, /health "
+            "included, and keeps running."
+        ),
+    ] = None,
     drain_timeout: Annotated[
         float, typer.Option(help="Longest wait for in-flight on stop.")
     ] = 30.0,
@@ -232,6 +252,7 @@ def engine_sim(
         max_concurrency=max_concurrency,
         output_tokens=output_tokens,
         fault=fault,
+        hang_after=hang_after,
     )
     asyncio.run(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
 

@@ -20,10 +20,21 @@ def error_body(
 
 
 def error_response(
-    status: int, message: str, type_: str, code: str | None = None, param: str | None = None
+    status: int,
+    message: str,
+    type_: str,
+    code: str | None = None,
+    param: str | None = None,
+    retry_after: int | None = None,
 ) -> Response:
-    """An OpenAI-style error answer."""
-    return Response(error_body(message, type_, code, param), status_code=status, media_type=JSON)
+    """An OpenAI-style error answer; `retry_after` (seconds) for one worth trying again."""
+    headers = {"retry-after": str(retry_after)} if retry_after is not None else None
+    return Response(
+        error_body(message, type_, code, param),
+        status_code=status,
+        media_type=JSON,
+        headers=headers,
+    )
 
 
 class BadRequest(ValueError):

@@ -119,13 +119,19 @@ class RoutedModel(_Message):
 
 
 class RoutingSnapshot(_Message):
+    """A whole routing table. (epoch, version) orders tables: the epoch grows at every start
+    of the control plane, the version at every change within one."""
+
+    epoch: int = Field(default=0, ge=0)
     version: int = Field(ge=0)
     catalog_version: int = 0
     models: list[RoutedModel]
 
 
 class RoutingAck(_Message):
-    """A router's answer to a push: whether it took the snapshot, and the version it holds."""
+    """A router's answer to a push (whether it took the table) or to the question which table
+    it holds (whether it holds a pushed one at all), with that table's epoch and version."""
 
     applied: bool
+    epoch: int = 0
     version: int

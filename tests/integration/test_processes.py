@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -47,7 +49,7 @@ def start_router(procs: Procs, tmp: Path, models: list[dict[str, object]]) -> st
     return wait_json(ready, proc)["urls"]["router"]
 
 
-def offline_agent(state_dir: Path, stop_grace: float) -> AgentSettings:
+def offline_agent(state_dir: Path, stop_grace: float, **supervisor: Any) -> AgentSettings:
     """An agent's settings with no control plane to reach (9 is the discard port): tests drive
     it by calling apply() with assignments themselves."""
     return AgentSettings(
@@ -55,7 +57,7 @@ def offline_agent(state_dir: Path, stop_grace: float) -> AgentSettings:
         node="n",
         token=None,
         state_dir=state_dir,
-        supervisor=SupervisorSettings(stop_grace=stop_grace),
+        supervisor=SupervisorSettings(stop_grace=stop_grace, **supervisor),
     )
 
 
@@ -235,17 +237,22 @@ def test_a_shard_of_rank_1_starts_once_it_knows_where_shard_0_is(tmp_path: Path)
     asyncio.run(go())
 
 
+STARTUP_TIMEOUT = 2.0
+
+
 def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path) -> None:
     """Engines outlive their agent; the next agent takes over the ones still running (same pid,
-    no restart), forgets the dead ones, and stops what it is no longer assigned."""
+    no restart), forgets the dead ones, and stops what it is no longer assigned. An adopted
+    engine that answers is ready in the new agent's first report, and one older than its
+    startup timeout is not killed for it: it was ready once, the timeout no longer applies."""
 
     def sim(rid: str) -> ShardAssignment:
         return ShardAssignment(
             replica_id=rid, model="m", engine="sim", source="m", args=[], env={}, rank=0,
-            num_shards=1, gpus=[0], engine_digest="d", startup_timeout=30,
+            num_shards=1, gpus=[0], engine_digest="d", startup_timeout=STARTUP_TIMEOUT,
         )  # fmt: skip
 
-    settings = offline_agent(tmp_path, stop_grace=2.0)
+    settings = offline_agent(tmp_path, stop_grace=2.0, liveness_interval=0.1)
 
     async def until_ready(agent: Agent, keys: list[str]) -> None:
         await until(
@@ -265,11 +272,22 @@ def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path
     assert all(alive(p) for p in pids.values())
     os.killpg(pids["dead/0"], signal.SIGKILL)  # one engine dies while no agent runs
     wait_for("the killed engine gone", lambda: not alive(pids["dead/0"]))
+    keep = ProcessId.of(pids["keep/0"])
+    assert keep is not None
+    wait_for(
+        "the engines older than their startup timeout",
+        lambda: time.time() - keep.started > STARTUP_TIMEOUT + 0.5,
+    )
 
     async def second_run() -> None:
         async with Agent(settings, SimulatedGpus("2x80GB")) as agent:
-            assert sorted(agent.adopt()) == ["drop/0", "keep/0"]
-            await until_ready(agent, ["keep/0", "drop/0"])
+            assert sorted(await agent.adopt()) == ["drop/0", "keep/0"]
+            first = {s.replica_id: s.state for s in agent.report().shards}
+            assert first == {"keep": ShardState.READY, "drop": ShardState.READY}
+            shard = agent.shards["keep/0"]
+            probed = shard.probes
+            await until("five liveness probes answered", lambda: shard.probes >= probed + 5)
+            assert shard.state is ShardState.READY and shard.restarts == 0
             assert {k: s.proc.pid for k, s in agent.shards.items() if s.proc} == {
                 "keep/0": pids["keep/0"],
                 "drop/0": pids["drop/0"],
@@ -284,9 +302,7 @@ def test_a_new_agent_adopts_live_engines_and_stops_the_unassigned(tmp_path: Path
     try:
         asyncio.run(second_run())
     finally:
-        for pid in pids.values():
-            if alive(pid):
-                os.killpg(pid, signal.SIGKILL)
+        stop_groups([p for p in pids.values() if alive(p)], grace=5)
     assert not alive(pids["keep/0"])
 
 
@@ -313,7 +329,7 @@ def test_adoption_refuses_a_pid_that_now_names_another_process(tmp_path: Path) -
         async def adopted() -> list[str]:
             settings = offline_agent(tmp_path, stop_grace=1.0)
             async with Agent(settings, SimulatedGpus("1x80GB")) as agent:
-                return agent.adopt()
+                return await agent.adopt()
 
         record(identity.started - 50)  # the engine that had this pid started earlier
         assert asyncio.run(adopted()) == []
@@ -366,5 +382,61 @@ def test_a_failure_while_supervising_fails_the_shard_with_its_reason(tmp_path: P
         second = broken.report()
         assert second.error == "supervision failed: RuntimeError: the driver broke"
         assert second.state is ShardState.FAILED and second.failures == 1
+
+    asyncio.run(go())
+
+
+def test_an_engine_that_served_restarts_at_once_and_a_hung_one_is_restarted(
+    tmp_path: Path,
+) -> None:
+    """A crash of an engine that was serving restarts it at once (the backoff here is a minute:
+    waiting it out would fail the test). An engine that stops answering while it runs fails
+    its liveness probes, is reported failed (so routers drop it) and is started again."""
+
+    def sim(rid: str, *args: str) -> ShardAssignment:
+        return ShardAssignment(
+            replica_id=rid, model="m", engine="sim", source="m", args=list(args), env={},
+            rank=0, num_shards=1, gpus=[0], engine_digest="d", startup_timeout=30,
+        )  # fmt: skip
+
+    settings = offline_agent(
+        tmp_path,
+        stop_grace=1.0,
+        backoff_base=60,
+        liveness_interval=0.2,
+        liveness_timeout=0.3,
+        liveness_failures=2,
+    )
+
+    async def go() -> None:
+        async with Agent(settings, SimulatedGpus("2x80GB")) as agent:
+            agent.apply(
+                NodeAssignment(node="n", shards=[sim("crash"), sim("hung", "--hang-after", "2")])
+            )
+            crash, hung = agent.shards["crash/0"], agent.shards["hung/0"]
+            await until("both ready", lambda: crash.state is hung.state is ShardState.READY)
+            assert crash.proc is not None and hung.proc is not None
+            first_crash, first_hung = crash.proc.pid, hung.proc.pid
+
+            os.killpg(first_crash, signal.SIGKILL)
+            await until(
+                "the crashed engine started again and ready",
+                lambda: crash.restarts == 1 and crash.state is ShardState.READY,
+            )
+            assert crash.proc.pid != first_crash and crash.failures == 1
+
+            await until(
+                "the hung engine failed its liveness probes",
+                lambda: "health check failed" in hung.report().error,
+            )
+            assert hung.report().state is ShardState.FAILED
+            await until(
+                "the hung engine started again and ready",
+                lambda: hung.restarts == 1 and hung.state is ShardState.READY,
+            )
+            assert hung.proc.pid != first_hung and not alive(first_hung)
+
+            agent.apply(NodeAssignment(node="n", shards=[]))
+            await until("both engines stopped", lambda: not agent.stopping)
 
     asyncio.run(go())

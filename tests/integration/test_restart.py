@@ -3,6 +3,8 @@ the replicas that run instead of placing new ones, and clients notice nothing.""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,6 +70,17 @@ def test_a_restarted_control_plane_keeps_its_catalog_and_adopts_what_runs(
             lambda: admin.get("/v1/status").json()["reconcile_passes"] >= passes + 3,
         )
         assert replicas(admin) == before  # nothing was placed anew or stopped in those passes
+        # A new epoch: its versions count from 1 again, and the router takes them over the
+        # higher versions of the epoch before.
+        status = admin.get("/v1/status").json()
+        assert status["routing_epoch"] == 2
+        push = {"authorization": f"Bearer {fleet.admin_token}"}
+        wait_for(
+            "the router to hold the new epoch's table",
+            lambda: (
+                httpx.get(f"{fleet.push_url}/v1/routing/held", headers=push).json()["epoch"] == 2
+            ),
+        )
         catalog_after = admin.get("/v1/catalog").json()
         assert (catalog_after["version"], catalog_after["digest"]) == (
             catalog_before["version"],
@@ -78,3 +91,50 @@ def test_a_restarted_control_plane_keeps_its_catalog_and_adopts_what_runs(
         client.stop()
     print(f"model a: {client.ok} requests, {client.rate:.1f}/s, failures: {client.failures}")
     assert client.failures == [] and client.ok > 0
+
+
+def test_a_router_killed_under_load_serves_at_once_when_back(fleet: RunningFleet) -> None:
+    """kill -9 of the router: while it is down clients cannot connect, and once it is back it
+    serves every model at once (from the table it kept) and takes the control plane's current
+    one: no request gets a 404 or a 503."""
+    op_headers = {"authorization": f"Bearer {fleet.admin_token}"}
+    wait_for(
+        "both replicas of a routed",
+        lambda: (
+            [
+                len(m["endpoints"])
+                for m in httpx.get(f"{fleet.admin_url}/v1/routing", headers=op_headers).json()[
+                    "models"
+                ]
+            ]
+            == [2]
+        ),
+    )
+    client = SteadyClient(fleet.router_url, fleet.api_key, "a")
+    client.start()
+    try:
+        wait_requests(client, 10, " before the kill")
+        [router] = [c for c in fleet.fleet.children if c.role == "router"]
+        os.kill(router.proc.pid, signal.SIGKILL)
+        router.proc.wait()
+        fleet.fleet.restart(router)
+        wait_requests(client, 40, " by the restarted router")
+        held = httpx.get(f"{fleet.push_url}/v1/routing/held", headers=op_headers, timeout=5)
+        status = httpx.get(f"{fleet.admin_url}/v1/status", headers=op_headers).json()
+        wait_for(
+            "the restarted router to hold the control plane's current table",
+            lambda: (
+                httpx.get(f"{fleet.push_url}/v1/routing/held", headers=op_headers).json()
+                == {
+                    "applied": True,
+                    "epoch": status["routing_epoch"],
+                    "version": status["routing_version"],
+                }
+            ),
+        )
+        assert held.status_code == 200
+    finally:
+        client.stop()
+    http_errors = [f for f in client.failures if "HTTP " in f]
+    print(f"model a: {client.ok} requests, {len(client.failures)} failed to connect or cut")
+    assert http_errors == [] and client.ok > 0

@@ -154,9 +154,12 @@ class FakeRouter:
         if self.down:
             raise httpx.ConnectError("router down", request=request)
         snap = json.loads(request.content)
-        if self.held is None or snap["version"] >= self.held["version"]:
+        order = (snap["epoch"], snap["version"])
+        if self.held is None or order >= (self.held["epoch"], self.held["version"]):
             self.held = snap
-        return httpx.Response(200, json={"applied": True, "version": self.held["version"]})
+        held = {"epoch": self.held["epoch"], "version": self.held["version"]}
+        applied = self.held is snap
+        return httpx.Response(200 if applied else 409, json={"applied": applied, **held})
 
     def endpoints(self, model: str) -> list[str] | None:
         assert self.held is not None
@@ -193,13 +196,15 @@ def test_a_removed_model_leaves_the_routers_before_its_engine_is_stopped() -> No
         cp.state.take_report(report("n", gpus), catalogs.current, now)
         cp.reconcile_once(now)
         cp.state.take_report(serving_report(cp, "n", 2, gpus), catalogs.current, now)
-        await cp.publish()
+        cp.publish()
+        await cp.publisher.sync()
         assert fake.endpoints("a") and fake.endpoints("b")
 
         catalogs.apply("models:\n  - name: b\n    engine: sim\n", "api", time.time())
         fake.down = True  # the router does not hear of it yet
         cp.reconcile_once(now)
-        await cp.publish()
+        cp.publish()
+        await cp.publisher.sync()
         cp.release_retired(now)
         views = {v.model: v for v in cp.state.replica_views()}
         assert views["a"].state == "retiring" and "removed" in views["a"].reason
@@ -212,7 +217,7 @@ def test_a_removed_model_leaves_the_routers_before_its_engine_is_stopped() -> No
         assert fake.endpoints("a")  # the router still routes to it
 
         fake.down = False
-        await cp.publish()  # the next pass pushes again to the router that missed the change
+        await cp.publisher.sync()  # pushed again to the router that missed the change
         assert fake.endpoints("a") is None
         cp.release_retired(now)
         assigned = {s.model for s in cp.state.assignment("n", catalogs.current).shards}
@@ -248,7 +253,8 @@ def test_a_router_that_never_confirms_delays_a_stop_only_until_the_timeout() -> 
         cp.state.take_report(serving_report(cp, "n", 2, gpus), catalogs.current, now)
         catalogs.apply("models: []\n", "api", time.time())
         cp.reconcile_once(now)
-        await cp.publish()
+        cp.publish()
+        await cp.publisher.sync()
         cp.release_retired(now + 4.9)
         assert len(cp.state.assignment("n", catalogs.current).shards) == 1
         cp.release_retired(now + 5)
@@ -396,3 +402,75 @@ def test_a_replica_failing_on_a_node_moves_off_it() -> None:
     assert explained is not None
     verdict = next(v for v in explained.verdicts if v.node == node)
     assert any("avoided" in r and "engine exited (1)" in r for r in verdict.reasons)
+
+
+def test_only_a_push_the_router_took_confirms_and_a_restarted_router_is_pushed_again(
+    tmp_path: Path,
+) -> None:
+    """A 409 is no confirmation: a retiring replica waits for a real one. A router that lost
+    its table (it restarted) is found by the check and pushed the current one. Every start of
+    the control plane is a new epoch, which a router takes over its older table."""
+    fake = FakeRouter()
+    config = ControlPlaneConfig(
+        admin_token=TOKEN,
+        settle_for=-1,
+        retire_timeout=60,
+        routers=[{"url": "http://r", "token": "t"}],
+    )
+    gpus = SimulatedGpus("2x80GB")
+
+    def start() -> tuple[ControlPlane, httpx.AsyncClient]:
+        catalogs = CatalogKeeper(SqliteStore(tmp_path / "store.sqlite"))
+        catalogs.start(0.0)
+        catalogs.apply(yaml.safe_dump({"models": [{"name": "a", "engine": "sim"}]}), "api", 0.0)
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        return ControlPlane(config, catalogs, http=http), http
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/routing/held":
+            held = fake.held or {"epoch": 0, "version": 0}
+            body = {"applied": fake.held is not None, **{k: held[k] for k in ("epoch", "version")}}
+            return httpx.Response(200, json=body)
+        return fake.handle(request)
+
+    async def go() -> None:
+        cp, http = start()
+        router = config.routers[0]
+        now = 1.0
+        cp.state.take_report(report("n", gpus), cp.catalogs.current, now)
+        cp.reconcile_once(now)
+        cp.state.take_report(serving_report(cp, "n", 2, gpus), cp.catalogs.current, now)
+        cp.publish()
+        await cp.publisher.sync()
+        assert fake.endpoints("a") and cp.publisher.current(router)
+
+        # The router restarts: it holds nothing. The check finds that and pushes again.
+        fake.held = None
+        await cp.publisher.check(router)
+        assert fake.endpoints("a") and cp.publisher.current(router)
+
+        # A router that holds a newer table (another control plane's) refuses with 409.
+        fake.held = {"epoch": 99, "version": 1, "models": []}
+        cp.catalogs.apply("models: []\n", "api", 0.0)
+        cp.reconcile_once(now)
+        cp.publish()
+        await cp.publisher.sync()
+        assert not cp.publisher.current(router)
+        assert cp.publisher.routed_version() < cp.publisher.version
+        cp.release_retired(now)
+        assert len(cp.state.assignment("n", cp.catalogs.current).shards) == 1  # still running
+        first_epoch = cp.publisher.epoch
+        cp.store.close()
+        await http.aclose()
+
+        fake.held = {"epoch": first_epoch, "version": 50, "models": []}
+        again, http = start()
+        assert again.publisher.epoch == first_epoch + 1
+        again.state.take_report(report("n", gpus), again.catalogs.current, now)
+        again.publish()
+        await again.publisher.sync()
+        assert fake.held["epoch"] == first_epoch + 1 and again.publisher.current(router)
+        again.store.close()
+        await http.aclose()
+
+    asyncio.run(go())

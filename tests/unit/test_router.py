@@ -20,10 +20,10 @@ from modelfleet.serving import Listener
 from modelfleet.wire import RoutedModel, RoutingSnapshot
 
 
-def snap(version: int, **models: list[str]) -> str:
+def snap(version: int, epoch: int = 1, **models: list[str]) -> str:
     routed = [RoutedModel(name=n, endpoints=e) for n, e in models.items()]
     return RoutingSnapshot(
-        version=version, catalog_version=version, models=routed
+        epoch=epoch, version=version, catalog_version=version, models=routed
     ).model_dump_json()
 
 
@@ -49,15 +49,22 @@ def test_the_router_takes_newer_snapshots_whole_and_ignores_older_ones() -> None
         )
         models = await client.get("/v1/models")
         assert [m["id"] for m in models.json()["data"]] == ["seeded"]  # served before any push
+        # Before its first push it cannot know a model is unknown: 503 to retry, never 404.
+        early = await client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        assert early.status_code == 503 and early.headers["retry-after"] == "1"
+        held = (await push.get("/v1/routing/held")).json()
+        assert held == {"applied": False, "epoch": 0, "version": 0}
 
         assert (await push.put("/v1/routing", content=snap(5, a=["http://e1"]))).status_code == 200
         taken = router.table  # what a request in flight holds
         r = await push.put("/v1/routing", content=snap(7, b=["http://e2"], c=[]))
-        assert r.json() == {"applied": True, "version": 7}
+        assert r.json() == {"applied": True, "epoch": 1, "version": 7}
         older = await push.put("/v1/routing", content=snap(6, a=["http://e1"]))
-        assert older.status_code == 409 and older.json() == {"applied": False, "version": 7}
+        assert older.status_code == 409
+        assert older.json() == {"applied": False, "epoch": 1, "version": 7}
         assert sorted(router.table.models) == ["b", "c"]
         assert dict(taken.models) == {"a": ("http://e1",)}  # a swap never edits a held table
+        assert (await push.get("/v1/routing/held")).json()["applied"] is True
 
         bad = await push.put("/v1/routing", content=b'{"version": -1}')
         assert bad.status_code == 400 and router.table.version == 7
@@ -65,6 +72,11 @@ def test_the_router_takes_newer_snapshots_whole_and_ignores_older_ones() -> None
             "/v1/routing", content=snap(9), headers={"authorization": "Bearer x"}
         )
         assert wrong.status_code == 401 and router.table.version == 7
+        # A restarted control plane counts versions afresh in a new epoch: taken.
+        restarted = await push.put("/v1/routing", content=snap(1, epoch=2, b=[], c=[]))
+        assert restarted.status_code == 200 and router.snapshot.epoch == 2
+        stale = await push.put("/v1/routing", content=snap(8, epoch=1, a=["http://e1"]))
+        assert stale.status_code == 409 and router.snapshot.epoch == 2
 
         gone = await client.post(
             "/v1/chat/completions", json={"model": "a", "messages": [{"role": "user"}]}
@@ -73,7 +85,7 @@ def test_the_router_takes_newer_snapshots_whole_and_ignores_older_ones() -> None
         empty = await client.post(
             "/v1/chat/completions", json={"model": "c", "messages": [{"role": "user"}]}
         )
-        assert empty.status_code == 503
+        assert empty.status_code == 503 and empty.headers["retry-after"] == "1"
         await push.aclose()
         await client.aclose()
 

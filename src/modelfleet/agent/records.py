@@ -33,6 +33,7 @@ class EngineRecord(BaseModel):
     argv: list[str] = []
     health_path: str | None = "/health"
     started_at: float = 0.0  # wall clock, when the agent started it
+    ready_at: float | None = None  # wall clock, when it was first ready: no startup timeout after
     restarts: int = 0
     state: ShardState = ShardState.STARTING
 

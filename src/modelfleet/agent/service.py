@@ -153,12 +153,13 @@ class Agent:
         self._supervise(assignment.key, self._shard(assignment))
         self.changed()
 
-    def adopt(self) -> list[str]:
+    async def adopt(self) -> list[str]:
         """Take over the engines an earlier run of this agent started and that still run.
 
         They are supervised as if this run had started them: probed, restarted when they fail,
-        stopped when the control plane no longer assigns them. An engine whose process is gone
-        is forgotten. Returns the keys of the shards adopted.
+        stopped when the control plane no longer assigns them. Each is probed once before this
+        returns, so one that answers is reported ready from the first report. An engine whose
+        process is gone is forgotten. Returns the keys of the shards adopted.
         """
         adopted = []
         for key, record in read_records(self.settings.state_dir).items():
@@ -166,9 +167,15 @@ class Agent:
             if not shard.adopt(record):
                 log.info("shard %s: its engine (pid %s) is gone", key, record.pid)
                 continue
+            await shard.check_adopted()
             self._supervise(key, shard)
             adopted.append(key)
-            log.info("shard %s: adopted its running engine, pid %s", key, record.pid)
+            log.info(
+                "shard %s: adopted its running engine, pid %s (%s)",
+                key,
+                record.pid,
+                shard.state.value,
+            )
         self.changed()
         return adopted
 
@@ -212,7 +219,7 @@ class Agent:
     async def report_loop(self, ready_file: Path | None, urls: dict[str, str]) -> None:
         """Adopt what an earlier run left running; then report, apply the answer, repeat. The
         ready file is written after the first answer."""
-        self.adopt()
+        await self.adopt()
         ready_written = False
         while True:
             self._changed.clear()

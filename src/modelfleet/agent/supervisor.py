@@ -34,10 +34,17 @@ class SupervisorSettings:
     engine_host: str = "127.0.0.1"
     probe_interval: float = 0.25  # while starting
     watch_interval: float = 0.5  # once ready: how often its exit is looked for
+    # Once ready, its health is probed this often; this many failed probes in a row (each
+    # bounded by liveness_timeout) make it unready, and it is restarted.
+    liveness_interval: float = 5.0
+    liveness_timeout: float = 2.0
+    liveness_failures: int = 3
     stop_grace: float = 30.0  # SIGTERM, then SIGKILL after this many seconds
-    backoff_base: float = 10.0  # first restart delay; doubles per consecutive failure
+    # An engine that crashes after it served is started again at once; one that keeps crashing
+    # waits backoff_base, doubling up to backoff_max. This long ready starts the count over.
+    backoff_base: float = 10.0
     backoff_max: float = 300.0
-    healthy_reset: float = 600.0  # this long ready resets the backoff
+    healthy_reset: float = 600.0
 
     @property
     def backoff(self) -> Backoff:
@@ -101,6 +108,8 @@ class Shard:
         self.failures = 0  # in a row, since the engine was last healthy long enough
         self.backoff_s: float | None = None  # while failed: the wait before the next start
         self.startup_s: float | None = None
+        self.ready_at: float | None = None  # wall clock: when this engine process was first ready
+        self.probes = 0  # health probes its engine answered, for those who wait on them
         self.adopted = False
         # Shard 0 of a replica of several shards picks where its peers meet it, once, so a
         # restart of it keeps the address its peers were given.
@@ -142,6 +151,7 @@ class Shard:
             argv=self.argv,
             health_path=self.health_path,
             started_at=self.started_at,
+            ready_at=self.ready_at,
             restarts=self.restarts,
             state=self.state,
         )
@@ -161,9 +171,19 @@ class Shard:
         self.argv = list(record.argv)
         self.health_path = record.health_path
         self.started_at = record.started_at or time.time()
+        self.ready_at = record.ready_at
         self.restarts = record.restarts
         self.adopted = True
         return True
+
+    async def check_adopted(self) -> None:
+        """Probe an adopted engine once, so that one that answers is reported ready from the
+        agent's first report, and no router drops it meanwhile."""
+        if self.health_path is None or await self._probe(self._health_url()):
+            self._set(ShardState.READY)
+
+    def _health_url(self) -> str:
+        return f"http://{self.settings.engine_host}:{self.port}{self.health_path or ''}"
 
     @property
     def leader(self) -> str | None:
@@ -199,7 +219,10 @@ class Shard:
                 ready_since = None
             ready_for = time.monotonic() - ready_since if ready_since is not None else 0.0
             self.failures = backoff.failures(self.failures, ready_for)
-            self.backoff_s = backoff.delay(self.failures)
+            # Like kubelet: an engine that served and crashed once is started again at once;
+            # only a crash loop (or an engine that never got ready) waits.
+            served_then_failed = ready_since is not None and self.failures == 1
+            self.backoff_s = 0.0 if served_then_failed else backoff.delay(self.failures)
             log.warning(
                 "shard %s failed (%s); restart %d in %.0fs",
                 self.assignment.key,
@@ -245,46 +268,80 @@ class Shard:
         self.proc = proc
         self.process = ProcessId.of(proc.pid)
         self.started_at = time.time()
+        self.ready_at = None
         self.startup_s = None
         self._changed()
         log.info("shard %s: started pid %d on port %d", self.assignment.key, proc.pid, self.port)
         return True
 
     async def _watch(self) -> float | None:
-        """Probe the running engine until it is ready, then watch it until it exits; return
-        when it became ready (monotonic), or None when it never did. An engine not ready within
-        its startup timeout is stopped and the shard fails with "startup timed out"."""
+        """Probe the running engine until it is ready, then watch it until it exits or stops
+        answering; return when it became ready (monotonic), or None when it never did.
+
+        An engine not ready within its startup timeout is stopped: "startup timed out". Once
+        an engine process has been ready (also before this agent adopted it) the startup
+        timeout no longer applies to it; instead `liveness_failures` failed probes in a row
+        make it unready and it is stopped, to be started again.
+        """
         proc = self.proc
         assert proc is not None
+        s = self.settings
         timeout = self.assignment.startup_timeout
         began = time.monotonic() - max(0.0, time.time() - self.started_at)
         deadline = began + timeout
-        url = f"http://{self.settings.engine_host}:{self.port}{self.health_path or ''}"
-        ready_since: float | None = None
+        url = self._health_url()
+        ready_since = time.monotonic() if self.state is ShardState.READY else None
+        next_probe = time.monotonic() + s.liveness_interval
+        misses = 0
         while True:
             code = proc.poll()
             if code is not None:
                 how = "code unknown: an earlier agent run started it" if code == -1 else code
                 self._set(ShardState.FAILED, f"engine exited ({how})")
                 return ready_since
-            if ready_since is None:
-                if time.monotonic() > deadline:
+            now = time.monotonic()
+            if self.ready_at is None:  # starting: probe until ready, within the timeout
+                if now > deadline:
                     await self._terminate()
                     self._set(ShardState.FAILED, f"startup timed out after {timeout:.0f}s")
                     return None
                 if self.health_path is None or await self._probe(url):
                     ready_since = time.monotonic()
+                    self.ready_at = time.time()
                     self.startup_s = round(ready_since - began, 3)
                     self._set(ShardState.READY)
-            interval = self.settings.probe_interval
-            await asyncio.sleep(interval if ready_since is None else self.settings.watch_interval)
+                    next_probe = ready_since + s.liveness_interval
+                await asyncio.sleep(s.probe_interval if self.ready_at is None else s.watch_interval)
+                continue
+            if self.health_path is not None and now >= next_probe:
+                if await self._probe(url, s.liveness_timeout):
+                    misses = 0
+                    if ready_since is None:  # adopted unready: ready again
+                        ready_since = time.monotonic()
+                        self._set(ShardState.READY)
+                else:
+                    misses += 1
+                    if misses >= s.liveness_failures:
+                        self._set(
+                            ShardState.FAILED,
+                            f"health check failed {misses} times in a row; restarting the engine",
+                        )
+                        await self._terminate()
+                        return ready_since
+                next_probe = time.monotonic() + (
+                    s.liveness_interval if misses == 0 else s.probe_interval
+                )
+            await asyncio.sleep(s.watch_interval)
 
-    async def _probe(self, url: str) -> bool:
+    async def _probe(self, url: str, timeout: float = 2.0) -> bool:
         try:
-            response = await self._http.get(url, timeout=2.0)
+            response = await self._http.get(url, timeout=timeout)
         except httpx.HTTPError:
             return False
-        return response.status_code == 200
+        if response.status_code == 200:
+            self.probes += 1
+            return True
+        return False
 
     async def _terminate(self) -> None:
         """Stop the engine's process group: SIGTERM, SIGKILL after the grace period."""

@@ -208,6 +208,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             settling=cp.settling(cp.clock.monotonic()),
             reconcile_passes=cp.passes,
             catalog_version=cp.catalogs.current.version,
+            routing_epoch=cp.publisher.epoch,
             routing_version=cp.publisher.version,
             nodes=len(state.nodes),
             replicas=len(state.replicas),

@@ -34,7 +34,9 @@ class ControlPlaneConfig(BaseModel):
     # No report this long: the node is lost, and its replicas are replaced elsewhere,
     # make-before-break (an agent that was only down finds its engines unassigned and stops them).
     node_lost_after: float = Field(default=60.0, gt=0)
-    push_interval: float = Field(default=10.0, gt=0)
+    # How often each router is asked which routing table it holds; one that holds another than
+    # the current (it restarted, or missed a push) is pushed the current one at once.
+    push_interval: float = Field(default=1.0, gt=0)
     catalog_poll_interval: float = Field(default=0.25, gt=0)
     # How long a replica taken out of service waits for every router to confirm a routing table
     # without it before its engine is stopped anyway.
@@ -67,3 +69,4 @@ class ControlPlaneConfig(BaseModel):
 
 DEFAULT_SETTLE_FOR_S = 10.0
 STORE_FILE = "store.sqlite"
+ROUTING_EPOCH_KEY = "routing_epoch"  # in the store: one more at every start

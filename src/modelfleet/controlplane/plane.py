@@ -19,7 +19,11 @@ import httpx
 from modelfleet.catalog import Catalog
 from modelfleet.clock import SYSTEM_CLOCK, Clock
 from modelfleet.controlplane.catalogs import CatalogKeeper
-from modelfleet.controlplane.config import DEFAULT_SETTLE_FOR_S, ControlPlaneConfig
+from modelfleet.controlplane.config import (
+    DEFAULT_SETTLE_FOR_S,
+    ROUTING_EPOCH_KEY,
+    ControlPlaneConfig,
+)
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.state import FleetState, NodeMark
 from modelfleet.fleet import Mark
@@ -47,10 +51,12 @@ class ControlPlane:
         self.settle_for = config.settle_for or DEFAULT_SETTLE_FOR_S
         self._wake = asyncio.Event()
         self._http = http or httpx.AsyncClient(timeout=5)
-        self.publisher = Publisher(config.routers, self._http)
+        self.store = catalogs.store
+        epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
+        self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
+        self.publisher = Publisher(config.routers, self._http, epoch, config.push_interval)
         self._file_error = ""
         self.passes = 0  # reconcile passes that planned, for operators (and tests) to count
-        self.store = catalogs.store
         self._load_marks()
 
     def wake(self) -> None:
@@ -141,32 +147,26 @@ class ControlPlane:
         for rid, why in self.state.release(self.publisher.routed_version(), now):
             log.info("replica %s is out of every routing table; stopping it (%s)", rid, why)
 
-    async def publish(self, force: bool = False) -> None:
-        """Push the routing table to the routers (see `Publisher.publish`).
+    def publish(self) -> None:
+        """Publish the routing table; the publisher's tasks push it to the routers.
 
-        Nothing is pushed while settling: the table is still empty of what agents have yet to
-        report, and a router keeps serving from the one it holds.
+        Nothing is published while settling: the table is still empty of what agents have yet
+        to report, and a router keeps serving from the one it holds.
         """
         if self.settling(self.clock.monotonic()):
             return
         catalog = self.catalogs.current
-        models = self.state.routing_models(catalog)
-        await self.publisher.publish(catalog.version, models, self.clock.time(), force)
+        self.publisher.publish(catalog.version, self.state.routing_models(catalog))
         self.state.mark_unrouted(self.publisher.version)
 
     async def reconcile_loop(self) -> None:
         while True:
             self._wake.clear()
             self.reconcile_once(self.clock.monotonic())
-            await self.publish()
+            self.publish()
             self.release_retired(self.clock.monotonic())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval)
-
-    async def push_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.push_interval)
-            await self.publish(force=True)
 
     async def catalog_loop(self) -> None:
         """Apply the catalog file whenever its content changes."""

@@ -1,9 +1,14 @@
-"""The publisher: pushes the routing table to every router and tracks what each confirmed.
+"""The publisher: gets the routing table to every router and tracks what each holds.
 
-A table is pushed whole, with a version that only grows, when it changed, again to each router
-that has not confirmed the current version (it was down, or refused), and on a timer so a
-router that restarted heals. What the routers confirmed decides when a replica taken out of
-service may be stopped: only once no router routes to it.
+A table is pushed whole. Its version is (epoch, counter): the epoch is one more at every start
+of the control plane (kept in its store), the counter one more at every change, so versions
+order correctly across restarts and clock steps, and a router holding a table of an older
+epoch takes the new one. Each router is served by a task of its own: pushed to when the table
+changes, and asked every `check_interval` which table it holds, so a router that restarted, or
+missed a push, gets the current table within that interval. A push is bounded by the HTTP
+client's timeout and never holds up a reconcile pass or an agent's report. Only a push the
+router took counts as its confirmation, and what the routers confirmed decides when a replica
+taken out of service may be stopped.
 """
 
 from __future__ import annotations
@@ -23,69 +28,126 @@ log = logging.getLogger("modelfleet.controlplane")
 
 
 class Publisher:
-    """The routing table last published, its version, and each router's confirmed version."""
+    """The routing table last published and what each router holds."""
 
-    def __init__(self, routers: Sequence[RouterTarget], http: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        routers: Sequence[RouterTarget],
+        http: httpx.AsyncClient,
+        epoch: int,
+        check_interval: float,
+    ) -> None:
         self.routers = list(routers)
+        self.epoch = epoch
+        self.version = 0
+        self.check_interval = check_interval
         self._http = http
         self._published: tuple[int, list[RoutedModel]] | None = None
-        self.version = 0
-        self._acked: dict[str, int] = {}  # router url -> newest routing version it holds
+        self._body = ""
+        self._held: dict[str, tuple[int, int]] = {}  # router url -> (epoch, version) it took
+        self._wake = {r.url: asyncio.Event() for r in self.routers}
 
-    async def publish(
-        self, catalog_version: int, models: list[RoutedModel], wall: float, force: bool = False
-    ) -> None:
-        """Push the table to every router when it changed (or when forced), and again to each
-        router that has not confirmed the current one. `wall` (epoch seconds) seeds the version,
-        so a restarted control plane publishes newer versions than the routers hold."""
+    def publish(self, catalog_version: int, models: list[RoutedModel]) -> bool:
+        """Make `models` the table to publish; a new version when it changed. Returns whether
+        it changed. The routers' tasks push it; nothing here waits for them."""
         published = (catalog_version, models)
-        if published != self._published:
-            self._published = published
-            self.version = max(self.version + 1, int(wall * 1000))
-            force = True
-        routers = [r for r in self.routers if force or self._acked.get(r.url, -1) < self.version]
-        if not routers:
-            return
+        if published == self._published:
+            return False
+        self._published = published
+        self.version += 1
         snapshot = RoutingSnapshot(
-            version=self.version, catalog_version=catalog_version, models=models
+            epoch=self.epoch, version=self.version, catalog_version=catalog_version, models=models
         )
-        body = snapshot.model_dump_json()
-        await asyncio.gather(*(self._push(r, body) for r in routers))
+        self._body = snapshot.model_dump_json()
+        for wake in self._wake.values():
+            wake.set()
+        return True
 
-    async def _push(self, router: RouterTarget, body: str) -> None:
-        url = router.url
+    def current(self, router: RouterTarget) -> bool:
+        """Whether `router` confirmed the table last published."""
+        return self._held.get(router.url) == (self.epoch, self.version)
+
+    async def sync(self) -> None:
+        """Push the current table to every router that has not confirmed it, concurrently."""
+        await asyncio.gather(*(self._push(r) for r in self.routers if not self.current(r)))
+
+    async def run(self) -> None:
+        """Serve every router, each in its own task, until cancelled."""
+        async with asyncio.TaskGroup() as group:
+            for router in self.routers:
+                group.create_task(self._serve(router), name=f"router {router.url}")
+
+    async def _serve(self, router: RouterTarget) -> None:
+        wake = self._wake[router.url]
+        while True:
+            if self._published is not None and not self.current(router):
+                await self._push(router)
+            try:
+                await asyncio.wait_for(wake.wait(), self.check_interval)
+            except TimeoutError:
+                await self.check(router)
+            wake.clear()
+
+    def _headers(self, router: RouterTarget) -> dict[str, str]:
+        return {"authorization": f"Bearer {router.token}", "content-type": "application/json"}
+
+    async def _push(self, router: RouterTarget) -> None:
+        if self._published is None:
+            return
+        url, version = router.url, (self.epoch, self.version)
         try:
             response = await self._http.put(
-                f"{url}/v1/routing",
-                content=body,
-                headers={
-                    "authorization": f"Bearer {router.token}",
-                    "content-type": "application/json",
-                },
+                f"{url}/v1/routing", content=self._body, headers=self._headers(router)
             )
         except httpx.HTTPError as exc:
             log.warning("push to router %s failed: %s", url, exc)
             return
-        if response.status_code not in (200, 409):
-            log.warning("router %s refused the push: %s", url, response.text[:200])
-            return
         try:
-            held = RoutingAck.model_validate_json(response.content).version
+            ack = RoutingAck.model_validate_json(response.content)
         except ValidationError:
-            log.warning("router %s answered the push with no version", url)
+            log.warning("router %s answered the push with %d: %s", url, response.status_code,
+                        response.text[:200])  # fmt: skip
             return
-        self._acked[url] = max(held, self._acked.get(url, -1))
+        if response.status_code == 200 and ack.applied and (ack.epoch, ack.version) == version:
+            self._held[url] = version
+        else:
+            log.warning(
+                "router %s refused routing version %s (it holds %s)",
+                url,
+                version,
+                (ack.epoch, ack.version),
+            )
+
+    async def check(self, router: RouterTarget) -> None:
+        """Ask `router` which table it holds; one that lost ours (it restarted) is pushed to."""
+        try:
+            response = await self._http.get(
+                f"{router.url}/v1/routing/held", headers=self._headers(router)
+            )
+            ack = RoutingAck.model_validate_json(response.content)
+        except (httpx.HTTPError, ValidationError):
+            return  # unreachable or not a router: the next check asks again
+        held = (ack.epoch, ack.version) if ack.applied else (-1, -1)
+        if held == (self.epoch, self.version):
+            self._held[router.url] = held
+            return
+        if router.url in self._held:
+            log.info("router %s now holds %s; pushing the current table", router.url, held)
+        self._held.pop(router.url, None)
+        await self._push(router)
 
     def routed_version(self) -> int:
-        """The oldest routing version a router still holds: a replica left out of this version
-        or an older one is out of every router's table."""
-        return min((self._acked.get(r.url, -1) for r in self.routers), default=self.version)
+        """The oldest version of this epoch that a router holds (-1 when one holds none of
+        it): a replica left out of this version or an older one is out of every table."""
+        held = [self._held.get(r.url, (-1, -1)) for r in self.routers]
+        return min((v if e == self.epoch else -1 for e, v in held), default=self.version)
 
     def answer(self) -> RoutingAnswer:
         catalog_version, models = self._published or (0, [])
         return RoutingAnswer(
+            epoch=self.epoch,
             version=self.version,
             catalog_version=catalog_version,
             models=models,
-            routers=dict(self._acked),
+            routers={url: v for url, (e, v) in self._held.items() if e == self.epoch},
         )

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from modelfleet.apikeys import hash_key
 from modelfleet.openai_api import BadRequest, error_response, parse_body
 from modelfleet.router.table import ApiKey, Balancer, KeyRing, RoutingTable
-from modelfleet.serving import Listener, run_service
+from modelfleet.serving import Listener, run_service, write_json_atomic
 from modelfleet.web import JSON, bearer_matches, json_response
 from modelfleet.web import error_response as web_error
 from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot
@@ -64,6 +64,9 @@ class RouterConfig(BaseModel):
     push_token: str | None = None  # shared admin token for routing pushes; None: pushes refused
     api_keys: list[KeyConfig] = Field(default_factory=list)
     models: list[RoutedModel] = Field(default_factory=list)  # the static seed
+    # Where the router keeps the last table pushed to it, so that a restarted router serves
+    # from it at once (until the control plane, which finds it restarted, pushes the current).
+    table_file: Path | None = None
     connect_timeout: float = Field(default=5.0, gt=0)
 
 
@@ -73,11 +76,27 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.keys = KeyRing([k.to_key() for k in config.api_keys])
-        seed = RoutingSnapshot(version=0, models=config.models)
+        seed = self._restore() or RoutingSnapshot(version=0, models=config.models)
         self.snapshot = seed
         self.table = RoutingTable.from_snapshot(seed)
+        self.restored = seed.version > 0  # it holds what was pushed before it restarted
+        self.pushed = False  # whether it holds a table pushed to this run of it
         self.balancer = Balancer()
         self._session: aiohttp.ClientSession | None = None
+
+    def _restore(self) -> RoutingSnapshot | None:
+        path = self.config.table_file
+        if path is None:
+            return None
+        try:
+            return RoutingSnapshot.model_validate_json(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "cannot read the last routing table from %s (%s); starting without", path, exc
+            )
+            return None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -94,12 +113,23 @@ class Router:
             await self._session.close()
 
     def apply(self, snapshot: RoutingSnapshot) -> bool:
-        """Swap in `snapshot` unless it is older than the one held. Returns whether it was."""
-        if snapshot.version < self.snapshot.version:
+        """Swap in `snapshot` unless it is older than the one held, by (epoch, version): a
+        table of a newer control-plane epoch is always taken. Returns whether it was."""
+        held = (self.snapshot.epoch, self.snapshot.version)
+        if (self.pushed or self.restored) and (snapshot.epoch, snapshot.version) < held:
             return False
         self.snapshot = snapshot
         self.table = RoutingTable.from_snapshot(snapshot)
+        self.pushed = True
+        if self.config.table_file is not None:
+            write_json_atomic(self.config.table_file, snapshot.model_dump(mode="json"))
         return True
+
+    @property
+    def awaiting_table(self) -> bool:
+        """A router told to expect pushes that has had none yet, and kept none from before it
+        restarted, knows only its seed."""
+        return self.config.push_token is not None and not (self.pushed or self.restored)
 
     # -- client API ---------------------------------------------------------------------
 
@@ -137,6 +167,13 @@ class Router:
         model = body["model"]
         table = self.table  # taken once: a swap during this request is invisible to it
         endpoints = table.models.get(model)
+        if endpoints is None and self.awaiting_table:
+            return error_response(
+                503,
+                "This router has no routing table yet (it has just started); try again shortly.",
+                "server_error",
+                retry_after=1,
+            )
         if endpoints is None or not key.allows(model):
             return error_response(
                 404,
@@ -147,7 +184,10 @@ class Router:
             )
         if not endpoints:
             return error_response(
-                503, f"No replica of `{model}` is ready yet; try again shortly.", "server_error"
+                503,
+                f"No replica of `{model}` is ready now; try again shortly.",
+                "server_error",
+                retry_after=1,
             )
         stream = body.get("stream") is True
         path = request.url.path
@@ -191,6 +231,7 @@ class Router:
             503,
             f"No replica of `{model}` could be reached ({len(failures)} tried).",
             "server_error",
+            retry_after=1,
         )
 
     async def _relay(self, upstream: aiohttp.ClientResponse, endpoint: str) -> AsyncIterator[bytes]:
@@ -217,8 +258,17 @@ class Router:
         except ValidationError as exc:
             return web_error(400, f"not a routing snapshot: {exc}")
         applied = self.apply(snapshot)
-        ack = RoutingAck(applied=applied, version=self.snapshot.version)
+        held = self.snapshot
+        ack = RoutingAck(applied=applied, epoch=held.epoch, version=held.version)
         return Response(ack.model_dump_json(), status_code=200 if applied else 409, media_type=JSON)
+
+    async def get_held(self, request: Request) -> Response:
+        """Which table this router holds: `applied` false while it holds none pushed."""
+        if not self._push_authorized(request):
+            return web_error(401, "missing or wrong admin token")
+        held = self.snapshot
+        ack = RoutingAck(applied=self.pushed, epoch=held.epoch, version=held.version)
+        return Response(ack.model_dump_json(), media_type=JSON)
 
     async def get_routing(self, request: Request) -> Response:
         if not self._push_authorized(request):
@@ -249,6 +299,7 @@ def create_apps(router: Router) -> tuple[Starlette, Starlette]:
         routes=[
             Route("/v1/routing", router.put_routing, methods=["PUT"]),
             Route("/v1/routing", router.get_routing, methods=["GET"]),
+            Route("/v1/routing/held", router.get_held, methods=["GET"]),
         ]
     )
     return client, push

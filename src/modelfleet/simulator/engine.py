@@ -33,6 +33,9 @@ class SimSettings:
     max_concurrency: int = 16
     output_tokens: int = 16  # when the request sets no max_tokens
     fault: str = "none"  # one of FAULTS: what goes wrong on purpose, for rehearsals and tests
+    # Seconds after the start at which it stops answering anything, /health included, while
+    # its process keeps running: a hung engine. None: never.
+    hang_after: float | None = None
 
 
 def count_prompt_tokens(text: str) -> int:

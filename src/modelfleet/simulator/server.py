@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modelfleet.openai_api import BadRequest, error_response, parse_body, prompt_text
 from modelfleet.serving import Listener, run_service
@@ -51,6 +52,19 @@ class _VllmMetrics:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+
+
+class _HangAfter:
+    """From `at` (monotonic) on, every request waits forever: the engine hangs, still running."""
+
+    def __init__(self, app: ASGIApp, at: float) -> None:
+        self.app = app
+        self.at = at
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and time.monotonic() >= self.at:
+            await asyncio.Event().wait()
+        await self.app(scope, receive, send)
 
 
 def create_app(settings: SimSettings) -> Starlette:
@@ -86,6 +100,8 @@ def create_app(settings: SimSettings) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
     ]
     app = Starlette(routes=routes)
+    if settings.hang_after is not None:
+        app.add_middleware(_HangAfter, at=time.monotonic() + settings.hang_after)
     app.state.engine = engine
     return app
 

@@ -72,6 +72,7 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
         "port": opts.router_port or free_port("127.0.0.1"),
         "push_port": free_port("127.0.0.1"),
         "push_token": admin_token,
+        "table_file": str(state_dir / "router-table.json"),
         "api_keys": [{"name": "up", "sha256": hash_key(api_key)}],
     }
     (state_dir / "router.yaml").write_text(yaml.safe_dump(router_cfg))
