@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from modelfleet.wire import RoutedModel
 
 MarkName = Literal["none", "cordoned", "draining"]
+MAX_HISTORY = 1000  # catalog versions one history answer lists at most
 
 
 class _Answer(BaseModel):
@@ -73,7 +74,7 @@ class MarkRequest(BaseModel):
     mark: MarkName
     # A drain's bound in seconds: what has not moved by then is stopped anyway. None: the
     # control plane's drain_grace; 0: no bound.
-    grace_s: float | None = Field(default=None, ge=0)
+    grace_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 # -- placement -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -40,26 +41,48 @@ PLACEMENTS: tuple[str, ...] = get_args(Placement)
 _TOP_KEYS = ("models",)
 
 
+# A refused catalog's problems are stored, logged and sent back: each is kept short, and at
+# most this many are listed, so that a small file (of nested YAML aliases, say) cannot make
+# an error of megabytes.
+MAX_PROBLEMS = 50
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 60, 60
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with a catalog: which model, which field, and what is wrong."""
+    """One thing wrong with a catalog: which model, which field, and what is wrong (each cut
+    to a length that reads on one line)."""
 
     model: str
     field: str
     message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", _clip(self.model, 80))
+        object.__setattr__(self, "field", _clip(self.field, 80))
+        object.__setattr__(self, "message", _clip(self.message, 300))
 
     def __str__(self) -> str:
         return f"model {self.model}: {self.field}: {self.message}"
 
 
 class CatalogInvalid(ValueError):
-    """A catalog was refused. `problems` lists every problem found, not only the first."""
+    """A catalog was refused. `problems` lists every problem found, not only the first (up to
+    MAX_PROBLEMS; the message says how many more there were)."""
 
     def __init__(self, problems: Sequence[Problem], source: str = "catalog") -> None:
-        self.problems = tuple(problems)
-        self.source = source
+        self.problems = tuple(problems[:MAX_PROBLEMS])
+        self.source = _clip(source, 200)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{source} is invalid ({len(self.problems)} problem(s)):\n{lines}")
+        more = len(problems) - len(self.problems)
+        if more:
+            lines += f"\n  - ... and {more} more"
+        super().__init__(f"{self.source} is invalid ({len(problems)} problem(s)):\n{lines}")
 
 
 @dataclass(frozen=True)
@@ -180,7 +203,7 @@ class Catalog:
                 [Problem("-", "-", "the file must be a mapping with a 'models' list")], source
             )
         problems = [
-            Problem("-", str(key), _unknown_key_message(str(key), _TOP_KEYS))
+            Problem("-", _clip(str(key), 80), _unknown_key_message(_clip(str(key), 80), _TOP_KEYS))
             for key in data
             if key not in _TOP_KEYS
         ]
@@ -234,8 +257,8 @@ _Scalar = str | int | float  # YAML reads `8192` and `0.9` as numbers; they are 
 class _ModelInput(BaseModel):
     """One model as a catalog file writes it: what `Catalog.new` validates each entry with."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-    name: Annotated[str, StringConstraints(pattern=r"^\S+$")]
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    name: Annotated[str, StringConstraints(pattern=r"^\S+$", max_length=200)]
     engine: Engine
     source: _Text | None = None
     args: list[_Scalar] = []
@@ -255,7 +278,7 @@ _MODEL_KEYS = tuple(_ModelInput.model_fields)
 
 # What each field must be, said to an operator whose value pydantic refused.
 _EXPECTED = {
-    "name": "must be a non-empty string without spaces",
+    "name": "must be a non-empty string without spaces, of at most 200 characters",
     "source": "must be a non-empty string",
     "args": "must be a list of strings",
     "env": "must be a mapping of strings to strings",
@@ -279,12 +302,12 @@ def _problem_message(key: str, error: ErrorDetails, raw: Mapping[str, Any]) -> s
         return f"missing; one of {', '.join(ENGINES)}" if key == "engine" else "missing"
     if key == "engine":
         engine = raw.get("engine")
-        close = difflib.get_close_matches(str(engine), ENGINES, n=1)
+        close = difflib.get_close_matches(engine, ENGINES, n=1) if isinstance(engine, str) else []
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        return f"unknown engine {engine!r}; one of {', '.join(ENGINES)}{hint}"
+        return f"unknown engine {_REPR.repr(engine)}; one of {', '.join(ENGINES)}{hint}"
     if key == "gpu_memory":
         return error["msg"]
-    return f"{_EXPECTED.get(key, error['msg'])}, got {raw.get(key)!r}"
+    return f"{_EXPECTED.get(key, error['msg'])}, got {_REPR.repr(raw.get(key))}"
 
 
 def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec | None:
@@ -301,7 +324,7 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
     except ValidationError as exc:
         seen: set[str] = set()
         for error in exc.errors():
-            key = str(error["loc"][0]) if error["loc"] else "-"
+            key = _clip(str(error["loc"][0]), 80) if error["loc"] else "-"
             if key not in seen:
                 seen.add(key)
                 problems.append(Problem(label, key, _problem_message(key, error, raw)))

@@ -6,6 +6,7 @@ import json
 import secrets
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import Response
 
 JSON = "application/json"
@@ -30,3 +31,17 @@ def bearer_matches(authorization: str | None, token: str | None) -> bool:
     if token is None or authorization is None:
         return False
     return secrets.compare_digest(authorization.encode(), f"Bearer {token}".encode())
+
+
+async def read_at_most(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None as soon as it is known to be longer than `limit` bytes
+    (by its Content-Length, or while it streams in): nothing past the limit is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -160,5 +161,38 @@ def test_a_replica_answer_carries_its_log_tail_and_the_list_does_not() -> None:
             assert all(s["log_tail"] == [] for r in listed for s in r["shards"])
             one = (await c.get(f"/v1/replicas/{ready}")).json()
             assert one["shards"][0]["log_tail"] == ["loaded"]
+
+    asyncio.run(go())
+
+
+def test_bad_input_gets_a_clear_4xx_and_changes_nothing() -> None:
+    cp = control_plane()
+    cp.config = cp.config.model_copy(update={"max_report_bytes": 1000})
+    agent_app, _ = create_apps(cp)
+    version = cp.catalogs.current.version
+
+    async def go() -> None:
+        async with admin_client(cp) as c:
+            huge = await c.get("/v1/catalog/history?limit=99999999999999999999")
+            assert huge.status_code == 400 and "limit" in huge.json()["error"]
+            nan = await c.post("/v1/nodes/a/mark", content=b'{"mark": "draining", "grace_s": NaN}')
+            assert nan.status_code == 400 and "grace_s" in nan.json()["error"]
+            assert cp.state.marks == {}
+        agents = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=agent_app), base_url="http://cp"
+        )
+        async with agents:
+            chunks_sent = 0
+
+            async def body() -> AsyncIterator[bytes]:
+                nonlocal chunks_sent
+                for _ in range(1000):
+                    chunks_sent += 1
+                    yield b"x" * 100
+
+            big = await agents.post("/v1/report", content=body())
+            assert big.status_code == 413
+            assert chunks_sent < 20  # it stopped reading at the limit (1000 bytes)
+        assert cp.catalogs.current.version == version
 
     asyncio.run(go())

@@ -173,3 +173,28 @@ def test_round_trip_through_yaml() -> None:
 def test_llamacpp_runs_one_shard_per_replica() -> None:
     [(name, field, message)] = problems_of([model(engine="llamacpp", shards=2)])
     assert (name, field) == ("m", "shards") and "one shard per replica" in message
+
+
+def test_a_small_file_of_nested_aliases_makes_a_short_error() -> None:
+    """253 bytes of YAML aliases, each level ten times the one below, once made an error of
+    5.8 MB that was stored and logged. Every problem is cut short, and so are their number."""
+    levels = ["- &a [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        this, below = chr(ord("a") + i), chr(ord("a") + i - 1)
+        levels.append(f"- &{this} [{', '.join([f'*{below}'] * 10)}]")
+    text = "models:\n" + "\n".join(levels) + "\n- {name: m, engine: *i, args: *i, env: *i}\n"
+    with pytest.raises(CatalogInvalid) as info:
+        Catalog.from_yaml(text)
+    message = str(info.value)
+    assert len(message) < 2000, len(message)
+    assert {p.field for p in info.value.problems} >= {"engine", "args", "env"}
+    many = [{"name": f"m{i}", "engine": "vlm"} for i in range(500)]
+    with pytest.raises(CatalogInvalid) as info:
+        Catalog.new(many)
+    assert len(info.value.problems) == 50 and "and 450 more" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_startup_timeout_must_be_a_finite_number(value: float) -> None:
+    [(name, field, _)] = problems_of([model(startup_timeout=value)])
+    assert (name, field) == ("m", "startup_timeout")

@@ -21,7 +21,7 @@ from modelfleet.controlplane import views
 from modelfleet.controlplane.catalogs import API_SOURCE
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.fleet import Mark
-from modelfleet.web import JSON, bearer_matches
+from modelfleet.web import JSON, bearer_matches, read_at_most
 
 
 class Refused(Exception):
@@ -99,12 +99,15 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         """The nodes, their GPUs and health, marks and what runs on them."""
         return views.nodes(cp.state, cp.clock.monotonic())
 
-    @app.post("/v1/nodes/{node}/mark", responses=_errors(400, 404), openapi_extra=_MARK_BODY)
+    @app.post("/v1/nodes/{node}/mark", responses=_errors(400, 404, 413), openapi_extra=_MARK_BODY)
     async def mark_node(node: str, request: Request) -> admin.MarkAnswer:
         """Cordon, drain or uncordon a node, and say what moves because of it."""
         # The body is read as JSON whatever its Content-Type says: `curl -d` sends a form type.
+        raw = await read_at_most(request, 4096)
+        if raw is None:
+            raise Refused.because(413, "a mark request may have at most 4096 bytes")
         try:
-            body = admin.MarkRequest.model_validate_json(await request.body())
+            body = admin.MarkRequest.model_validate_json(raw)
         except ValidationError as exc:
             raise Refused.because(400, f"malformed request: {_problems(exc.errors())}") from None
         if node not in cp.state.nodes:
@@ -158,7 +161,9 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         return views.catalog(cp.catalogs)
 
     @app.get("/v1/catalog/history", responses=_errors(400))
-    async def catalog_history(limit: Annotated[int, Query(ge=1)] = 20) -> admin.CatalogHistory:
+    async def catalog_history(
+        limit: Annotated[int, Query(ge=1, le=admin.MAX_HISTORY)] = 20,
+    ) -> admin.CatalogHistory:
         """The last applied catalog versions, newest first."""
         return views.history(cp.catalogs, limit)
 
@@ -166,10 +171,10 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     async def put_catalog(request: Request, dry_run: bool = False) -> admin.CatalogChange:
         """Apply the catalog in the body, or with `dry_run` only say what applying it would
         do. An invalid catalog changes nothing and gets 422 with every problem."""
-        body = await request.body()
         limit = cp.config.max_catalog_bytes
-        if len(body) > limit:
-            raise Refused.because(413, f"catalog of {len(body)} bytes exceeds {limit}")
+        body = await read_at_most(request, limit)
+        if body is None:
+            raise Refused.because(413, f"a catalog may have at most {limit} bytes")
         text = body.decode(errors="replace")
         current = cp.catalogs.current
         try:

@@ -11,7 +11,7 @@ from starlette.routing import Route
 
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.state import StaleReport
-from modelfleet.web import JSON, bearer_matches, error_response
+from modelfleet.web import JSON, bearer_matches, error_response, read_at_most
 from modelfleet.wire import AgentReport
 
 
@@ -22,10 +22,10 @@ def create_agent_app(cp: ControlPlane) -> Starlette:
         token = cp.config.agent_token
         if token is not None and not bearer_matches(request.headers.get("authorization"), token):
             return error_response(401, "missing or wrong agent token")
-        body = await request.body()
         limit = cp.config.max_report_bytes
-        if len(body) > limit:
-            return error_response(413, f"report of {len(body)} bytes exceeds {limit}")
+        body = await read_at_most(request, limit)
+        if body is None:
+            return error_response(413, f"a report may have at most {limit} bytes")
         try:
             sent = AgentReport.model_validate_json(body)
         except ValidationError as exc:

@@ -18,7 +18,7 @@ class RouterTarget(BaseModel):
 class ControlPlaneConfig(BaseModel):
     """Relative paths (`catalog`, `state_dir`) are read from the config file's folder."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     catalog: Path | None = None  # the watched catalog file; None: the catalog comes by API only
     state_dir: Path = Path("control-plane-state")  # holds the store, store.sqlite
     host: str = "127.0.0.1"

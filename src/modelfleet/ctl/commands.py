@@ -184,9 +184,14 @@ NodeArg = Annotated[str, typer.Argument(help="The node's name, as `ctl nodes` sh
 
 
 def _mark(context: typer.Context, node: str, mark: str, grace: float | None = None) -> None:
+    from pydantic import ValidationError
+
     from modelfleet.admin import MarkRequest
 
-    request = MarkRequest.model_validate({"mark": mark, "grace_s": grace})
+    try:
+        request = MarkRequest.model_validate({"mark": mark, "grace_s": grace})
+    except ValidationError:
+        fail(f"--grace {grace}: give a number of seconds, 0 or more")
     _ctl(context).show(lambda c: c.mark(node, request), _render("print_mark"))
 
 
@@ -228,7 +233,9 @@ def catalog_show(context: typer.Context) -> None:
 @catalog_app.command("history")
 def catalog_history(
     context: typer.Context,
-    limit: Annotated[int, typer.Option(min=1, help="How many versions, newest first.")] = 20,
+    limit: Annotated[
+        int, typer.Option(min=1, max=1000, help="How many versions, newest first (at most 1000).")
+    ] = 20,
 ) -> None:
     """The last applied catalog versions with time, digest and source."""
     _ctl(context).show(lambda c: c.catalog_history(limit), _render("print_catalog_history"))
