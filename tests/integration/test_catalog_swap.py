@@ -138,3 +138,21 @@ def test_eight_catalog_changes_while_a_client_uses_model_a(
     history = json.loads(op.ctl("catalog", "history", "-o", "json").stdout)["versions"]
     assert [v["version"] for v in history][:1] == [8]  # 1 + seven valid changes
     assert [m for m in history[0]["models"]] == ["a", "b"]
+
+
+def test_a_comment_in_the_file_after_an_apply_changes_nothing(
+    fleet: RunningFleet, tmp_path: Path
+) -> None:
+    """`ctl catalog apply` writes the catalog file too: an operator who then edits the file
+    (here: adds a comment) starts from what is current instead of reverting it."""
+    op = Operator(fleet, tmp_path)
+    _, done = op.apply(A, B)
+    assert done.returncode == 0, done.stderr
+    version = op.get("/v1/catalog")["version"]
+    with fleet.catalog_file.open("a") as f:
+        f.write("# checked by the operator\n")
+    op.wait_passes(3)  # the file is read every 0.25 s, a pass runs every 0.5 s
+    after = op.get("/v1/catalog")
+    assert after["version"] == version and [m["name"] for m in after["models"]] == ["a", "b"]
+    assert "ctl catalog apply" in fleet.catalog_file.read_text()
+    wait_for("b to serve", lambda: op.serves("b"))

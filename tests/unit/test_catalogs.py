@@ -122,3 +122,24 @@ def test_a_first_start_needs_a_valid_file(tmp_path: Path) -> None:
         keeper(tmp_path, file)
     with pytest.raises(OSError):
         keeper(tmp_path / "other", tmp_path / "missing.yaml")
+
+
+def test_an_api_apply_is_written_to_the_watched_file_and_an_edit_of_it_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """One source of truth: a comment added to the file after `ctl catalog apply` once
+    reverted the applied catalog to what the file held."""
+    file = tmp_path / "catalog.yaml"
+    file.write_text(ONE)
+    k = keeper(tmp_path, file)
+    applied = k.apply(TWO, "api", 2.0)
+    assert "ctl catalog apply" in file.read_text()
+    assert k.check_file(3.0) is None  # its own write is no change
+    file.write_text(file.read_text() + "# a comment of the operator's\n")
+    commented = k.check_file(4.0)
+    assert commented is None or not commented.changed
+    assert k.current.version == applied.catalog.version
+    assert [m.name for m in k.current.models] == ["a", "b"]
+    file.write_text(file.read_text().replace("replicas: 2", "replicas: 3"))
+    edited = k.check_file(5.0)
+    assert edited is not None and edited.changed and k.current.get("b").replicas == 3  # type: ignore[union-attr]

@@ -12,8 +12,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.store import Rejection, Store, StoredCatalog
@@ -146,6 +149,8 @@ class CatalogKeeper:
         if self._current is not None and candidate.digest == self._current.catalog.digest:
             return Applied(self._current.catalog, False, previous)
         catalog = self._swap(candidate, source, now)
+        if source == API_SOURCE and self.file is not None:
+            self._write_file(catalog, now)
         log.info(
             "catalog version %d (%s) applied from %s: %d model(s)",
             catalog.version,
@@ -154,6 +159,34 @@ class CatalogKeeper:
             len(catalog.models),
         )
         return Applied(catalog, True, previous)
+
+    def _write_file(self, catalog: Catalog, now: float) -> None:
+        """Write a catalog applied through the API to the watched file too, atomically, so the
+        file and the API are one source of truth: a later edit of the file starts from what is
+        current, and the file, read back, changes nothing."""
+        assert self.file is not None
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+        text = (
+            f"# Written by `modelfleet ctl catalog apply`: catalog version {catalog.version}, "
+            f"{when}.\n# Edit this file or apply another catalog: the newest change wins.\n"
+            + yaml.safe_dump(catalog.to_dict(), sort_keys=False)
+        )
+        tmp = self.file.with_name(f".{self.file.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, self.file)
+        except OSError as exc:
+            log.error(
+                "cannot write the applied catalog to %s (%s): an edit of that file will "
+                "start from what it holds, not from catalog version %d",
+                self.file,
+                exc,
+                catalog.version,
+            )
+            return
+        st = os.stat(self.file)
+        self._file_stat = (st.st_mtime_ns, st.st_size, st.st_ino)
+        self.store.set_meta(_FILE_DIGEST_KEY, _text_digest(text))
 
     def _swap(self, candidate: Catalog, source: str, now: float) -> Catalog:
         version = self.store.add_catalog(candidate.digest, now, source, candidate.to_dict())
