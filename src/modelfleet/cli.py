@@ -39,12 +39,13 @@ def up(
 ) -> None:
     """Run a whole fleet on this machine: control plane, router, two agents, simulated engines."""
     from modelfleet.catalog import CatalogInvalid
+    from modelfleet.statedir import StateDirBusy
     from modelfleet.up import UpError
     from modelfleet.up import up as run_up
 
     try:
         raise typer.Exit(run_up(state_dir, router_port=router_port))
-    except (UpError, CatalogInvalid) as exc:
+    except (UpError, CatalogInvalid, StateDirBusy) as exc:
         fail(str(exc), 1)
 
 
@@ -60,17 +61,20 @@ def control_plane(
     from modelfleet.controlplane.config import ControlPlaneConfig
     from modelfleet.controlplane.service import open_catalogs, serve
     from modelfleet.serving import configure_logging
+    from modelfleet.statedir import StateDirBusy, StateDirLock
     from modelfleet.store.sqlite import StoreError
 
     configure_logging(log_level)
     try:
         cfg = load_config(config, ControlPlaneConfig).resolve(config.parent)
+        lock = StateDirLock(cfg.state_dir, "control plane").acquire()
         catalogs = open_catalogs(cfg)
-    except (ConfigError, CatalogInvalid, StoreError) as exc:
+    except (ConfigError, CatalogInvalid, StoreError, StateDirBusy) as exc:
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot read the catalog: {exc}")
     asyncio.run(serve(cfg, catalogs, ready_file))
+    lock.release()
 
 
 @app.command()
@@ -135,6 +139,7 @@ def agent(
     from modelfleet.agent.service import AgentSettings, serve
     from modelfleet.agent.supervisor import SupervisorSettings
     from modelfleet.serving import configure_logging
+    from modelfleet.statedir import StateDirBusy, StateDirLock
 
     configure_logging(log_level)
     unhealthy: dict[int, str] = {}
@@ -162,11 +167,16 @@ def agent(
         if not sep or not key:
             fail(f"--label {item!r}: write KEY=VALUE")
         labels.append((key, value))
+    agent_dir = state_dir or Path(".modelfleet") / "agents" / node
+    try:
+        lock = StateDirLock(agent_dir, f"the agent of {node}").acquire()
+    except (StateDirBusy, OSError) as exc:
+        fail(str(exc))
     settings = AgentSettings(
         control_plane=control_plane,
         node=node,
         token=token,
-        state_dir=state_dir or Path(".modelfleet") / "agents" / node,
+        state_dir=agent_dir,
         address=address,
         labels=tuple(labels),
         report_interval=report_interval,
@@ -182,6 +192,7 @@ def agent(
         ),
     )
     asyncio.run(serve(settings, gpus, ready_file, admin_port))
+    lock.release()
 
 
 @app.command()

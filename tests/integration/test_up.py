@@ -18,6 +18,7 @@ import pytest
 
 from modelfleet.agent.records import recorded_engine_pids
 from modelfleet.processes import running as alive
+from modelfleet.up.children import stop_leftovers
 
 from .conftest import Procs, wait_for, wait_json
 
@@ -179,3 +180,44 @@ def test_up_serves_every_model_and_stops_everything(procs: Procs, tmp_path: Path
     assert not (state / "up.json").exists()
     for node in ("node-1", "node-2"):
         assert [p for p in recorded_engine_pids(state / "agents" / node) if alive(p)] == []
+
+
+def test_one_up_per_state_dir_and_an_up_after_a_killed_one_duplicates_nothing(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """A second `up` on a state dir in use refuses, naming the first. kill -9 of `up` leaves its
+    fleet running; the next `up` stops what the dead one left (its engines excepted: the new
+    agents adopt them) instead of starting a second fleet over the same state."""
+    state = tmp_path / "state"
+    first = procs.start("up", "--state-dir", str(state), log="up1")
+    info = wait_json(state / "up.json", first, timeout=30)
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "modelfleet", "up", "--state-dir", str(state)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert second.returncode == 1 and f"modelfleet up pid {first.pid}" in second.stderr
+
+        nodes = ("node-1", "node-2")
+        engines = {n: recorded_engine_pids(state / "agents" / n) for n in nodes}
+        pids = info["pids"]
+        own = [pids["router"], pids["control-plane"], *pids["agent"].values()]
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        assert all(alive(p) for p in own)  # orphaned by the kill
+
+        third = procs.start("up", "--state-dir", str(state), log="up3")
+        wait_for(
+            "the new up to be ready",
+            lambda: json.loads((state / "up.json").read_text())["pid"] == third.pid,
+        )
+        assert "left" in procs.log("up3") and "stopped them" in procs.log("up3")
+        assert [p for p in own if alive(p)] == []
+        after = {n: recorded_engine_pids(state / "agents" / n) for n in nodes}
+        assert after == engines and all(alive(p) for ps in after.values() for p in ps)
+        third.send_signal(signal.SIGINT)
+        assert third.wait(timeout=60) == 0
+    finally:
+        stop_leftovers(state)

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from modelfleet.agent.records import recorded_engine_pids
-from modelfleet.processes import log_tail, stop_groups
+from modelfleet.processes import ProcessId, log_tail, stop_groups
+from modelfleet.serving import write_json_atomic
+
+# Which processes `up` started (role, node, pid and start time), kept in the state dir as they
+# start, so that an `up` that follows one that was killed finds them.
+CHILDREN_FILE = "fleet.json"
+# The order in which a fleet's own processes are stopped: nothing is placed or published once
+# the control plane is gone, the agents leave their engines running, the router goes last.
+STOP_ORDER = ("control-plane", "agent", "router")
 
 
 class UpError(RuntimeError):
@@ -78,7 +86,17 @@ class Fleet:
         child = Child(role, node, args, env or {}, log, ready_file)
         child.launch()
         self.children.append(child)
+        self._record()
         return child
+
+    def _record(self) -> None:
+        children = []
+        for c in self.children:
+            process = ProcessId.of(c.proc.pid)
+            if process is not None:
+                entry = {"role": c.role, "node": c.node, "pid": c.proc.pid}
+                children.append({**entry, "started": process.started})
+        write_json_atomic(self.state_dir / CHILDREN_FILE, {"children": children})
 
     def restart(self, child: Child, timeout: float = 15) -> dict[str, Any]:
         """Stop `child` if it runs (SIGTERM, SIGKILL after 10 s), start it again, wait until
@@ -86,6 +104,7 @@ class Fleet:
         stop_groups([child.proc.pid], 10.0)
         child.proc.wait()
         child.launch()
+        self._record()
         return self.wait_ready(child, timeout)
 
     def wait_ready(self, child: Child, timeout: float) -> dict[str, Any]:
@@ -119,7 +138,7 @@ class Fleet:
     def stop(self) -> None:
         """Stop everything: control plane, agents, then the engines they left, router last."""
         engines = self.engine_pids()
-        for role in ("control-plane", "agent"):
+        for role in STOP_ORDER[:2]:
             stop_groups([c.proc.pid for c in self.children if c.role == role], 10.0)
         engines_now = self.engine_pids()  # the agents may have started more before they stopped
         all_engines = {p for pids in (*engines.values(), *engines_now.values()) for p in pids}
@@ -128,3 +147,27 @@ class Fleet:
         for c in self.children:
             if c.proc.poll() is None:
                 c.proc.wait()
+
+
+def stop_leftovers(state_dir: Path) -> list[str]:
+    """Stop what an earlier `up` on `state_dir` started and left running when it was killed:
+    its control plane, agents and router (each only if it is that very process still). Their
+    engines keep running, for the new agents to adopt. Returns what was stopped, in words."""
+    try:
+        data = json.loads((state_dir / CHILDREN_FILE).read_text())
+        entries = list(data["children"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    stopped = []
+    for role in STOP_ORDER:
+        pids = []
+        for e in entries:
+            if e.get("role") != role:
+                continue
+            process = ProcessId(int(e["pid"]), float(e["started"]))
+            if process.running():
+                pids.append(process.pid)
+                where = f" of {e['node']}" if e.get("node") else ""
+                stopped.append(f"the {role}{where} (pid {process.pid})")
+        stop_groups(pids, 10.0)
+    return stopped

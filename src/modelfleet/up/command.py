@@ -3,37 +3,31 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
 from modelfleet.catalog import Catalog
-from modelfleet.processes import running
 from modelfleet.serving import write_json_atomic
-from modelfleet.up.children import UpError
+from modelfleet.statedir import StateDirLock
+from modelfleet.up.children import stop_leftovers
 from modelfleet.up.configs import FleetOptions
 from modelfleet.up.fleet import start_fleet, wait_serving
 from modelfleet.up.restarts import Restarts
 
 
-def _running_fleet(state_dir: Path) -> int | None:
-    try:
-        up = json.loads((state_dir / "up.json").read_text())
-        pid = int(up["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return pid if pid != os.getpid() and running(pid) else None
-
-
 def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> int:
     """Bring the fleet up, print how to use it, and stop it all on SIGINT/SIGTERM."""
     state_dir = state_dir.resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
-    running = _running_fleet(state_dir)
-    if running is not None:
-        raise UpError(f"a fleet is already running from {state_dir} (pid {running}); stop it first")
+    lock = StateDirLock(state_dir, "modelfleet up").acquire()  # StateDirBusy names the holder
+    left = stop_leftovers(state_dir)
+    if left:
+        print(
+            f"an earlier `modelfleet up` on {state_dir} is gone but left {', '.join(left)} "
+            "running: stopped them; their engines are adopted by the new agents",
+            flush=True,
+        )
     catalog_file = state_dir / "catalog.yaml"
     if catalog_file.exists():  # refuse a broken file before starting anything
         Catalog.from_yaml(catalog_file.read_text(), source=str(catalog_file))
@@ -64,6 +58,7 @@ def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> in
         print("stopping the fleet ...", flush=True)
         fleet.fleet.stop()
         (state_dir / "up.json").unlink(missing_ok=True)
+    lock.release()
     print("stopped.", flush=True)
     return 0
 

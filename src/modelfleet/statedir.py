@@ -1,0 +1,52 @@
+"""One owner per state dir: a lock that a second process on the same folder cannot take.
+
+The control plane (its store), each agent (its records of engines) and `up` (its fleet) lock
+their state dir for as long as they run. The kernel releases the lock when its holder exits,
+however it exits, so a process killed with -9 leaves no stale lock behind; the lock file keeps
+the last holder's pid and role, for the message a second one gets.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+LOCK_FILE = "lock"
+
+
+class StateDirBusy(RuntimeError):
+    """Another process owns the state dir; the message names it."""
+
+
+class StateDirLock:
+    """An exclusive lock on a state dir, held until `release` or the process's exit."""
+
+    def __init__(self, folder: Path, role: str) -> None:
+        self.folder = folder
+        self.role = role
+        self._fd: int | None = None
+
+    def acquire(self) -> StateDirLock:
+        """Take the lock; StateDirBusy naming the holder when another process has it."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise StateDirBusy(
+                f"{self.folder} is in use by {holder}; stop it first, or give this "
+                f"{self.role} a state dir of its own"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{self.role} pid {os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file releases the lock
+            self._fd = None
