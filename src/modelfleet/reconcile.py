@@ -148,7 +148,13 @@ def plan(
             and now - n.last_report > lost_after
         ):
             leaving[n.name] = (f"node lost: no report for {now - n.last_report:.0f}s", None)
-    shared = _Pass(serving, nodes, leaving, free_gpus, now, stale_after, failed, avoid)
+    faulty = {
+        (n.name, g.index): f"gpu {g.index} of {n.name} unhealthy: {g.reason or 'no reason given'}"
+        for n in nodes
+        for g in n.gpus
+        if not g.healthy
+    }
+    shared = _Pass(serving, nodes, leaving, faulty, free_gpus, now, stale_after, failed, avoid)
     for spec in catalog.models:
         model_stops, model_new, model_pending = _plan_model(
             spec, by_model.get(spec.name, []), shared
@@ -167,6 +173,7 @@ class _Pass:
     serving: Collection[str]
     nodes: Sequence[Node]
     leaving: Mapping[str, tuple[str, float | None]]  # node -> (why, until when at the latest)
+    faulty: Mapping[tuple[str, int], str]  # (node, gpu) -> why it is unhealthy
     free_gpus: Callable[[], FreeGpus]
     now: float
     stale_after: float
@@ -187,13 +194,20 @@ def _plan_model(
     if failing:
         replicas = [r for r in replicas if r.id not in shared.failed]
 
-    # Replicas with a shard on a node being left (draining, or lost) are evicted: each gets a
-    # replacement at once and stops once the replicas left serving reach the wanted count, or
-    # when a draining node's grace period is over, whichever comes first.
+    # Replicas with a shard on a node being left (draining, or lost) or on a GPU that turned
+    # unhealthy are evicted: each gets a replacement at once and stops once the replicas left
+    # serving reach the wanted count, or when a draining node's grace period is over,
+    # whichever comes first.
     evicted: list[tuple[Replica, str]] = []
     kept: list[Replica] = []
     for r in replicas:
         marks = [shared.leaving[s.node] for s in r.shards if s.node in shared.leaving]
+        marks += [
+            (shared.faulty[(s.node, g)], None)
+            for s in r.shards
+            for g in s.gpus
+            if (s.node, g) in shared.faulty
+        ]
         if not marks:
             kept.append(r)
         elif any(d is not None and now >= d for _, d in marks):

@@ -113,3 +113,35 @@ def test_drain_moves_replicas_make_before_break_under_load(
     print(f"model a: {client.ok} requests, {client.rate:.1f}/s, failures: {client.failures}")
     assert client.failures == [] and client.ok > 0
     assert ops.admin.get("/v1/replicas").json()["pending"] == []
+
+
+def test_a_gpu_that_fails_under_a_replica_gets_it_replaced_make_before_break(
+    tmp_path: Path,
+) -> None:
+    model = {"name": "a", "engine": "sim", "args": ["--itl", "0.005"]}
+    with fleet_of(tmp_path, [model], **OPTIONS) as fleet:
+        ops = Operator(fleet, tmp_path)
+        [first] = wait_for(
+            "a ready", lambda: [r for r in ops.replicas("a") if r["state"] == "ready"]
+        )
+        node, [gpu] = first["shards"][0]["node"], first["shards"][0]["gpus"]
+        client = SteadyClient(fleet.router_url, fleet.api_key, "a")
+        client.start()
+        try:
+            wait_requests(client, 10, " before the fault")
+            ops.gpu(node, gpu, healthy=False, reason="XID 79")
+            [moved] = wait_for(
+                "a replaced off the failed GPU",
+                lambda: [
+                    r for r in ops.replicas("a") if r["state"] == "ready" and r["id"] != first["id"]
+                ],
+            )
+            wait_for("the old replica gone", lambda: len(ops.replicas("a")) == 1)
+            wait_requests(client, 10, " after the move")
+        finally:
+            client.stop()
+        print(f"model a: {client.ok} requests, failures: {client.failures}")
+        assert client.failures == [] and client.ok > 0
+        assert (moved["shards"][0]["node"], moved["shards"][0]["gpus"]) != (node, [gpu])
+        gone = ops.admin.get(f"/v1/replicas/{first['id']}")
+        assert gone.status_code == 404 and f"gpu {gpu} of {node} unhealthy: XID 79" in gone.text

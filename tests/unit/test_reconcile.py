@@ -235,3 +235,23 @@ def test_a_pending_explanation_is_an_unplaceable_even_when_place_finds_room() ->
     assert "n1[0] fits now" in pending.explanation.summary
     refused = Unplaceable("m", "no node has a free GPU", ())
     assert Pending("m", 1, lambda: refused).explanation is refused
+
+
+def test_a_replica_on_a_gpu_that_turns_unhealthy_is_replaced_before_it_stops() -> None:
+    c = catalog({"name": "a"})
+    digest = c.models[0].engine_digest
+    fleet = nodes(2)
+    n0 = fleet[0]
+    bad = dataclasses.replace(n0.gpus[0], healthy=False, reason="XID 79")
+    fleet[0] = dataclasses.replace(n0, gpus=(bad, *n0.gpus[1:]))
+    old = replica("r0", "a", digest, "n0", 0)
+    p = plan(c, [old], {"r0"}, fleet, set(), NOW, 10)
+    assert not p.stop  # it keeps serving until its replacement does
+    [new] = p.new
+    assert (new.shards[0].node, new.shards[0].gpus) != ("n0", (0,))
+    placed = Replica("r1", "a", digest, new.shards, NOW)
+    served = plan(c, [old, placed], {"r0", "r1"}, fleet, set(), NOW, 10)
+    assert [(s.replica_id, s.reason) for s in served.stop] == [
+        ("r0", "gpu 0 of n0 unhealthy: XID 79")
+    ]
+    assert not served.new
