@@ -67,6 +67,13 @@ class NodesAnswer(_Answer):
     nodes: list[NodeInfo]
 
 
+class NodeDeleted(_Answer):
+    """A node forgotten by the control plane, and the replicas that had to leave with it."""
+
+    node: str
+    retired: list[str]  # replicas taken out of service (with force), placed anew elsewhere
+
+
 class MarkRequest(BaseModel):
     """Cordon (`cordoned`), drain (`draining`) or uncordon (`none`) a node."""
 

@@ -167,3 +167,38 @@ def test_a_lost_node_is_replaced_make_before_break(tmp_path: Path) -> None:
         assert alive(engine_pid)
         fleet.fleet.restart(agent)
         wait_for("the old engine stopped", lambda: not alive(engine_pid))
+
+
+def test_a_node_gone_for_good_is_deleted_or_forgotten(tmp_path: Path) -> None:
+    """`ctl nodes delete` refuses a node that holds replicas, unless --force, which places them
+    anew elsewhere. A node silent for node_forget_after with nothing on it is forgotten."""
+    model = {"name": "a", "engine": "sim"}
+    options = {
+        "gpus": "1x80GB",
+        "nodes": ("node-1", "node-2", "node-3"),
+        "control_plane": {"node_stale_after": 1, "node_lost_after": 60, "node_forget_after": 60},
+    }
+    with fleet_of(tmp_path, [model], **options) as fleet:
+        op = Operator(fleet, tmp_path)
+        [first] = wait_for(
+            "a ready", lambda: [r for r in op.replicas("a") if r["state"] == "ready"]
+        )
+        holder = first["shards"][0]["node"]
+        [agent] = [c for c in fleet.fleet.children if c.role == "agent" and c.node == holder]
+        os.kill(agent.proc.pid, signal.SIGKILL)  # the machine is gone for good
+        agent.proc.wait()
+
+        refused = op.ctl("nodes", "delete", holder, check=False)
+        assert refused.returncode == 1 and "drain it first" in refused.stderr
+        done = op.ctl("nodes", "delete", holder, "--force")
+        assert f"node {holder} deleted; placed anew elsewhere: {first['id']}" in done.stdout
+        wait_for(
+            "a ready on another node",
+            lambda: [
+                r
+                for r in op.replicas("a")
+                if r["state"] == "ready" and r["shards"][0]["node"] != holder
+            ],
+        )
+        names = [n["name"] for n in op.get("/v1/nodes")["nodes"]]
+        assert holder not in names and len(names) == 2

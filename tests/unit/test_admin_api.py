@@ -51,6 +51,9 @@ CALLS: list[tuple[str, str, str | None, int]] = [
     ("PUT", "/v1/catalog", yaml.safe_dump(CATALOG), 200),
     ("PUT", "/v1/catalog", "models:\n  - name: x\n    engine: vlm\n", 422),
     ("GET", "/v1/routing", None, 200),
+    ("DELETE", "/v1/nodes/a", None, 409),
+    ("DELETE", "/v1/nodes/nope", None, 404),
+    ("DELETE", "/v1/nodes/b?force=true", None, 200),
 ]
 
 

@@ -474,3 +474,20 @@ def test_only_a_push_the_router_took_confirms_and_a_restarted_router_is_pushed_a
         await http.aclose()
 
     asyncio.run(go())
+
+
+def test_a_node_silent_for_node_forget_after_is_forgotten_unless_it_holds_replicas() -> None:
+    config = ControlPlaneConfig(
+        admin_token=TOKEN, settle_for=-1, node_lost_after=100, node_forget_after=100
+    )
+    catalogs = keeper([{"name": "a", "engine": "sim"}])
+    cp = ControlPlane(config, catalogs)
+    gpus = SimulatedGpus("1x80GB")
+    for node in ("busy", "idle"):
+        cp.state.take_report(report(node, gpus), catalogs.current, 0.0)
+    cp.reconcile_once(0.0)
+    [holder] = {s.node for r in cp.state.replicas.values() for s in r.replica.shards}
+    cp.reconcile_once(100.0)
+    assert set(cp.state.nodes) == {"busy", "idle"}  # not yet: silent for exactly 100 s
+    cp.reconcile_once(100.5)
+    assert set(cp.state.nodes) == {holder}  # the idle one is forgotten, the holder kept

@@ -19,7 +19,7 @@ from modelfleet import admin
 from modelfleet.catalog import CatalogInvalid
 from modelfleet.controlplane import views
 from modelfleet.controlplane.catalogs import API_SOURCE
-from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.plane import ControlPlane, NodeBusy
 from modelfleet.fleet import Mark
 from modelfleet.web import JSON, bearer_matches, read_at_most
 
@@ -125,6 +125,19 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             steps=moves,
             pending=pending,
         )
+
+    @app.delete("/v1/nodes/{node}", responses=_errors(404, 409))
+    async def delete_node(node: str, force: bool = False) -> admin.NodeDeleted:
+        """Forget a node. Refused while replicas run on it, unless `force`: then they are
+        placed anew elsewhere at once. An agent that reports again comes back as a new node."""
+        if node not in cp.state.nodes:
+            known = ", ".join(sorted(cp.state.nodes)) or "none has reported yet"
+            raise Refused.because(404, f"no node {node!r} has reported (nodes: {known})")
+        try:
+            retired = cp.delete_node(node, force)
+        except NodeBusy as exc:
+            raise Refused.because(409, str(exc)) from None
+        return admin.NodeDeleted(node=node, retired=retired)
 
     @app.get("/v1/replicas", responses=_errors())
     async def replicas() -> admin.ReplicasAnswer:

@@ -34,6 +34,8 @@ class ControlPlaneConfig(BaseModel):
     # No report this long: the node is lost, and its replicas are replaced elsewhere,
     # make-before-break (an agent that was only down finds its engines unassigned and stops them).
     node_lost_after: float = Field(default=60.0, gt=0)
+    # No report this long, and no replica left on it: the node is forgotten (and logged).
+    node_forget_after: float = Field(default=86400.0, gt=0)
     # How often each router is asked which routing table it holds; one that holds another than
     # the current (it restarted, or missed a push) is pushed the current one at once.
     push_interval: float = Field(default=1.0, gt=0)
@@ -55,6 +57,11 @@ class ControlPlaneConfig(BaseModel):
             raise ValueError(
                 f"node_lost_after ({self.node_lost_after}) must be at least node_stale_after "
                 f"({self.node_stale_after}): a lost node's replicas must not be placed on it again"
+            )
+        if self.node_forget_after < self.node_lost_after:
+            raise ValueError(
+                f"node_forget_after ({self.node_forget_after}) must be at least node_lost_after "
+                f"({self.node_lost_after}): a node is forgotten only once its replicas moved"
             )
         return self
 

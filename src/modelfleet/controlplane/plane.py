@@ -33,6 +33,17 @@ from modelfleet.store import StoredMark
 log = logging.getLogger("modelfleet.controlplane")
 
 
+class NodeBusy(RuntimeError):
+    """A node that still holds replicas cannot be deleted without force."""
+
+    def __init__(self, node: str, replicas: list[str]) -> None:
+        super().__init__(
+            f"node {node} holds replica(s) {', '.join(replicas)}: drain it first, or delete it "
+            "with force to place them anew elsewhere at once"
+        )
+        self.replicas = replicas
+
+
 class ControlPlane:
     """The control plane's services around one `FleetState` and one `CatalogKeeper`."""
 
@@ -90,6 +101,32 @@ class ControlPlane:
         log.info("node %s marked %s (was %s)", node, mark.value, previous.value)
         return previous
 
+    def delete_node(self, node: str, force: bool) -> list[str]:
+        """Forget `node`. Refused (NodeBusy) while replicas run on it, unless `force`: then
+        they are taken out of service at once and placed anew elsewhere. Returns their ids."""
+        held = self.state.holding(node)
+        if held and not force:
+            raise NodeBusy(node, held)
+        self.state.retire(held, f"node {node} deleted by an operator", self.clock.monotonic())
+        self.state.forget(node)
+        self.store.clear_mark(node)
+        self.wake()
+        log.info(
+            "node %s deleted%s", node, f"; replicas retired: {', '.join(held)}" if held else ""
+        )
+        return held
+
+    def forget_silent(self, now: float) -> None:
+        """Forget nodes silent for `node_forget_after` that hold no replica."""
+        for name, record in list(self.state.nodes.items()):
+            silent = now - record.received
+            if silent > self.config.node_forget_after and not self.state.holding(name):
+                log.info(
+                    "node %s forgotten: no report for %.0fs and no replica on it", name, silent
+                )
+                self.state.forget(name)
+                self.store.clear_mark(name)
+
     def preview(self, catalog: Catalog) -> Preview:
         """What the next passes would start and stop to make `catalog` true."""
         s = self.state
@@ -112,6 +149,7 @@ class ControlPlane:
         if self.settling(now):
             return
         self.passes += 1
+        self.forget_silent(now)
         s = self.state
         catalog = self.catalogs.current
         failed = {}

@@ -11,6 +11,7 @@ import dataclasses
 import re
 import secrets
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -335,6 +336,28 @@ class FleetState:
             if rid not in reported and now - released_at > self.stale_after:
                 del self.retired[rid]
         return created
+
+    def retire(self, replica_ids: Collection[str], why: str, now: float) -> None:
+        """Take replicas out of service outside a plan (a deleted node's): released at once."""
+        for rid in replica_ids:
+            record = self.replicas.get(rid)
+            if record is not None and not record.retiring:
+                record.retiring = why
+                record.retire_by = now
+
+    def holding(self, node: str) -> list[str]:
+        """The replicas in service (not retiring) with a shard on `node`."""
+        return [
+            r.replica.id
+            for r in self.replicas.values()
+            if not r.retiring and any(s.node == node for s in r.replica.shards)
+        ]
+
+    def forget(self, node: str) -> None:
+        """Drop a node: its last report and its mark. An agent that reports again is new."""
+        self.nodes.pop(node, None)
+        self.marks.pop(node, None)
+        self._names = None
 
     def mark_unrouted(self, version: int) -> None:
         """Note that routing `version` is the first without each retiring replica not yet noted."""

@@ -117,6 +117,11 @@ class AdminClient:
     def nodes(self) -> admin.NodesAnswer:
         return self._call(admin.NodesAnswer, "GET", "/v1/nodes")
 
+    def delete_node(self, node: str, force: bool) -> admin.NodeDeleted:
+        params = {"force": "true"} if force else None
+        path = f"/v1/nodes/{quote(node, safe='')}"
+        return self._call(admin.NodeDeleted, "DELETE", path, params=params)
+
     def mark(self, node: str, request: admin.MarkRequest) -> admin.MarkAnswer:
         path = f"/v1/nodes/{quote(node, safe='')}/mark"
         body = request.model_dump_json(exclude_none=True).encode()

@@ -106,8 +106,10 @@ catalog_app = typer.Typer(
     help="Show, change and list the fleet's catalog; no restart needed.", no_args_is_help=True
 )
 replicas_app = typer.Typer(help="The replicas, their shards and state, and what is pending.")
+nodes_app = typer.Typer(help="The nodes, their GPUs and health; forget a node.")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(replicas_app, name="replicas")
+app.add_typer(nodes_app, name="nodes")
 
 
 @app.callback()
@@ -149,10 +151,27 @@ def status(context: typer.Context) -> None:
     _ctl(context).show(lambda c: c.status(), _render("print_status"))
 
 
-@app.command()
+@nodes_app.callback(invoke_without_command=True)
 def nodes(context: typer.Context) -> None:
     """The nodes, their GPUs and health."""
-    _ctl(context).show(lambda c: c.nodes(), _render("print_nodes"))
+    if context.invoked_subcommand is None:
+        _ctl(context).show(lambda c: c.nodes(), _render("print_nodes"))
+
+
+@nodes_app.command("delete")
+def nodes_delete(
+    context: typer.Context,
+    node: Annotated[str, typer.Argument(help="The node's name, as `ctl nodes` shows it.")],
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Delete it though replicas run on it: they are placed anew elsewhere."
+        ),
+    ] = False,
+) -> None:
+    """Forget NODE (one that is gone for good). Refused while replicas run on it, unless
+    --force. An agent that reports again comes back as a new node."""
+    _ctl(context).show(lambda c: c.delete_node(node, force), _render("print_deleted"))
 
 
 @replicas_app.callback(invoke_without_command=True)

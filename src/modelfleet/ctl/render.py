@@ -28,6 +28,13 @@ def print_status(data: admin.StatusAnswer, console: Console) -> None:
     )
 
 
+def print_deleted(data: admin.NodeDeleted, console: Console) -> None:
+    line = f"node {data.node} deleted"
+    if data.retired:
+        line += f"; placed anew elsewhere: {', '.join(data.retired)}"
+    console.print(line, highlight=False)
+
+
 def print_nodes(data: admin.NodesAnswer, console: Console) -> None:
     table = Table(
         "NODE", "STATUS", "MARK", "REPLICAS", "GPUS USED", "MEMORY FREE", "LAST REPORT", "SHARDS"
