@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 from rich.console import Console
 
@@ -491,3 +493,73 @@ def test_a_node_silent_for_node_forget_after_is_forgotten_unless_it_holds_replic
     assert set(cp.state.nodes) == {"busy", "idle"}  # not yet: silent for exactly 100 s
     cp.reconcile_once(100.5)
     assert set(cp.state.nodes) == {holder}  # the idle one is forgotten, the holder kept
+
+
+def test_a_slow_preview_and_a_hung_router_hold_up_neither_reports_nor_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dry run that takes long (hundreds of planner passes at a large fleet) runs off the
+    event loop, and pushes to a router that never answers run in tasks of their own: agents'
+    reports are answered and reconcile passes go on meanwhile."""
+    from modelfleet.controlplane import plane
+
+    release = threading.Event()
+    real = plane.preview
+
+    def slow(*args: Any) -> Any:
+        assert release.wait(20), "the test did not release the preview"
+        return real(*args)
+
+    monkeypatch.setattr(plane, "preview", slow)
+    never = asyncio.Event()
+
+    async def hung(request: httpx.Request) -> httpx.Response:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    config = ControlPlaneConfig(
+        admin_token=TOKEN,
+        settle_for=-1,
+        reconcile_interval=0.05,
+        push_interval=0.05,
+        routers=[{"url": "http://hung", "token": "t"}],
+    )
+    catalogs = keeper([{"name": "a", "engine": "sim"}])
+    cp = ControlPlane(config, catalogs, http=httpx.AsyncClient(transport=httpx.MockTransport(hung)))
+    agent_app, admin_app = create_apps(cp)
+
+    async def go() -> None:
+        loops = [asyncio.create_task(cp.reconcile_loop()), asyncio.create_task(cp.publisher.run())]
+        admin = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=admin_app),
+            base_url="http://cp",
+            headers={"authorization": f"Bearer {TOKEN}"},
+        )
+        agents = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=agent_app), base_url="http://cp"
+        )
+        try:
+            dry_run = asyncio.create_task(
+                admin.put("/v1/catalog?dry_run=true", content="models: []\n")
+            )
+            for seq in (1, 2, 3):
+                body = report("n", SimulatedGpus("1x80GB"), seq=seq).model_dump_json()
+                answered = await asyncio.wait_for(agents.post("/v1/report", content=body), 10)
+                assert answered.status_code == 200
+            passes = cp.passes
+            deadline = asyncio.get_running_loop().time() + 10
+            while cp.passes < passes + 3:
+                assert asyncio.get_running_loop().time() < deadline, "passes stopped"
+                await asyncio.sleep(0.01)
+            assert not dry_run.done()
+            release.set()
+            assert (await asyncio.wait_for(dry_run, 10)).status_code == 200
+        finally:
+            release.set()
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            await admin.aclose()
+            await agents.aclose()
+
+    asyncio.run(go())

@@ -115,7 +115,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             raise Refused.because(404, f"no node {node!r} has reported (nodes: {known})")
         grace = cp.config.drain_grace if body.grace_s is None else body.grace_s
         was = cp.set_mark(node, Mark(body.mark), grace)
-        moves, pending = views.steps(cp.preview(cp.catalogs.current))
+        moves, pending = views.steps(await cp.preview(cp.catalogs.current))
         draining = body.mark == Mark.DRAINING.value and grace > 0
         return admin.MarkAnswer(
             node=node,
@@ -193,7 +193,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         try:
             if dry_run:
                 candidate = cp.catalogs.validate(text, API_SOURCE)
-                moves, pending = views.steps(cp.preview(candidate))
+                moves, pending = views.steps(await cp.preview(candidate))
                 return admin.CatalogChange(
                     dry_run=True,
                     changed=candidate.digest != current.digest,
@@ -206,8 +206,8 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             raise Refused(422, views.refused(exc)) from None
         if applied.changed:
             cp.wake()
-        # No pass has run since the swap (nothing awaited), so this is what the next ones do.
-        moves, pending = views.steps(cp.preview(applied.catalog))
+        # The preview takes the table before anything is awaited: what the next passes do.
+        moves, pending = views.steps(await cp.preview(applied.catalog))
         return admin.CatalogChange(
             dry_run=False,
             changed=applied.changed,

@@ -127,11 +127,23 @@ class ControlPlane:
                 self.state.forget(name)
                 self.store.clear_mark(name)
 
-    def preview(self, catalog: Catalog) -> Preview:
-        """What the next passes would start and stop to make `catalog` true."""
+    async def preview(self, catalog: Catalog) -> Preview:
+        """What the next passes would start and stop to make `catalog` true.
+
+        A preview plans up to hundreds of passes: it runs in a worker thread, on a copy of
+        what it reads (the table and the nodes are immutable values), so agents' reports and
+        the reconcile loop go on meanwhile.
+        """
         s = self.state
-        now = self.clock.monotonic()
-        return preview(catalog, s.planned(), s.node_list(), s.busy_slots(), now, s.stale_after)
+        args = (catalog, s.planned(), s.node_list(), s.busy_slots(), self.clock.monotonic())
+
+        def work() -> Preview:
+            done = preview(*args, s.stale_after)
+            for pending in done.pending:
+                _ = pending.explanation  # worked out here, not when the answer is built
+            return done
+
+        return await asyncio.to_thread(work)
 
     # -- reconcile and publish -----------------------------------------------------------
 
