@@ -30,6 +30,7 @@ class SteadyClient:
     model: str
     workers: int = 4
     max_tokens: int = 3
+    pace: float | None = None  # requests per second over all workers; None: as fast as they go
     outcomes: list[Outcome] = field(default_factory=list)
     started: float = 0.0
     stopped: float = 0.0
@@ -73,11 +74,16 @@ class SteadyClient:
         headers = {"authorization": f"Bearer {self.key}"}
         with httpx.Client(base_url=self.router, headers=headers, timeout=30) as http:
             n = 0
+            every = self.workers / self.pace if self.pace else 0.0
+            due = time.monotonic()
             while not self._stop.is_set():
                 n += 1
                 error = self._one(http, stream=(n + worker) % 2 == 0)
                 with self._lock:
                     self.outcomes.append(Outcome(time.monotonic(), error))
+                # Paced, with no catch-up burst after a slow request.
+                due = max(due + every, time.monotonic())
+                self._stop.wait(max(0.0, due - time.monotonic()))
 
     def _one(self, http: httpx.Client, stream: bool) -> str:
         body = {
