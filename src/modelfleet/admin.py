@@ -65,6 +65,9 @@ class NodeInfo(_Answer):
 
 class NodesAnswer(_Answer):
     nodes: list[NodeInfo]
+    # Set when every node is silent: the control plane or its network is at fault, and no
+    # replica is moved off a lost node until one reports again.
+    warning: str = ""
 
 
 class NodeDeleted(_Answer):
@@ -265,6 +268,7 @@ class StatusAnswer(_Answer):
     nodes: int  # nodes that have reported
     replicas: int  # in the table, retiring ones included
     pending: int  # replicas wanted that cannot be placed now
+    frozen: str = ""  # why nothing is moved off lost nodes (every node is silent), or ""
 
 
 # -- routing -------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ class Plan:
     new: tuple[NewReplica, ...] = ()
     stop: tuple[StopReplica, ...] = ()
     pending: tuple[Pending, ...] = ()
+    frozen: str = ""  # why nothing is moved off lost nodes this pass (every node is silent)
 
     @property
     def changes(self) -> bool:
@@ -114,7 +115,9 @@ def plan(
     stopping holds its GPUs until it exits). `failed` maps the replicas that failed too often
     to why: they are stopped and placed anew, off the nodes `avoid` keeps each model from
     (model -> node -> why). A node silent for longer than `lost_after` is lost: its replicas
-    are replaced elsewhere as a drain would replace them.
+    are replaced elsewhere as a drain would replace them. When every node is silent that
+    long, the fault is the control plane's or its network's, not the nodes': nothing is moved
+    off them (`Plan.frozen` says why) until one reports again.
     """
     stops: list[StopReplica] = []
     new: list[NewReplica] = []
@@ -138,16 +141,24 @@ def plan(
         else:
             by_model.setdefault(replica.model, []).append(replica)
 
+    lost = {
+        n.name: now - n.last_report
+        for n in nodes
+        if lost_after is not None and n.last_report is not None and now - n.last_report > lost_after
+    }
+    frozen = ""
+    if nodes and len(lost) == len(nodes):
+        frozen = (
+            f"every node has been silent for over {lost_after:.0f}s: the control plane or its "
+            "network is at fault, not the nodes; nothing is moved until one reports again"
+        )
+        lost = {}
     leaving: dict[str, tuple[str, float | None]] = {}
     for n in nodes:
         if n.mark is Mark.DRAINING:
             leaving[n.name] = ("node draining", n.drain_deadline)
-        elif (
-            lost_after is not None
-            and n.last_report is not None
-            and now - n.last_report > lost_after
-        ):
-            leaving[n.name] = (f"node lost: no report for {now - n.last_report:.0f}s", None)
+        elif n.name in lost:
+            leaving[n.name] = (f"node lost: no report for {lost[n.name]:.0f}s", None)
     faulty = {
         (n.name, g.index): f"gpu {g.index} of {n.name} unhealthy: {g.reason or 'no reason given'}"
         for n in nodes
@@ -163,7 +174,7 @@ def plan(
         new += model_new
         if model_pending:
             pending.append(model_pending)
-    return Plan(tuple(new), tuple(stops), tuple(pending))
+    return Plan(tuple(new), tuple(stops), tuple(pending), frozen)
 
 
 @dataclass(frozen=True)

@@ -202,3 +202,32 @@ def test_a_node_gone_for_good_is_deleted_or_forgotten(tmp_path: Path) -> None:
         )
         names = [n["name"] for n in op.get("/v1/nodes")["nodes"]]
         assert holder not in names and len(names) == 2
+
+
+def test_when_every_agent_goes_silent_nothing_moves_and_ctl_says_why(tmp_path: Path) -> None:
+    model = {"name": "a", "engine": "sim", "replicas": 2}
+    options = {"control_plane": {"node_stale_after": 1, "node_lost_after": 2}}
+    with fleet_of(tmp_path, [model], **options) as fleet:
+        op = Operator(fleet, tmp_path)
+        wait_for("a ready twice", lambda: [r["state"] for r in op.replicas("a")] == ["ready"] * 2)
+        before = sorted(r["id"] for r in op.replicas("a"))
+        agents = [c for c in fleet.fleet.children if c.role == "agent"]
+        for agent in agents:  # the network to every node fails at once
+            os.kill(agent.proc.pid, signal.SIGSTOP)
+        try:
+            shown = wait_for(
+                "ctl status to say every node is silent",
+                lambda: "every node has been silent" in (s := op.ctl("status").stdout) and s,
+            )
+            assert "nothing is moved" in shown
+            assert "every node has been silent" in op.ctl("nodes").stdout
+            op.wait_passes(3)
+            assert sorted(r["id"] for r in op.replicas("a")) == before  # nothing moved
+        finally:
+            for agent in agents:
+                os.kill(agent.proc.pid, signal.SIGCONT)
+        wait_for("the freeze lifted", lambda: op.get("/v1/status")["frozen"] == "")
+        wait_for(
+            "a ready twice again", lambda: [r["state"] for r in op.replicas("a")] == ["ready"] * 2
+        )
+        assert sorted(r["id"] for r in op.replicas("a")) == before

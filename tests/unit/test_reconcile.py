@@ -255,3 +255,15 @@ def test_a_replica_on_a_gpu_that_turns_unhealthy_is_replaced_before_it_stops() -
         ("r0", "gpu 0 of n0 unhealthy: XID 79")
     ]
     assert not served.new
+
+
+def test_when_every_node_is_silent_nothing_moves_until_one_reports() -> None:
+    c = catalog({"name": "a", "replicas": 2})
+    digest = c.models[0].engine_digest
+    table = [replica("r0", "a", digest, "n0"), replica("r1", "a", digest, "n1")]
+    silent = [dataclasses.replace(n, last_report=NOW - 120) for n in nodes(2)]
+    frozen = plan(c, table, {"r0", "r1"}, silent, set(), NOW, 10, lost_after=60)
+    assert not frozen.changes and "every node has been silent" in frozen.frozen
+    one_back = [silent[0], dataclasses.replace(silent[1], last_report=NOW)]
+    moving = plan(c, table, {"r0", "r1"}, one_back, set(), NOW, 10, lost_after=60)
+    assert not moving.frozen and [r.shards[0].node for r in moving.new] == ["n1"]

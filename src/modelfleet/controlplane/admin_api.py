@@ -97,7 +97,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     @app.get("/v1/nodes", responses=_errors())
     async def nodes() -> admin.NodesAnswer:
         """The nodes, their GPUs and health, marks and what runs on them."""
-        return views.nodes(cp.state, cp.clock.monotonic())
+        return views.nodes(cp.state, cp.clock.monotonic(), cp.frozen)
 
     @app.post("/v1/nodes/{node}/mark", responses=_errors(400, 404, 413), openapi_extra=_MARK_BODY)
     async def mark_node(node: str, request: Request) -> admin.MarkAnswer:
@@ -231,6 +231,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             nodes=len(state.nodes),
             replicas=len(state.replicas),
             pending=sum(p.count for p in state.pending),
+            frozen=cp.frozen,
         )
 
     @app.get("/v1/routing", responses=_errors())

@@ -68,6 +68,7 @@ class ControlPlane:
         self.publisher = Publisher(config.routers, self._http, epoch, config.push_interval)
         self._file_error = ""
         self.passes = 0  # reconcile passes that planned, for operators (and tests) to count
+        self.frozen = ""  # the last pass's `Plan.frozen`: why nothing moves off lost nodes
         self._load_marks()
 
     def wake(self) -> None:
@@ -180,6 +181,12 @@ class ControlPlane:
             s.avoiding(now),
             self.config.node_lost_after,
         )
+        if decided.frozen != self.frozen:
+            if decided.frozen:
+                log.warning("%s", decided.frozen)
+            else:
+                log.info("nodes report again: lost nodes are handled as usual")
+            self.frozen = decided.frozen
         for stop in decided.stop:
             log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
         before = s.pending

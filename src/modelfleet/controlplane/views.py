@@ -40,7 +40,7 @@ def steps(p: Preview) -> tuple[list[admin.Step], list[admin.PendingStep]]:
     )
 
 
-def nodes(state: FleetState, now: float) -> admin.NodesAnswer:
+def nodes(state: FleetState, now: float, warning: str = "") -> admin.NodesAnswer:
     used = state.used_slots()
     on_node: dict[str, int] = {}
     for replica in state.planned():
@@ -78,7 +78,7 @@ def nodes(state: FleetState, now: float) -> admin.NodesAnswer:
                 replicas=on_node.get(node.name, 0),
             )
         )
-    return admin.NodesAnswer(nodes=answer)
+    return admin.NodesAnswer(nodes=answer, warning=warning)
 
 
 def replicas(state: FleetState, catalog: Catalog) -> admin.ReplicasAnswer:

@@ -26,6 +26,8 @@ def print_status(data: admin.StatusAnswer, console: Console) -> None:
         f"{data.nodes} node(s), {data.replicas} replica(s), {data.pending} pending",
         highlight=False,
     )
+    if data.frozen:
+        console.print(f"warning: {data.frozen}", highlight=False)
 
 
 def print_deleted(data: admin.NodeDeleted, console: Console) -> None:
@@ -71,6 +73,8 @@ def print_nodes(data: admin.NodesAnswer, console: Console) -> None:
                 node.name, str(g.index), g.model, format_size(g.memory_total), gpu_state(g)
             )
     console.print(detail)
+    if data.warning:
+        console.print(f"warning: {data.warning}", highlight=False)
 
 
 def print_replicas(data: admin.ReplicasAnswer, console: Console) -> None:
