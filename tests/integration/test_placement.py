@@ -145,3 +145,18 @@ def test_a_gpu_that_fails_under_a_replica_gets_it_replaced_make_before_break(
         assert (moved["shards"][0]["node"], moved["shards"][0]["gpus"]) != (node, [gpu])
         gone = ops.admin.get(f"/v1/replicas/{first['id']}")
         assert gone.status_code == 404 and f"gpu {gpu} of {node} unhealthy: XID 79" in gone.text
+
+
+def test_drain_wait_says_what_is_left_and_why_until_it_is_done(tmp_path: Path) -> None:
+    """Two nodes of one GPU, both used: a drain of node-1 cannot place a replacement, so
+    `--wait` says why, and the drain finishes when its grace period is over."""
+    model = {"name": "a", "engine": "sim", "replicas": 2}
+    with fleet_of(tmp_path, [model], **{**OPTIONS, "gpus": "1x80GB"}) as fleet:
+        ops = Operator(fleet, tmp_path)
+        wait_for("a ready twice", lambda: [r["state"] for r in ops.replicas("a")] == ["ready"] * 2)
+        [held] = [r["id"] for r in ops.replicas("a") if r["shards"][0]["node"] == "node-1"]
+        done = ops.ctl("drain", "node-1", "--grace", "3", "--wait")
+        out = done.stdout
+        assert "node-1: draining (was none)" in out
+        assert f"{held} (a): its replacement cannot be placed" in out and "in use" in out
+        assert out.rstrip().endswith("node node-1 drained: nothing runs there")

@@ -8,6 +8,7 @@ and may be written before or after the command (`modelfleet` moves them first, t
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -238,9 +239,55 @@ def drain(
             "(default: the control plane's drain_grace; 0: wait without bound).",
         ),
     ] = None,
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait", help="Wait until nothing runs on NODE, saying what is left and why."
+        ),
+    ] = False,
 ) -> None:
     """Move every replica off NODE, make-before-break, and let nothing new land there."""
     _mark(context, node, "draining", grace)
+    if wait:
+        _wait_drained(_ctl(context), node)
+
+
+def _wait_drained(ctl: Ctl, node: str) -> None:
+    """Follow a drain until nothing runs on `node`: a line each time what is left changes,
+    saying why each replica left there is still there."""
+    from modelfleet.ctl.client import CtlError
+
+    client = ctl.client()
+    said = ""
+    while True:
+        try:
+            replicas = client.replicas()
+        except CtlError as exc:
+            fail(str(exc), 1)
+        left = [
+            r
+            for r in replicas.replicas
+            if r.state != "retiring" and any(s.node == node for s in r.shards)
+        ]
+        if not left:
+            typer.echo(f"node {node} drained: nothing runs there")
+            return
+        pending = {p.model: p for p in replicas.pending}
+        lines = []
+        for r in left:
+            stuck = pending.get(r.model)
+            if stuck is not None:
+                lines.append(
+                    f"  {r.id} ({r.model}): its replacement cannot be placed: {stuck.reason}"
+                )
+                lines += [f"    {v.node}: {'; '.join(v.reasons)}" for v in stuck.nodes if v.reasons]
+            else:
+                lines.append(f"  {r.id} ({r.model}): waiting for its replacement to serve")
+        text = f"node {node}: {len(left)} replica(s) left\n" + "\n".join(lines)
+        if text != said:
+            typer.echo(text)
+            said = text
+        time.sleep(1.0)
 
 
 @catalog_app.command("show")
