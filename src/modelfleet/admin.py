@@ -183,6 +183,7 @@ class ModelInfo(_Answer):
     node_labels: dict[str, str]
     placement: str
     startup_timeout: float
+    max_parallel: int
 
 
 class Rejection(_Answer):

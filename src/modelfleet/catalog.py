@@ -103,6 +103,7 @@ class ModelSpec:
     node_labels: Mapping[str, str]
     placement: Placement
     startup_timeout: float
+    max_parallel: int = 1  # replicas being replaced that may be starting at once
 
     def to_dict(self) -> dict[str, Any]:
         """The model as plain data, in the catalog file's own keys."""
@@ -121,6 +122,7 @@ class ModelSpec:
             "node_labels": dict(self.node_labels),
             "placement": self.placement,
             "startup_timeout": self.startup_timeout,
+            "max_parallel": self.max_parallel,
         }
 
     @cached_property
@@ -132,7 +134,7 @@ class ModelSpec:
         the replica count alone only scales.
         """
         data = self.to_dict()
-        for key in ("replicas", "placement", "node_labels", "startup_timeout"):
+        for key in ("replicas", "placement", "node_labels", "startup_timeout", "max_parallel"):
             data.pop(key)
         return _digest(data)
 
@@ -272,6 +274,7 @@ class _ModelInput(BaseModel):
     node_labels: dict[str, _Scalar] = {}
     placement: Placement = "spread"
     startup_timeout: PositiveFloat = DEFAULT_STARTUP_TIMEOUT_S
+    max_parallel: PositiveInt = 1
 
 
 _MODEL_KEYS = tuple(_ModelInput.model_fields)
@@ -290,6 +293,7 @@ _EXPECTED = {
     "node_labels": "must be a mapping of strings to strings",
     "placement": f"must be one of {', '.join(PLACEMENTS)}",
     "startup_timeout": "must be a positive number of seconds",
+    "max_parallel": "must be a positive integer",
 }
 
 
@@ -356,4 +360,5 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         node_labels=MappingProxyType({k: str(v) for k, v in model.node_labels.items()}),
         placement=model.placement,
         startup_timeout=float(model.startup_timeout),
+        max_parallel=model.max_parallel,
     )

@@ -165,7 +165,9 @@ def plan(
         for g in n.gpus
         if not g.healthy
     }
-    shared = _Pass(serving, nodes, leaving, faulty, free_gpus, now, stale_after, failed, avoid)
+    shared = _Pass(
+        serving, nodes, leaving, frozenset(lost), faulty, free_gpus, now, stale_after, failed, avoid
+    )
     for spec in catalog.models:
         model_stops, model_new, model_pending = _plan_model(
             spec, by_model.get(spec.name, []), shared
@@ -184,6 +186,7 @@ class _Pass:
     serving: Collection[str]
     nodes: Sequence[Node]
     leaving: Mapping[str, tuple[str, float | None]]  # node -> (why, until when at the latest)
+    lost: frozenset[str]  # nodes lost this pass
     faulty: Mapping[tuple[str, int], str]  # (node, gpu) -> why it is unhealthy
     free_gpus: Callable[[], FreeGpus]
     now: float
@@ -209,7 +212,7 @@ def _plan_model(
     # unhealthy are evicted: each gets a replacement at once and stops once the replicas left
     # serving reach the wanted count, or when a draining node's grace period is over,
     # whichever comes first.
-    evicted: list[tuple[Replica, str]] = []
+    evicted: list[tuple[Replica, str, bool]] = []  # (replica, why, on a lost node)
     kept: list[Replica] = []
     for r in replicas:
         marks = [shared.leaving[s.node] for s in r.shards if s.node in shared.leaving]
@@ -226,7 +229,8 @@ def _plan_model(
         elif r.id not in serving:
             stops.append(StopReplica(r.id, marks[0][0]))
         else:
-            evicted.append((r, marks[0][0]))
+            lost = any(s.node in shared.lost for s in r.shards)
+            evicted.append((r, marks[0][0], lost))
 
     current = [r for r in kept if r.engine_digest == spec.engine_digest]
     outdated = [r for r in kept if r.engine_digest != spec.engine_digest]
@@ -239,15 +243,16 @@ def _plan_model(
             stops.append(StopReplica(surplus.id, f"scaled down to {spec.replicas}"))
         current = ranked[len(current) - spec.replicas :]
 
-    # Outdated replicas (engine or arguments changed) are replaced one at a time,
-    # make-before-break: an old replica (evicted ones first, then the oldest outdated) leaves
-    # only while the serving ones left still reach the wanted count, and while an outdated one
-    # still serves, at most one replica beyond the wanted count (and the evicted ones) exists.
+    # Replicas to replace (evicted, then the oldest outdated: engine or arguments changed) go
+    # make-before-break: an old replica leaves only while the serving ones left still reach
+    # the wanted count. At most `max_parallel` replacements are starting at once; those of
+    # replicas on a lost node are not held back (nothing reaches them any more), nor is what
+    # fills a shortfall (a new model, a scale-up, a replica stopped before it served).
     for replica in outdated:
         if replica.id not in serving:
             stops.append(StopReplica(replica.id, "engine or arguments changed"))
     serving_outdated = sorted((r for r in outdated if r.id in serving), key=lambda r: r.created)
-    going = [(r, why, True) for r, why in evicted]
+    going = [(r, why, lost) for r, why, lost in evicted]
     going += [(r, "engine or arguments changed", False) for r in serving_outdated]
     serving_current = sum(1 for r in current if r.id in serving)
     while going and serving_current + len(going) > spec.replicas:
@@ -256,10 +261,11 @@ def _plan_model(
 
     new: list[NewReplica] = []
     missing = spec.replicas - len(current)
-    if any(not was_evicted for _, _, was_evicted in going):
-        still_evicted = sum(1 for _, _, was_evicted in going if was_evicted)
-        room = spec.replicas + 1 + still_evicted - len(current) - len(going)
-        missing = min(missing, room)
+    held_back = sum(1 for _, _, lost in going if not lost)
+    if held_back:
+        shortfall = max(0, missing - held_back)
+        starting = sum(1 for r in current if r.id not in serving)
+        missing = min(missing, shortfall + max(0, spec.max_parallel - starting))
     pending: Pending | None = None
     if missing <= 0:
         return stops, new, pending

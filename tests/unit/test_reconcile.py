@@ -267,3 +267,32 @@ def test_when_every_node_is_silent_nothing_moves_until_one_reports() -> None:
     one_back = [silent[0], dataclasses.replace(silent[1], last_report=NOW)]
     moving = plan(c, table, {"r0", "r1"}, one_back, set(), NOW, 10, lost_after=60)
     assert not moving.frozen and [r.shards[0].node for r in moving.new] == ["n1"]
+
+
+def test_at_most_max_parallel_replacements_start_at_once() -> None:
+    fleet = [drained(nodes(2)[0]), nodes(2)[1]]
+    for parallel, first in ((1, 1), (2, 2), (3, 3)):
+        c = catalog({"name": "a", "replicas": 3, "max_parallel": parallel})
+        digest = c.models[0].engine_digest
+        table = [replica(f"r{g}", "a", digest, "n0", g) for g in range(3)]
+        serving = {"r0", "r1", "r2"}
+        p = plan(c, table, serving, fleet, set(), NOW, 10)
+        assert len(p.new) == first and not p.stop, parallel
+    # One replacement starting (placed, not yet serving): no second one until it serves.
+    c = catalog({"name": "a", "replicas": 3})
+    digest = c.models[0].engine_digest
+    table = [replica(f"r{g}", "a", digest, "n0", g) for g in range(3)]
+    starting = replica("new", "a", digest, "n1", 0)
+    p = plan(c, [*table, starting], {"r0", "r1", "r2"}, fleet, set(), NOW, 10)
+    assert not p.new and not p.stop
+    served = plan(c, [*table, starting], {"r0", "r1", "r2", "new"}, fleet, set(), NOW, 10)
+    assert len(served.stop) == 1 and len(served.new) == 1
+
+
+def test_replicas_on_a_lost_node_are_all_replaced_at_once() -> None:
+    c = catalog({"name": "a", "replicas": 3})
+    digest = c.models[0].engine_digest
+    lost = dataclasses.replace(nodes(2)[0], last_report=NOW - 120)
+    table = [replica(f"r{g}", "a", digest, "n0", g) for g in range(3)]
+    p = plan(c, table, {"r0", "r1", "r2"}, [lost, nodes(2)[1]], set(), NOW, 10, lost_after=60)
+    assert len(p.new) == 3
