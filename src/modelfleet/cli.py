@@ -52,6 +52,14 @@ def up(
 @app.command("control-plane")
 def control_plane(
     config: Annotated[Path, typer.Option(help="The control plane's YAML config.")],
+    insecure_agent_api: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-agent-api",
+            help="Serve the agent API with no agent token (development only): any process "
+            "that reaches it can report as a node.",
+        ),
+    ] = False,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "info",
 ) -> None:
@@ -67,6 +75,13 @@ def control_plane(
     configure_logging(log_level)
     try:
         cfg = load_config(config, ControlPlaneConfig).resolve(config.parent)
+        if cfg.agent_token is None and not (cfg.insecure_agent_api or insecure_agent_api):
+            fail(
+                f"{config}: no agent_token: any process that reaches the agent API could report "
+                "as a node. Set agent_token (16 characters or more), or insecure_agent_api: true "
+                "(or --insecure-agent-api) for a development fleet"
+            )
+        warn_if_open(cfg.host, "the agent API", cfg.agent_token is not None)
         lock = StateDirLock(cfg.state_dir, "control plane").acquire()
         catalogs = open_catalogs(cfg)
     except (ConfigError, CatalogInvalid, StoreError, StateDirBusy) as exc:
@@ -121,6 +136,13 @@ def agent(
     liveness_timeout: Annotated[
         float, typer.Option(help="Seconds a health probe of a ready engine may take.")
     ] = 2.0,
+    pass_env: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A variable of the agent's environment to pass on to engines (besides PATH, "
+            "HOME, locale, library and cache paths); repeatable."
+        ),
+    ] = None,
     liveness_failures: Annotated[
         int,
         typer.Option(min=1, help="Failed probes in a row after which a ready engine restarts."),
@@ -189,6 +211,7 @@ def agent(
             liveness_interval=liveness_interval,
             liveness_timeout=liveness_timeout,
             liveness_failures=liveness_failures,
+            pass_env=tuple(pass_env or ()),
         ),
     )
     asyncio.run(serve(settings, gpus, ready_file, admin_port))
@@ -211,6 +234,7 @@ def router(
         cfg = load_config(config, RouterConfig)
     except ConfigError as exc:
         fail(str(exc))
+    warn_if_open(cfg.host, "the client API", bool(cfg.api_keys))
     asyncio.run(serve(cfg, ready_file))
 
 
@@ -248,6 +272,8 @@ def engine_sim(
     """Run the engine simulator: an OpenAI-compatible server that behaves like vLLM."""
     from modelfleet.serving import configure_logging
     from modelfleet.simulator.engine import FAULTS, SimSettings
+
+    warn_if_open(host, "the engine", False)
     from modelfleet.simulator.server import serve
 
     if max_concurrency < 1:
@@ -266,6 +292,16 @@ def engine_sim(
         hang_after=hang_after,
     )
     asyncio.run(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
+
+
+def warn_if_open(host: str, listener: str, credential: bool) -> None:
+    """A listener bound beyond loopback with no credential is open to the network: say so."""
+    if not credential and host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo(
+            f"warning: {listener} listens on {host} with no credential: anyone who reaches it "
+            "can use it",
+            err=True,
+        )
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+
+from modelfleet.files import write_json_atomic
 
 log = logging.getLogger("modelfleet")
 
@@ -61,14 +62,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that a reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def configure_logging(level: str = "info") -> None:

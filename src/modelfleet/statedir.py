@@ -12,6 +12,8 @@ import fcntl
 import os
 from pathlib import Path
 
+from modelfleet.files import private_dir
+
 LOCK_FILE = "lock"
 
 
@@ -29,9 +31,9 @@ class StateDirLock:
 
     def acquire(self) -> StateDirLock:
         """Take the lock; StateDirBusy naming the holder when another process has it."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        private_dir(self.folder)
         path = self.folder / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from modelfleet.agent.gpus import SimulatedGpus
@@ -171,32 +173,46 @@ def test_agent_starts_and_stops_assigned_shards(tmp_path: Path) -> None:
     asyncio.run(go())
 
 
-def test_control_plane_refuses_an_invalid_catalog_listing_every_problem(tmp_path: Path) -> None:
-    import subprocess
-
-    (tmp_path / "catalog.yaml").write_text(
-        "models:\n  - name: a\n    engine: vlm\n  - name: b\n    engine: sim\n    replicas: 0\n"
-    )
-    (tmp_path / "cp.yaml").write_text(
-        yaml.safe_dump({"catalog": "catalog.yaml", "admin_token": "x" * 16})
-    )
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "modelfleet",
-            "control-plane",
-            "--config",
-            str(tmp_path / "cp.yaml"),
-        ],
+def control_plane_run(config: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`modelfleet control-plane --config CONFIG FLAGS` to its exit (or 30 s)."""
+    return subprocess.run(
+        [sys.executable, "-m", "modelfleet", "control-plane", "--config", str(config), *flags],
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+def test_control_plane_refuses_an_invalid_catalog_listing_every_problem(tmp_path: Path) -> None:
+    (tmp_path / "catalog.yaml").write_text(
+        "models:\n  - name: a\n    engine: vlm\n  - name: b\n    engine: sim\n    replicas: 0\n"
+    )
+    config = {"catalog": "catalog.yaml", "admin_token": "x" * 16, "agent_token": "y" * 16}
+    (tmp_path / "cp.yaml").write_text(yaml.safe_dump(config))
+    done = control_plane_run(tmp_path / "cp.yaml")
     assert done.returncode == 2
     assert "model a: engine: unknown engine 'vlm'" in done.stderr
     assert "model b: replicas: must be a positive integer, got 0" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_control_plane_without_an_agent_token_refuses_to_start(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Without an agent token any process that reaches the agent API could report as a node
+    and be sent assignments: refused, unless asked for explicitly."""
+    (tmp_path / "cp.yaml").write_text(
+        yaml.safe_dump({"admin_token": "x" * 16, "agent_port": 0, "admin_port": 0})
+    )
+    done = control_plane_run(tmp_path / "cp.yaml")
+    assert done.returncode == 2 and "no agent_token" in done.stderr
+    assert "--insecure-agent-api" in done.stderr and "Traceback" not in done.stderr
+    ready = tmp_path / "cp.json"
+    started = procs.start(
+        "control-plane", "--config", str(tmp_path / "cp.yaml"), "--insecure-agent-api",
+        "--ready-file", str(ready), log="cp",
+    )  # fmt: skip
+    assert set(wait_json(ready, started)["urls"]) == {"agent", "admin"}
 
 
 def test_a_shard_of_rank_1_starts_once_it_knows_where_shard_0_is(tmp_path: Path) -> None:
@@ -440,3 +456,39 @@ def test_an_engine_that_served_restarts_at_once_and_a_hung_one_is_restarted(
             await until("both engines stopped", lambda: not agent.stopping)
 
     asyncio.run(go())
+
+
+def test_an_engine_gets_an_explicit_environment_not_its_agents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's token (and anything else it holds) stays with it: an engine gets PATH and
+    the like, its GPUs, what the catalog names, and what the agent passes on by name."""
+    monkeypatch.setenv("MODELFLEET_AGENT_TOKEN", "agent-secret-0123456789")
+    monkeypatch.setenv("SOME_CLOUD_KEY", "cloud-secret")
+    monkeypatch.setenv("HF_TOKEN", "hf-token-passed-on")
+    out = tmp_path / "env.txt"
+    script = (
+        "import os,sys,time; open(sys.argv[1],'w').write(repr(dict(os.environ))); time.sleep(60)"
+    )
+    dump = f'{sys.executable} -c "{script}" {out}'
+    shard = ShardAssignment(
+        replica_id="env", model="m", engine="command", source="m", args=[],
+        env={"FROM_CATALOG": "yes"}, command=dump, rank=0, num_shards=1, gpus=[1],
+        engine_digest="d", startup_timeout=30,
+    )  # fmt: skip
+    settings = offline_agent(tmp_path, stop_grace=1.0, pass_env=("HF_TOKEN",))
+
+    async def go() -> dict[str, str]:
+        async with Agent(settings, SimulatedGpus("2x80GB")) as agent:
+            agent.apply(NodeAssignment(node="n", shards=[shard]))
+            await until(
+                "the engine wrote its environment", lambda: out.exists() and out.read_text()
+            )
+            agent.apply(NodeAssignment(node="n", shards=[]))
+            await until("the engine stopped", lambda: not agent.stopping)
+        return dict(ast.literal_eval(out.read_text()))
+
+    env = asyncio.run(go())
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["FROM_CATALOG"] == "yes"
+    assert env["HF_TOKEN"] == "hf-token-passed-on" and env["PATH"] == os.environ["PATH"]
+    assert "MODELFLEET_AGENT_TOKEN" not in env and "SOME_CLOUD_KEY" not in env

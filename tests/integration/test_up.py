@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -54,6 +55,11 @@ def test_up_serves_every_model_and_stops_everything(procs: Procs, tmp_path: Path
     up = procs.start("up", "--state-dir", str(state), log="up")
     info = wait_json(state / "up.json", up, timeout=20)
     print(f"up wrote up.json {time.monotonic() - started:.1f}s after it started")
+    # The files that hold its tokens and API key are its owner's alone, and so is the folder.
+    for name in ("up.json", "control-plane.yaml", "router.yaml"):
+        assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
+    for folder in (state, state / "control-plane", state / "agents" / "node-1"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
     for key in ("router_url", "admin_url", "admin_token", "api_key", "pids"):
         assert info[key], key
     printed = procs.log("up")

@@ -110,7 +110,7 @@ def test_agent_api_checks_token_size_shape_and_staleness() -> None:
     config = ControlPlaneConfig(
         catalog="unused.yaml",
         admin_token=TOKEN,
-        agent_token="agent-tok",
+        agent_token="agent-token-0123456789",
         settle_for=-1,
         max_report_bytes=4096,
     )
@@ -119,7 +119,7 @@ def test_agent_api_checks_token_size_shape_and_staleness() -> None:
 
     async def go() -> None:
         transport = httpx.ASGITransport(app=agent_app)
-        headers = {"authorization": "Bearer agent-tok"}
+        headers = {"authorization": "Bearer agent-token-0123456789"}
         async with httpx.AsyncClient(
             transport=transport, base_url="http://cp", headers=headers
         ) as c:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from modelfleet.serving import write_json_atomic
+from modelfleet.files import write_json_atomic
 from modelfleet.wire import ShardAssignment, ShardState
 
 log = logging.getLogger("modelfleet.agent")

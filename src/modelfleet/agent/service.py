@@ -31,7 +31,8 @@ from modelfleet.agent.gpus import BadGpuSpec, GpuSource, SimulatedGpus
 from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
-from modelfleet.serving import Listener, run_service, write_json_atomic
+from modelfleet.files import write_json_atomic
+from modelfleet.serving import Listener, run_service
 from modelfleet.web import bearer_matches, error_response, json_response
 from modelfleet.wire import AgentReport, NodeAssignment, ShardAssignment
 

@@ -23,6 +23,7 @@ import httpx
 from modelfleet.agent.records import EngineRecord
 from modelfleet.backoff import Backoff
 from modelfleet.engines import EngineDriver, NoDriver
+from modelfleet.engines.base import engine_environment
 from modelfleet.processes import ProcessId, free_port, log_tail, stop_groups
 from modelfleet.wire import MAX_LOG_TAIL_LINES, ShardAssignment, ShardReport, ShardState
 
@@ -45,6 +46,7 @@ class SupervisorSettings:
     backoff_base: float = 10.0
     backoff_max: float = 300.0
     healthy_reset: float = 600.0
+    pass_env: tuple[str, ...] = ()  # the agent's variables its engines get besides BASE_ENV
 
     @property
     def backoff(self) -> Backoff:
@@ -258,7 +260,7 @@ class Shard:
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                    env={**os.environ, **launch.env},
+                    env=engine_environment(launch.env, os.environ, self.settings.pass_env),
                     start_new_session=True,
                 )
         except OSError as exc:

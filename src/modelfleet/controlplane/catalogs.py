@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from modelfleet.catalog import Catalog, CatalogInvalid
+from modelfleet.files import write_atomic
 from modelfleet.store import Rejection, Store, StoredCatalog
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -171,10 +172,9 @@ class CatalogKeeper:
             f"{when}.\n# Edit this file or apply another catalog: the newest change wins.\n"
             + yaml.safe_dump(catalog.to_dict(), sort_keys=False)
         )
-        tmp = self.file.with_name(f".{self.file.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(text)
-            os.replace(tmp, self.file)
+            mode = self.file.stat().st_mode & 0o777 if self.file.exists() else 0o644
+            write_atomic(self.file, text, mode)
         except OSError as exc:
             log.error(
                 "cannot write the applied catalog to %s (%s): an edit of that file will "

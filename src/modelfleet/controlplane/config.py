@@ -25,7 +25,10 @@ class ControlPlaneConfig(BaseModel):
     agent_port: int = Field(default=7070, ge=0, le=65535)
     admin_port: int = Field(default=7071, ge=0, le=65535)
     admin_token: str = Field(min_length=8)
-    agent_token: str | None = None  # None: agents need no token (development only)
+    # None is refused at start unless insecure_agent_api: any process that reaches the agent
+    # API could then report as a node and be sent assignments.
+    agent_token: str | None = Field(default=None, min_length=16)
+    insecure_agent_api: bool = False
     routers: list[RouterTarget] = Field(default_factory=list)
     known_nodes: list[str] = Field(default_factory=list)  # settling ends once all have reported
     settle_for: float = 0.0  # negative: no window; zero: the default; positive: that long

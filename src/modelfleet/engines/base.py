@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +39,40 @@ class EngineDriver(Protocol):
         shard 0 meets its peers ("host:port"), for a replica of several shards; raises NoDriver
         when the engine cannot be started here."""
         ...
+
+
+# What an engine gets of its agent's environment: what any program needs to run, to find its
+# libraries and caches, and nothing else. Credentials the agent holds (its token, for one) stay
+# with it; a variable an engine needs besides is named in the catalog's `env`, or passed on by
+# the agent's `--pass-env NAME`.
+BASE_ENV = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH",
+    "CUDA_HOME",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_HUB_OFFLINE",
+    "XDG_CACHE_HOME",
+)
+
+
+def engine_environment(
+    launch_env: Mapping[str, str], host_env: Mapping[str, str], passed: Sequence[str] = ()
+) -> dict[str, str]:
+    """The whole environment an engine is started with: of the agent's own (`host_env`) the
+    names in BASE_ENV and `passed`, then what the driver and the catalog set (`launch_env`)."""
+    names = (*BASE_ENV, *passed)
+    return {**{n: host_env[n] for n in names if n in host_env}, **launch_env}
 
 
 def gpu_env(shard: ShardAssignment) -> dict[str, str]:

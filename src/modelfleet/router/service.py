@@ -22,9 +22,10 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from modelfleet.apikeys import hash_key
+from modelfleet.files import write_json_atomic
 from modelfleet.openai_api import BadRequest, error_response, parse_body
 from modelfleet.router.table import ApiKey, Balancer, KeyRing, RoutingTable
-from modelfleet.serving import Listener, run_service, write_json_atomic
+from modelfleet.serving import Listener, run_service
 from modelfleet.web import JSON, bearer_matches, json_response
 from modelfleet.web import error_response as web_error
 from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from modelfleet.agent.records import recorded_engine_pids
+from modelfleet.files import write_json_atomic
 from modelfleet.processes import ProcessId, log_tail, stop_groups
-from modelfleet.serving import write_json_atomic
 
 # Which processes `up` started (role, node, pid and start time), kept in the state dir as they
 # start, so that an `up` that follows one that was killed finds them.

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from modelfleet.catalog import Catalog
-from modelfleet.serving import write_json_atomic
+from modelfleet.files import write_json_atomic
 from modelfleet.statedir import StateDirLock
 from modelfleet.up.children import stop_leftovers
 from modelfleet.up.configs import FleetOptions

@@ -14,6 +14,7 @@ import yaml
 
 from modelfleet.apikeys import hash_key, new_key
 from modelfleet.catalog import Catalog
+from modelfleet.files import private_dir, write_atomic
 from modelfleet.processes import free_port
 from modelfleet.up.children import Fleet, agent_state_dir
 from modelfleet.up.configs import DEFAULT_CATALOG, FleetOptions
@@ -55,9 +56,8 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
     the control plane watches it. On an error the processes already started are stopped.
     """
     opts = options or FleetOptions()
-    state_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = state_dir / "run"
-    run_dir.mkdir(exist_ok=True)
+    private_dir(state_dir)
+    run_dir = private_dir(state_dir / "run")
     for stale in run_dir.glob("*.json"):
         stale.unlink()
     catalog_file = state_dir / "catalog.yaml"
@@ -75,7 +75,7 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
         "table_file": str(state_dir / "router-table.json"),
         "api_keys": [{"name": "up", "sha256": hash_key(api_key)}],
     }
-    (state_dir / "router.yaml").write_text(yaml.safe_dump(router_cfg))
+    write_atomic(state_dir / "router.yaml", yaml.safe_dump(router_cfg))
 
     fleet = Fleet(state_dir)
     try:
@@ -98,7 +98,7 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
             "reconcile_interval": opts.reconcile_interval,
             **opts.control_plane,
         }
-        (state_dir / "control-plane.yaml").write_text(yaml.safe_dump(cp_cfg))
+        write_atomic(state_dir / "control-plane.yaml", yaml.safe_dump(cp_cfg))
         cp = fleet.spawn(
             "control-plane",
             ["control-plane", "--config", str(state_dir / "control-plane.yaml")],
