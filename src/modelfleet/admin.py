@@ -11,8 +11,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from modelfleet.wire import RoutedModel
-
 MarkName = Literal["none", "cordoned", "draining"]
 MAX_HISTORY = 1000  # catalog versions one history answer lists at most
 
@@ -137,6 +135,7 @@ class ShardInfo(_Answer):
     startup_s: float | None  # seconds from the engine's start to ready
     error: str
     log_tail: list[str]  # the engine's last log lines; only in a single replica's answer
+    engine_key_set: bool = False  # whether its engine wants a key (which is never shown)
 
 
 class ReplicaInfo(_Answer):
@@ -275,11 +274,19 @@ class StatusAnswer(_Answer):
 # -- routing -------------------------------------------------------------------------------
 
 
+class RoutedInfo(_Answer):
+    """A model as the routers are told it, without its engines' keys."""
+
+    name: str
+    endpoints: list[str]
+    keyed: list[str]  # the endpoints whose engine wants a key (which is never shown)
+
+
 class RoutingAnswer(_Answer):
     """The routing table last published, and the version of it each router confirmed."""
 
     epoch: int  # one more at every start of the control plane
     version: int
     catalog_version: int
-    models: list[RoutedModel]
+    models: list[RoutedInfo]
     routers: dict[str, int]

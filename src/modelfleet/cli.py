@@ -256,6 +256,14 @@ def engine_sim(
             "never-ready (listens, but /health answers 503 forever)."
         ),
     ] = "none",
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MODELFLEET_ENGINE_KEY",
+            help="Answer /v1 requests only with `Authorization: Bearer KEY` (its agent gives "
+            "it one by environment).",
+        ),
+    ] = None,
     hang_after: Annotated[
         float | None,
         typer.Option(
@@ -273,7 +281,7 @@ def engine_sim(
     from modelfleet.serving import configure_logging
     from modelfleet.simulator.engine import FAULTS, SimSettings
 
-    warn_if_open(host, "the engine", False)
+    warn_if_open(host, "the engine", api_key is not None)
     from modelfleet.simulator.server import serve
 
     if max_concurrency < 1:
@@ -290,6 +298,7 @@ def engine_sim(
         output_tokens=output_tokens,
         fault=fault,
         hang_after=hang_after,
+        api_key=api_key,
     )
     asyncio.run(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
 

@@ -53,6 +53,9 @@ class ShardReport(_Message):
     startup_s: float | None = None  # seconds from the engine's start to its first ready probe
     error: str = ""
     log_tail: list[str] = Field(default_factory=list, max_length=MAX_LOG_TAIL_LINES)
+    # The key its engine was started with: it answers (health checks aside) only requests
+    # that carry it. Goes to the control plane and the routers, never to operators or logs.
+    engine_key: str | None = Field(default=None, repr=False)
 
     @classmethod
     def of(cls, assignment: ShardAssignment, state: ShardState, **seen: Any) -> ShardReport:
@@ -116,6 +119,9 @@ class NodeAssignment(_Message):
 class RoutedModel(_Message):
     name: str
     endpoints: list[str]  # base URLs of serving replicas, e.g. http://127.0.0.1:8001
+    # endpoint -> the key its engine wants (`Authorization: Bearer KEY`); none for an engine
+    # of a static router config that has no key
+    keys: dict[str, str] = Field(default_factory=dict, repr=False)
 
 
 class RoutingSnapshot(_Message):

@@ -94,3 +94,9 @@ def test_llamacpp_serves_chat_completions_through_the_router(fleet: RunningFleet
     print(f"usage {reply.usage}; streamed {len(pieces)} piece(s) in {len(chunks)} chunk(s)")
     assert 1 <= len(pieces) <= 6  # one chunk per token generated, at most max_tokens of them
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+    # llama.cpp itself refuses a request that does not carry the key its agent gave it.
+    admin = {"authorization": f"Bearer {fleet.admin_token}"}
+    [replica] = httpx.get(f"{fleet.admin_url}/v1/replicas", headers=admin).json()["replicas"]
+    direct = httpx.post(f"{replica['endpoint']}/v1/chat/completions", json=probe, timeout=30)
+    assert direct.status_code == 401

@@ -32,7 +32,7 @@ def shard(engine: str, rank: int = 0, num_shards: int = 1, **kw: object) -> Shar
 
 def test_vllm_one_node(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_module, "executable", lambda name: f"/usr/bin/{name}")
-    launch = driver_for("vllm").launch(shard("vllm"), "10.0.0.5", 8001, None)
+    launch = driver_for("vllm").launch(shard("vllm"), "10.0.0.5", 8001, None, "k")
     assert launch.argv == [
         "/usr/bin/vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct",
         "--host", "10.0.0.5", "--port", "8001", "--served-model-name", "llama-3-8b",
@@ -42,36 +42,37 @@ def test_vllm_one_node(monkeypatch: pytest.MonkeyPatch) -> None:
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": "2,3",
         "HF_HOME": "/models",
+        "VLLM_API_KEY": "k",  # by environment: `ps` shows no key
     }
     assert launch.health_path == "/health"
 
 
 def test_vllm_across_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_module, "executable", lambda name: name)
-    lead = driver_for("vllm").launch(shard("vllm", 0, 2), "10.0.0.5", 8001, "10.0.0.5:29500")
+    lead = driver_for("vllm").launch(shard("vllm", 0, 2), "10.0.0.5", 8001, "10.0.0.5:29500", "k")
     assert lead.argv[lead.argv.index("--pipeline-parallel-size") + 1] == "2"
     assert " ".join(lead.argv).count("--nnodes 2 --node-rank 0") == 1
     assert "--master-addr 10.0.0.5 --master-port 29500" in " ".join(lead.argv)
     assert "--headless" not in lead.argv and lead.health_path == "/health"
-    worker = driver_for("vllm").launch(shard("vllm", 1, 2), "10.0.0.6", 8002, "10.0.0.5:29500")
+    worker = driver_for("vllm").launch(shard("vllm", 1, 2), "10.0.0.6", 8002, "10.0.0.5:29500", "k")
     assert "--node-rank 1" in " ".join(worker.argv) and "--headless" in worker.argv
     assert worker.health_path is None  # a headless worker serves no HTTP
     with pytest.raises(NoDriver, match="no address of shard 0"):
-        driver_for("vllm").launch(shard("vllm", 1, 2), "10.0.0.6", 8002, None)
+        driver_for("vllm").launch(shard("vllm", 1, 2), "10.0.0.6", 8002, None, "k")
 
 
 def test_vllm_not_installed_is_said_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(NoDriver, match="`vllm` is not on this node's PATH"):
-        driver_for("vllm").launch(shard("vllm"), "h", 1, None)
+        driver_for("vllm").launch(shard("vllm"), "h", 1, None, "k")
 
 
 def test_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("modelfleet.engines.sglang.importable", lambda *_: None)
-    one = driver_for("sglang").launch(shard("sglang"), "h", 9000, None)
+    one = driver_for("sglang").launch(shard("sglang"), "h", 9000, None, "k")
     assert one.argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert "--tp-size 2" in " ".join(one.argv) and "--nnodes" not in one.argv
-    two = driver_for("sglang").launch(shard("sglang", 1, 2), "h", 9000, "10.0.0.5:29500")
+    two = driver_for("sglang").launch(shard("sglang", 1, 2), "h", 9000, "10.0.0.5:29500", "k")
     text = " ".join(two.argv)
     assert "--tp-size 4 --nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.5:29500" in text
     assert two.health_path is None
@@ -80,12 +81,12 @@ def test_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_llamacpp_prefers_the_native_server(monkeypatch: pytest.MonkeyPatch) -> None:
     gguf = shard("llamacpp", source="/models/m.gguf", args=[])
     monkeypatch.setattr(llamacpp_module.shutil, "which", lambda name: "/opt/bin/llama-server")
-    native = driver_for("llamacpp").launch(gguf, "h", 7000, None)
+    native = driver_for("llamacpp").launch(gguf, "h", 7000, None, "k")
     assert native.argv[:3] == ["/opt/bin/llama-server", "--model", "/models/m.gguf"]
     assert "--alias" in native.argv and native.health_path == "/health"
     monkeypatch.setattr(llamacpp_module.shutil, "which", lambda name: None)
     monkeypatch.setattr(llamacpp_module, "importable", lambda *_: None)
-    python = driver_for("llamacpp").launch(gguf, "h", 7000, None)
+    python = driver_for("llamacpp").launch(gguf, "h", 7000, None, "k")
     assert python.argv[:3] == [sys.executable, "-m", "llama_cpp.server"]
     assert python.health_path == "/v1/models"
 
@@ -94,7 +95,7 @@ def test_llamacpp_prefers_the_native_server(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(llamacpp_module, "importable", missing)
     with pytest.raises(NoDriver, match="no llama-server on PATH"):
-        driver_for("llamacpp").launch(gguf, "h", 7000, None)
+        driver_for("llamacpp").launch(gguf, "h", 7000, None, "k")
 
 
 def test_an_unknown_engine_has_no_driver() -> None:

@@ -34,6 +34,7 @@ class EngineRecord(BaseModel):
     health_path: str | None = "/health"
     started_at: float = 0.0  # wall clock, when the agent started it
     ready_at: float | None = None  # wall clock, when it was first ready: no startup timeout after
+    engine_key: str | None = None  # the key it was started with (this file is its owner's alone)
     restarts: int = 0
     state: ShardState = ShardState.STARTING
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import subprocess
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from modelfleet.processes import ProcessId, free_port, log_tail, stop_groups
 from modelfleet.wire import MAX_LOG_TAIL_LINES, ShardAssignment, ShardReport, ShardState
 
 log = logging.getLogger("modelfleet.agent")
+
+ENGINE_KEY_PREFIX = "mfe-"  # an engine's key, recognisable to secret scanners
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class Shard:
         self.backoff_s: float | None = None  # while failed: the wait before the next start
         self.startup_s: float | None = None
         self.ready_at: float | None = None  # wall clock: when this engine process was first ready
+        self.engine_key: str | None = None  # the key this engine process was started with
         self.probes = 0  # health probes its engine answered, for those who wait on them
         self.adopted = False
         # Shard 0 of a replica of several shards picks where its peers meet it, once, so a
@@ -139,6 +143,7 @@ class Shard:
             startup_s=self.startup_s,
             error=self.error,
             log_tail=log_tail(self.log_path, MAX_LOG_TAIL_LINES) if tail else [],
+            engine_key=self.engine_key,
         )
 
     def record(self) -> EngineRecord:
@@ -154,6 +159,7 @@ class Shard:
             health_path=self.health_path,
             started_at=self.started_at,
             ready_at=self.ready_at,
+            engine_key=self.engine_key,
             restarts=self.restarts,
             state=self.state,
         )
@@ -174,6 +180,7 @@ class Shard:
         self.health_path = record.health_path
         self.started_at = record.started_at or time.time()
         self.ready_at = record.ready_at
+        self.engine_key = record.engine_key
         self.restarts = record.restarts
         self.adopted = True
         return True
@@ -245,8 +252,9 @@ class Shard:
             return False
         host = self.settings.engine_host
         self.port = free_port(host)
+        key = ENGINE_KEY_PREFIX + secrets.token_urlsafe(24)
         try:
-            launch = self.driver.launch(self.assignment, host, self.port, self.leader)
+            launch = self.driver.launch(self.assignment, host, self.port, self.leader, key)
         except NoDriver as exc:
             self._set(ShardState.FAILED, str(exc))
             return False
@@ -268,6 +276,7 @@ class Shard:
             self._set(ShardState.FAILED, f"cannot start {launch.argv[0]}: {what}: {exc.strerror}")
             return False
         self.proc = proc
+        self.engine_key = key
         self.process = ProcessId.of(proc.pid)
         self.started_at = time.time()
         self.ready_at = None
@@ -336,8 +345,11 @@ class Shard:
             await asyncio.sleep(s.watch_interval)
 
     async def _probe(self, url: str, timeout: float = 2.0) -> bool:
+        # Some engines guard every route with their key (llama-cpp-python's server), so the
+        # probe carries it too.
+        headers = {"authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
         try:
-            response = await self._http.get(url, timeout=timeout)
+            response = await self._http.get(url, timeout=timeout, headers=headers)
         except httpx.HTTPError:
             return False
         if response.status_code == 200:

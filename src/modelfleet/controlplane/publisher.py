@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import httpx
 from pydantic import ValidationError
 
-from modelfleet.admin import RoutingAnswer
+from modelfleet.admin import RoutedInfo, RoutingAnswer
 from modelfleet.controlplane.config import RouterTarget
 from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot
 
@@ -148,6 +148,8 @@ class Publisher:
             epoch=self.epoch,
             version=self.version,
             catalog_version=catalog_version,
-            models=models,
+            models=[
+                RoutedInfo(name=m.name, endpoints=m.endpoints, keyed=sorted(m.keys)) for m in models
+            ],
             routers={url: v for url, (e, v) in self._held.items() if e == self.epoch},
         )

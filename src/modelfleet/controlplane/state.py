@@ -254,6 +254,7 @@ class FleetState:
                     startup_s=seen.startup_s if seen else None,
                     error=seen.error if seen else "",
                     log_tail=list(seen.log_tail) if seen else [],
+                    engine_key_set=bool(seen and seen.engine_key),
                 )
             )
         return views
@@ -439,10 +440,24 @@ class FleetState:
         removed model is not routed to, whatever state it is in.
         """
         endpoints: dict[str, list[str]] = {m.name: [] for m in catalog.models}
-        for view in self.replica_views():
+        keys: dict[str, dict[str, str]] = {m.name: {} for m in catalog.models}
+        for record in self.replicas.values():
+            view = self.replica_view(record)
             if view.endpoint and view.model in endpoints:
                 endpoints[view.model].append(view.endpoint)
-        return [RoutedModel(name=n, endpoints=sorted(e)) for n, e in endpoints.items()]
+                key = self._engine_key(record)
+                if key is not None:
+                    keys[view.model][view.endpoint] = key
+        return [
+            RoutedModel(name=n, endpoints=sorted(e), keys=keys[n]) for n, e in endpoints.items()
+        ]
+
+    def _engine_key(self, record: ReplicaRecord) -> str | None:
+        """The key of the engine that serves `record` (its shard 0's), as its agent said."""
+        first = record.replica.shards[0]
+        node = self.nodes.get(first.node)
+        seen = node.shard(record.replica.id, 0) if node else None
+        return seen.engine_key if seen else None
 
     def explain(self, catalog: Catalog, model: str, now: float) -> Placed | Unplaceable | None:
         """Where the next replica of `model` would go, or why it could go nowhere.

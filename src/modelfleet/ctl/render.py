@@ -211,6 +211,7 @@ def print_replica(data: admin.ReplicaInfo, console: Console) -> None:
         "FAILURES",
         "STARTED IN",
         "NEXT START",
+        "ENGINE KEY",
     )
     for s in data.shards:
         nxt = f"after {s.backoff_s:.0f}s backoff" if s.backoff_s is not None else "-"
@@ -226,6 +227,7 @@ def print_replica(data: admin.ReplicaInfo, console: Console) -> None:
             str(s.failures),
             started,
             nxt,
+            "set" if s.engine_key_set else "-",
         )
     console.print(table)
     for s in data.shards:

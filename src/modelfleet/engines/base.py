@@ -34,12 +34,19 @@ class EngineDriver(Protocol):
 
     name: str
 
-    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+    def launch(
+        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+    ) -> Launch:
         """The command for `shard`, serving on host:port. `leader` is where the replica's
-        shard 0 meets its peers ("host:port"), for a replica of several shards; raises NoDriver
-        when the engine cannot be started here."""
+        shard 0 meets its peers ("host:port"), for a replica of several shards. `key` is the
+        engine's own API key: it must refuse requests without it (its health check aside);
+        passed by environment where the engine reads one, so that `ps` does not show it.
+        Raises NoDriver when the engine cannot be started here."""
         ...
 
+
+# Where the simulator and a `command` engine find their key.
+ENGINE_KEY_ENV = "MODELFLEET_ENGINE_KEY"
 
 # What an engine gets of its agent's environment: what any program needs to run, to find its
 # libraries and caches, and nothing else. Credentials the agent holds (its token, for one) stay

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from modelfleet.engines.base import Launch, NoDriver, gpu_env
+from modelfleet.engines.base import ENGINE_KEY_ENV, Launch, NoDriver, gpu_env
 from modelfleet.wire import ShardAssignment
 
 
@@ -12,11 +12,14 @@ class CommandDriver:
     """The template may use {model}, {source}, {host}, {port}, {rank}, {num_shards}, {gpus}
     (comma-separated indices) and {leader} (shard 0's "host:port" for a replica of several
     shards, empty otherwise); the catalog's args are appended. Ready when /health answers.
+    The engine's key is in its environment as MODELFLEET_ENGINE_KEY: requests come with it.
     """
 
     name = "command"
 
-    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+    def launch(
+        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+    ) -> Launch:
         template = shard.command or ""
         fields = {
             "model": shard.model,
@@ -32,4 +35,4 @@ class CommandDriver:
             argv = [part.format(**fields) for part in shlex.split(template)]
         except (KeyError, IndexError, ValueError) as exc:
             raise NoDriver(f"command template {template!r} cannot be filled in: {exc}") from exc
-        return Launch(argv + list(shard.args), gpu_env(shard))
+        return Launch(argv + list(shard.args), {**gpu_env(shard), ENGINE_KEY_ENV: key})

@@ -14,12 +14,15 @@ from modelfleet.wire import ShardAssignment
 class LlamaCppDriver:
     name = "llamacpp"
 
-    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+    def launch(
+        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+    ) -> Launch:
         native = shutil.which("llama-server")
         if native is not None:
             argv = [native, "--model", shard.source, "--host", host, "--port", str(port)]
             argv += ["--alias", shard.model, "--n-gpu-layers", "999"]
-            return Launch([*argv, *shard.args], gpu_env(shard), "/health")
+            env = {**gpu_env(shard), "LLAMA_API_KEY": key}
+            return Launch([*argv, *shard.args], env, "/health")
         try:
             importable("llama_cpp", "llama-cpp-python")
         except NoDriver as exc:
@@ -28,4 +31,5 @@ class LlamaCppDriver:
         argv += ["--host", host, "--port", str(port), "--model_alias", shard.model]
         argv += ["--n_gpu_layers", "-1"]
         # llama-cpp-python's server has no /health; its model list answers once it has loaded.
-        return Launch([*argv, *shard.args], gpu_env(shard), "/v1/models")
+        env = {**gpu_env(shard), "API_KEY": key}  # its settings read the environment
+        return Launch([*argv, *shard.args], env, "/v1/models")

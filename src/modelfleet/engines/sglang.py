@@ -15,10 +15,13 @@ from modelfleet.wire import ShardAssignment
 class SglangDriver:
     name = "sglang"
 
-    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+    def launch(
+        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+    ) -> Launch:
         importable("sglang", "SGLang")
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", shard.source]
         argv += ["--host", host, "--port", str(port), "--served-model-name", shard.model]
+        argv += ["--api-key", key]  # SGLang reads it from its command line only
         argv += ["--tp-size", str(len(shard.gpus) * shard.num_shards)]
         health: str | None = "/health"
         if shard.num_shards > 1:

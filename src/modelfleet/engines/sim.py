@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from modelfleet.engines.base import Launch, gpu_env
+from modelfleet.engines.base import ENGINE_KEY_ENV, Launch, gpu_env
 from modelfleet.wire import ShardAssignment
 
 
 class SimDriver:
     name = "sim"
 
-    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+    def launch(
+        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+    ) -> Launch:
         argv = [sys.executable, "-m", "modelfleet", "engine-sim", "--model", shard.model]
         argv += ["--host", host, "--port", str(port), *shard.args]
-        return Launch(argv, gpu_env(shard))
+        return Launch(argv, {**gpu_env(shard), ENGINE_KEY_ENV: key})

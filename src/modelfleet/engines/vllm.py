@@ -15,7 +15,9 @@ from modelfleet.wire import ShardAssignment
 class VllmDriver:
     name = "vllm"
 
-    def launch(self, shard: ShardAssignment, host: str, port: int, leader: str | None) -> Launch:
+    def launch(
+        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+    ) -> Launch:
         argv = [executable("vllm"), "serve", shard.source, "--host", host, "--port", str(port)]
         argv += ["--served-model-name", shard.model]
         argv += ["--tensor-parallel-size", str(len(shard.gpus))]
@@ -28,4 +30,4 @@ class VllmDriver:
             if shard.rank > 0:
                 argv.append("--headless")
                 health = None
-        return Launch([*argv, *shard.args], gpu_env(shard), health)
+        return Launch([*argv, *shard.args], {**gpu_env(shard), "VLLM_API_KEY": key}, health)

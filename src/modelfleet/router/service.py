@@ -192,10 +192,13 @@ class Router:
             )
         stream = body.get("stream") is True
         path = request.url.path
-        headers = {"content-type": "application/json"}
         failures: list[str] = []
         for endpoint in self.balancer.order(endpoints):
             self.balancer.begin(endpoint)
+            headers = {"content-type": "application/json"}
+            engine_key = table.keys.get(endpoint)
+            if engine_key is not None:
+                headers["authorization"] = engine_key
             try:
                 upstream = await self.session.post(endpoint + path, data=raw, headers=headers)
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
@@ -274,7 +277,9 @@ class Router:
     async def get_routing(self, request: Request) -> Response:
         if not self._push_authorized(request):
             return web_error(401, "missing or wrong admin token")
-        return Response(self.snapshot.model_dump_json(), media_type=JSON)
+        # The engines' keys stay in the router: whoever holds the push token sees the table.
+        shown = self.snapshot.model_dump_json(exclude={"models": {"__all__": {"keys"}}})
+        return Response(shown, media_type=JSON)
 
 
 def create_apps(router: Router) -> tuple[Starlette, Starlette]:

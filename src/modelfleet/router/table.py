@@ -46,11 +46,18 @@ class RoutingTable:
     version: int
     catalog_version: int
     models: Mapping[str, tuple[str, ...]]
+    keys: Mapping[str, str]  # endpoint -> the `Authorization` header its engine wants
 
     @classmethod
     def from_snapshot(cls, snapshot: RoutingSnapshot) -> RoutingTable:
         models = {m.name: tuple(m.endpoints) for m in snapshot.models}
-        return cls(snapshot.version, snapshot.catalog_version, MappingProxyType(models))
+        keys = {e: f"Bearer {k}" for m in snapshot.models for e, k in m.keys.items()}
+        return cls(
+            snapshot.version,
+            snapshot.catalog_version,
+            MappingProxyType(models),
+            MappingProxyType(keys),
+        )
 
 
 class Balancer:

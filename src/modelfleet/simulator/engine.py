@@ -36,6 +36,7 @@ class SimSettings:
     # Seconds after the start at which it stops answering anything, /health included, while
     # its process keeps running: a hung engine. None: never.
     hang_after: float | None = None
+    api_key: str | None = None  # when set, /v1 requests must carry it (Authorization: Bearer)
 
 
 def count_prompt_tokens(text: str) -> int:

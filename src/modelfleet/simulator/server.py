@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from modelfleet.openai_api import BadRequest, error_response, parse_body, prompt_text
 from modelfleet.serving import Listener, run_service
 from modelfleet.simulator.engine import SimEngine, SimSettings
-from modelfleet.web import json_response
+from modelfleet.web import bearer_matches, json_response
 
 
 class _VllmMetrics:
@@ -67,6 +67,27 @@ class _HangAfter:
         await self.app(scope, receive, send)
 
 
+class _KeyRequired:
+    """Every /v1 request must carry the engine's key, as vLLM's `--api-key` asks; /health and
+    /metrics stay open, as they are on vLLM."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
+            sent = headers.get(b"authorization", b"").decode(errors="replace")
+            if not bearer_matches(sent, self.key):
+                refused = error_response(
+                    401, "This engine needs its key.", "invalid_request_error", "invalid_api_key"
+                )
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: SimSettings) -> Starlette:
     """The simulator as an ASGI app (tests can drive it in-process)."""
     engine = SimEngine(settings)
@@ -100,6 +121,8 @@ def create_app(settings: SimSettings) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
     ]
     app = Starlette(routes=routes)
+    if settings.api_key is not None:
+        app.add_middleware(_KeyRequired, key=settings.api_key)
     if settings.hang_after is not None:
         app.add_middleware(_HangAfter, at=time.monotonic() + settings.hang_after)
     app.state.engine = engine
