@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from modelfleet.apikeys import hash_key, new_key
 from modelfleet.cli import warn_if_open
 from modelfleet.files import write_atomic, write_json_atomic
 from modelfleet.web import bearer_matches
@@ -67,3 +68,11 @@ def test_a_listener_opened_beyond_loopback_without_a_credential_is_warned_of(
     assert capsys.readouterr().err == ""
     warn_if_open("0.0.0.0", "the agent API", credential=False)
     assert "warning: the agent API listens on 0.0.0.0 with no credential" in capsys.readouterr().err
+
+
+def test_api_keys_are_long_random_and_recognisable() -> None:
+    keys = {new_key() for _ in range(100)}
+    assert len(keys) == 100
+    for key in keys:
+        assert key.startswith("mf-") and len(key) >= 3 + 22  # 128 bits in base64 or more
+    assert hash_key("mf-a") != hash_key("mf-b") and len(hash_key("mf-a")) == 64
