@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import yaml
 from modelfleet.loadgen import SteadyClient
 from modelfleet.up import RunningFleet
 
-from .conftest import fleet_of, wait_for, wait_requests
+from .conftest import Operator, fleet_of, wait_for, wait_requests
 
 A = {"name": "a", "engine": "sim", "replicas": 2, "args": ["--ttft", "0.02", "--itl", "0.005"]}
 B = {"name": "b", "engine": "sim"}
@@ -138,3 +139,49 @@ def test_a_router_killed_under_load_serves_at_once_when_back(fleet: RunningFleet
     http_errors = [f for f in client.failures if "HTTP " in f]
     print(f"model a: {client.ok} requests, {len(client.failures)} failed to connect or cut")
     assert http_errors == [] and client.ok > 0
+
+
+def test_a_router_that_never_answers_holds_up_no_pass(tmp_path: Path) -> None:
+    """A second router accepts the control plane's connections and never answers (its push
+    times out after 5 s): reconcile passes go on meanwhile, and the working router gets each
+    change at once. When the control plane awaited its pushes, every pass waited 5 s."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)  # the kernel accepts connections; nobody ever reads or answers them
+    try:
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        options = {"reconcile_interval": 0.2, "extra_routers": (url,)}
+        with fleet_of(tmp_path, [A], **options) as running:
+            op = Operator(running, tmp_path)
+            wait_for("a to serve", lambda: op.serves("a"))
+            passes = op.passes()
+            wait_for("six more reconcile passes", lambda: op.passes() >= passes + 6, timeout=4)
+            op.apply(A, B)
+            wait_for("b to serve through the working router", lambda: op.serves("b"), timeout=4)
+    finally:
+        hung.close()
+
+
+def test_a_router_holding_a_table_stamped_ahead_takes_the_current_one(
+    fleet: RunningFleet, tmp_path: Path
+) -> None:
+    """The router holds a table whose version came from a clock far ahead (then stepped back),
+    and the control plane restarts. Versions are (epoch, counter), so the restarted one's
+    tables, of a newer epoch, replace it, and a change reaches the router. With versions from
+    the wall clock, the router refused every push from then on, and the control plane counted
+    each refusal as a confirmation."""
+    op = Operator(fleet, tmp_path)
+    wait_for("a to serve", lambda: op.serves("a"))
+    push = {"authorization": f"Bearer {fleet.admin_token}"}
+    routed = httpx.get(f"{fleet.push_url}/v1/routing", headers=push).json()
+    epoch = op.get("/v1/status")["routing_epoch"]
+    ahead = {**routed, "epoch": epoch, "version": 10**15}  # a clock years ahead, in ms
+    assert httpx.put(f"{fleet.push_url}/v1/routing", json=ahead, headers=push).status_code == 200
+
+    [cp] = [c for c in fleet.fleet.children if c.role == "control-plane"]
+    urls = fleet.fleet.restart(cp)["urls"]
+    op.admin = httpx.Client(base_url=urls["admin"], headers=push, timeout=10)
+    op.apply(A, B)
+    wait_for("b to serve through the router", lambda: op.serves("b"))
+    held = httpx.get(f"{fleet.push_url}/v1/routing/held", headers=push).json()
+    assert held["epoch"] == epoch + 1 == op.get("/v1/status")["routing_epoch"]

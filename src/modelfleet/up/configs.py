@@ -38,3 +38,4 @@ class FleetOptions:
     stop_grace: float = 10.0
     control_plane: dict[str, Any] = field(default_factory=dict)  # more control-plane settings
     agent_args: tuple[str, ...] = ()  # more agent flags
+    extra_routers: tuple[str, ...] = ()  # push URLs of routers beyond the one it starts

@@ -93,7 +93,10 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
             "admin_port": free_port("127.0.0.1"),
             "admin_token": admin_token,
             "agent_token": agent_token,
-            "routers": [{"url": router_urls["push"], "token": admin_token}],
+            "routers": [
+                {"url": router_urls["push"], "token": admin_token},
+                *({"url": url, "token": admin_token} for url in opts.extra_routers),
+            ],
             "known_nodes": list(opts.nodes),
             "reconcile_interval": opts.reconcile_interval,
             **opts.control_plane,
