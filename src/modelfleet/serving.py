@@ -41,7 +41,11 @@ class Listener:
     def bind(self) -> socket.socket:
         """Bind and listen (port 0: the kernel picks one, which `port` then holds)."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # Named TCP, so that asyncio turns Nagle's algorithm off on each connection it accepts,
+        # and off on the listening socket too, whose connections inherit it: with Nagle on, a
+        # kept-alive client waited about 40 ms for every answer.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         sock.listen(2048)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -148,3 +149,44 @@ def test_a_busy_or_broken_replica_is_retried_on_another_before_the_first_byte(
         assert failing and len(healthy) == 4
 
     asyncio.run(go())
+
+
+def test_every_listener_turns_nagle_off() -> None:
+    """With Nagle's algorithm on, a kept-alive client waits about 40 ms for each answer."""
+    listener = Listener("any", app=None)
+    sock = listener.bind()
+    try:
+        sock.setblocking(True)
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5):
+            accepted, _ = sock.accept()
+            with accepted:
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+                assert accepted.proto == socket.IPPROTO_TCP  # what asyncio looks for
+    finally:
+        sock.close()
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read() -> None:
+    router = Router(
+        RouterConfig(api_keys=[{"name": "k", "key": "client-key"}], max_body_bytes=1000)
+    )
+    client_app, _ = create_apps(router)
+    sent = 0
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal sent
+        for _ in range(1000):
+            sent += 1
+            yield b"x" * 100
+
+    async def go() -> None:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=client_app),
+            base_url="http://router",
+            headers={"authorization": "Bearer client-key"},
+        ) as client:
+            r = await client.post("/v1/completions", content=body())
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    asyncio.run(go())
+    assert sent < 20  # it stopped reading at the limit

@@ -26,7 +26,7 @@ from modelfleet.files import write_json_atomic
 from modelfleet.openai_api import BadRequest, error_response, parse_body
 from modelfleet.router.table import ApiKey, Balancer, KeyRing, RoutingTable
 from modelfleet.serving import Listener, run_service
-from modelfleet.web import JSON, bearer_matches, json_response
+from modelfleet.web import JSON, bearer_matches, json_response, read_at_most
 from modelfleet.web import error_response as web_error
 from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot
 
@@ -69,6 +69,7 @@ class RouterConfig(BaseModel):
     # from it at once (until the control plane, which finds it restarted, pushes the current).
     table_file: Path | None = None
     connect_timeout: float = Field(default=5.0, gt=0)
+    max_body_bytes: int = Field(default=10 << 20, gt=0)  # a larger request gets 413, unread
 
 
 class Router:
@@ -160,7 +161,15 @@ class Router:
         key = self._authorize(request)
         if isinstance(key, Response):
             return key
-        raw = await request.body()
+        limit = self.config.max_body_bytes
+        raw = await read_at_most(request, limit)
+        if raw is None:
+            return error_response(
+                413,
+                f"The request body is larger than this router takes ({limit} bytes).",
+                "invalid_request_error",
+                code="request_too_large",
+            )
         try:
             body = parse_body(raw)
         except BadRequest as exc:
