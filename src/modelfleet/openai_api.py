@@ -56,6 +56,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a string", param="model")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("'stream' must be true or false", param="stream")
     return body
 
 

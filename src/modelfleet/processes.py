@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import time
@@ -55,12 +56,37 @@ def running(pid: int) -> bool:
     return ProcessId.of(pid) is not None
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives to outgoing connections (32768 unless set otherwise)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str) -> int:
-    """A TCP port free on `host` now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+    """A TCP port free on `host` now, for a listener to bind soon after.
+
+    Picked below the kernel's range for outgoing connections: a port from that range, free
+    now, may be taken a moment later as the source port of some connection, and the listener
+    that was meant to have it fails with "address already in use".
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    first = max(1024, low - 16384)
+    for _ in range(64):
+        port = random.randrange(first, low) if low > first else 0
+        with socket.socket(family) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            chosen: int = sock.getsockname()[1]
+            return chosen
+    with socket.socket(family) as sock:  # every pick was taken: let the kernel choose
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        fallback: int = sock.getsockname()[1]
+        return fallback
 
 
 def log_tail(path: Path, lines: int) -> list[str]:

@@ -94,15 +94,8 @@ def test_the_router_takes_newer_snapshots_whole_and_ignores_older_ones() -> None
 
 
 @contextlib.asynccontextmanager
-async def upstream(status: int, hits: list[int]) -> AsyncIterator[str]:
-    """An engine on 127.0.0.1 that answers every completion with `status`, counting them."""
-
-    async def complete(_: Request) -> Response:
-        hits.append(status)
-        body = {"choices": [{"index": 0, "text": "ok"}]} if status == 200 else {"error": "busy"}
-        return JSONResponse(body, status_code=status)
-
-    app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
+async def serving(app: Starlette) -> AsyncIterator[str]:
+    """`app` served on 127.0.0.1 by uvicorn on this event loop; yields its URL."""
     listener = Listener("engine", app)
     sock = listener.bind()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
@@ -116,6 +109,20 @@ async def upstream(status: int, hits: list[int]) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+@contextlib.asynccontextmanager
+async def upstream(status: int, hits: list[int]) -> AsyncIterator[str]:
+    """An engine on 127.0.0.1 that answers every completion with `status`, counting them."""
+
+    async def complete(_: Request) -> Response:
+        hits.append(status)
+        body = {"choices": [{"index": 0, "text": "ok"}]} if status == 200 else {"error": "busy"}
+        return JSONResponse(body, status_code=status)
+
+    app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
+    async with serving(app) as url:
+        yield url
 
 
 @pytest.mark.parametrize("status", [502, 503])
@@ -190,3 +197,54 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read() -> None:
 
     asyncio.run(go())
     assert sent < 20  # it stopped reading at the limit
+
+
+def test_every_answer_is_openai_style_and_carries_its_request_id() -> None:
+    async def go() -> None:
+        seen: list[str | None] = []
+
+        async def complete(request: Request) -> Response:
+            seen.append(request.headers.get("x-request-id"))
+            return JSONResponse({"choices": [{"index": 0, "text": "ok"}]})
+
+        app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
+        async with serving(app) as engine:
+            router = Router(
+                RouterConfig(
+                    api_keys=[{"name": "k", "key": "client-key"}],
+                    models=[RoutedModel(name="m", endpoints=[engine])],
+                )
+            )
+            client_app, _ = create_apps(router)
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=client_app),
+                base_url="http://router",
+                headers={"authorization": "Bearer client-key"},
+            ) as client:
+                unknown = await client.get("/v1/nope")
+                assert (
+                    unknown.status_code == 404
+                    and "Unknown path" in unknown.json()["error"]["message"]
+                )
+                wrong = await client.get("/v1/completions")
+                assert wrong.status_code == 405 and wrong.json()["error"]["type"]
+                card = await client.get("/v1/models/m")
+                assert card.status_code == 200 and card.json()["id"] == "m"
+                missing = await client.get("/v1/models/nope")
+                assert missing.json()["error"]["code"] == "model_not_found"
+                bad = await client.post(
+                    "/v1/completions", json={"model": "m", "prompt": "x", "stream": "yes"}
+                )
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+                given = await client.post(
+                    "/v1/completions",
+                    json={"model": "m", "prompt": "x"},
+                    headers={"x-request-id": "req-42"},
+                )
+                assert given.headers["x-request-id"] == "req-42"
+                made = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+                assert len(made.headers["x-request-id"]) == 32
+            await router.close()
+        assert seen == ["req-42", made.headers["x-request-id"]]
+
+    asyncio.run(go())

@@ -127,3 +127,14 @@ def test_metrics_count_tokens_and_requests() -> None:
             assert [m["id"] for m in models["data"]] == ["m"]
 
     run(go())
+
+
+def test_more_than_one_choice_is_refused_not_answered_with_one() -> None:
+    async def go() -> None:
+        async with client() as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 5})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+            one = await c.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 1})
+            assert one.status_code == 200
+
+    run(go())

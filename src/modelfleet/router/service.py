@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -150,12 +153,17 @@ class Router:
         key = self._authorize(request)
         if isinstance(key, Response):
             return key
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "modelfleet"}
-            for name in sorted(self.table.models)
-            if key.allows(name)
-        ]
+        data = [_card(name) for name in sorted(self.table.models) if key.allows(name)]
         return json_response({"object": "list", "data": data})
+
+    async def get_model(self, request: Request) -> Response:
+        key = self._authorize(request)
+        if isinstance(key, Response):
+            return key
+        model = request.path_params["model"]
+        if model not in self.table.models or not key.allows(model):
+            return _no_model(model)
+        return json_response(_card(model))
 
     async def proxy(self, request: Request) -> Response:
         key = self._authorize(request)
@@ -185,13 +193,7 @@ class Router:
                 retry_after=1,
             )
         if endpoints is None or not key.allows(model):
-            return error_response(
-                404,
-                f"The model `{model}` does not exist or you do not have access to it.",
-                "invalid_request_error",
-                code="model_not_found",
-                param="model",
-            )
+            return _no_model(model)
         if not endpoints:
             return error_response(
                 503,
@@ -201,10 +203,11 @@ class Router:
             )
         stream = body.get("stream") is True
         path = request.url.path
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         failures: list[str] = []
         for endpoint in self.balancer.order(endpoints):
             self.balancer.begin(endpoint)
-            headers = {"content-type": "application/json"}
+            headers = {"content-type": "application/json", "x-request-id": request_id}
             engine_key = table.keys.get(endpoint)
             if engine_key is not None:
                 headers["authorization"] = engine_key
@@ -224,7 +227,11 @@ class Router:
                     self._relay(upstream, endpoint),
                     status_code=upstream.status,
                     media_type=upstream.headers.get("content-type", "text/event-stream"),
-                    headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+                    headers={
+                        "cache-control": "no-cache",
+                        "x-accel-buffering": "no",
+                        "x-request-id": request_id,
+                    },
                 )
             try:
                 data = await upstream.read()
@@ -238,6 +245,7 @@ class Router:
                 data,
                 status_code=upstream.status,
                 media_type=upstream.headers.get("content-type", "application/json"),
+                headers={"x-request-id": request_id},
             )
         log.warning("no replica of %s reachable: %s", model, "; ".join(failures))
         return error_response(
@@ -291,6 +299,28 @@ class Router:
         return Response(shown, media_type=JSON)
 
 
+def _card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "modelfleet"}
+
+
+def _no_model(model: str) -> Response:
+    return error_response(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        "invalid_request_error",
+        code="model_not_found",
+        param="model",
+    )
+
+
+async def _openai_error(request: Request, exc: Exception) -> Response:
+    """An unknown path or a wrong method, answered as OpenAI answers errors."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    what = {404: "Unknown path", 405: "Method not allowed for"}.get(status, "Cannot serve")
+    message = f"{what}: {request.method} {request.url.path}"
+    return error_response(status, message, "invalid_request_error")
+
+
 def create_apps(router: Router) -> tuple[Starlette, Starlette]:
     """The client-facing app and the push app of one router."""
 
@@ -304,11 +334,13 @@ def create_apps(router: Router) -> tuple[Starlette, Starlette]:
         routes=[
             Route("/health", router.health),
             Route("/v1/models", router.list_models),
+            Route("/v1/models/{model:path}", router.get_model),
             Route("/v1/chat/completions", router.proxy, methods=post),
             Route("/v1/completions", router.proxy, methods=post),
             Route("/v1/embeddings", router.proxy, methods=post),
         ],
         lifespan=lifespan,
+        exception_handlers={404: _openai_error, 405: _openai_error},
     )
     push = Starlette(
         routes=[

@@ -136,6 +136,10 @@ async def _complete(request: Request, engine: SimEngine, chat: bool) -> Response
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
             raise BadRequest("'max_tokens' must be a non-negative integer", param="max_tokens")
+        if body.get("n", 1) != 1:
+            # Refused rather than answered with one choice: a client asking for several
+            # would take the one it got for all it asked for.
+            raise BadRequest("this engine makes one choice per request: 'n' must be 1", param="n")
     except BadRequest as exc:
         return error_response(400, str(exc), "invalid_request_error", param=exc.param)
     if body["model"] != engine.settings.model:
