@@ -7,6 +7,7 @@ import contextlib
 import socket
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -93,6 +94,21 @@ def test_the_router_takes_newer_snapshots_whole_and_ignores_older_ones() -> None
     asyncio.run(go())
 
 
+def client_of(router: Router) -> httpx.AsyncClient:
+    """An in-process client of `router`'s client API, with the key its config names."""
+    client_app, _ = create_apps(router)
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=client_app),
+        base_url="http://router",
+        headers={"authorization": "Bearer client-key"},
+    )
+
+
+def keyed(**config: Any) -> Router:
+    """A router with one client key, `client-key`, and `config` besides."""
+    return Router(RouterConfig(api_keys=[{"name": "k", "key": "client-key"}], **config))
+
+
 @contextlib.asynccontextmanager
 async def serving(app: Starlette) -> AsyncIterator[str]:
     """`app` served on 127.0.0.1 by uvicorn on this event loop; yields its URL."""
@@ -135,18 +151,8 @@ def test_a_busy_or_broken_replica_is_retried_on_another_before_the_first_byte(
         failing: list[int] = []
         healthy: list[int] = []
         async with upstream(status, failing) as bad, upstream(200, healthy) as good:
-            router = Router(
-                RouterConfig(
-                    api_keys=[{"name": "k", "key": "client-key"}],
-                    models=[RoutedModel(name="m", endpoints=[bad, good])],
-                )
-            )
-            client_app, _ = create_apps(router)
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=client_app),
-                base_url="http://router",
-                headers={"authorization": "Bearer client-key"},
-            ) as client:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[bad, good])])
+            async with client_of(router) as client:
                 for _ in range(4):
                     r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
                     assert r.status_code == 200, r.text
@@ -174,10 +180,7 @@ def test_every_listener_turns_nagle_off() -> None:
 
 
 def test_a_body_over_the_limit_gets_413_before_it_is_read() -> None:
-    router = Router(
-        RouterConfig(api_keys=[{"name": "k", "key": "client-key"}], max_body_bytes=1000)
-    )
-    client_app, _ = create_apps(router)
+    router = keyed(max_body_bytes=1000)
     sent = 0
 
     async def body() -> AsyncIterator[bytes]:
@@ -187,11 +190,7 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read() -> None:
             yield b"x" * 100
 
     async def go() -> None:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=client_app),
-            base_url="http://router",
-            headers={"authorization": "Bearer client-key"},
-        ) as client:
+        async with client_of(router) as client:
             r = await client.post("/v1/completions", content=body())
             assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
@@ -209,18 +208,8 @@ def test_every_answer_is_openai_style_and_carries_its_request_id() -> None:
 
         app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
         async with serving(app) as engine:
-            router = Router(
-                RouterConfig(
-                    api_keys=[{"name": "k", "key": "client-key"}],
-                    models=[RoutedModel(name="m", endpoints=[engine])],
-                )
-            )
-            client_app, _ = create_apps(router)
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=client_app),
-                base_url="http://router",
-                headers={"authorization": "Bearer client-key"},
-            ) as client:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[engine])])
+            async with client_of(router) as client:
                 unknown = await client.get("/v1/nope")
                 assert (
                     unknown.status_code == 404
