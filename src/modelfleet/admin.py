@@ -183,6 +183,10 @@ class ModelInfo(_Answer):
     placement: str
     startup_timeout: float
     max_parallel: int
+    routing: str = "least_load"
+    first_byte_timeout: float | None = None
+    max_tokens_cap: int | None = None
+    max_tokens_over_cap: str = "reject"
 
 
 class Rejection(_Answer):

@@ -38,6 +38,12 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 Placement = Literal["spread", "pack"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
+Routing = Literal["least_load", "prefix"]
+ROUTINGS: tuple[str, ...] = get_args(Routing)
+OverCap = Literal["reject", "clamp"]
+OVER_CAPS: tuple[str, ...] = get_args(OverCap)
+# Keys read by the routers only: changing them re-routes, never restarts an engine.
+_ROUTER_KEYS = ("routing", "first_byte_timeout", "max_tokens_cap", "max_tokens_over_cap")
 _TOP_KEYS = ("models",)
 
 
@@ -104,6 +110,13 @@ class ModelSpec:
     placement: Placement
     startup_timeout: float
     max_parallel: int = 1  # replicas being replaced that may be starting at once
+    # How the routers serve it: least loaded replica, or prompts sharing a prefix to the same
+    # replica (bounded by load); the time to the first byte before another replica is tried
+    # (None: the router's default); a cap on `max_tokens` and what a request over it gets.
+    routing: Routing = "least_load"
+    first_byte_timeout: float | None = None
+    max_tokens_cap: int | None = None
+    max_tokens_over_cap: OverCap = "reject"
 
     def to_dict(self) -> dict[str, Any]:
         """The model as plain data, in the catalog file's own keys."""
@@ -123,6 +136,10 @@ class ModelSpec:
             "placement": self.placement,
             "startup_timeout": self.startup_timeout,
             "max_parallel": self.max_parallel,
+            "routing": self.routing,
+            "first_byte_timeout": self.first_byte_timeout,
+            "max_tokens_cap": self.max_tokens_cap,
+            "max_tokens_over_cap": self.max_tokens_over_cap,
         }
 
     @cached_property
@@ -135,6 +152,8 @@ class ModelSpec:
         """
         data = self.to_dict()
         for key in ("replicas", "placement", "node_labels", "startup_timeout", "max_parallel"):
+            data.pop(key)
+        for key in _ROUTER_KEYS:
             data.pop(key)
         return _digest(data)
 
@@ -275,6 +294,10 @@ class _ModelInput(BaseModel):
     placement: Placement = "spread"
     startup_timeout: PositiveFloat = DEFAULT_STARTUP_TIMEOUT_S
     max_parallel: PositiveInt = 1
+    routing: Routing = "least_load"
+    first_byte_timeout: PositiveFloat | None = None
+    max_tokens_cap: PositiveInt | None = None
+    max_tokens_over_cap: OverCap = "reject"
 
 
 _MODEL_KEYS = tuple(_ModelInput.model_fields)
@@ -294,6 +317,10 @@ _EXPECTED = {
     "placement": f"must be one of {', '.join(PLACEMENTS)}",
     "startup_timeout": "must be a positive number of seconds",
     "max_parallel": "must be a positive integer",
+    "routing": f"must be one of {', '.join(ROUTINGS)}",
+    "first_byte_timeout": "must be a positive number of seconds",
+    "max_tokens_cap": "must be a positive integer",
+    "max_tokens_over_cap": f"must be one of {', '.join(OVER_CAPS)}",
 }
 
 
@@ -361,4 +388,10 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         placement=model.placement,
         startup_timeout=float(model.startup_timeout),
         max_parallel=model.max_parallel,
+        routing=model.routing,
+        first_byte_timeout=(
+            None if model.first_byte_timeout is None else float(model.first_byte_timeout)
+        ),
+        max_tokens_cap=model.max_tokens_cap,
+        max_tokens_over_cap=model.max_tokens_over_cap,
     )

@@ -227,7 +227,7 @@ def router(
     """Run the router: the OpenAI-compatible client API with API keys."""
     from modelfleet.config import ConfigError, load_config
     from modelfleet.router.service import RouterConfig, serve
-    from modelfleet.serving import configure_logging
+    from modelfleet.serving import configure_logging, run_fast
 
     configure_logging(log_level)
     try:
@@ -235,7 +235,7 @@ def router(
     except ConfigError as exc:
         fail(str(exc))
     warn_if_open(cfg.host, "the client API", bool(cfg.api_keys))
-    asyncio.run(serve(cfg, ready_file))
+    run_fast(serve(cfg, ready_file))
 
 
 @app.command("engine-sim")
@@ -274,11 +274,18 @@ def engine_sim(
     drain_timeout: Annotated[
         float, typer.Option(help="Longest wait for in-flight on stop.")
     ] = 30.0,
+    prefix_cache_blocks: Annotated[
+        int,
+        typer.Option(
+            help="Blocks of 16 prompt tokens its prefix cache keeps (LRU); cached leading "
+            "blocks cost no prefill. 0: no cache."
+        ),
+    ] = 4096,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "warning",
 ) -> None:
     """Run the engine simulator: an OpenAI-compatible server that behaves like vLLM."""
-    from modelfleet.serving import configure_logging
+    from modelfleet.serving import configure_logging, run_fast
     from modelfleet.simulator.engine import FAULTS, SimSettings
 
     warn_if_open(host, "the engine", api_key is not None)
@@ -288,6 +295,8 @@ def engine_sim(
         fail("--max-concurrency must be at least 1")
     if fault not in FAULTS:
         fail(f"--fault {fault!r}: one of {', '.join(FAULTS)}")
+    if prefix_cache_blocks < 0:
+        fail("--prefix-cache-blocks must be 0 or more")
     configure_logging(log_level)
     settings = SimSettings(
         model=model,
@@ -299,8 +308,9 @@ def engine_sim(
         fault=fault,
         hang_after=hang_after,
         api_key=api_key,
+        prefix_cache_blocks=prefix_cache_blocks,
     )
-    asyncio.run(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
+    run_fast(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
 
 
 def warn_if_open(host: str, listener: str, credential: bool) -> None:

@@ -8,7 +8,7 @@ versioned. Every exchange is level-triggered, so a lost or repeated message heal
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -116,12 +116,26 @@ class NodeAssignment(_Message):
     shards: list[ShardAssignment]
 
 
+Routing = Literal["least_load", "prefix"]
+OverCap = Literal["reject", "clamp"]
+
+
 class RoutedModel(_Message):
+    """One model as a router serves it: where its ready replicas are, and how to route to
+    them (the catalog's routing fields)."""
+
     name: str
     endpoints: list[str]  # base URLs of serving replicas, e.g. http://127.0.0.1:8001
     # endpoint -> the key its engine wants (`Authorization: Bearer KEY`); none for an engine
     # of a static router config that has no key
     keys: dict[str, str] = Field(default_factory=dict, repr=False)
+    replicas: dict[str, str] = Field(default_factory=dict)  # endpoint -> replica id
+    routing: Routing = "least_load"
+    # Seconds to the first byte of an answer before another replica is tried; None: the
+    # router's own default.
+    first_byte_timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    max_tokens_cap: int | None = Field(default=None, ge=1)
+    max_tokens_over_cap: OverCap = "reject"
 
 
 class RoutingSnapshot(_Message):

@@ -198,3 +198,40 @@ def test_a_small_file_of_nested_aliases_makes_a_short_error() -> None:
 def test_a_startup_timeout_must_be_a_finite_number(value: float) -> None:
     [(name, field, _)] = problems_of([model(startup_timeout=value)])
     assert (name, field) == ("m", "startup_timeout")
+
+
+def test_routing_fields_are_checked_and_change_no_engine() -> None:
+    plain = Catalog.new([model()])
+    routed = Catalog.new(
+        [
+            model(
+                routing="prefix",
+                first_byte_timeout=30,
+                max_tokens_cap=4096,
+                max_tokens_over_cap="clamp",
+            )
+        ]
+    )
+    spec = routed.models[0]
+    assert (spec.routing, spec.first_byte_timeout, spec.max_tokens_cap) == ("prefix", 30.0, 4096)
+    assert spec.max_tokens_over_cap == "clamp"
+    # Routers alone read them: a change of them re-routes and never replaces an engine.
+    assert plain.digest != routed.digest
+    assert plain.models[0].engine_digest == spec.engine_digest
+    found = problems_of(
+        [
+            model(
+                routing="sticky",
+                first_byte_timeout=0,
+                max_tokens_cap=-5,
+                max_tokens_over_cap="truncate",
+            )
+        ]
+    )
+    assert sorted(f for _, f, _ in found) == [
+        "first_byte_timeout",
+        "max_tokens_cap",
+        "max_tokens_over_cap",
+        "routing",
+    ]
+    assert any("one of least_load, prefix" in m and "'sticky'" in m for _, _, m in found)

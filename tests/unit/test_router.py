@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
-import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -20,6 +15,8 @@ from starlette.routing import Route
 from modelfleet.router.service import Router, RouterConfig, create_apps
 from modelfleet.serving import Listener
 from modelfleet.wire import RoutedModel, RoutingSnapshot
+
+from .router_kit import client_of, keyed, serving
 
 
 def snap(version: int, epoch: int = 1, **models: list[str]) -> str:
@@ -90,76 +87,6 @@ def test_the_router_takes_newer_snapshots_whole_and_ignores_older_ones() -> None
         assert empty.status_code == 503 and empty.headers["retry-after"] == "1"
         await push.aclose()
         await client.aclose()
-
-    asyncio.run(go())
-
-
-def client_of(router: Router) -> httpx.AsyncClient:
-    """An in-process client of `router`'s client API, with the key its config names."""
-    client_app, _ = create_apps(router)
-    return httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=client_app),
-        base_url="http://router",
-        headers={"authorization": "Bearer client-key"},
-    )
-
-
-def keyed(**config: Any) -> Router:
-    """A router with one client key, `client-key`, and `config` besides."""
-    return Router(RouterConfig(api_keys=[{"name": "k", "key": "client-key"}], **config))
-
-
-@contextlib.asynccontextmanager
-async def serving(app: Starlette) -> AsyncIterator[str]:
-    """`app` served on 127.0.0.1 by uvicorn on this event loop; yields its URL."""
-    listener = Listener("engine", app)
-    sock = listener.bind()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "the test engine did not start listening"
-            await asyncio.sleep(0.01)
-        yield listener.url
-    finally:
-        server.should_exit = True
-        await task
-
-
-@contextlib.asynccontextmanager
-async def upstream(status: int, hits: list[int]) -> AsyncIterator[str]:
-    """An engine on 127.0.0.1 that answers every completion with `status`, counting them."""
-
-    async def complete(_: Request) -> Response:
-        hits.append(status)
-        body = {"choices": [{"index": 0, "text": "ok"}]} if status == 200 else {"error": "busy"}
-        return JSONResponse(body, status_code=status)
-
-    app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
-    async with serving(app) as url:
-        yield url
-
-
-@pytest.mark.parametrize("status", [502, 503])
-def test_a_busy_or_broken_replica_is_retried_on_another_before_the_first_byte(
-    status: int,
-) -> None:
-    """Each request that meets the failing engine first is answered by the healthy one."""
-
-    async def go() -> None:
-        failing: list[int] = []
-        healthy: list[int] = []
-        async with upstream(status, failing) as bad, upstream(200, healthy) as good:
-            router = keyed(models=[RoutedModel(name="m", endpoints=[bad, good])])
-            async with client_of(router) as client:
-                for _ in range(4):
-                    r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
-                    assert r.status_code == 200, r.text
-            await router.close()
-        # Ties rotate, so the failing engine was tried first for some requests: every one of
-        # those was retried on the healthy engine, which answered all four.
-        assert failing and len(healthy) == 4
 
     asyncio.run(go())
 

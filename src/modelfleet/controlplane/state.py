@@ -434,22 +434,35 @@ class FleetState:
         return f"{first.report.address}:{seen.dist_port}"
 
     def routing_models(self, catalog: Catalog) -> list[RoutedModel]:
-        """Every model of `catalog` with the endpoints of its serving replicas.
+        """Every model of `catalog` with the endpoints of its serving replicas, and the
+        catalog's routing fields.
 
         Only models of that catalog are published, and never a retiring replica: a replica of a
         removed model is not routed to, whatever state it is in.
         """
         endpoints: dict[str, list[str]] = {m.name: [] for m in catalog.models}
         keys: dict[str, dict[str, str]] = {m.name: {} for m in catalog.models}
+        ids: dict[str, dict[str, str]] = {m.name: {} for m in catalog.models}
         for record in self.replicas.values():
             view = self.replica_view(record)
             if view.endpoint and view.model in endpoints:
                 endpoints[view.model].append(view.endpoint)
+                ids[view.model][view.endpoint] = view.id
                 key = self._engine_key(record)
                 if key is not None:
                     keys[view.model][view.endpoint] = key
         return [
-            RoutedModel(name=n, endpoints=sorted(e), keys=keys[n]) for n, e in endpoints.items()
+            RoutedModel(
+                name=m.name,
+                endpoints=sorted(endpoints[m.name]),
+                keys=keys[m.name],
+                replicas=ids[m.name],
+                routing=m.routing,
+                first_byte_timeout=m.first_byte_timeout,
+                max_tokens_cap=m.max_tokens_cap,
+                max_tokens_over_cap=m.max_tokens_over_cap,
+            )
+            for m in catalog.models
         ]
 
     def _engine_key(self, record: ReplicaRecord) -> str | None:

@@ -1,43 +1,47 @@
 """The router: the only client-facing listener, OpenAI-compatible, with API keys.
 
 Two listeners. The client API (`/v1/models`, `/v1/chat/completions`, `/v1/completions`,
-`/v1/embeddings`) proxies each request to a ready replica of the model it names, passing a
-stream through as it arrives. The push API (`PUT /v1/routing`, admin token) takes the whole
-routing table from the control plane. The router also seeds its table from its own config, so
-it serves before the first push and with no control plane at all.
+`/v1/embeddings`, `/metrics`) proxies each request to a ready replica of the model it names
+(`proxy.py`, chosen by `balancer.py`). The push API (`PUT /v1/routing`, admin token) takes the
+whole routing table from the control plane. The router also seeds its table from its own
+config, so it serves before the first push and with no control plane at all. In the
+background it reads each engine's queue depth and probes ejected engines (`watch_engines`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import uuid
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modelfleet.apikeys import hash_key
 from modelfleet.files import write_json_atomic
-from modelfleet.openai_api import BadRequest, error_response, parse_body
-from modelfleet.router.table import ApiKey, Balancer, KeyRing, RoutingTable
+from modelfleet.openai_api import error_response
+from modelfleet.router.balancer import Balancer
+from modelfleet.router.engine_load import read_engine_load
+from modelfleet.router.metrics import RouterMetrics
+from modelfleet.router.proxy import PROXY_PATHS, Proxy
+from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
 from modelfleet.serving import Listener, run_service
-from modelfleet.web import JSON, bearer_matches, json_response, read_at_most
+from modelfleet.web import JSON, bearer_matches, json_response
 from modelfleet.web import error_response as web_error
 from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot
 
 log = logging.getLogger("modelfleet.router")
-
-# Statuses an engine answers before it has produced anything, where another replica may do
-# better: the request is retried there before the client has seen a byte.
-_RETRY_STATUSES = frozenset({502, 503})
 
 
 class KeyConfig(BaseModel):
@@ -71,15 +75,26 @@ class RouterConfig(BaseModel):
     # Where the router keeps the last table pushed to it, so that a restarted router serves
     # from it at once (until the control plane, which finds it restarted, pushes the current).
     table_file: Path | None = None
-    connect_timeout: float = Field(default=5.0, gt=0)
     max_body_bytes: int = Field(default=10 << 20, gt=0)  # a larger request gets 413, unread
+    # Seconds. Connecting to an engine; its first byte (a whole answer, unless streamed: set
+    # it per model in the catalog for long prefills); the gap between two chunks after it.
+    connect_timeout: float = Field(default=5.0, gt=0)
+    first_byte_timeout: float = Field(default=300.0, gt=0)
+    chunk_timeout: float = Field(default=60.0, gt=0)
+    retries: int = Field(default=1, ge=0)  # other replicas tried before the first byte
+    # Prefix routing hashes this many leading characters of the prompt.
+    prefix_chars: int = Field(default=256, ge=1)
+    # How often each engine's queue depth is read from its /metrics, and ejected engines
+    # probed at /health; 0 turns it off (the router's own counts alone then).
+    watch_interval: float = Field(default=0.5, ge=0)
 
 
 class Router:
     """The router's state: the current table, its keys, and its upstream connections."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, now: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.now = now  # the clock of ejections
         self.keys = KeyRing([k.to_key() for k in config.api_keys])
         seed = self._restore() or RoutingSnapshot(version=0, models=config.models)
         self.snapshot = seed
@@ -87,6 +102,7 @@ class Router:
         self.restored = seed.version > 0  # it holds what was pushed before it restarted
         self.pushed = False  # whether it holds a table pushed to this run of it
         self.balancer = Balancer()
+        self.metrics = RouterMetrics()
         self._session: aiohttp.ClientSession | None = None
 
     def _restore(self) -> RoutingSnapshot | None:
@@ -125,6 +141,7 @@ class Router:
             return False
         self.snapshot = snapshot
         self.table = RoutingTable.from_snapshot(snapshot)
+        self.balancer.keep_only(self.table.endpoints)
         self.pushed = True
         if self.config.table_file is not None:
             write_json_atomic(self.config.table_file, snapshot.model_dump(mode="json"))
@@ -165,103 +182,49 @@ class Router:
             return _no_model(model)
         return json_response(_card(model))
 
-    async def proxy(self, request: Request) -> Response:
-        key = self._authorize(request)
-        if isinstance(key, Response):
-            return key
-        limit = self.config.max_body_bytes
-        raw = await read_at_most(request, limit)
-        if raw is None:
-            return error_response(
-                413,
-                f"The request body is larger than this router takes ({limit} bytes).",
-                "invalid_request_error",
-                code="request_too_large",
-            )
-        try:
-            body = parse_body(raw)
-        except BadRequest as exc:
-            return error_response(400, str(exc), "invalid_request_error", param=exc.param)
-        model = body["model"]
-        table = self.table  # taken once: a swap during this request is invisible to it
-        endpoints = table.models.get(model)
-        if endpoints is None and self.awaiting_table:
-            return error_response(
-                503,
-                "This router has no routing table yet (it has just started); try again shortly.",
-                "server_error",
-                retry_after=1,
-            )
-        if endpoints is None or not key.allows(model):
-            return _no_model(model)
-        if not endpoints:
-            return error_response(
-                503,
-                f"No replica of `{model}` is ready now; try again shortly.",
-                "server_error",
-                retry_after=1,
-            )
-        stream = body.get("stream") is True
-        path = request.url.path
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        failures: list[str] = []
-        for endpoint in self.balancer.order(endpoints):
-            self.balancer.begin(endpoint)
-            headers = {"content-type": "application/json", "x-request-id": request_id}
-            engine_key = table.keys.get(endpoint)
-            if engine_key is not None:
-                headers["authorization"] = engine_key
-            try:
-                upstream = await self.session.post(endpoint + path, data=raw, headers=headers)
-            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                self.balancer.end(endpoint)
-                failures.append(f"{endpoint}: {type(exc).__name__}")
-                continue
-            if upstream.status in _RETRY_STATUSES:
-                self.balancer.end(endpoint)
-                failures.append(f"{endpoint}: HTTP {upstream.status}")
-                upstream.release()
-                continue
-            if stream and upstream.status == 200:
-                return StreamingResponse(
-                    self._relay(upstream, endpoint),
-                    status_code=upstream.status,
-                    media_type=upstream.headers.get("content-type", "text/event-stream"),
-                    headers={
-                        "cache-control": "no-cache",
-                        "x-accel-buffering": "no",
-                        "x-request-id": request_id,
-                    },
-                )
-            try:
-                data = await upstream.read()
-            except aiohttp.ClientError as exc:
-                failures.append(f"{endpoint}: {type(exc).__name__} while reading")
-                continue
-            finally:
-                upstream.release()
-                self.balancer.end(endpoint)
-            return Response(
-                data,
-                status_code=upstream.status,
-                media_type=upstream.headers.get("content-type", "application/json"),
-                headers={"x-request-id": request_id},
-            )
-        log.warning("no replica of %s reachable: %s", model, "; ".join(failures))
-        return error_response(
-            503,
-            f"No replica of `{model}` could be reached ({len(failures)} tried).",
-            "server_error",
-            retry_after=1,
+    async def metrics_page(self, _: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def watch_engines(self) -> None:
+        """Every `watch_interval`, `watch_once`; runs until cancelled."""
+        interval = self.config.watch_interval
+        if interval <= 0:
+            return
+        while True:
+            await self.watch_once()
+            await asyncio.sleep(interval)
+
+    async def watch_once(self) -> None:
+        """Read each engine's queue depth, and probe the ejected engines whose time out is
+        up."""
+        timeout = aiohttp.ClientTimeout(total=max(self.config.watch_interval, 1.0))
+        probes = self.balancer.probe_due(self.now())
+        await asyncio.gather(
+            *(self._read_load(e, timeout) for e in self.table.endpoints if e not in probes),
+            *(self._probe(e, timeout) for e in probes),
         )
 
-    async def _relay(self, upstream: aiohttp.ClientResponse, endpoint: str) -> AsyncIterator[bytes]:
+    async def _read_load(self, endpoint: str, timeout: aiohttp.ClientTimeout) -> None:
         try:
-            async for chunk in upstream.content.iter_any():
-                yield chunk
-        finally:
-            upstream.release()
-            self.balancer.end(endpoint)
+            async with self.session.get(endpoint + "/metrics", timeout=timeout) as answer:
+                if answer.status != 200:
+                    return
+                text = await answer.text()
+        except (TimeoutError, aiohttp.ClientError):
+            return  # a failing engine shows in its requests; its load is only a hint
+        load = read_engine_load(text)
+        if load is not None:
+            self.balancer.set_engine_load(endpoint, load)
+
+    async def _probe(self, endpoint: str, timeout: aiohttp.ClientTimeout) -> None:
+        try:
+            async with self.session.get(endpoint + "/health", timeout=timeout) as answer:
+                healthy = answer.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            healthy = False
+        self.balancer.probed(endpoint, healthy, self.now())
+        if healthy:
+            log.info("endpoint %s answered its probe; back in rotation", endpoint)
 
     async def health(self, _: Request) -> Response:
         return json_response({"status": "ok", "version": self.snapshot.version})
@@ -321,7 +284,22 @@ async def _openai_error(request: Request, exc: Exception) -> Response:
     return error_response(status, message, "invalid_request_error")
 
 
-def create_apps(router: Router) -> tuple[Starlette, Starlette]:
+class _ClientApp:
+    """The client listener: the proxied paths go straight to the proxy, the rest through
+    Starlette's routing."""
+
+    def __init__(self, proxy: Proxy, rest: ASGIApp) -> None:
+        self.proxy = proxy
+        self.rest = rest
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXY_PATHS:
+            await self.proxy(scope, receive, send)
+        else:
+            await self.rest(scope, receive, send)
+
+
+def create_apps(router: Router) -> tuple[ASGIApp, Starlette]:
     """The client-facing app and the push app of one router."""
 
     @contextlib.asynccontextmanager
@@ -330,14 +308,14 @@ def create_apps(router: Router) -> tuple[Starlette, Starlette]:
         await router.close()
 
     post = ["POST"]
-    client = Starlette(
+    proxy = Proxy(router)
+    rest = Starlette(
         routes=[
             Route("/health", router.health),
+            Route("/metrics", router.metrics_page),
             Route("/v1/models", router.list_models),
             Route("/v1/models/{model:path}", router.get_model),
-            Route("/v1/chat/completions", router.proxy, methods=post),
-            Route("/v1/completions", router.proxy, methods=post),
-            Route("/v1/embeddings", router.proxy, methods=post),
+            *(Route(path, proxy, methods=post) for path in sorted(PROXY_PATHS)),
         ],
         lifespan=lifespan,
         exception_handlers={404: _openai_error, 405: _openai_error},
@@ -349,7 +327,7 @@ def create_apps(router: Router) -> tuple[Starlette, Starlette]:
             Route("/v1/routing/held", router.get_held, methods=["GET"]),
         ]
     )
-    return client, push
+    return _ClientApp(proxy, rest), push
 
 
 async def serve(config: RouterConfig, ready_file: Path | None) -> None:
@@ -360,4 +338,4 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
         Listener("router", client, config.host, config.port),
         Listener("push", push, config.host, config.push_port),
     ]
-    await run_service(listeners, ready_file=ready_file)
+    await run_service(listeners, ready_file=ready_file, loops=[router.watch_engines])

@@ -1,4 +1,4 @@
-"""The router's routing table: models, their ready endpoints, and the choice among them.
+"""The router's routing table (models, their ready endpoints, how each is routed) and its keys.
 
 The table is replaced whole by each pushed snapshot and never edited in place, so a request
 that took the table once sees one consistent version to the end.
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from modelfleet.apikeys import hash_key
-from modelfleet.wire import RoutingSnapshot
+from modelfleet.wire import RoutedModel, RoutingSnapshot
 
 
 @dataclass(frozen=True)
@@ -41,48 +41,31 @@ class KeyRing:
 
 @dataclass(frozen=True)
 class RoutingTable:
-    """One version of what the router serves: model name -> base URLs of ready replicas."""
+    """One version of what the router serves: model name -> base URLs of ready replicas, with
+    how each model is routed."""
 
     version: int
     catalog_version: int
     models: Mapping[str, tuple[str, ...]]
+    routes: Mapping[str, RoutedModel]  # model -> its routing fields
     keys: Mapping[str, str]  # endpoint -> the `Authorization` header its engine wants
+    replicas: Mapping[str, str]  # endpoint -> the id of the replica it serves
 
     @classmethod
     def from_snapshot(cls, snapshot: RoutingSnapshot) -> RoutingTable:
         models = {m.name: tuple(m.endpoints) for m in snapshot.models}
         keys = {e: f"Bearer {k}" for m in snapshot.models for e, k in m.keys.items()}
+        replicas = {e: r for m in snapshot.models for e, r in m.replicas.items()}
         return cls(
             snapshot.version,
             snapshot.catalog_version,
             MappingProxyType(models),
+            MappingProxyType({m.name: m for m in snapshot.models}),
             MappingProxyType(keys),
+            MappingProxyType(replicas),
         )
 
-
-class Balancer:
-    """Least-in-flight choice among a model's endpoints, counted by this router.
-
-    Ties go round-robin, so an idle fleet still spreads its requests.
-    """
-
-    def __init__(self) -> None:
-        self.in_flight: dict[str, int] = {}
-        self._turn = 0
-
-    def order(self, endpoints: tuple[str, ...]) -> list[str]:
-        """Endpoints in the order to try them: least loaded first."""
-        self._turn += 1
-        n = len(endpoints)
-        rotated = [endpoints[(self._turn + i) % n] for i in range(n)]
-        return sorted(rotated, key=lambda e: self.in_flight.get(e, 0))
-
-    def begin(self, endpoint: str) -> None:
-        self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
-
-    def end(self, endpoint: str) -> None:
-        left = self.in_flight.get(endpoint, 1) - 1
-        if left > 0:
-            self.in_flight[endpoint] = left
-        else:
-            self.in_flight.pop(endpoint, None)
+    @property
+    def endpoints(self) -> set[str]:
+        """Every endpoint of every model."""
+        return {e for endpoints in self.models.values() for e in endpoints}

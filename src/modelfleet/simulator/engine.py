@@ -1,15 +1,16 @@
 """The engine simulator's model of an inference engine: tokens, latency, a concurrency limit.
 
 Kept apart from HTTP so the latency model reads on its own. `SimEngine.generate` yields one
-token at a time with vLLM-like timing: a time to first token that grows with the prompt, then a
-steady inter-token latency, and at most `max_concurrency` requests decoding at once while the
-rest wait in a queue.
+token at a time with vLLM-like timing: a time to first token that grows with the part of the
+prompt not in its prefix cache, then a steady inter-token latency, and at most
+`max_concurrency` requests decoding at once while the rest wait in a queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -37,11 +38,51 @@ class SimSettings:
     # its process keeps running: a hung engine. None: never.
     hang_after: float | None = None
     api_key: str | None = None  # when set, /v1 requests must carry it (Authorization: Bearer)
+    # A prefix cache as vLLM keeps one: prompts are cut into blocks of `prefix_block` tokens,
+    # the last `prefix_cache_blocks` blocks seen are kept (least recently used out), and the
+    # leading blocks of a prompt found there cost no prefill. 0 blocks: no cache.
+    prefix_block: int = 16
+    prefix_cache_blocks: int = 4096
 
 
 def count_prompt_tokens(text: str) -> int:
     """A stand-in tokenizer: one token per whitespace-separated word, at least one."""
     return max(1, len(text.split()))
+
+
+class PrefixCache:
+    """The blocks of prompts seen lately, each known by the hash of all tokens up to its end
+    (so a block matches only after the same beginning), least recently used out first."""
+
+    def __init__(self, block: int, capacity: int) -> None:
+        self.block = block
+        self.capacity = capacity
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # of which found cached
+
+    def take(self, tokens: list[str]) -> int:
+        """How many leading tokens of `tokens` were cached; every full block of them is
+        cached from now on."""
+        if self.capacity <= 0:
+            return 0
+        cached = 0
+        matching = True
+        digest = hashlib.blake2b(digest_size=16)
+        for start in range(0, len(tokens) - self.block + 1, self.block):
+            digest.update("\x1f".join(tokens[start : start + self.block]).encode())
+            key = digest.copy().digest()
+            if matching and key in self._blocks:
+                cached += self.block
+                self._blocks.move_to_end(key)
+                continue
+            matching = False
+            self._blocks[key] = None
+            if len(self._blocks) > self.capacity:
+                self._blocks.popitem(last=False)
+        self.queries += len(tokens)
+        self.hits += cached
+        return cached
 
 
 class SimEngine:
@@ -55,27 +96,39 @@ class SimEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_total = 0
+        self.cancelled_total = 0  # requests given up by their client before their end
+        self.prefix_cache = PrefixCache(settings.prefix_block, settings.prefix_cache_blocks)
 
     async def generate(self, prompt: str, max_tokens: int | None) -> AsyncIterator[str]:
         """Yield the output tokens for `prompt`, each after its simulated delay."""
-        n_prompt = count_prompt_tokens(prompt)
+        words = prompt.split()
+        n_prompt = max(1, len(words))
         n_out = self.settings.output_tokens if max_tokens is None else max(0, max_tokens)
         seed = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=4).digest(), "big")
-        self.waiting += 1
+        finished = False
         try:
-            await self._slots.acquire()
+            self.waiting += 1
+            try:
+                await self._slots.acquire()
+            finally:
+                self.waiting -= 1
+            self.running += 1
+            self.prompt_tokens_total += n_prompt
+            self.requests_total += 1
+            to_prefill = n_prompt - self.prefix_cache.take(words)
+            try:
+                await asyncio.sleep(
+                    self.settings.ttft + to_prefill * self.settings.prefill_per_token
+                )
+                for i in range(n_out):
+                    if i:
+                        await asyncio.sleep(self.settings.itl)
+                    self.generation_tokens_total += 1
+                    yield " " + _WORDS[(seed + i) % len(_WORDS)]
+                finished = True
+            finally:
+                self.running -= 1
+                self._slots.release()
         finally:
-            self.waiting -= 1
-        self.running += 1
-        self.prompt_tokens_total += n_prompt
-        self.requests_total += 1
-        try:
-            await asyncio.sleep(self.settings.ttft + n_prompt * self.settings.prefill_per_token)
-            for i in range(n_out):
-                if i:
-                    await asyncio.sleep(self.settings.itl)
-                self.generation_tokens_total += 1
-                yield " " + _WORDS[(seed + i) % len(_WORDS)]
-        finally:
-            self.running -= 1
-            self._slots.release()
+            if not finished:
+                self.cancelled_total += 1

@@ -8,10 +8,11 @@ names. On SIGTERM it stops accepting, finishes the requests in flight, then exit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,9 @@ class _VllmMetrics:
             ("vllm:prompt_tokens", "Prompt tokens processed.", e.prompt_tokens_total),
             ("vllm:generation_tokens", "Tokens generated.", e.generation_tokens_total),
             ("vllm:request_success", "Requests finished.", e.requests_total),
+            ("sim:requests_cancelled", "Requests given up by their client.", e.cancelled_total),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up.", e.prefix_cache.queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found cached.", e.prefix_cache.hits),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
@@ -164,7 +168,9 @@ async def _complete(request: Request, engine: SimEngine, chat: bool) -> Response
         events = _stream(tokens, meta, chat, n_prompt, max_tokens, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    text = "".join([t async for t in tokens])
+    text = await _unless_gone(request, _join(tokens))
+    if text is None:
+        return Response(status_code=499)  # nobody reads it: the client has gone
     n_out = len(text.split())
     finish = _finish_reason(n_out, max_tokens)
     if chat:
@@ -180,6 +186,31 @@ async def _complete(request: Request, engine: SimEngine, chat: bool) -> Response
             "usage": _usage(n_prompt, n_out),
         }
     )
+
+
+async def _join(tokens: AsyncIterator[str]) -> str:
+    try:
+        return "".join([t async for t in tokens])
+    finally:
+        await tokens.aclose()  # type: ignore[attr-defined]
+
+
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, str]) -> str | None:
+    """`work`'s result, or None once the client has disconnected: then `work` is cancelled,
+    as vLLM aborts a request whose client has gone."""
+    job = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(request.receive())  # the body is read: next is the disconnect
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not job.done():
+            job.cancel()
+    if job.cancelled() or not job.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await job
+        return None
+    return job.result()
 
 
 def _finish_reason(n_out: int, max_tokens: int | None) -> str:
@@ -208,17 +239,20 @@ async def _stream(
     if chat:
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         yield event([first])
-    async for token in tokens:
-        n_out += 1
-        if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {"content": token},
-                "finish_reason": None,
-            }
-        else:
-            choice = {"index": 0, "text": token, "logprobs": None, "finish_reason": None}
-        yield event([choice])
+    try:
+        async for token in tokens:
+            n_out += 1
+            if chat:
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "delta": {"content": token},
+                    "finish_reason": None,
+                }
+            else:
+                choice = {"index": 0, "text": token, "logprobs": None, "finish_reason": None}
+            yield event([choice])
+    finally:
+        await tokens.aclose()  # type: ignore[attr-defined]  # a stream cut short frees its slot
     finish = _finish_reason(n_out, max_tokens)
     last: dict[str, Any] = {"index": 0, "finish_reason": finish}
     if chat:

@@ -1,0 +1,126 @@
+"""The router as a real process in front of real engine simulators: the openai client
+streaming through it, a replica killed mid-run, a huge body refused unread."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+
+from .conftest import Procs, wait_for, wait_json
+from .test_processes import KEY, start_engine, start_router
+
+
+def engine_of(procs: Procs, tmp: Path, model: str, name: str) -> tuple[str, int]:
+    """An engine simulator of `model`, known to the test as `name` (its ready file and log)."""
+    ready = tmp / f"engine-{name}.json"
+    proc = procs.start(
+        "engine-sim", "--model", model, "--port", "0", "--itl", "0.02",
+        "--ready-file", str(ready), log=name,
+    )  # fmt: skip
+    return wait_json(ready, proc)["urls"]["engine"], proc.pid
+
+
+def counter(page: str, line_start: str) -> float:
+    """The value of the first metric line of `page` that starts with `line_start`; 0 if none."""
+    for line in page.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_the_openai_client_streams_through_the_router_which_names_the_replica(
+    procs: Procs, tmp_path: Path
+) -> None:
+    engine, _ = start_engine(procs, tmp_path, "m", "--itl", "0.005")
+    router = start_router(procs, tmp_path, [{"name": "m", "endpoints": [engine]}])
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key=KEY, timeout=20, max_retries=0)
+    stream = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces = [
+        c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content
+    ]
+    assert len("".join(pieces).split()) == 6
+    raw = client.completions.with_raw_response.create(model="m", prompt="x", max_tokens=2)
+    assert raw.headers["x-modelfleet-replica"] == engine  # a static config names no replica ids
+    assert raw.parse().usage.completion_tokens == 2
+    page = httpx.get(f"{router}/metrics", timeout=10).text
+    assert counter(page, 'modelfleet_router_requests_total{model="m",status="200"}') == 2
+    assert counter(page, "modelfleet_router_overhead_seconds_count") == 2
+
+
+def test_a_replica_killed_mid_run_fails_no_request(procs: Procs, tmp_path: Path) -> None:
+    """Requests in flight at the killed engine, and those that meet its closed port after, go
+    to the other replica before the client has seen a byte: not one fails."""
+    doomed, doomed_pid = engine_of(procs, tmp_path, "m", "doomed")
+    survivor, _ = engine_of(procs, tmp_path, "m", "survivor")
+    assert doomed != survivor
+    router = start_router(procs, tmp_path, [{"name": "m", "endpoints": [doomed, survivor]}])
+    failures: list[str] = []
+    answered = [0]
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(headers={"authorization": f"Bearer {KEY}"}, timeout=30) as http:
+            while not stop.is_set():
+                body = {"model": "m", "prompt": "x", "max_tokens": 10}
+                try:
+                    r = http.post(f"{router}/v1/completions", json=body)
+                    if r.status_code != 200:
+                        failures.append(f"{r.status_code}: {r.text[:200]}")
+                except httpx.HTTPError as exc:
+                    failures.append(repr(exc))
+                answered[0] += 1
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_for("40 requests answered before the kill", lambda: answered[0] >= 40, timeout=60)
+        engine = psutil.Process(doomed_pid)
+        assert engine.status() != psutil.STATUS_ZOMBIE
+        engine.send_signal(signal.SIGKILL)
+        killed_at = answered[0]
+        wait_for("80 answers after the kill", lambda: answered[0] >= killed_at + 80, timeout=60)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=40)
+    assert failures == []
+    page = httpx.get(f"{router}/metrics", timeout=10).text
+    assert counter(page, 'modelfleet_router_retries_total{model="m"}') >= 1
+    assert counter(page, f'modelfleet_router_ejections_total{{endpoint="{doomed}"}}') == 1
+
+
+def test_a_huge_body_is_refused_before_it_is_read(procs: Procs, tmp_path: Path) -> None:
+    """A client that declares 200 MiB gets 413 after sending 1 MiB: the router neither waits
+    for nor keeps the rest."""
+    router = start_router(procs, tmp_path, [{"name": "m", "endpoints": []}])
+    pid = procs.started[-1].pid
+    port = int(router.rsplit(":", 1)[1])
+    before = psutil.Process(pid).memory_info().rss
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nhost: router\r\n"
+            f"authorization: Bearer {KEY}\r\ncontent-type: application/json\r\n"
+            f"content-length: {200 << 20}\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        with contextlib.suppress(OSError):  # it may close before taking it all: the point
+            sock.sendall(b"x" * (1 << 20))
+        answer = sock.recv(4096).decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 413"), answer[:200]
+    assert "request_too_large" in answer
+    grown = psutil.Process(pid).memory_info().rss - before
+    assert grown < 50 << 20, f"the router grew by {grown >> 20} MiB"

@@ -1,0 +1,112 @@
+"""What the router's unit tests share: routers in-process, and engines served on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from modelfleet.router.service import Router, RouterConfig, create_apps
+from modelfleet.serving import Listener
+
+
+class FakeClock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def client_of(router: Router) -> httpx.AsyncClient:
+    """An in-process client of `router`'s client API, with the key its config names."""
+    client_app, _ = create_apps(router)
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=client_app),
+        base_url="http://router",
+        headers={"authorization": "Bearer client-key"},
+    )
+
+
+def keyed(clock: Callable[[], float] = time.monotonic, **config: Any) -> Router:
+    """A router with one client key, `client-key`, and `config` besides; no engine watching
+    unless the test asks for it."""
+    config.setdefault("watch_interval", 0)
+    return Router(RouterConfig(api_keys=[{"name": "k", "key": "client-key"}], **config), clock)
+
+
+@contextlib.asynccontextmanager
+async def serving(app: ASGIApp) -> AsyncIterator[str]:
+    """`app` served on 127.0.0.1 by uvicorn on this event loop; yields its URL."""
+    listener = Listener("engine", app)
+    sock = listener.bind()
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "the test engine did not start listening"
+            await asyncio.sleep(0.01)
+        yield listener.url
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
+async def upstream(status: int, hits: list[int]) -> AsyncIterator[str]:
+    """An engine on 127.0.0.1 that answers every completion with `status`, counting them,
+    and its /health with 200."""
+
+    async def complete(_: Request) -> Response:
+        hits.append(status)
+        body = {"choices": [{"index": 0, "text": "ok"}]} if status == 200 else {"error": "busy"}
+        return JSONResponse(body, status_code=status)
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=200)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", complete, methods=["POST"]),
+            Route("/health", health),
+        ]
+    )
+    async with serving(app) as url:
+        yield url
+
+
+def run(test: Coroutine[Any, Any, None], within: float = 30.0) -> None:
+    """Run an async test, failing it after `within` seconds rather than letting it hang (a
+    router without its timeouts would wait forever)."""
+
+    async def bounded() -> None:
+        try:
+            async with asyncio.timeout(within):
+                await test
+        except TimeoutError:
+            raise AssertionError(f"the test did not end within {within} s") from None
+
+    asyncio.run(bounded())
+
+
+async def until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait, on the event loop, until `check()` holds; fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        await asyncio.sleep(0.01)

@@ -1,0 +1,257 @@
+"""The router's data path against engines served on 127.0.0.1: retries before the first byte,
+timeouts, ejection, stalled streams, clients that go away, the max_tokens cap, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from modelfleet.router.service import create_apps
+from modelfleet.simulator.engine import SimSettings
+from modelfleet.simulator.server import create_app as create_simulator
+from modelfleet.wire import RoutedModel
+
+from .router_kit import FakeClock, client_of, keyed, run, serving, until, upstream
+
+COMPLETION = {"model": "m", "prompt": "x"}
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_a_failing_replica_is_retried_elsewhere_then_ejected_and_probed_back(status: int) -> None:
+    """Each request that meets the failing engine first is answered by the healthy one; after
+    three failures in a row the failing engine gets no more requests until a probe of it
+    succeeds, and a second ejection lasts twice as long."""
+    clock = FakeClock()
+
+    async def go() -> None:
+        failing: list[int] = []
+        healthy: list[int] = []
+        async with upstream(status, failing) as bad, upstream(200, healthy) as good:
+            router = keyed(clock, models=[RoutedModel(name="m", endpoints=[bad, good])])
+            async with client_of(router) as client:
+                for _ in range(200):
+                    r = await client.post("/v1/completions", json=COMPLETION)
+                    assert r.status_code == 200, r.text
+                    if len(failing) == 3:
+                        break
+                assert len(failing) == 3, f"the failing engine was tried {len(failing)} times"
+                assert not router.balancer.usable(bad)
+                answered = len(healthy)
+                for _ in range(10):  # ejected: never tried
+                    assert (await client.post("/v1/completions", json=COMPLETION)).is_success
+                assert len(failing) == 3 and len(healthy) == answered + 10
+
+                await router.watch_once()  # not yet time to probe it
+                assert not router.balancer.usable(bad)
+                clock.now += 5
+                await router.watch_once()  # its /health answers 200: back in rotation
+                assert router.balancer.usable(bad)
+                while len(failing) < 6:
+                    assert (await client.post("/v1/completions", json=COMPLETION)).is_success
+                assert router.balancer.state[bad].ejected_until == clock.now + 10
+
+                page = (await client.get("/metrics")).text
+                assert f'modelfleet_router_ejections_total{{endpoint="{bad}"}} 2.0' in page
+                assert 'modelfleet_router_retries_total{model="m"} 6.0' in page
+            await router.close()
+
+    run(go())
+
+
+def hanging_engine(calls: list[str], gone: list[str]) -> Starlette:
+    """An engine that takes every completion and never answers; it notes each request that
+    its client gave up (the connection closed)."""
+
+    async def complete(request: Request) -> Response:
+        calls.append("called")
+        await request.body()
+        await request.receive()  # returns once the client has disconnected
+        gone.append("gone")
+        return Response(status_code=499)
+
+    return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
+
+
+def test_a_replica_silent_past_the_models_first_byte_timeout_is_left_for_another() -> None:
+    async def go() -> None:
+        calls: list[str] = []
+        gone: list[str] = []
+        healthy: list[int] = []
+        async with serving(hanging_engine(calls, gone)) as slow, upstream(200, healthy) as good:
+            router = keyed(
+                models=[
+                    RoutedModel(name="m", endpoints=[slow, good], first_byte_timeout=0.2),
+                    RoutedModel(name="only-slow", endpoints=[slow], first_byte_timeout=0.2),
+                ]
+            )
+            async with client_of(router) as client:
+                while not calls:
+                    r = await client.post("/v1/completions", json=COMPLETION)
+                    assert r.status_code == 200, r.text
+                late = await client.post(
+                    "/v1/completions", json={"model": "only-slow", "prompt": "x"}
+                )
+                assert late.status_code == 504, late.text
+                assert late.headers["x-modelfleet-reason"] == "first-byte-timeout"
+                assert late.json()["error"]["code"] == "upstream_timeout"
+                # Each request the router gave up on was given up on at the engine too.
+                await until("the engine to see both requests abandoned", lambda: len(gone) == 2)
+            await router.close()
+
+    run(go())
+
+
+def stalling_engine() -> Starlette:
+    """An engine whose stream sends one token and then nothing, forever."""
+
+    async def complete(_: Request) -> Response:
+        async def events() -> AsyncIterator[bytes]:
+            chunk = {"id": "c", "object": "text_completion", "created": 0, "model": "m"}
+            chunk["choices"] = [{"index": 0, "text": " one", "finish_reason": None}]
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            await asyncio.Event().wait()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
+
+
+def test_a_stalled_stream_ends_with_an_error_event_never_silence() -> None:
+    async def go() -> None:
+        async with serving(stalling_engine()) as engine:
+            router = keyed(chunk_timeout=0.3, models=[RoutedModel(name="m", endpoints=[engine])])
+            client_app, _ = create_apps(router)
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=client_app))
+            sdk = openai.AsyncOpenAI(
+                api_key="client-key", base_url="http://router/v1", http_client=http
+            )
+            stream = await sdk.completions.create(model="m", prompt="x", stream=True)
+            texts = []
+            with pytest.raises(openai.APIError, match="stopped answering mid-stream"):
+                async for chunk in stream:
+                    texts.append(chunk.choices[0].text)
+            assert texts == [" one"]
+            await http.aclose()
+            await router.close()
+
+    run(go())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_cancels_the_request_upstream(stream: bool) -> None:
+    """A request with a huge max_tokens whose client leaves no longer holds the engine."""
+
+    async def go() -> None:
+        sim = create_simulator(SimSettings(model="m", ttft=0.0, itl=0.05))
+        engine = sim.state.engine
+        async with serving(sim) as engine_url:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[engine_url])])
+            client_app, _ = create_apps(router)
+            async with serving(client_app) as router_url:
+                body = {"model": "m", "prompt": "x", "max_tokens": 100_000, "stream": stream}
+                headers = {"authorization": "Bearer client-key"}
+                async with httpx.AsyncClient(base_url=router_url, headers=headers) as client:
+                    if stream:
+                        async with client.stream("POST", "/v1/completions", json=body) as r:
+                            async for _ in r.aiter_bytes():
+                                break  # one chunk read, then the client leaves
+                    else:
+                        request = asyncio.create_task(client.post("/v1/completions", json=body))
+                        await until("the engine to run the request", lambda: engine.running == 1)
+                        request.cancel()
+                        with pytest.raises(asyncio.CancelledError):
+                            await request
+                    await until(
+                        "the engine to count the request cancelled",
+                        lambda: engine.cancelled_total == 1 and engine.running == 0,
+                    )
+                    page = (await client.get("/metrics")).text
+                    assert 'modelfleet_router_client_disconnects_total{model="m"} 1.0' in page
+            await router.close()
+
+    run(go())
+
+
+def echo_engine(seen: list[dict[str, object]]) -> Starlette:
+    async def complete(request: Request) -> Response:
+        seen.append(await request.json())
+        return JSONResponse({"choices": [{"index": 0, "text": "ok"}]})
+
+    return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
+
+
+def test_the_catalogs_max_tokens_cap_refuses_or_clamps() -> None:
+    async def go() -> None:
+        seen: list[dict[str, object]] = []
+        async with serving(echo_engine(seen)) as engine:
+            router = keyed(
+                models=[
+                    RoutedModel(name="strict", endpoints=[engine], max_tokens_cap=100),
+                    RoutedModel(
+                        name="lenient",
+                        endpoints=[engine],
+                        max_tokens_cap=100,
+                        max_tokens_over_cap="clamp",
+                    ),
+                ]
+            )
+            async with client_of(router) as client:
+                over = await client.post(
+                    "/v1/completions", json={"model": "strict", "prompt": "x", "max_tokens": 500}
+                )
+                assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+                assert "cap of 100" in over.json()["error"]["message"] and not seen
+                for model, asked in (("strict", 50), ("strict", None), ("lenient", 500)):
+                    body = {"model": model, "prompt": "x"}
+                    if asked is not None:
+                        body["max_tokens"] = asked
+                    assert (await client.post("/v1/completions", json=body)).is_success
+                chat_over = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": "strict", "messages": [], "max_completion_tokens": 101},
+                )
+                assert chat_over.json()["error"]["param"] == "max_completion_tokens"
+            await router.close()
+        assert [s["max_tokens"] for s in seen] == [50, 100, 100]
+
+    run(go())
+
+
+def test_answers_name_their_replica_and_metrics_move() -> None:
+    async def go() -> None:
+        healthy: list[int] = []
+        async with upstream(200, healthy) as engine:
+            router = keyed(
+                models=[
+                    RoutedModel(name="m", endpoints=[engine], replicas={engine: "m-r1"}),
+                    RoutedModel(name="none-ready", endpoints=[]),
+                ]
+            )
+            async with client_of(router) as client:
+                for _ in range(3):
+                    r = await client.post("/v1/completions", json=COMPLETION)
+                    assert r.headers["x-modelfleet-replica"] == "m-r1"
+                busy = await client.post(
+                    "/v1/completions", json={"model": "none-ready", "prompt": "x"}
+                )
+                assert busy.status_code == 503
+                assert busy.headers["x-modelfleet-reason"] == "no-ready-replica"
+                page = (await client.get("/metrics")).text
+            await router.close()
+        assert 'modelfleet_router_requests_total{model="m",status="200"} 3.0' in page
+        assert 'modelfleet_router_requests_total{model="none-ready",status="503"} 1.0' in page
+        assert 'modelfleet_router_rejections_total{reason="no-ready-replica"} 1.0' in page
+        assert "modelfleet_router_overhead_seconds_count 4.0" in page
+        assert 'modelfleet_router_first_byte_seconds_count{model="m"} 3.0' in page
+        assert f'modelfleet_router_in_flight{{endpoint="{engine}"}} 0.0' in page
+
+    run(go())
