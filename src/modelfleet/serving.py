@@ -37,6 +37,9 @@ class Listener:
     app: Any
     host: str = "127.0.0.1"
     port: int = 0
+    # Several processes may listen on the port (each such listener says so): the kernel
+    # spreads new connections over them.
+    reuse_port: bool = False
     sock: socket.socket | None = field(default=None, repr=False)
 
     def bind(self) -> socket.socket:
@@ -48,6 +51,8 @@ class Listener:
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((self.host, self.port))
         sock.listen(2048)
         sock.setblocking(False)

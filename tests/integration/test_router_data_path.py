@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import psutil
+import yaml
 
 from .conftest import Procs, wait_for, wait_json
 from .test_processes import KEY, start_engine, start_router
@@ -124,3 +125,61 @@ def test_a_huge_body_is_refused_before_it_is_read(procs: Procs, tmp_path: Path) 
     assert "request_too_large" in answer
     grown = psutil.Process(pid).memory_info().rss - before
     assert grown < 50 << 20, f"the router grew by {grown >> 20} MiB"
+
+
+def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Path) -> None:
+    """`workers: 2`: two processes accept on the client port, and a table pushed to the
+    parent reaches both (a worker that missed it would answer 404 for the new model)."""
+    engine, _ = engine_of(procs, tmp_path, "m", "engine")
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "port": 0,
+                "push_port": 0,
+                "push_token": "push-token-0123456789",
+                "workers": 2,
+                "api_keys": [{"name": "t", "key": KEY}],
+                "models": [],
+            }
+        )
+    )
+    ready = tmp_path / "router.json"
+    proc = procs.start("router", "--config", str(config), "--ready-file", str(ready), log="router")
+    urls = wait_json(ready, proc, timeout=60)
+    router, push = urls["urls"]["router"], urls["urls"]["push"]
+    workers = [psutil.Process(pid) for pid in urls["workers"]]
+    assert len(workers) == 2
+    table = {"epoch": 1, "version": 3, "models": [{"name": "m", "endpoints": [engine]}]}
+    admin = {"authorization": "Bearer push-token-0123456789"}
+    taken = httpx.put(f"{push}/v1/routing", json=table, headers=admin, timeout=20)
+    assert taken.status_code == 200 and taken.json()["applied"] is True
+    held = httpx.get(f"{push}/v1/routing/held", headers=admin, timeout=20).json()
+    assert held == {"applied": True, "epoch": 1, "version": 3}
+    before = [w.cpu_times() for w in workers]
+    for _ in range(60):  # a new connection each: the kernel spreads them over the workers
+        r = httpx.post(
+            f"{router}/v1/completions",
+            json={"model": "m", "prompt": "x", "max_tokens": 1},
+            headers={"authorization": f"Bearer {KEY}", "connection": "close"},
+            timeout=20,
+        )
+        assert r.status_code == 200, r.text
+    after = [w.cpu_times() for w in workers]
+    busy = [a.user + a.system - b.user - b.system for a, b in zip(after, before, strict=True)]
+    assert all(b > 0.01 for b in busy), f"CPU seconds per worker: {busy}"
+    # A worker that dies is restarted, and serves the table it shares at once.
+    workers[0].kill()
+    workers[0].wait(timeout=10)
+
+    def new_worker_serves() -> bool:
+        r = httpx.post(
+            f"{router}/v1/completions",
+            json={"model": "m", "prompt": "x", "max_tokens": 1},
+            headers={"authorization": f"Bearer {KEY}", "connection": "close"},
+            timeout=20,
+        )
+        assert r.status_code == 200, r.text
+        return len([c for c in psutil.Process(proc.pid).children() if c.is_running()]) == 2
+
+    wait_for("the killed worker to be restarted", new_worker_serves, timeout=60)

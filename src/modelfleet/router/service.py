@@ -87,6 +87,10 @@ class RouterConfig(BaseModel):
     # How often each engine's queue depth is read from its /metrics, and ejected engines
     # probed at /health; 0 turns it off (the router's own counts alone then).
     watch_interval: float = Field(default=0.5, ge=0)
+    # Router processes on the client port (SO_REUSEPORT), for when one core is not enough;
+    # the push API stays one, in the parent (router/workers.py).
+    workers: int = Field(default=1, ge=1, le=64)
+    reuse_port: bool = False  # set by the parent of several workers on each of them
 
 
 class Router:
@@ -332,10 +336,29 @@ def create_apps(router: Router) -> tuple[ASGIApp, Starlette]:
 
 async def serve(config: RouterConfig, ready_file: Path | None) -> None:
     """Run a router until SIGINT/SIGTERM."""
+    if config.workers > 1:
+        from modelfleet.router.workers import serve_workers
+
+        data = config.model_dump(mode="json", exclude_defaults=True)
+        # The workers' config files hold the keys' hashes only.
+        data["api_keys"] = [
+            {"name": k.name, "sha256": k.to_key().sha256, "models": k.models}
+            for k in config.api_keys
+        ]
+        await serve_workers(
+            data,
+            config.host,
+            config.port,
+            config.push_port,
+            config.workers,
+            config.push_token,
+            ready_file,
+        )
+        return
     router = Router(config)
     client, push = create_apps(router)
     listeners = [
-        Listener("router", client, config.host, config.port),
+        Listener("router", client, config.host, config.port, reuse_port=config.reuse_port),
         Listener("push", push, config.host, config.push_port),
     ]
     await run_service(listeners, ready_file=ready_file, loops=[router.watch_engines])

@@ -1,0 +1,248 @@
+"""Several router processes on one port, for when one core is not enough (`workers: N`).
+
+Each worker is a whole router that binds the client port with SO_REUSEPORT, so the kernel
+spreads new connections over them. The parent process holds the push API: a table pushed to
+it goes on to every worker (each with a push port of its own on loopback) and is confirmed
+only when every worker took it, so the control plane still sees one router. The workers share
+the `table_file`, from which one that is restarted after a crash serves at once. Each worker
+balances on its own in-flight counts and on the engines' queue depths, which every worker
+reads from the engines themselves: the one count they share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import aiohttp
+import yaml
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from modelfleet.files import private_dir
+from modelfleet.serving import Listener, run_service
+from modelfleet.web import JSON, bearer_matches
+from modelfleet.web import error_response as web_error
+from modelfleet.wire import RoutingAck, RoutingSnapshot
+
+log = logging.getLogger("modelfleet.router")
+
+
+class _Worker:
+    """One worker process: its config, its ready file, and, once up, its push URL."""
+
+    def __init__(self, index: int, folder: Path) -> None:
+        self.index = index
+        self.config_file = folder / f"worker-{index}.yaml"
+        self.ready_file = folder / f"worker-{index}.json"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.push_url: str | None = None
+
+    def start(self) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        self.push_url = None
+        # In the parent's process group: whoever stops the router's group stops its workers.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "modelfleet", "router", "--config", str(self.config_file),
+             "--ready-file", str(self.ready_file), "--log-level", "warning"],
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    async def ready(self, timeout: float = 60.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.ready_file.exists():
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"router worker {self.index} exited before it was ready")
+            if loop.time() > deadline:
+                raise RuntimeError(f"router worker {self.index} not ready within {timeout:.0f} s")
+            await asyncio.sleep(0.05)
+        self.push_url = json.loads(self.ready_file.read_text())["urls"]["push"]
+
+
+class Workers:
+    """The parent of the workers: starts and restarts them, and passes each push on."""
+
+    def __init__(self, config_data: dict[str, object], workers: int, token: str | None) -> None:
+        self.token = token
+        self.data = config_data
+        self.folder = private_dir(Path(tempfile.mkdtemp(prefix="modelfleet-router-")))
+        self.workers = [_Worker(i, self.folder) for i in range(workers)]
+        self._session: aiohttp.ClientSession | None = None
+
+    def write_configs(self, port: int) -> None:
+        table_file = self.data.get("table_file") or str(self.folder / "table.json")
+        for worker in self.workers:
+            data = {
+                **self.data,
+                "port": port,
+                "push_port": 0,
+                "workers": 1,
+                "reuse_port": True,
+                "table_file": table_file,
+            }
+            worker.config_file.write_text(yaml.safe_dump(data))
+            worker.config_file.chmod(0o600)
+
+    async def start(self) -> None:
+        for worker in self.workers:
+            worker.start()
+        await asyncio.gather(*(w.ready() for w in self.workers))
+
+    async def supervise(self) -> None:
+        """Restart a worker that exits; it serves the shared table file's table at once."""
+        while True:
+            for worker in self.workers:
+                if worker.proc is not None and worker.proc.poll() is not None:
+                    log.warning(
+                        "router worker %d exited (%s); restarting it",
+                        worker.index,
+                        worker.proc.returncode,
+                    )
+                    worker.start()
+                    with contextlib.suppress(RuntimeError):
+                        await worker.ready()
+            await asyncio.sleep(0.5)
+
+    async def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM to every worker (each finishes what it has in flight), SIGKILL after
+        `grace` seconds."""
+        procs = [w.proc for w in self.workers if w.proc is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                await asyncio.to_thread(proc.wait, grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        return self._session
+
+    # -- the push API, passed on ----------------------------------------------------------
+
+    def _authorized(self, request: Request) -> bool:
+        return bearer_matches(request.headers.get("authorization"), self.token)
+
+    async def _each(self, method: str, path: str, body: bytes | None = None) -> list[RoutingAck]:
+        """Every worker's answer to one push API call; a worker that cannot answer fails it."""
+        headers = {"authorization": f"Bearer {self.token}", "content-type": JSON}
+
+        async def one(worker: _Worker) -> RoutingAck:
+            if worker.push_url is None:
+                raise RuntimeError(f"router worker {worker.index} is starting")
+            url = worker.push_url + path
+            async with self.session.request(method, url, data=body, headers=headers) as answer:
+                return RoutingAck.model_validate_json(await answer.read())
+
+        return list(await asyncio.gather(*(one(w) for w in self.workers)))
+
+    async def put_routing(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return web_error(401, "missing or wrong admin token")
+        body = await request.body()
+        try:
+            RoutingSnapshot.model_validate_json(body)
+        except ValueError as exc:
+            return web_error(400, f"not a routing snapshot: {exc}")
+        try:
+            acks = await self._each("PUT", "/v1/routing", body)
+        except (RuntimeError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return web_error(503, f"not every router worker took the table: {exc}")
+        return _summary(acks)
+
+    async def get_held(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return web_error(401, "missing or wrong admin token")
+        try:
+            acks = await self._each("GET", "/v1/routing/held")
+        except (RuntimeError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return web_error(503, f"a router worker did not answer: {exc}")
+        return _summary(acks, status=200)
+
+    async def get_routing(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return web_error(401, "missing or wrong admin token")
+        worker = self.workers[0]
+        if worker.push_url is None:
+            return web_error(503, "router worker 0 is starting")
+        headers = {"authorization": f"Bearer {self.token}"}
+        async with self.session.get(worker.push_url + "/v1/routing", headers=headers) as answer:
+            return Response(await answer.read(), status_code=answer.status, media_type=JSON)
+
+
+def _summary(acks: list[RoutingAck], status: int | None = None) -> Response:
+    """One answer for all workers: taken only if every one took it, at the oldest version held."""
+    oldest = min(acks, key=lambda a: (a.epoch, a.version))
+    applied = all(a.applied for a in acks)
+    ack = RoutingAck(applied=applied, epoch=oldest.epoch, version=oldest.version)
+    code = status if status is not None else (200 if applied else 409)
+    return Response(ack.model_dump_json(), status_code=code, media_type=JSON)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Bind (not listen) `host:port` with SO_REUSEPORT: it picks the port for port 0 and holds
+    it while the workers bind it too; a socket that does not listen takes no connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def serve_workers(
+    config_data: dict[str, object],
+    host: str,
+    port: int,
+    push_port: int,
+    workers: int,
+    token: str | None,
+    ready_file: Path | None,
+) -> None:
+    """Run `workers` router processes on one client port, and the push API in this one."""
+    reserved = reserve_port(host, port)
+    port = reserved.getsockname()[1]
+    parent = Workers(config_data, workers, token)
+    parent.write_configs(port)
+    await parent.start()
+    push = Starlette(
+        routes=[
+            Route("/v1/routing", parent.put_routing, methods=["PUT"]),
+            Route("/v1/routing", parent.get_routing, methods=["GET"]),
+            Route("/v1/routing/held", parent.get_held, methods=["GET"]),
+        ]
+    )
+    listener = Listener("push", push, host, push_port)
+    listener.bind()
+    client = Listener("router", None, host, port)  # served by the workers; named for its URL
+    try:
+        await run_service(
+            [listener],
+            ready_file=ready_file,
+            loops=[parent.supervise],
+            on_stop=parent.stop,
+            ready_extra={
+                "urls": {"router": client.url, "push": listener.url},
+                "workers": [w.proc.pid for w in parent.workers if w.proc is not None],
+            },
+        )
+    finally:
+        reserved.close()
+        await parent.stop()
