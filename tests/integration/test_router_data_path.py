@@ -121,8 +121,9 @@ def test_a_huge_body_is_refused_before_it_is_read(procs: Procs, tmp_path: Path) 
         with contextlib.suppress(OSError):  # it may close before taking it all: the point
             sock.sendall(b"x" * (1 << 20))
         answer = sock.recv(4096).decode(errors="replace")
+    # The router closes the connection with the client's bytes unread, so the kernel resets
+    # it, which may cut the error's body short: the status line is what is sure to arrive.
     assert answer.startswith("HTTP/1.1 413"), answer[:200]
-    assert "request_too_large" in answer
     grown = psutil.Process(pid).memory_info().rss - before
     assert grown < 50 << 20, f"the router grew by {grown >> 20} MiB"
 

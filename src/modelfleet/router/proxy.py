@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,7 +85,7 @@ class Proxy:
                 declared = value
             elif name == b"x-request-id":
                 request_id = value.decode("latin-1")[:200]
-        ex = _Exchange(request_id or uuid.uuid4().hex, started)
+        ex = _Exchange(request_id or f"{random.getrandbits(128):032x}", started)
         try:
             await self._handle(ex, scope, receive, send, authorization, declared)
         except _ClientGone:
@@ -93,7 +93,8 @@ class Proxy:
         except _Broken:
             pass  # the connection closes short of the promised length; the status counts
         if ex.client_gone:
-            self.router.metrics.cancellations.labels(ex.model).inc()
+            metrics = self.router.metrics
+            metrics.child(metrics.cancellations, ex.model).inc()
             log.debug("the client of %s went away; cancelled upstream", ex.request_id)
         else:
             self._account(ex)
@@ -242,7 +243,7 @@ class Proxy:
             if endpoint is None:
                 break
             if tried:
-                router.metrics.retries.labels(ex.model).inc()
+                router.metrics.child(router.metrics.retries, ex.model).inc()
             tried.append(endpoint)
             if await self._attempt(ex, send, raw, path, endpoint, first_byte, stream):
                 return
@@ -300,7 +301,7 @@ class Proxy:
         if engine_key is not None:
             headers["authorization"] = engine_key
         balancer.begin(endpoint)
-        gauge = metrics.in_flight.labels(endpoint)
+        gauge = metrics.child(metrics.in_flight, endpoint)
         gauge.inc()
         upstream: aiohttp.ClientResponse | None = None
         done = False
@@ -436,7 +437,8 @@ class Proxy:
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
         ex.status = status
-        self.router.metrics.rejections.labels(reason).inc()
+        metrics = self.router.metrics
+        metrics.child(metrics.rejections, reason).inc()
         try:
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -446,10 +448,10 @@ class Proxy:
     def _account(self, ex: _Exchange) -> None:
         metrics = self.router.metrics
         end = self.clock()
-        metrics.requests.labels(ex.model, str(ex.status)).inc()
-        metrics.latency.labels(ex.model).observe(end - ex.started)
+        metrics.child(metrics.requests, ex.model, str(ex.status)).inc()
+        metrics.child(metrics.latency, ex.model).observe(end - ex.started)
         if ex.first_byte_at is not None:
-            metrics.ttft.labels(ex.model).observe(ex.first_byte_at - ex.started)
+            metrics.child(metrics.ttft, ex.model).observe(ex.first_byte_at - ex.started)
         metrics.overhead.observe(max(0.0, end - ex.started - ex.upstream_wait))
 
 
