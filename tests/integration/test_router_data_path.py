@@ -128,6 +128,17 @@ def test_a_huge_body_is_refused_before_it_is_read(procs: Procs, tmp_path: Path) 
     assert grown < 50 << 20, f"the router grew by {grown >> 20} MiB"
 
 
+def complete_on_a_new_connection(router: str) -> None:
+    """One completion of model `m` through `router`, on a connection of its own."""
+    r = httpx.post(
+        f"{router}/v1/completions",
+        json={"model": "m", "prompt": "x", "max_tokens": 1},
+        headers={"authorization": f"Bearer {KEY}", "connection": "close"},
+        timeout=20,
+    )
+    assert r.status_code == 200, r.text
+
+
 def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Path) -> None:
     """`workers: 2`: two processes accept on the client port, and a table pushed to the
     parent reaches both (a worker that missed it would answer 404 for the new model)."""
@@ -159,13 +170,7 @@ def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Pa
     assert held == {"applied": True, "epoch": 1, "version": 3}
     before = [w.cpu_times() for w in workers]
     for _ in range(60):  # a new connection each: the kernel spreads them over the workers
-        r = httpx.post(
-            f"{router}/v1/completions",
-            json={"model": "m", "prompt": "x", "max_tokens": 1},
-            headers={"authorization": f"Bearer {KEY}", "connection": "close"},
-            timeout=20,
-        )
-        assert r.status_code == 200, r.text
+        complete_on_a_new_connection(router)
     after = [w.cpu_times() for w in workers]
     busy = [a.user + a.system - b.user - b.system for a, b in zip(after, before, strict=True)]
     assert all(b > 0.01 for b in busy), f"CPU seconds per worker: {busy}"
@@ -174,13 +179,7 @@ def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Pa
     workers[0].wait(timeout=10)
 
     def new_worker_serves() -> bool:
-        r = httpx.post(
-            f"{router}/v1/completions",
-            json={"model": "m", "prompt": "x", "max_tokens": 1},
-            headers={"authorization": f"Bearer {KEY}", "connection": "close"},
-            timeout=20,
-        )
-        assert r.status_code == 200, r.text
+        complete_on_a_new_connection(router)
         return len([c for c in psutil.Process(proc.pid).children() if c.is_running()]) == 2
 
     wait_for("the killed worker to be restarted", new_worker_serves, timeout=60)
