@@ -64,7 +64,7 @@ class _Exchange:
     status: int = 0
     first_byte_at: float | None = None
     failures: list[str] = field(default_factory=list)
-    timed_out: bool = False
+    timeouts: int = 0  # attempts that got no first byte in time
 
 
 class Proxy:
@@ -260,7 +260,7 @@ class Proxy:
             )
             return
         log.warning("no replica of %s answered: %s", ex.model, "; ".join(ex.failures))
-        if ex.timed_out and len(ex.failures) == len(tried):
+        if ex.timeouts == len(tried):  # every replica tried was silent: a timeout, not a failure
             await self._refuse(
                 ex,
                 send,
@@ -317,7 +317,7 @@ class Proxy:
                         first = await upstream.content.readany()
             except TimeoutError:
                 failure = f"no first byte within {first_byte:g} s"
-                ex.timed_out = True
+                ex.timeouts += 1
             except aiohttp.ClientError as exc:
                 failure = f"{type(exc).__name__}: {exc}"[:200]
             now = self.clock()
@@ -405,7 +405,6 @@ class Proxy:
                             "more_body": False,
                         }
                     )
-                    ex.failures.append(f"{endpoint}: {why}")
                     return
                 ex.upstream_wait += self.clock() - waited
             await send({"type": "http.response.body", "body": b"", "more_body": False})
