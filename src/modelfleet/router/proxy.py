@@ -26,9 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from modelfleet.openai_api import BadRequest, error_body, parse_body, prompt_text
+from modelfleet.router.upstream import Answer, UpstreamError
 
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Scope, Send
@@ -296,29 +295,29 @@ class Proxy:
         when nothing was sent and another replica may be tried."""
         router = self.router
         balancer, metrics = router.balancer, router.metrics
-        headers = {"content-type": "application/json", "x-request-id": ex.request_id}
+        headers = [("content-type", "application/json"), ("x-request-id", ex.request_id)]
         engine_key = router.table.keys.get(endpoint)
         if engine_key is not None:
-            headers["authorization"] = engine_key
+            headers.append(("authorization", engine_key))
         balancer.begin(endpoint)
         gauge = metrics.child(metrics.in_flight, endpoint)
         gauge.inc()
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: Answer | None = None
         done = False
         try:
             waited = self.clock()
             failure = None
             try:
                 async with asyncio.timeout(first_byte):
-                    upstream = await router.session.post(endpoint + path, data=raw, headers=headers)
+                    upstream = await router.upstreams.post(endpoint, path, raw, headers)
                     if upstream.status in RETRY_STATUSES:
                         failure = f"HTTP {upstream.status}"
                     else:
-                        first = await upstream.content.readany()
+                        first = await upstream.read()
             except TimeoutError:
                 failure = f"no first byte within {first_byte:g} s"
                 ex.timeouts += 1
-            except aiohttp.ClientError as exc:
+            except UpstreamError as exc:
                 failure = f"{type(exc).__name__}: {exc}"[:200]
             now = self.clock()
             ex.upstream_wait += now - waited
@@ -332,7 +331,7 @@ class Proxy:
             ex.first_byte_at = now
             ex.status = upstream.status
             await self._relay(ex, send, upstream, endpoint, first, stream)
-            done = upstream.content.at_eof()
+            done = upstream.at_eof
             if upstream.status < 500:
                 balancer.succeeded(endpoint)
             return True
@@ -349,7 +348,7 @@ class Proxy:
         self,
         ex: _Exchange,
         send: Send,
-        upstream: aiohttp.ClientResponse,
+        upstream: Answer,
         endpoint: str,
         first: bytes,
         stream: bool,
@@ -376,12 +375,17 @@ class Proxy:
             )
             chunk = first
             while chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                # The last chunk, when it is known to be the last, ends the answer: a whole
+                # answer in one packet costs one send.
+                more = not upstream.at_eof
+                await send({"type": "http.response.body", "body": chunk, "more_body": more})
+                if not more:
+                    return
                 waited = self.clock()
                 try:
                     async with asyncio.timeout(gap):
-                        chunk = await upstream.content.readany()
-                except (TimeoutError, aiohttp.ClientError) as exc:
+                        chunk = await upstream.read()
+                except (TimeoutError, UpstreamError) as exc:
                     ex.upstream_wait += self.clock() - waited
                     why = (
                         f"no data for {gap:g} s"

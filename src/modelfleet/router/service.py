@@ -36,6 +36,7 @@ from modelfleet.router.engine_load import read_engine_load
 from modelfleet.router.metrics import RouterMetrics
 from modelfleet.router.proxy import PROXY_PATHS, Proxy
 from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
+from modelfleet.router.upstream import Upstreams
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import JSON, bearer_matches, json_response
 from modelfleet.web import error_response as web_error
@@ -107,7 +108,8 @@ class Router:
         self.pushed = False  # whether it holds a table pushed to this run of it
         self.balancer = Balancer()
         self.metrics = RouterMetrics()
-        self._session: aiohttp.ClientSession | None = None
+        self.upstreams = Upstreams(config.connect_timeout)  # the data path's connections
+        self._session: aiohttp.ClientSession | None = None  # scrapes and probes
 
     def _restore(self) -> RoutingSnapshot | None:
         path = self.config.table_file
@@ -134,6 +136,7 @@ class Router:
         return self._session
 
     async def close(self) -> None:
+        self.upstreams.close()
         if self._session is not None:
             await self._session.close()
 
