@@ -193,7 +193,8 @@ def test_one_up_per_state_dir_and_an_up_after_a_killed_one_duplicates_nothing(
 ) -> None:
     """A second `up` on a state dir in use refuses, naming the first. kill -9 of `up` leaves its
     fleet running; the next `up` stops what the dead one left (its engines excepted: the new
-    agents adopt them) instead of starting a second fleet over the same state."""
+    agents adopt them) instead of starting a second fleet over the same state, and keeps the
+    first one's API key, admin token and URLs."""
     state = tmp_path / "state"
     first = procs.start("up", "--state-dir", str(state), log="up1")
     info = wait_json(state / "up.json", first, timeout=30)
@@ -220,6 +221,15 @@ def test_one_up_per_state_dir_and_an_up_after_a_killed_one_duplicates_nothing(
             lambda: json.loads((state / "up.json").read_text())["pid"] == third.pid,
         )
         assert "left" in procs.log("up3") and "stopped them" in procs.log("up3")
+        # What clients and operators were given still holds: same key, token and URLs.
+        again = json.loads((state / "up.json").read_text())
+        for kept in ("api_key", "admin_token", "router_url", "admin_url"):
+            assert again[kept] == info[kept], kept
+        client = openai.OpenAI(base_url=f"{info['router_url']}/v1", api_key=info["api_key"])
+        answer = client.with_options(timeout=20, max_retries=0).completions.create(
+            model="sim-chat", prompt="still here?", max_tokens=3
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 3
         assert [p for p in own if alive(p)] == []
         after = {n: recorded_engine_pids(state / "agents" / n) for n in nodes}
         assert after == engines and all(alive(p) for ps in after.values() for p in ps)

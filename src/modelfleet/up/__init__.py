@@ -7,8 +7,12 @@ operator need to `<state-dir>/up.json`. While the fleet runs, a process of it th
 started again and `up.json` rewritten with its new pid. SIGINT or SIGTERM stops everything it
 started, engines included, in the reverse order.
 
-`configs.py` says what runs, `children.py` starts and stops processes, `fleet.py` starts a
-fleet in order, `restarts.py` keeps it up, `command.py` is the command itself.
+What a client and an operator were given (the API key, the admin token, the ports) is kept in
+the state dir and is the same at the next `up` on it.
+
+`configs.py` says what runs, `kept.py` what is kept across restarts, `children.py` starts and
+stops processes, `fleet.py` starts a fleet in order, `restarts.py` keeps it up, `command.py`
+is the command itself.
 """
 
 from modelfleet.up.children import UpError

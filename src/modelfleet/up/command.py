@@ -47,6 +47,8 @@ def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> in
         serving = wait_serving(fleet.push_url, fleet.admin_token, catalog, serve_timeout)
         info = fleet.info()
         write_json_atomic(state_dir / "up.json", info)
+        for note in fleet.notes:
+            print(f"note: {note}", flush=True)
         _print_summary(info, catalog, state_dir, serving)
 
         keeper = Restarts()

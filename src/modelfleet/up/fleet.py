@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,12 +11,12 @@ from typing import Any
 import httpx
 import yaml
 
-from modelfleet.apikeys import hash_key, new_key
+from modelfleet.apikeys import hash_key
 from modelfleet.catalog import Catalog
 from modelfleet.files import private_dir, write_atomic
-from modelfleet.processes import free_port
 from modelfleet.up.children import Fleet, agent_state_dir
 from modelfleet.up.configs import DEFAULT_CATALOG, FleetOptions
+from modelfleet.up.kept import load_or_make
 from modelfleet.wire import RoutingSnapshot
 
 
@@ -34,6 +33,7 @@ class RunningFleet:
     api_key: str
     agent_token: str
     agent_admin: dict[str, str]  # node -> its agent's admin API (simulated GPU faults)
+    notes: list[str]  # what moved since the last `up` on this state dir
 
     def info(self) -> dict[str, Any]:
         return {
@@ -64,13 +64,14 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
     if not catalog_file.exists():
         catalog_file.write_text(DEFAULT_CATALOG)
 
-    admin_token = secrets.token_urlsafe(24)
-    agent_token = secrets.token_urlsafe(24)
-    api_key = new_key()
+    loaded = load_or_make(state_dir, opts.router_port)
+    kept = loaded.kept
+    admin_token, agent_token, api_key = kept.admin_token, kept.agent_token, kept.api_key
     router_cfg = {
-        # Fixed ports, chosen free now, so that a restarted process is found where it was.
-        "port": opts.router_port or free_port("127.0.0.1"),
-        "push_port": free_port("127.0.0.1"),
+        # Fixed ports, kept across restarts, so that a restarted process is found where it
+        # was and a client configured yesterday finds the router where it was.
+        "port": kept.router_port,
+        "push_port": kept.push_port,
         "push_token": admin_token,
         "table_file": str(state_dir / "router-table.json"),
         "api_keys": [{"name": "up", "sha256": hash_key(api_key)}],
@@ -89,8 +90,8 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
         cp_cfg = {
             "catalog": str(catalog_file),
             "state_dir": str(state_dir / "control-plane"),
-            "agent_port": free_port("127.0.0.1"),
-            "admin_port": free_port("127.0.0.1"),
+            "agent_port": kept.agent_port,
+            "admin_port": kept.admin_port,
             "admin_token": admin_token,
             "agent_token": agent_token,
             "routers": [
@@ -149,6 +150,7 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
         api_key,
         agent_token,
         agent_admin,
+        loaded.notes,
     )
 
 

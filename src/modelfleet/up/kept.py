@@ -1,0 +1,106 @@
+"""What `modelfleet up` keeps across its restarts on one state dir: the client API key, the
+admin and agent tokens, and the ports of the router and the control plane.
+
+A client configured against yesterday's `up` still reaches the router today with the same
+key at the same URL. A kept port that something else holds now is replaced by a free one, and
+`up` says so: the fleet starts rather than failing, and the operator learns what moved.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from modelfleet.apikeys import new_key
+from modelfleet.files import write_atomic
+from modelfleet.processes import free_port
+from modelfleet.up.children import UpError
+
+KEPT_FILE = "up-kept.json"
+HOST = "127.0.0.1"
+
+
+class KeptError(UpError):
+    """The kept file cannot be read; nothing was started and nothing was overwritten."""
+
+
+class Kept(BaseModel):
+    """The credentials and ports of the fleet on one state dir."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    api_key: str = Field(min_length=1)
+    admin_token: str = Field(min_length=1)
+    agent_token: str = Field(min_length=1)
+    router_port: int = Field(gt=0, lt=65536)
+    push_port: int = Field(gt=0, lt=65536)
+    agent_port: int = Field(gt=0, lt=65536)
+    admin_port: int = Field(gt=0, lt=65536)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    kept: Kept
+    notes: list[str]  # what changed since the last `up`, for the operator
+
+
+def port_free(port: int, host: str = HOST) -> bool:
+    """Whether a listener could bind `port` now (SO_REUSEADDR, as ours do, so a port in
+    TIME_WAIT from the fleet just stopped counts as free)."""
+    with socket.socket(socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def load_or_make(state_dir: Path, router_port: int = 0) -> Loaded:
+    """The kept credentials and ports of `state_dir`, made and saved on the first `up`.
+
+    `router_port`, when given, is where the router listens from now on. Raises KeptError when
+    the file exists but cannot be read: making new credentials over it would lock out every
+    client of the old ones without a word.
+    """
+    path = state_dir / KEPT_FILE
+    notes: list[str] = []
+    try:
+        kept: Kept | None = Kept.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        kept = None
+    except (OSError, ValidationError) as exc:
+        raise KeptError(
+            f"cannot read {path} ({str(exc).splitlines()[0]}); it holds the API key and tokens "
+            "of this state dir's fleet: fix it, or delete it to make new ones"
+        ) from exc
+    if kept is None:
+        kept = Kept(
+            api_key=new_key(),
+            admin_token=secrets.token_urlsafe(24),
+            agent_token=secrets.token_urlsafe(24),
+            router_port=router_port or free_port(HOST),
+            push_port=free_port(HOST),
+            agent_port=free_port(HOST),
+            admin_port=free_port(HOST),
+        )
+    else:
+        moved: dict[str, int] = {}
+        if router_port and router_port != kept.router_port:
+            moved["router_port"] = router_port
+        for name in ("router_port", "push_port", "agent_port", "admin_port"):
+            port = moved.get(name, getattr(kept, name))
+            if not port_free(port):
+                if name == "router_port" and router_port:
+                    continue  # asked for by the operator: the router's own error names it
+                moved[name] = free_port(HOST)
+                notes.append(
+                    f"{name.replace('_', ' ')} {port} is taken now; using {moved[name]} instead"
+                )
+        kept = kept.model_copy(update=moved)
+    write_atomic(path, kept.model_dump_json(indent=2))
+    return Loaded(kept, notes)
