@@ -7,7 +7,7 @@ Every error of the admin API is an `ErrorAnswer`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -294,3 +294,57 @@ class RoutingAnswer(_Answer):
     catalog_version: int
     models: list[RoutedInfo]
     routers: dict[str, int]
+
+
+# -- API keys ------------------------------------------------------------------------------
+
+KeyName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+Limit = Annotated[int, Field(gt=0)]
+Clearable = Literal["models", "rpm", "tpm", "max_concurrent", "expires"]
+
+
+class KeyCreate(BaseModel):
+    """Make a client API key. Limits left out are no limits; `models` left out is every
+    model. `expires`: a duration (`30d`, `12h`) or an ISO 8601 date or time."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: KeyName
+    models: list[str] | None = Field(default=None, min_length=1)
+    rpm: Limit | None = None
+    tpm: Limit | None = None
+    max_concurrent: Limit | None = None
+    expires: str | None = None
+
+
+class KeyUpdate(BaseModel):
+    """Change a key: what is given is set, what `clear` names is removed (no limit, every
+    model, never expires), the rest stays."""
+
+    model_config = ConfigDict(extra="forbid")
+    models: list[str] | None = Field(default=None, min_length=1)
+    rpm: Limit | None = None
+    tpm: Limit | None = None
+    max_concurrent: Limit | None = None
+    expires: str | None = None
+    clear: list[Clearable] = Field(default_factory=list)
+
+
+class KeyInfo(_Answer):
+    """A key as the control plane keeps it: never the key itself, only its first characters."""
+
+    name: str
+    prefix: str
+    models: list[str] | None  # None: every model
+    rpm: int | None
+    tpm: int | None
+    max_concurrent: int | None
+    created_at: float  # wall-clock seconds
+    expires_at: float | None
+
+
+class KeyCreated(KeyInfo):
+    key: str  # shown this once; the control plane keeps only its hash
+
+
+class KeysAnswer(_Answer):
+    keys: list[KeyInfo]

@@ -138,6 +138,18 @@ class RoutedModel(_Message):
     max_tokens_over_cap: OverCap = "reject"
 
 
+class RoutedKey(_Message):
+    """A client API key as routers take it: its hash, what it may use, its limits."""
+
+    name: str
+    sha256: str
+    models: list[str] | None = None  # None: every model
+    rpm: int | None = Field(default=None, gt=0)
+    tpm: int | None = Field(default=None, gt=0)
+    max_concurrent: int | None = Field(default=None, gt=0)
+    expires_at: float | None = None  # wall-clock seconds
+
+
 class RoutingSnapshot(_Message):
     """A whole routing table. (epoch, version) orders tables: the epoch grows at every start
     of the control plane, the version at every change within one."""
@@ -146,6 +158,8 @@ class RoutingSnapshot(_Message):
     version: int = Field(ge=0)
     catalog_version: int = 0
     models: list[RoutedModel]
+    # The keys the control plane manages, besides those of the router's own config.
+    keys: list[RoutedKey] = Field(default_factory=list)
 
 
 class RoutingAck(_Message):

@@ -107,7 +107,7 @@ def fleet_of(tmp: Path, models: list[dict[str, Any]], **options: Any) -> Iterato
     """A fleet started as `modelfleet up` starts one (agents reporting every 0.5 s unless
     `options` say otherwise), serving `models`; every process of it is stopped afterwards."""
     state = tmp / "state"
-    state.mkdir()
+    state.mkdir(exist_ok=True)  # a test may have made it, to learn the fleet's tokens first
     (state / "catalog.yaml").write_text(yaml.safe_dump({"models": models}))
     running = start_fleet(state, FleetOptions(**{"report_interval": 0.5, **options}))
     try:

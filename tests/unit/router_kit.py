@@ -40,11 +40,16 @@ def client_of(router: Router) -> httpx.AsyncClient:
     )
 
 
-def keyed(clock: Callable[[], float] = time.monotonic, **config: Any) -> Router:
+def keyed(
+    clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
+    **config: Any,
+) -> Router:
     """A router with one client key, `client-key`, and `config` besides; no engine watching
     unless the test asks for it."""
     config.setdefault("watch_interval", 0)
-    return Router(RouterConfig(api_keys=[{"name": "k", "key": "client-key"}], **config), clock)
+    config.setdefault("api_keys", [{"name": "k", "key": "client-key"}])
+    return Router(RouterConfig(**config), clock, wall)
 
 
 @contextlib.asynccontextmanager

@@ -54,6 +54,22 @@ CALLS: list[tuple[str, str, str | None, int]] = [
     ("DELETE", "/v1/nodes/a", None, 409),
     ("DELETE", "/v1/nodes/nope", None, 404),
     ("DELETE", "/v1/nodes/b?force=true", None, 200),
+    (
+        "POST",
+        "/v1/keys",
+        '{"name": "alice", "models": ["small"], "rpm": 60, "expires": "30d"}',
+        200,
+    ),
+    ("POST", "/v1/keys", '{"name": "alice"}', 409),
+    ("POST", "/v1/keys", '{"name": "bob", "rpm": 0}', 400),
+    ("POST", "/v1/keys", '{"name": "bob", "models": ["nope"]}', 400),
+    ("POST", "/v1/keys", '{"name": "bob", "expires": "2020-01-01"}', 400),
+    ("GET", "/v1/keys", None, 200),
+    ("PATCH", "/v1/keys/alice", '{"tpm": 1000, "clear": ["rpm"]}', 200),
+    ("PATCH", "/v1/keys/alice", '{"rpm": 5, "clear": ["rpm"]}', 400),
+    ("PATCH", "/v1/keys/nope", '{"tpm": 1000}', 404),
+    ("DELETE", "/v1/keys/alice", None, 200),
+    ("DELETE", "/v1/keys/alice", None, 404),
 ]
 
 

@@ -7,17 +7,17 @@ describes them all. Every error answer is an `ErrorAnswer` (`{"error": ...}`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from modelfleet import admin
 from modelfleet.catalog import CatalogInvalid
-from modelfleet.controlplane import views
+from modelfleet.controlplane import keys, views
 from modelfleet.controlplane.catalogs import API_SOURCE
 from modelfleet.controlplane.plane import ControlPlane, NodeBusy
 from modelfleet.fleet import Mark
@@ -53,12 +53,17 @@ _CATALOG_BODY = {
 }
 
 
-_MARK_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": admin.MarkRequest.model_json_schema()}},
+def _body_of(model: type[BaseModel]) -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
     }
-}
+
+
+_MARK_BODY = _body_of(admin.MarkRequest)
+KeyRequest = TypeVar("KeyRequest", admin.KeyCreate, admin.KeyUpdate)
 
 
 def _problems(errors: Sequence[Mapping[str, Any]]) -> str:
@@ -76,7 +81,8 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     app = FastAPI(
         title="modelfleet admin API",
         version="1",
-        description="Nodes, replicas, placement, marks and the catalog of a modelfleet fleet. "
+        description="Nodes, replicas, placement, marks, the catalog and the client API keys of "
+        "a modelfleet fleet. "
         "Send the admin token as `Authorization: Bearer TOKEN`.",
         docs_url=None,
         redoc_url=None,
@@ -238,6 +244,59 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     async def routing() -> admin.RoutingAnswer:
         """The routing table last pushed to the routers, and what each confirmed."""
         return cp.publisher.answer()
+
+    async def key_body(request: Request, model: type[KeyRequest]) -> KeyRequest:
+        # Read as JSON whatever its Content-Type says, as a mark request is.
+        raw = await read_at_most(request, 16384)
+        if raw is None:
+            raise Refused.because(413, "a key request may have at most 16384 bytes")
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            raise Refused.because(400, f"malformed request: {_problems(exc.errors())}") from None
+
+    def model_names() -> list[str]:
+        return [m.name for m in cp.catalogs.current.models]
+
+    @app.get("/v1/keys", responses=_errors())
+    async def list_keys() -> admin.KeysAnswer:
+        """The client API keys this control plane manages (never the keys themselves)."""
+        return admin.KeysAnswer(keys=[keys.info(k) for _, k in sorted(cp.keys.keys.items())])
+
+    @app.post("/v1/keys", responses=_errors(400, 409, 413), openapi_extra=_body_of(admin.KeyCreate))
+    async def create_key(request: Request) -> admin.KeyCreated:
+        """Make a client API key; the answer holds the key, shown this once. Every router
+        takes it with its next routing table."""
+        body = await key_body(request, admin.KeyCreate)
+        try:
+            key, stored = cp.keys.create(body, model_names(), cp.clock.time())
+        except keys.KeyRefused as exc:
+            raise Refused.because(exc.status, str(exc)) from None
+        cp.wake()
+        return admin.KeyCreated(key=key, **keys.info(stored).model_dump())
+
+    @app.patch(
+        "/v1/keys/{name}", responses=_errors(400, 404, 413), openapi_extra=_body_of(admin.KeyUpdate)
+    )
+    async def update_key(name: str, request: Request) -> admin.KeyInfo:
+        """Change a key's models, limits or expiry."""
+        body = await key_body(request, admin.KeyUpdate)
+        try:
+            stored = cp.keys.update(name, body, model_names(), cp.clock.time())
+        except keys.KeyRefused as exc:
+            raise Refused.because(exc.status, str(exc)) from None
+        cp.wake()
+        return keys.info(stored)
+
+    @app.delete("/v1/keys/{name}", responses=_errors(404))
+    async def revoke_key(name: str) -> admin.KeyInfo:
+        """Revoke a key: every router refuses it once it holds the next routing table."""
+        try:
+            stored = cp.keys.revoke(name)
+        except keys.KeyRefused as exc:
+            raise Refused.because(exc.status, str(exc)) from None
+        cp.wake()
+        return keys.info(stored)
 
     def document() -> dict[str, Any]:
         """FastAPI's document, saying what this API answers to a malformed request: 400 with

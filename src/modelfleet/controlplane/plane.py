@@ -24,6 +24,7 @@ from modelfleet.controlplane.config import (
     ROUTING_EPOCH_KEY,
     ControlPlaneConfig,
 )
+from modelfleet.controlplane.keys import KeyBook
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.state import FleetState, NodeMark
 from modelfleet.fleet import Mark
@@ -63,6 +64,7 @@ class ControlPlane:
         self._wake = asyncio.Event()
         self._http = http or httpx.AsyncClient(timeout=5)
         self.store = catalogs.store
+        self.keys = KeyBook(self.store)
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
         self.publisher = Publisher(config.routers, self._http, epoch, config.push_interval)
@@ -213,7 +215,9 @@ class ControlPlane:
         if self.settling(self.clock.monotonic()):
             return
         catalog = self.catalogs.current
-        self.publisher.publish(catalog.version, self.state.routing_models(catalog))
+        self.publisher.publish(
+            catalog.version, self.state.routing_models(catalog), self.keys.routed()
+        )
         self.state.mark_unrouted(self.publisher.version)
 
     async def reconcile_loop(self) -> None:

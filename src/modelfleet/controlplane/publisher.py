@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from modelfleet.admin import RoutedInfo, RoutingAnswer
 from modelfleet.controlplane.config import RouterTarget
-from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot
+from modelfleet.wire import RoutedKey, RoutedModel, RoutingAck, RoutingSnapshot
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -42,21 +42,27 @@ class Publisher:
         self.version = 0
         self.check_interval = check_interval
         self._http = http
-        self._published: tuple[int, list[RoutedModel]] | None = None
+        self._published: tuple[int, list[RoutedModel], list[RoutedKey]] | None = None
         self._body = ""
         self._held: dict[str, tuple[int, int]] = {}  # router url -> (epoch, version) it took
         self._wake = {r.url: asyncio.Event() for r in self.routers}
 
-    def publish(self, catalog_version: int, models: list[RoutedModel]) -> bool:
-        """Make `models` the table to publish; a new version when it changed. Returns whether
-        it changed. The routers' tasks push it; nothing here waits for them."""
-        published = (catalog_version, models)
+    def publish(
+        self, catalog_version: int, models: list[RoutedModel], keys: list[RoutedKey]
+    ) -> bool:
+        """Make `models` and `keys` the table to publish; a new version when it changed.
+        Returns whether it changed. The routers' tasks push it; nothing here waits for them."""
+        published = (catalog_version, models, keys)
         if published == self._published:
             return False
         self._published = published
         self.version += 1
         snapshot = RoutingSnapshot(
-            epoch=self.epoch, version=self.version, catalog_version=catalog_version, models=models
+            epoch=self.epoch,
+            version=self.version,
+            catalog_version=catalog_version,
+            models=models,
+            keys=keys,
         )
         self._body = snapshot.model_dump_json()
         for wake in self._wake.values():
@@ -143,7 +149,7 @@ class Publisher:
         return min((v if e == self.epoch else -1 for e, v in held), default=self.version)
 
     def answer(self) -> RoutingAnswer:
-        catalog_version, models = self._published or (0, [])
+        catalog_version, models, _ = self._published or (0, [], [])
         return RoutingAnswer(
             epoch=self.epoch,
             version=self.version,

@@ -154,3 +154,17 @@ class AdminClient:
 
     def routing(self) -> admin.RoutingAnswer:
         return self._call(admin.RoutingAnswer, "GET", "/v1/routing")
+
+    def keys(self) -> admin.KeysAnswer:
+        return self._call(admin.KeysAnswer, "GET", "/v1/keys")
+
+    def create_key(self, request: admin.KeyCreate) -> admin.KeyCreated:
+        body = request.model_dump_json(exclude_none=True).encode()
+        return self._call(admin.KeyCreated, "POST", "/v1/keys", body)
+
+    def update_key(self, name: str, request: admin.KeyUpdate) -> admin.KeyInfo:
+        body = request.model_dump_json(exclude_unset=True).encode()
+        return self._call(admin.KeyInfo, "PATCH", "/v1/keys/" + quote(name, safe=""), body)
+
+    def revoke_key(self, name: str) -> admin.KeyInfo:
+        return self._call(admin.KeyInfo, "DELETE", "/v1/keys/" + quote(name, safe=""))

@@ -108,9 +108,14 @@ catalog_app = typer.Typer(
 )
 replicas_app = typer.Typer(help="The replicas, their shards and state, and what is pending.")
 nodes_app = typer.Typer(help="The nodes, their GPUs and health; forget a node.")
+keys_app = typer.Typer(
+    help="Client API keys: make, list, change and revoke them while the fleet runs.",
+    no_args_is_help=True,
+)
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(replicas_app, name="replicas")
 app.add_typer(nodes_app, name="nodes")
+app.add_typer(keys_app, name="keys")
 
 
 @app.callback()
@@ -332,3 +337,107 @@ def catalog_apply(
         for p in exc.problems:
             typer.echo(f"  - model {p.model}: {p.field}: {p.message}", err=True)
         raise typer.Exit(1) from None
+
+
+KeyNameArg = Annotated[str, typer.Argument(help="The key's name, as `ctl keys list` shows it.")]
+ModelsOpt = Annotated[
+    str | None,
+    typer.Option("--models", help="The models it may use, comma-separated; every model if none."),
+]
+RpmOpt = Annotated[int | None, typer.Option("--rpm", help="Requests per minute at most.")]
+TpmOpt = Annotated[
+    int | None, typer.Option("--tpm", help="Tokens per minute at most (prompt + completion).")
+]
+ConcurrentOpt = Annotated[
+    int | None, typer.Option("--max-concurrent", help="Requests in flight at once at most.")
+]
+ExpiresOpt = Annotated[
+    str | None,
+    typer.Option("--expires", help="When it stops working: 12h, 30d, 2w, or a date (2027-01-31)."),
+]
+
+
+def _key_request(model: type[T], **fields: Any) -> T:
+    """The request, or a one-line error naming every bad option."""
+    from pydantic import ValidationError
+
+    given = {name: value for name, value in fields.items() if value is not None}
+    if isinstance(given.get("models"), str):
+        given["models"] = [m.strip() for m in given["models"].split(",") if m.strip()]
+    try:
+        return model.model_validate(given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"--{'.'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}"
+            for e in exc.errors()
+        )
+        fail(problems)
+
+
+@keys_app.command("create")
+def keys_create(
+    context: typer.Context,
+    name: Annotated[str, typer.Argument(help="A name for the key: letters, digits, . _ -")],
+    models: ModelsOpt = None,
+    rpm: RpmOpt = None,
+    tpm: TpmOpt = None,
+    max_concurrent: ConcurrentOpt = None,
+    expires: ExpiresOpt = None,
+) -> None:
+    """Make a key and print it. It is shown this once: the fleet keeps only its hash."""
+    from modelfleet import admin
+
+    request = _key_request(
+        admin.KeyCreate,
+        name=name,
+        models=models,
+        rpm=rpm,
+        tpm=tpm,
+        max_concurrent=max_concurrent,
+        expires=expires,
+    )
+    _ctl(context).show(lambda c: c.create_key(request), _render("print_key_created"))
+
+
+@keys_app.command("list")
+def keys_list(context: typer.Context) -> None:
+    """Every key: name, the first characters of the key, models, limits, created, expires."""
+    _ctl(context).show(lambda c: c.keys(), _render("print_keys"))
+
+
+@keys_app.command("update")
+def keys_update(
+    context: typer.Context,
+    name: KeyNameArg,
+    models: ModelsOpt = None,
+    rpm: RpmOpt = None,
+    tpm: TpmOpt = None,
+    max_concurrent: ConcurrentOpt = None,
+    expires: ExpiresOpt = None,
+    clear: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--clear",
+            help="Remove one: models (every model), rpm, tpm, max-concurrent, expires (never).",
+        ),
+    ] = None,
+) -> None:
+    """Change a key's models, limits or expiry; what is not named stays as it is."""
+    from modelfleet import admin
+
+    request = _key_request(
+        admin.KeyUpdate,
+        models=models,
+        rpm=rpm,
+        tpm=tpm,
+        max_concurrent=max_concurrent,
+        expires=expires,
+        clear=[c.replace("-", "_") for c in clear] if clear else None,
+    )
+    _ctl(context).show(lambda c: c.update_key(name, request), _render("print_key"))
+
+
+@keys_app.command("revoke")
+def keys_revoke(context: typer.Context, name: KeyNameArg) -> None:
+    """Revoke a key: every router refuses it within a push (about a second)."""
+    _ctl(context).show(lambda c: c.revoke_key(name), _render("print_revoked"))

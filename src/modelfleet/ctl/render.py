@@ -237,3 +237,53 @@ def print_replica(data: admin.ReplicaInfo, console: Console) -> None:
             console.print(f"shard {s.rank} log, last {len(s.log_tail)} line(s):")
             for line in s.log_tail:
                 console.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
+
+
+def _limit(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _key_row(k: admin.KeyInfo) -> list[str]:
+    return [
+        k.name,
+        k.prefix + "...",
+        ", ".join(k.models) if k.models is not None else "all",
+        _limit(k.rpm),
+        _limit(k.tpm),
+        _limit(k.max_concurrent),
+        _when(k.created_at),
+        _when(k.expires_at) if k.expires_at is not None else "never",
+    ]
+
+
+_KEY_HEADINGS = ("NAME", "KEY", "MODELS", "RPM", "TPM", "CONCURRENT", "CREATED", "EXPIRES")
+
+
+def print_keys(data: admin.KeysAnswer, console: Console) -> None:
+    if not data.keys:
+        console.print("no keys: make one with `modelfleet ctl keys create NAME`")
+        return
+    table = Table(*_KEY_HEADINGS)
+    for k in data.keys:
+        table.add_row(*(escape(cell) for cell in _key_row(k)))
+    console.print(table)
+
+
+def print_key(data: admin.KeyInfo, console: Console) -> None:
+    table = Table(*_KEY_HEADINGS)
+    table.add_row(*(escape(cell) for cell in _key_row(data)))
+    console.print(table)
+
+
+def print_key_created(data: admin.KeyCreated, console: Console) -> None:
+    print_key(data, console)
+    console.print(f"key: {data.key}", highlight=False, soft_wrap=True)
+    console.print("It is shown this once: the fleet keeps only its hash.", highlight=False)
+
+
+def print_revoked(data: admin.KeyInfo, console: Console) -> None:
+    console.print(
+        f"key {data.name} ({data.prefix}...) revoked; every router refuses it from its next "
+        "routing table",
+        highlight=False,
+    )

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from modelfleet.openai_api import BadRequest, error_body, parse_body, prompt_text
+from modelfleet.router.limits import Refusal, Ticket
 from modelfleet.router.upstream import Answer, UpstreamError
+from modelfleet.router.usage import UsageScanner
 
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Scope, Send
@@ -64,6 +66,7 @@ class _Exchange:
     first_byte_at: float | None = None
     failures: list[str] = field(default_factory=list)
     timeouts: int = 0  # attempts that got no first byte in time
+    scanner: UsageScanner | None = None  # finds the tokens the answer used
 
 
 class Proxy:
@@ -108,13 +111,13 @@ class Proxy:
         declared: bytes,
     ) -> None:
         router = self.router
-        key = router.keys.check(authorization)
-        if key is None:
+        key = router.keys.check(authorization, router.wall())
+        if isinstance(key, str):
             await self._refuse(
                 ex,
                 send,
                 401,
-                "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
+                key,
                 "invalid_request_error",
                 code="invalid_api_key",
                 reason="invalid-key",
@@ -194,10 +197,29 @@ class Proxy:
                 reason="no-ready-replica",
             )
             return
+        stream = body.get("stream") is True
+        hide_usage = False
+        if stream and path != "/v1/embeddings":
+            # Ask the engine for the stream's usage; the client gets it only if it asked too.
+            options = body.get("stream_options")
+            if not (isinstance(options, dict) and options.get("include_usage") is True):
+                options = dict(options) if isinstance(options, dict) else {}
+                options["include_usage"] = True
+                body["stream_options"] = options
+                raw = json.dumps(body).encode()
+                hide_usage = True
+        ex.scanner = UsageScanner(stream, hide_usage)
+        ticket = None
+        if key.rpm is not None or key.tpm is not None or key.max_concurrent is not None:
+            cost = _token_estimate(body, prompt, path, router.config.default_max_tokens)
+            got = await router.limits.admit(key, cost, ex.request_id, router.wall())
+            if isinstance(got, Refusal):
+                await self._over_limit(ex, send, key.name, got, cost)
+                return
+            ticket = got
         prefix = None
         if route.routing == "prefix":
             prefix = prompt[: router.config.prefix_chars].encode()
-        stream = body.get("stream") is True
 
         # From here the client may go away at any await: a watcher of its disconnect cancels
         # this task, and every upstream connection is closed on the way out.
@@ -221,6 +243,44 @@ class Proxy:
         finally:
             ex.finished = True
             watcher.cancel()
+            if ticket is not None:
+                self._settle(ex, ticket)
+
+    def _settle(self, ex: _Exchange, ticket: Ticket) -> None:
+        """Settle the key's reservation to what the engine reported, in the background: the
+        answer does not wait for the store. No engine answered: nothing was used."""
+        router = self.router
+        used = ex.scanner.usage if ex.scanner is not None else None
+        tokens = used.total if used is not None else (0 if ex.first_byte_at is None else None)
+        settling = asyncio.ensure_future(router.limits.settle(ticket, tokens, router.wall()))
+        router.background.add(settling)
+        settling.add_done_callback(router.background.discard)
+
+    async def _over_limit(
+        self, ex: _Exchange, send: Send, key: str, refusal: Refusal, cost: int
+    ) -> None:
+        if refusal.limit == "store":
+            await self._refuse(
+                ex,
+                send,
+                503,
+                "The router cannot reach its limits store and is set to refuse requests "
+                "meanwhile; try again shortly.",
+                "server_error",
+                retry_after=1,
+                reason="limits-store-unreachable",
+            )
+            return
+        await self._refuse(
+            ex,
+            send,
+            429,
+            refusal.message(key, cost),
+            "tokens" if refusal.limit == "tpm" else "requests",
+            code="rate_limit_exceeded",
+            retry_after=refusal.retry_after_s,
+            reason=f"key-{refusal.limit}",
+        )
 
     async def _route(
         self,
@@ -359,8 +419,9 @@ class Proxy:
             (b"x-request-id", ex.request_id.encode("latin-1")),
             (b"x-modelfleet-replica", router.table.replicas.get(endpoint, endpoint).encode()),
         ]
+        scanner = ex.scanner
         length = upstream.headers.get("content-length")
-        if length is not None:
+        if length is not None and not (scanner is not None and scanner.hide):
             headers.append((b"content-length", length.encode()))
         if stream:
             headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -378,7 +439,11 @@ class Proxy:
                 # The last chunk, when it is known to be the last, ends the answer: a whole
                 # answer in one packet costs one send.
                 more = not upstream.at_eof
-                await send({"type": "http.response.body", "body": chunk, "more_body": more})
+                out = chunk if scanner is None else scanner.feed(chunk)
+                if not more and scanner is not None:
+                    out += scanner.finish()
+                if out or not more:
+                    await send({"type": "http.response.body", "body": out, "more_body": more})
                 if not more:
                     return
                 waited = self.clock()
@@ -411,7 +476,8 @@ class Proxy:
                     )
                     return
                 ex.upstream_wait += self.clock() - waited
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            tail = b"" if scanner is None else scanner.finish()
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
         except OSError as exc:  # uvicorn's ClientDisconnected: the client went away mid-answer
             raise _ClientGone() from exc
 
@@ -495,6 +561,18 @@ def _prompt(body: dict[str, Any], path: str) -> str:
         return prompt_text(body, chat=path == "/v1/chat/completions")
     except BadRequest:
         return ""
+
+
+def _token_estimate(body: dict[str, Any], prompt: str, path: str, default_max: int) -> int:
+    """What a request may use at most, for token limits before its usage is known: the
+    prompt at about four characters a token, and every choice's `max_tokens`."""
+    if path == "/v1/embeddings":
+        return len(str(body.get("input", ""))) // 4 + 1
+    asked = body.get("max_tokens") or body.get("max_completion_tokens") or default_max
+    n = body.get("n") or 1
+    if not isinstance(asked, int) or not isinstance(n, int):
+        asked, n = default_max, 1
+    return len(prompt) // 4 + 1 + asked * max(1, n)
 
 
 def _capped(body: dict[str, Any], raw: bytes, route: RoutedModel) -> bytes:

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,6 +33,7 @@ from modelfleet.files import write_json_atomic
 from modelfleet.openai_api import error_response
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.engine_load import read_engine_load
+from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
 from modelfleet.router.metrics import RouterMetrics
 from modelfleet.router.proxy import PROXY_PATHS, Proxy
 from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
@@ -51,6 +52,9 @@ class KeyConfig(BaseModel):
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     key: str | None = None  # plaintext, hashed at load; prefer sha256 in files
     models: list[str] | None = None
+    rpm: int | None = Field(default=None, gt=0)
+    tpm: int | None = Field(default=None, gt=0)
+    max_concurrent: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _one_of(self) -> KeyConfig:
@@ -60,7 +64,8 @@ class KeyConfig(BaseModel):
 
     def to_key(self) -> ApiKey:
         digest = self.sha256 or hash_key(self.key or "")
-        return ApiKey(self.name, digest, frozenset(self.models) if self.models else None)
+        models = frozenset(self.models) if self.models else None
+        return ApiKey(self.name, digest, models, self.rpm, self.tpm, self.max_concurrent)
 
 
 class RouterConfig(BaseModel):
@@ -92,23 +97,45 @@ class RouterConfig(BaseModel):
     # the push API stays one, in the parent (router/workers.py).
     workers: int = Field(default=1, ge=1, le=64)
     reuse_port: bool = False  # set by the parent of several workers on each of them
+    # Where keys' rate counters live: None keeps them in this router's memory (right for one
+    # router); a Redis URL (redis://host:port/db) shares them with every router naming it.
+    limits_store: str | None = None
+    # When the limits store cannot be reached: let requests through unlimited (open) or
+    # refuse them with 503 (closed). Logged either way.
+    limits_fail: Literal["open", "closed"] = "open"
+    # What a request that names no max_tokens is taken to ask for, for token limits (its
+    # real usage settles the count when it ends).
+    default_max_tokens: int = Field(default=1024, gt=0)
 
 
 class Router:
     """The router's state: the current table, its keys, and its upstream connections."""
 
-    def __init__(self, config: RouterConfig, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        now: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self.now = now  # the clock of ejections
-        self.keys = KeyRing([k.to_key() for k in config.api_keys])
+        self.wall = wall  # the clock of key expiry
+        self._own_keys = [k.to_key() for k in config.api_keys]
         seed = self._restore() or RoutingSnapshot(version=0, models=config.models)
         self.snapshot = seed
         self.table = RoutingTable.from_snapshot(seed)
+        self.keys = self._key_ring(seed)
         self.restored = seed.version > 0  # it holds what was pushed before it restarted
         self.pushed = False  # whether it holds a table pushed to this run of it
         self.balancer = Balancer()
         self.metrics = RouterMetrics()
         self.upstreams = Upstreams(config.connect_timeout)  # the data path's connections
+        self.limits: Limits = (
+            RedisLimits.from_url(config.limits_store, config.limits_fail == "open")
+            if config.limits_store
+            else MemoryLimits()
+        )
+        self.background: set[asyncio.Future[None]] = set()  # settlements under way
         self._session: aiohttp.ClientSession | None = None  # scrapes and probes
 
     def _restore(self) -> RoutingSnapshot | None:
@@ -137,6 +164,9 @@ class Router:
 
     async def close(self) -> None:
         self.upstreams.close()
+        if self.background:
+            await asyncio.wait(self.background, timeout=2)
+        await self.limits.close()
         if self._session is not None:
             await self._session.close()
 
@@ -148,11 +178,16 @@ class Router:
             return False
         self.snapshot = snapshot
         self.table = RoutingTable.from_snapshot(snapshot)
+        self.keys = self._key_ring(snapshot)
         self.balancer.keep_only(self.table.endpoints)
         self.pushed = True
         if self.config.table_file is not None:
             write_json_atomic(self.config.table_file, snapshot.model_dump(mode="json"))
         return True
+
+    def _key_ring(self, snapshot: RoutingSnapshot) -> KeyRing:
+        """The keys of the router's own config and those the control plane pushed."""
+        return KeyRing(self._own_keys + [ApiKey.routed(k) for k in snapshot.keys])
 
     @property
     def awaiting_table(self) -> bool:
@@ -163,14 +198,9 @@ class Router:
     # -- client API ---------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> ApiKey | Response:
-        key = self.keys.check(request.headers.get("authorization"))
-        if key is None:
-            return error_response(
-                401,
-                "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
-                "invalid_request_error",
-                code="invalid_api_key",
-            )
+        key = self.keys.check(request.headers.get("authorization"), self.wall())
+        if isinstance(key, str):
+            return error_response(401, key, "invalid_request_error", code="invalid_api_key")
         return key
 
     async def list_models(self, request: Request) -> Response:
@@ -345,7 +375,7 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
         data = config.model_dump(mode="json", exclude_defaults=True)
         # The workers' config files hold the keys' hashes only.
         data["api_keys"] = [
-            {"name": k.name, "sha256": k.to_key().sha256, "models": k.models}
+            {**k.model_dump(exclude={"key", "sha256"}), "sha256": k.to_key().sha256}
             for k in config.api_keys
         ]
         await serve_workers(

@@ -11,19 +11,38 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from modelfleet.apikeys import hash_key
-from modelfleet.wire import RoutedModel, RoutingSnapshot
+from modelfleet.wire import RoutedKey, RoutedModel, RoutingSnapshot
 
 
 @dataclass(frozen=True)
 class ApiKey:
-    """A client credential, known to the router only by its SHA-256."""
+    """A client credential, known to the router only by its SHA-256, and its limits."""
 
     name: str
     sha256: str
     models: frozenset[str] | None = None  # the models it may use; None: all
+    rpm: int | None = None  # requests per minute; None: no limit
+    tpm: int | None = None  # tokens per minute, prompt and completion
+    max_concurrent: int | None = None
+    expires_at: float | None = None  # wall-clock seconds
+
+    @classmethod
+    def routed(cls, key: RoutedKey) -> ApiKey:
+        """A key the control plane pushed."""
+        models = frozenset(key.models) if key.models is not None else None
+        return cls(
+            key.name, key.sha256, models, key.rpm, key.tpm, key.max_concurrent, key.expires_at
+        )
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+    def expired(self, now: float) -> bool:
+        """Whether the key has expired at wall time `now`."""
+        return self.expires_at is not None and now >= self.expires_at
+
+
+NO_KEY = "Missing or incorrect API key: send 'Authorization: Bearer <key>'."
 
 
 class KeyRing:
@@ -32,11 +51,17 @@ class KeyRing:
     def __init__(self, keys: list[ApiKey]) -> None:
         self._by_hash = {k.sha256: k for k in keys}
 
-    def check(self, authorization: str | None) -> ApiKey | None:
-        """The key an `Authorization: Bearer KEY` header carries, or None when it is not ours."""
+    def check(self, authorization: str | None, now: float) -> ApiKey | str:
+        """The key an `Authorization: Bearer KEY` header carries, or why it is refused (not
+        ours, or expired at wall time `now`)."""
         if not authorization or not authorization.startswith("Bearer "):
-            return None
-        return self._by_hash.get(hash_key(authorization[7:].strip()))
+            return NO_KEY
+        key = self._by_hash.get(hash_key(authorization[7:].strip()))
+        if key is None:
+            return NO_KEY
+        if key.expired(now):
+            return f"This API key ({key.name}) has expired; ask for a new one."
+        return key
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The control plane's store of desired state: applied catalogs, the last rejected one, node marks.
+"""The control plane's store of desired state: applied catalogs, the last rejected one, node marks,
+client API keys.
 
 `Store` is the seam; `SqliteStore` (in `store/sqlite.py`) is the one implementation, a file in
 the control plane's state dir. Actual state (what runs where) is never stored here: it is learned
@@ -41,6 +42,21 @@ class StoredMark:
     drain_deadline: float | None  # wall-clock seconds; only for "draining", None: no bound
 
 
+@dataclass(frozen=True)
+class StoredKey:
+    """A client API key the control plane manages: its SHA-256, never the key."""
+
+    name: str
+    sha256: str
+    prefix: str  # the key's first characters, to tell keys apart in a list
+    models: tuple[str, ...] | None  # the models it may use; None: all
+    rpm: int | None  # requests per minute; None: no limit
+    tpm: int | None  # tokens per minute (prompt + completion)
+    max_concurrent: int | None
+    created_at: float  # wall-clock seconds
+    expires_at: float | None  # wall-clock seconds; None: never
+
+
 class Store(Protocol):
     """Durable desired state. Every call is a small, synchronous, committed transaction."""
 
@@ -69,5 +85,15 @@ class Store(Protocol):
     def get_meta(self, key: str) -> str | None: ...
 
     def set_meta(self, key: str, value: str) -> None: ...
+
+    def put_key(self, key: StoredKey) -> None:
+        """Record a key, replacing the one of the same name."""
+        ...
+
+    def delete_key(self, name: str) -> None: ...
+
+    def api_keys(self) -> list[StoredKey]:
+        """Every key, by name."""
+        ...
 
     def close(self) -> None: ...

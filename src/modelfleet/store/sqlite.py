@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from modelfleet.store import Rejection, StoredCatalog, StoredMark
+from modelfleet.store import Rejection, StoredCatalog, StoredKey, StoredMark
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS catalogs (
@@ -22,6 +22,17 @@ CREATE TABLE IF NOT EXISTS node_marks (
     mark           TEXT NOT NULL,
     since          REAL NOT NULL,
     drain_deadline REAL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    name           TEXT PRIMARY KEY,
+    sha256         TEXT NOT NULL UNIQUE,
+    prefix         TEXT NOT NULL,
+    models         TEXT,
+    rpm            INTEGER,
+    tpm            INTEGER,
+    max_concurrent INTEGER,
+    created_at     REAL NOT NULL,
+    expires_at     REAL
 );
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
@@ -98,6 +109,30 @@ class SqliteStore:
             "SELECT node, mark, since, drain_deadline FROM node_marks ORDER BY node"
         ).fetchall()
         return [StoredMark(*row) for row in rows]
+
+    def put_key(self, key: StoredKey) -> None:
+        models = json.dumps(list(key.models)) if key.models is not None else None
+        with self._write():
+            self._db.execute(
+                "INSERT OR REPLACE INTO api_keys (name, sha256, prefix, models, rpm, tpm, "
+                "max_concurrent, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (key.name, key.sha256, key.prefix, models, key.rpm, key.tpm,
+                 key.max_concurrent, key.created_at, key.expires_at),
+            )  # fmt: skip
+
+    def delete_key(self, name: str) -> None:
+        with self._write():
+            self._db.execute("DELETE FROM api_keys WHERE name = ?", (name,))
+
+    def api_keys(self) -> list[StoredKey]:
+        rows = self._db.execute(
+            "SELECT name, sha256, prefix, models, rpm, tpm, max_concurrent, created_at, "
+            "expires_at FROM api_keys ORDER BY name"
+        ).fetchall()
+        return [
+            StoredKey(n, s, p, tuple(json.loads(m)) if m is not None else None, *rest)
+            for n, s, p, m, *rest in rows
+        ]
 
     def get_meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

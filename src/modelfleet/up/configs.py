@@ -37,5 +37,6 @@ class FleetOptions:
     reconcile_interval: float = 0.5
     stop_grace: float = 10.0
     control_plane: dict[str, Any] = field(default_factory=dict)  # more control-plane settings
+    router: dict[str, Any] = field(default_factory=dict)  # more router settings
     agent_args: tuple[str, ...] = ()  # more agent flags
     extra_routers: tuple[str, ...] = ()  # push URLs of routers beyond the one it starts

@@ -75,6 +75,7 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
         "push_token": admin_token,
         "table_file": str(state_dir / "router-table.json"),
         "api_keys": [{"name": "up", "sha256": hash_key(api_key)}],
+        **opts.router,
     }
     write_atomic(state_dir / "router.yaml", yaml.safe_dump(router_cfg))
 

@@ -1,0 +1,169 @@
+"""The client API keys the control plane manages while the fleet runs.
+
+A key is shown once, when it is made; the store and the routers know only its SHA-256. Every
+change (a key made, its limits or models changed, a key revoked) is written to the store
+first and then published with the routing table, so every router has it within one push.
+Every refusal is a `KeyRefused` carrying the HTTP status the admin API answers, and leaves
+the keys as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from modelfleet import admin
+from modelfleet.apikeys import hash_key, new_key
+from modelfleet.store import Store, StoredKey
+from modelfleet.wire import RoutedKey
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+PREFIX_CHARS = 8  # of the key, after `mf-`, shown by `ctl keys list` to tell keys apart
+
+
+class KeyRefused(Exception):
+    """A key change refused: what is wrong, and the status the admin API answers."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_expiry(text: str, now: float) -> float:
+    """When a key given `--expires TEXT` at wall time `now` expires, in wall seconds.
+
+    TEXT is a duration from now (`90s`, `30m`, `12h`, `30d`, `2w`) or an ISO 8601 date or
+    time (`2027-01-31`, `2027-01-31T12:00:00+00:00`; UTC when it names no zone).
+    """
+    match = _DURATION.match(text)
+    if match:
+        seconds = float(match[1]) * _SECONDS[match[2]]
+        if seconds <= 0:
+            raise KeyRefused(400, f"expires: {text!r} is not after now")
+        return now + seconds
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise KeyRefused(
+            400,
+            f"expires: {text!r} is neither a duration (90s, 30m, 12h, 30d, 2w) nor an "
+            "ISO 8601 date or time (2027-01-31, 2027-01-31T12:00:00Z)",
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    at = when.timestamp()
+    if at <= now:
+        raise KeyRefused(400, f"expires: {text!r} is in the past")
+    return at
+
+
+def info(key: StoredKey) -> admin.KeyInfo:
+    return admin.KeyInfo(
+        name=key.name,
+        prefix=key.prefix,
+        models=list(key.models) if key.models is not None else None,
+        rpm=key.rpm,
+        tpm=key.tpm,
+        max_concurrent=key.max_concurrent,
+        created_at=key.created_at,
+        expires_at=key.expires_at,
+    )
+
+
+class KeyBook:
+    """The managed keys: the store's, with a copy in memory for publishing."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.keys = {k.name: k for k in store.api_keys()}
+
+    def create(
+        self, request: admin.KeyCreate, models: Iterable[str], now: float
+    ) -> tuple[str, StoredKey]:
+        """Make a key; returns the key itself (shown once) and what is stored of it."""
+        if request.name in self.keys:
+            raise KeyRefused(409, f"a key named {request.name!r} exists; choose another name")
+        _known(request.models, models)
+        key = new_key()
+        stored = StoredKey(
+            name=request.name,
+            sha256=hash_key(key),
+            prefix=key[: 3 + PREFIX_CHARS],
+            models=tuple(request.models) if request.models is not None else None,
+            rpm=request.rpm,
+            tpm=request.tpm,
+            max_concurrent=request.max_concurrent,
+            created_at=now,
+            expires_at=parse_expiry(request.expires, now) if request.expires else None,
+        )
+        self.store.put_key(stored)
+        self.keys[stored.name] = stored
+        return key, stored
+
+    def update(
+        self, name: str, request: admin.KeyUpdate, models: Iterable[str], now: float
+    ) -> StoredKey:
+        """Change a key's models, limits or expiry; what the request leaves out stays."""
+        old = self._get(name)
+        _known(request.models, models)
+        given = request.model_dump(exclude_unset=True, exclude={"clear"})
+        overlap = set(given) & set(request.clear)
+        if overlap:
+            raise KeyRefused(400, f"{', '.join(sorted(overlap))}: both set and cleared")
+        changed: dict[str, Any] = {}
+        for cleared in request.clear:
+            changed["expires_at" if cleared == "expires" else cleared] = None
+        for field, value in given.items():
+            if field == "expires":
+                changed["expires_at"] = parse_expiry(value, now) if value is not None else None
+            elif field == "models":
+                changed["models"] = tuple(value) if value is not None else None
+            else:
+                changed[field] = value
+        new = dataclasses.replace(old, **changed)
+        self.store.put_key(new)
+        self.keys[name] = new
+        return new
+
+    def revoke(self, name: str) -> StoredKey:
+        """Delete a key: no router takes it after its next push."""
+        old = self._get(name)
+        self.store.delete_key(name)
+        del self.keys[name]
+        return old
+
+    def routed(self) -> list[RoutedKey]:
+        """The keys as routers take them, in name order."""
+        return [
+            RoutedKey(
+                name=k.name,
+                sha256=k.sha256,
+                models=list(k.models) if k.models is not None else None,
+                rpm=k.rpm,
+                tpm=k.tpm,
+                max_concurrent=k.max_concurrent,
+                expires_at=k.expires_at,
+            )
+            for k in sorted(self.keys.values(), key=lambda k: k.name)
+        ]
+
+    def _get(self, name: str) -> StoredKey:
+        try:
+            return self.keys[name]
+        except KeyError:
+            known = ", ".join(sorted(self.keys)) or "there are none"
+            raise KeyRefused(404, f"no key named {name!r} (keys: {known})") from None
+
+
+def _known(asked: list[str] | None, models: Iterable[str]) -> None:
+    if asked is None:
+        return
+    catalog = set(models)
+    unknown = [m for m in asked if m not in catalog]
+    if unknown:
+        have = ", ".join(sorted(catalog)) or "none"
+        raise KeyRefused(400, f"models: {', '.join(unknown)} not in the catalog (it has: {have})")
