@@ -340,6 +340,10 @@ class KeyInfo(_Answer):
     max_concurrent: int | None
     created_at: float  # wall-clock seconds
     expires_at: float | None
+    # Usage so far, as the control plane has collected it from the routers.
+    requests: int = 0
+    tokens: int = 0  # prompt + completion
+    last_used_at: float | None = None
 
 
 class KeyCreated(KeyInfo):
@@ -348,3 +352,23 @@ class KeyCreated(KeyInfo):
 
 class KeysAnswer(_Answer):
     keys: list[KeyInfo]
+
+
+# -- usage ---------------------------------------------------------------------------------
+
+
+class UsageInfo(_Answer):
+    """What one key did with one model in one hour, summed over every router."""
+
+    key: str
+    model: str
+    hour: float  # wall-clock seconds at the start of the hour
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    errors: int  # answers of status 400 and over
+
+
+class UsageAnswer(_Answer):
+    since: float  # wall-clock seconds: the start of the first hour asked for
+    usage: list[UsageInfo]

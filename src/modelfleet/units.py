@@ -1,4 +1,5 @@
-"""Memory sizes as operators write them ("80GB", "40GiB", "512MiB") and as bytes."""
+"""Memory sizes as operators write them ("80GB", "40GiB", "512MiB") and as bytes; durations as
+they write them ("90s", "30m", "12h", "30d", "2w") and as seconds."""
 
 from __future__ import annotations
 
@@ -47,3 +48,19 @@ def parse_size(text: object) -> int:
 def format_size(n_bytes: int) -> str:
     """Format bytes in GiB with one decimal, the unit GPU memory is usually read in."""
     return f"{n_bytes / 2**30:.1f} GiB"
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+class BadDuration(ValueError):
+    """A duration that could not be read; the message says what is accepted."""
+
+
+def parse_duration(text: str) -> float:
+    """The seconds that `text` names: a number and one of s, m, h, d, w (`90s`, `12h`)."""
+    match = _DURATION.match(text)
+    if not match:
+        raise BadDuration(f"{text!r} is not a duration; write it like 90s, 30m, 12h, 30d or 2w")
+    return float(match[1]) * _SECONDS[match[2]]

@@ -169,3 +169,38 @@ class RoutingAck(_Message):
     applied: bool
     epoch: int = 0
     version: int
+
+
+class UsageRow(_Message):
+    """What one key did with one model in one hour, as counted by a router."""
+
+    key: str
+    model: str
+    hour: int  # wall-clock seconds at the start of the hour
+    requests: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    errors: int = Field(ge=0)  # answers of status 400 and over
+    last_at: float  # wall-clock seconds of the last of them
+
+
+class UsageBatch(_Message):
+    """A router's counts since its last batch was collected. `run` names one run of one
+    router process; (run, batch) is counted once, however often it is sent."""
+
+    run: str
+    batch: int
+    rows: list[UsageRow]
+
+
+class UsageReport(_Message):
+    """A router's answer to the control plane's collection: one batch per router process
+    (several with `workers`), or none when nothing was counted."""
+
+    batches: list[UsageBatch] = Field(default_factory=list)
+
+
+class UsageAck(_Message):
+    """The batches the control plane has stored; the router forgets them."""
+
+    batches: list[tuple[str, int]]  # (run, batch)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import yaml
 
 from modelfleet.up.kept import load_or_make
@@ -142,3 +143,49 @@ def post(router: str, key: str) -> httpx.Response:
     body = {"model": "a", "prompt": "hi", "max_tokens": 1}
     headers = {"authorization": f"Bearer {key}"}
     return httpx.post(f"{router}/v1/completions", json=body, headers=headers, timeout=10)
+
+
+def test_ctl_usage_shows_the_tokens_the_openai_client_saw_per_key_and_model(
+    tmp_path: Path,
+) -> None:
+    with fleet_of(tmp_path, [A, B], control_plane={"usage_interval": 0.5}) as fleet:
+        op = Operator(fleet, tmp_path)
+        wait_for("a and b to serve", lambda: op.serves("a") and op.serves("b"))
+        made = json.loads(op.ctl("keys", "create", "dave", "-o", "json").stdout)
+        wait_for("dave's key on the router", lambda: httpx.get(  # /v1/models: no usage
+            f"{fleet.router_url}/v1/models", headers={"authorization": f"Bearer {made['key']}"}
+        ).status_code == 200)  # fmt: skip
+        client = openai.OpenAI(base_url=f"{fleet.router_url}/v1", api_key=made["key"],
+                               max_retries=0, timeout=20)  # fmt: skip
+        saw = {"a": [0, 0, 0], "b": [0, 0, 0]}  # requests, prompt and completion tokens
+        for model, stream in (("a", False), ("a", True), ("b", False)):
+            if stream:
+                chunks = list(client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "count to five"}],
+                    max_tokens=5, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+                used = chunks[-1].usage
+            else:
+                used = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+                ).usage
+            assert used is not None
+            saw[model][0] += 1
+            saw[model][1] += used.prompt_tokens
+            saw[model][2] += used.completion_tokens
+        want = {m: tuple(v) for m, v in saw.items()}
+
+        def counted() -> dict[str, tuple[int, int, int]] | None:
+            rows = json.loads(op.ctl("usage", "--key", "dave", "-o", "json").stdout)["usage"]
+            got = {r["model"]: (r["requests"], r["prompt_tokens"], r["completion_tokens"])
+                   for r in rows}  # fmt: skip
+            return got if got == want else None
+
+        wait_for(f"ctl usage to show {want}", counted, timeout=15, every=0.3)
+        table = op.ctl("usage", "--model", "a", "--key", "dave", "-o", "csv").stdout.splitlines()
+        assert table[0] == "hour,key,model,requests,prompt_tokens,completion_tokens,errors"
+        assert [line.split(",")[1:4] for line in table[1:]] == [["dave", "a", str(want["a"][0])]]
+        [listed] = json.loads(op.ctl("keys", "list", "-o", "json").stdout)["keys"]
+        assert listed["requests"] == sum(v[0] for v in want.values())
+        assert listed["last_used_at"] is not None
+        bad = op.ctl("usage", "--since", "forever", check=False)
+        assert bad.returncode == 1 and "not a duration" in bad.stderr

@@ -174,6 +174,13 @@ def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Pa
     after = [w.cpu_times() for w in workers]
     busy = [a.user + a.system - b.user - b.system for a, b in zip(after, before, strict=True)]
     assert all(b > 0.01 for b in busy), f"CPU seconds per worker: {busy}"
+    # Usage is collected from every worker through the parent, and forgotten once acknowledged.
+    report = httpx.get(f"{push}/v1/usage", headers=admin, timeout=20).json()
+    assert len(report["batches"]) == 2  # one per worker: each served some of the 60
+    assert sum(r["requests"] for b in report["batches"] for r in b["rows"]) == 60
+    ack = {"batches": [[b["run"], b["batch"]] for b in report["batches"]]}
+    assert httpx.post(f"{push}/v1/usage/ack", json=ack, headers=admin, timeout=20).is_success
+    assert httpx.get(f"{push}/v1/usage", headers=admin, timeout=20).json() == {"batches": []}
     # A worker that dies is restarted, and serves the table it shares at once.
     workers[0].kill()
     workers[0].wait(timeout=10)

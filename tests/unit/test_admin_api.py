@@ -70,6 +70,8 @@ CALLS: list[tuple[str, str, str | None, int]] = [
     ("PATCH", "/v1/keys/nope", '{"tpm": 1000}', 404),
     ("DELETE", "/v1/keys/alice", None, 200),
     ("DELETE", "/v1/keys/alice", None, 404),
+    ("GET", "/v1/usage?since=7d&key=alice", None, 200),
+    ("GET", "/v1/usage?since=forever", None, 400),
 ]
 
 

@@ -21,6 +21,7 @@ from modelfleet.controlplane import keys, views
 from modelfleet.controlplane.catalogs import API_SOURCE
 from modelfleet.controlplane.plane import ControlPlane, NodeBusy
 from modelfleet.fleet import Mark
+from modelfleet.units import BadDuration, parse_duration
 from modelfleet.web import JSON, bearer_matches, read_at_most
 
 
@@ -261,7 +262,36 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     @app.get("/v1/keys", responses=_errors())
     async def list_keys() -> admin.KeysAnswer:
         """The client API keys this control plane manages (never the keys themselves)."""
-        return admin.KeysAnswer(keys=[keys.info(k) for _, k in sorted(cp.keys.keys.items())])
+        used = cp.store.usage()
+        return admin.KeysAnswer(keys=[keys.info(k, used) for _, k in sorted(cp.keys.keys.items())])
+
+    @app.get("/v1/usage", responses=_errors(400))
+    async def usage(
+        key: str | None = None, model: str | None = None, since: str = "24h"
+    ) -> admin.UsageAnswer:
+        """Requests, prompt and completion tokens and errors per key, model and hour, from
+        the hour `since` ago (a duration: 90m, 24h, 7d) on."""
+        try:
+            back = parse_duration(since)
+        except BadDuration as exc:
+            raise Refused.because(400, f"since: {exc}") from None
+        start = int((cp.clock.time() - back) // 3600) * 3600
+        rows = cp.store.usage(key, model, start)
+        return admin.UsageAnswer(
+            since=start,
+            usage=[
+                admin.UsageInfo(
+                    key=u.key,
+                    model=u.model,
+                    hour=u.hour,
+                    requests=u.requests,
+                    prompt_tokens=u.prompt_tokens,
+                    completion_tokens=u.completion_tokens,
+                    errors=u.errors,
+                )
+                for u in rows
+            ],
+        )
 
     @app.post("/v1/keys", responses=_errors(400, 409, 413), openapi_extra=_body_of(admin.KeyCreate))
     async def create_key(request: Request) -> admin.KeyCreated:

@@ -42,6 +42,8 @@ class ControlPlaneConfig(BaseModel):
     # How often each router is asked which routing table it holds; one that holds another than
     # the current (it restarted, or missed a push) is pushed the current one at once.
     push_interval: float = Field(default=1.0, gt=0)
+    # How often each router's usage counts are collected: what a router that dies loses.
+    usage_interval: float = Field(default=2.0, gt=0)
     catalog_poll_interval: float = Field(default=0.25, gt=0)
     # How long a replica taken out of service waits for every router to confirm a routing table
     # without it before its engine is stopped anyway.

@@ -10,18 +10,16 @@ the keys as they were.
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from modelfleet import admin
 from modelfleet.apikeys import hash_key, new_key
-from modelfleet.store import Store, StoredKey
+from modelfleet.store import Store, StoredKey, StoredUsage
+from modelfleet.units import BadDuration, parse_duration
 from modelfleet.wire import RoutedKey
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
-_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 PREFIX_CHARS = 8  # of the key, after `mf-`, shown by `ctl keys list` to tell keys apart
 
 
@@ -39,9 +37,11 @@ def parse_expiry(text: str, now: float) -> float:
     TEXT is a duration from now (`90s`, `30m`, `12h`, `30d`, `2w`) or an ISO 8601 date or
     time (`2027-01-31`, `2027-01-31T12:00:00+00:00`; UTC when it names no zone).
     """
-    match = _DURATION.match(text)
-    if match:
-        seconds = float(match[1]) * _SECONDS[match[2]]
+    try:
+        seconds: float | None = parse_duration(text)
+    except BadDuration:
+        seconds = None
+    if seconds is not None:
         if seconds <= 0:
             raise KeyRefused(400, f"expires: {text!r} is not after now")
         return now + seconds
@@ -61,8 +61,13 @@ def parse_expiry(text: str, now: float) -> float:
     return at
 
 
-def info(key: StoredKey) -> admin.KeyInfo:
+def info(key: StoredKey, used: Sequence[StoredUsage] = ()) -> admin.KeyInfo:
+    """What `ctl keys` shows of a key, with its usage so far from `used`."""
+    mine = [u for u in used if u.key == key.name]
     return admin.KeyInfo(
+        requests=sum(u.requests for u in mine),
+        tokens=sum(u.prompt_tokens + u.completion_tokens for u in mine),
+        last_used_at=max((u.last_at for u in mine), default=None),
         name=key.name,
         prefix=key.prefix,
         models=list(key.models) if key.models is not None else None,

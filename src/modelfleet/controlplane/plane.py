@@ -27,6 +27,7 @@ from modelfleet.controlplane.config import (
 from modelfleet.controlplane.keys import KeyBook
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.state import FleetState, NodeMark
+from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.fleet import Mark
 from modelfleet.reconcile import Preview, plan, preview, settling
 from modelfleet.store import StoredMark
@@ -65,6 +66,9 @@ class ControlPlane:
         self._http = http or httpx.AsyncClient(timeout=5)
         self.store = catalogs.store
         self.keys = KeyBook(self.store)
+        self.usage = UsageCollector(
+            config.routers, self._http, self.store, config.usage_interval, clock.time
+        )
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
         self.publisher = Publisher(config.routers, self._http, epoch, config.push_interval)

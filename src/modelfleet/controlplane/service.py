@@ -61,6 +61,6 @@ async def serve(
     await run_service(
         listeners,
         ready_file=ready_file,
-        loops=[cp.reconcile_loop, cp.publisher.run, cp.catalog_loop],
+        loops=[cp.reconcile_loop, cp.publisher.run, cp.catalog_loop, cp.usage.run],
         on_stop=cp.close,
     )

@@ -168,3 +168,11 @@ class AdminClient:
 
     def revoke_key(self, name: str) -> admin.KeyInfo:
         return self._call(admin.KeyInfo, "DELETE", "/v1/keys/" + quote(name, safe=""))
+
+    def usage(self, key: str | None, model: str | None, since: str) -> admin.UsageAnswer:
+        params = {"since": since}
+        if key is not None:
+            params["key"] = key
+        if model is not None:
+            params["model"] = model
+        return self._call(admin.UsageAnswer, "GET", "/v1/usage", params=params)

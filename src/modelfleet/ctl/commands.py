@@ -29,6 +29,7 @@ T = TypeVar("T", bound="BaseModel")
 class Output(StrEnum):
     table = "table"
     json = "json"
+    csv = "csv"  # `ctl usage` only
 
 
 # ctl's own options, each taking a value: `with_options_first` moves them before the command.
@@ -81,10 +82,18 @@ class Ctl:
         except CtlError as exc:
             fail(str(exc), 1)
 
-    def show(self, call: Callable[[AdminClient], T], render: Callable[[T, Console], None]) -> None:
-        """Call the admin API and print its answer (as JSON with `-o json`)."""
+    def show(
+        self,
+        call: Callable[[AdminClient], T],
+        render: Callable[[T, Console], None],
+        csv: Callable[[T], str] | None = None,
+    ) -> None:
+        """Call the admin API and print its answer (as JSON with `-o json`, as CSV with
+        `-o csv` where the command has a CSV form)."""
         from modelfleet.ctl.client import CatalogRefused, CtlError
 
+        if self.output is Output.csv and csv is None:
+            fail("-o csv is for `ctl usage`; use -o table or -o json here")
         try:
             answer = call(self.client())
         except CatalogRefused:
@@ -93,6 +102,9 @@ class Ctl:
             fail(str(exc), 1)
         if self.output is Output.json:
             typer.echo(json.dumps(answer.model_dump(mode="json"), indent=2))
+            return
+        if csv is not None and self.output is Output.csv:
+            typer.echo(csv(answer), nl=False)
             return
         from rich.console import Console
 
@@ -130,7 +142,7 @@ def options(
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="Where `modelfleet up` keeps its up.json.")
     ] = Path(".modelfleet"),
-    output: Annotated[Output, typer.Option("--output", "-o", help="table or json.")] = (
+    output: Annotated[Output, typer.Option("--output", "-o", help="table, json (or csv).")] = (
         Output.table
     ),
 ) -> None:
@@ -441,3 +453,21 @@ def keys_update(
 def keys_revoke(context: typer.Context, name: KeyNameArg) -> None:
     """Revoke a key: every router refuses it within a push (about a second)."""
     _ctl(context).show(lambda c: c.revoke_key(name), _render("print_revoked"))
+
+
+@app.command()
+def usage(
+    context: typer.Context,
+    key: Annotated[str | None, typer.Option("--key", help="One key's usage, by name.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="One model's usage.")] = None,
+    since: Annotated[
+        str, typer.Option("--since", help="From this long ago: 90m, 24h, 7d.")
+    ] = "24h",
+) -> None:
+    """Requests, prompt and completion tokens and errors per key, model and hour, as the
+    routers counted them (collected every few seconds). -o json or -o csv for tools."""
+    from modelfleet.ctl import render
+
+    _ctl(context).show(
+        lambda c: c.usage(key, model, since), render.print_usage, csv=render.usage_csv
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import time
 
 from rich.console import Console
@@ -253,10 +255,16 @@ def _key_row(k: admin.KeyInfo) -> list[str]:
         _limit(k.max_concurrent),
         _when(k.created_at),
         _when(k.expires_at) if k.expires_at is not None else "never",
+        str(k.requests),
+        str(k.tokens),
+        _when(k.last_used_at) if k.last_used_at is not None else "never",
     ]
 
 
-_KEY_HEADINGS = ("NAME", "KEY", "MODELS", "RPM", "TPM", "CONCURRENT", "CREATED", "EXPIRES")
+_KEY_HEADINGS = (
+    "NAME", "KEY", "MODELS", "RPM", "TPM", "CONCURRENT", "CREATED", "EXPIRES",
+    "REQUESTS", "TOKENS", "LAST USED",
+)  # fmt: skip
 
 
 def print_keys(data: admin.KeysAnswer, console: Console) -> None:
@@ -287,3 +295,32 @@ def print_revoked(data: admin.KeyInfo, console: Console) -> None:
         "routing table",
         highlight=False,
     )
+
+
+_USAGE_FIELDS = ("hour", "key", "model", "requests", "prompt_tokens", "completion_tokens",
+                 "errors")  # fmt: skip
+
+
+def print_usage(data: admin.UsageAnswer, console: Console) -> None:
+    if not data.usage:
+        console.print(f"no usage since {_when(data.since)}", highlight=False)
+        return
+    table = Table("HOUR", "KEY", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "ERRORS")
+    for u in data.usage:
+        table.add_row(
+            _when(u.hour), escape(u.key), escape(u.model), str(u.requests),
+            str(u.prompt_tokens), str(u.completion_tokens), str(u.errors),
+        )  # fmt: skip
+    console.print(table)
+
+
+def usage_csv(data: admin.UsageAnswer) -> str:
+    """The usage as CSV, the hour in ISO 8601 (UTC), for spreadsheets and scripts."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(_USAGE_FIELDS)
+    for u in data.usage:
+        hour = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(u.hour))
+        writer.writerow([hour, u.key, u.model, u.requests, u.prompt_tokens,
+                         u.completion_tokens, u.errors])  # fmt: skip
+    return out.getvalue()

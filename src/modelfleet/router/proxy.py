@@ -67,6 +67,7 @@ class _Exchange:
     failures: list[str] = field(default_factory=list)
     timeouts: int = 0  # attempts that got no first byte in time
     scanner: UsageScanner | None = None  # finds the tokens the answer used
+    key: str | None = None  # the name of the client's key, once it is known
 
 
 class Proxy:
@@ -100,6 +101,9 @@ class Proxy:
             log.debug("the client of %s went away; cancelled upstream", ex.request_id)
         else:
             self._account(ex)
+        if ex.key is not None:
+            usage = ex.scanner.usage if ex.scanner is not None else None
+            self.router.ledger.count(ex.key, ex.model, self.router.wall(), usage, ex.status >= 400)
 
     async def _handle(
         self,
@@ -146,6 +150,7 @@ class Proxy:
             )
             return
         ex.model = model = body["model"]
+        ex.key = key.name
         table = router.table  # taken once: a swap during this request is invisible to it
         endpoints = table.models.get(model)
         if endpoints is None and router.awaiting_table:

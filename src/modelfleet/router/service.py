@@ -38,10 +38,11 @@ from modelfleet.router.metrics import RouterMetrics
 from modelfleet.router.proxy import PROXY_PATHS, Proxy
 from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
 from modelfleet.router.upstream import Upstreams
+from modelfleet.router.usage import UsageLedger
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import JSON, bearer_matches, json_response
 from modelfleet.web import error_response as web_error
-from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot
+from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot, UsageAck, UsageReport
 
 log = logging.getLogger("modelfleet.router")
 
@@ -136,6 +137,7 @@ class Router:
             else MemoryLimits()
         )
         self.background: set[asyncio.Future[None]] = set()  # settlements under way
+        self.ledger = UsageLedger()  # what each key used, until the control plane collects it
         self._session: aiohttp.ClientSession | None = None  # scrapes and probes
 
     def _restore(self) -> RoutingSnapshot | None:
@@ -291,6 +293,26 @@ class Router:
         ack = RoutingAck(applied=self.pushed, epoch=held.epoch, version=held.version)
         return Response(ack.model_dump_json(), media_type=JSON)
 
+    async def get_usage(self, request: Request) -> Response:
+        """The usage counted since the last batch the control plane acknowledged."""
+        if not self._push_authorized(request):
+            return web_error(401, "missing or wrong admin token")
+        batch = self.ledger.take()
+        report = UsageReport(batches=[batch] if batch is not None else [])
+        return Response(report.model_dump_json(), media_type=JSON)
+
+    async def ack_usage(self, request: Request) -> Response:
+        """The control plane stored these batches: forget them."""
+        if not self._push_authorized(request):
+            return web_error(401, "missing or wrong admin token")
+        try:
+            ack = UsageAck.model_validate_json(await request.body())
+        except ValidationError as exc:
+            return web_error(400, f"not a usage acknowledgement: {exc}")
+        for run, batch in ack.batches:
+            self.ledger.ack(run, batch)
+        return Response(b'{"ok":true}', media_type=JSON)
+
     async def get_routing(self, request: Request) -> Response:
         if not self._push_authorized(request):
             return web_error(401, "missing or wrong admin token")
@@ -362,6 +384,8 @@ def create_apps(router: Router) -> tuple[ASGIApp, Starlette]:
             Route("/v1/routing", router.put_routing, methods=["PUT"]),
             Route("/v1/routing", router.get_routing, methods=["GET"]),
             Route("/v1/routing/held", router.get_held, methods=["GET"]),
+            Route("/v1/usage", router.get_usage, methods=["GET"]),
+            Route("/v1/usage/ack", router.ack_usage, methods=["POST"]),
         ]
     )
     return _ClientApp(proxy, rest), push
@@ -371,6 +395,14 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
     """Run a router until SIGINT/SIGTERM."""
     if config.workers > 1:
         from modelfleet.router.workers import serve_workers
+
+        if config.limits_store is None:
+            log.warning(
+                "%d workers count keys' limits each in its own memory, so a key gets up to "
+                "%d times its limits: set limits_store to a Redis URL to share the counts",
+                config.workers,
+                config.workers,
+            )
 
         data = config.model_dump(mode="json", exclude_defaults=True)
         # The workers' config files hold the keys' hashes only.

@@ -1,4 +1,5 @@
-"""The tokens an answer used, read from the engine's `usage` as the answer passes through.
+"""The tokens an answer used, read from the engine's `usage` as the answer passes through,
+and the router's ledger of what each key used, collected by the control plane.
 
 A whole answer carries `usage` in its JSON; it is kept as it is relayed and searched once at
 the end. A stream carries it only when asked (`stream_options.include_usage`), in a last
@@ -11,7 +12,10 @@ two chunks is held back until it is whole.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
+
+from modelfleet.wire import UsageBatch, UsageRow
 
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -81,3 +85,67 @@ class UsageScanner:
             return b""
         held, self._held = self._held, b""
         return held
+
+
+@dataclass
+class _Counts:
+    requests: int = 0
+    prompt: int = 0
+    completion: int = 0
+    errors: int = 0
+    last_at: float = 0.0
+
+
+@dataclass
+class UsageLedger:
+    """Counts per key, model and hour, handed to the control plane in batches.
+
+    A batch taken is kept until the control plane acknowledges it, and sent again until then,
+    so a lost answer loses nothing; the control plane stores each (run, batch) once. What a
+    router loses when it dies is what it counted since its last acknowledged batch.
+    """
+
+    run: str = field(default_factory=lambda: secrets.token_hex(8))
+    _pending: dict[tuple[str, str, int], _Counts] = field(default_factory=dict)
+    _batch: UsageBatch | None = None
+    _next: int = 1
+
+    def count(self, key: str, model: str, now: float, usage: Usage | None, error: bool) -> None:
+        hour = int(now // 3600) * 3600
+        counts = self._pending.get((key, model, hour))
+        if counts is None:
+            counts = self._pending[(key, model, hour)] = _Counts()
+        counts.requests += 1
+        if usage is not None:
+            counts.prompt += usage.prompt
+            counts.completion += usage.completion
+        counts.errors += error
+        counts.last_at = now
+
+    def take(self) -> UsageBatch | None:
+        """The batch to send: the unacknowledged one, else what was counted since."""
+        if self._batch is None and self._pending:
+            rows = [
+                UsageRow(
+                    key=key,
+                    model=model,
+                    hour=hour,
+                    requests=c.requests,
+                    prompt_tokens=c.prompt,
+                    completion_tokens=c.completion,
+                    errors=c.errors,
+                    last_at=c.last_at,
+                )
+                for (key, model, hour), c in self._pending.items()
+            ]
+            self._batch = UsageBatch(run=self.run, batch=self._next, rows=rows)
+            self._next += 1
+            self._pending = {}
+        return self._batch
+
+    def ack(self, run: str, batch: int) -> bool:
+        """The control plane stored (run, batch): forget it. Whether it was ours."""
+        if self._batch is not None and (run, batch) == (self.run, self._batch.batch):
+            self._batch = None
+            return True
+        return False

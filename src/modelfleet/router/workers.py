@@ -32,7 +32,7 @@ from modelfleet.files import private_dir
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import JSON, bearer_matches
 from modelfleet.web import error_response as web_error
-from modelfleet.wire import RoutingAck, RoutingSnapshot
+from modelfleet.wire import RoutingAck, RoutingSnapshot, UsageBatch, UsageReport
 
 log = logging.getLogger("modelfleet.router")
 
@@ -177,6 +177,43 @@ class Workers:
             return web_error(503, f"a router worker did not answer: {exc}")
         return _summary(acks, status=200)
 
+    async def get_usage(self, request: Request) -> Response:
+        """Every worker's batch; a worker that does not answer now is asked next time."""
+        if not self._authorized(request):
+            return web_error(401, "missing or wrong admin token")
+        headers = {"authorization": f"Bearer {self.token}"}
+
+        async def one(worker: _Worker) -> list[UsageBatch]:
+            if worker.push_url is None:
+                return []
+            try:
+                url = worker.push_url + "/v1/usage"
+                async with self.session.get(url, headers=headers) as answer:
+                    return UsageReport.model_validate_json(await answer.read()).batches
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return []
+
+        batches = [b for found in await asyncio.gather(*map(one, self.workers)) for b in found]
+        return Response(UsageReport(batches=batches).model_dump_json(), media_type=JSON)
+
+    async def ack_usage(self, request: Request) -> Response:
+        """Pass the acknowledgement to every worker: each forgets the batches that are its."""
+        if not self._authorized(request):
+            return web_error(401, "missing or wrong admin token")
+        body = await request.body()
+        headers = {"authorization": f"Bearer {self.token}", "content-type": JSON}
+
+        async def one(worker: _Worker) -> None:
+            if worker.push_url is None:
+                return
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                url = worker.push_url + "/v1/usage/ack"
+                async with self.session.post(url, data=body, headers=headers) as answer:
+                    await answer.read()
+
+        await asyncio.gather(*map(one, self.workers))
+        return Response(b'{"ok":true}', media_type=JSON)
+
     async def get_routing(self, request: Request) -> Response:
         if not self._authorized(request):
             return web_error(401, "missing or wrong admin token")
@@ -227,6 +264,8 @@ async def serve_workers(
             Route("/v1/routing", parent.put_routing, methods=["PUT"]),
             Route("/v1/routing", parent.get_routing, methods=["GET"]),
             Route("/v1/routing/held", parent.get_held, methods=["GET"]),
+            Route("/v1/usage", parent.get_usage, methods=["GET"]),
+            Route("/v1/usage/ack", parent.ack_usage, methods=["POST"]),
         ]
     )
     listener = Listener("push", push, host, push_port)

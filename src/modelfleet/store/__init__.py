@@ -57,6 +57,20 @@ class StoredKey:
     expires_at: float | None  # wall-clock seconds; None: never
 
 
+@dataclass(frozen=True)
+class StoredUsage:
+    """What one key did with one model in one hour, summed over every router."""
+
+    key: str
+    model: str
+    hour: int  # wall-clock seconds at the start of the hour
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    errors: int
+    last_at: float
+
+
 class Store(Protocol):
     """Durable desired state. Every call is a small, synchronous, committed transaction."""
 
@@ -94,6 +108,16 @@ class Store(Protocol):
 
     def api_keys(self) -> list[StoredKey]:
         """Every key, by name."""
+        ...
+
+    def add_usage(self, run: str, batch: int, rows: list[StoredUsage], now: float) -> bool:
+        """Add a router's batch of counts, once: False when (run, batch) was added before."""
+        ...
+
+    def usage(
+        self, key: str | None = None, model: str | None = None, since: int = 0
+    ) -> list[StoredUsage]:
+        """The counts of hours from `since` on, by hour, key and model."""
         ...
 
     def close(self) -> None: ...

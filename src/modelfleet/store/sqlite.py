@@ -7,7 +7,10 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from modelfleet.store import Rejection, StoredCatalog, StoredKey, StoredMark
+from modelfleet.store import Rejection, StoredCatalog, StoredKey, StoredMark, StoredUsage
+
+# A batch seen longer ago than this is forgotten: no router resends one that old.
+_BATCH_MEMORY_S = 86400.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS catalogs (
@@ -33,6 +36,23 @@ CREATE TABLE IF NOT EXISTS api_keys (
     max_concurrent INTEGER,
     created_at     REAL NOT NULL,
     expires_at     REAL
+);
+CREATE TABLE IF NOT EXISTS usage (
+    key               TEXT NOT NULL,
+    model             TEXT NOT NULL,
+    hour              INTEGER NOT NULL,
+    requests          INTEGER NOT NULL,
+    prompt_tokens     INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    errors            INTEGER NOT NULL,
+    last_at           REAL NOT NULL,
+    PRIMARY KEY (key, model, hour)
+);
+CREATE TABLE IF NOT EXISTS usage_batches (
+    run   TEXT NOT NULL,
+    batch INTEGER NOT NULL,
+    at    REAL NOT NULL,
+    PRIMARY KEY (run, batch)
 );
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
@@ -133,6 +153,40 @@ class SqliteStore:
             StoredKey(n, s, p, tuple(json.loads(m)) if m is not None else None, *rest)
             for n, s, p, m, *rest in rows
         ]
+
+    def add_usage(self, run: str, batch: int, rows: list[StoredUsage], now: float) -> bool:
+        with self._write():
+            seen = self._db.execute(
+                "INSERT OR IGNORE INTO usage_batches (run, batch, at) VALUES (?, ?, ?)",
+                (run, batch, now),
+            )
+            if seen.rowcount == 0:
+                return False
+            self._db.executemany(
+                "INSERT INTO usage (key, model, hour, requests, prompt_tokens, "
+                "completion_tokens, errors, last_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (key, model, hour) DO UPDATE SET "
+                "requests = requests + excluded.requests, "
+                "prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
+                "completion_tokens = completion_tokens + excluded.completion_tokens, "
+                "errors = errors + excluded.errors, "
+                "last_at = MAX(last_at, excluded.last_at)",
+                [(r.key, r.model, r.hour, r.requests, r.prompt_tokens, r.completion_tokens,
+                  r.errors, r.last_at) for r in rows],
+            )  # fmt: skip
+            self._db.execute("DELETE FROM usage_batches WHERE at < ?", (now - _BATCH_MEMORY_S,))
+        return True
+
+    def usage(
+        self, key: str | None = None, model: str | None = None, since: int = 0
+    ) -> list[StoredUsage]:
+        rows = self._db.execute(
+            "SELECT key, model, hour, requests, prompt_tokens, completion_tokens, errors, "
+            "last_at FROM usage WHERE hour >= ? AND (? IS NULL OR key = ?) "
+            "AND (? IS NULL OR model = ?) ORDER BY hour, key, model",
+            (since, key, key, model, model),
+        ).fetchall()
+        return [StoredUsage(*row) for row in rows]
 
     def get_meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
