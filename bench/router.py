@@ -11,6 +11,12 @@ that is not there is left out and said so). For each target:
 - closed loop, `--clients` clients on kept-alive connections: requests/s at saturation;
 - its RSS after the load.
 
+Then the modelfleet router again with 1,000 API keys, each limited (requests and tokens per
+minute, requests at once, all far above what the load reaches, so that every request is
+checked and settled and none refused), the counts in a Redis server (Debian's redis-server)
+as several routers would share them; the load spreads over all 1,000 keys. Its CPU includes
+the Redis server's.
+
 Then prefix affinity: four simulators with a slow prefill and a prefix cache that holds 12 of
 the workload's 32 long prefixes (each request one of them and a short suffix of its own): the
 fleet's caches hold them all only if each prefix keeps to one engine.
@@ -19,8 +25,8 @@ Time to the first token through modelfleet with `routing: prefix`, through model
 
 It ends with one JSON line: `added_p50_ms`, `added_p99_ms` (over direct, open loop at the
 lowest rate, not streamed), `cpu_ms_per_req`, `max_rps`, `rss_mb`, the same prefixed
-`vllm_router_` and `litellm_`, and `prefix_ttft_p50_gain` (round robin's p50 over prefix
-affinity's).
+`vllm_router_` and `litellm_`, the same prefixed `limits_` for the router with 1,000 limited
+keys, and `prefix_ttft_p50_gain` (round robin's p50 over prefix affinity's).
 
     bash bench/make_peers.sh      # once: the peers' venvs
     python bench/router.py [--duration 10] [--rates 50,200] [--clients 64]
@@ -35,6 +41,7 @@ import json
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -66,6 +73,7 @@ class Target:
     name: str
     urls: list[str]
     pids: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=lambda: [KEY])  # requests take them in turn
 
     def cpu_seconds(self) -> float:
         total = 0.0
@@ -156,14 +164,44 @@ def start_sims(procs: Processes, n: int, *extra: str) -> list[str]:
     return urls
 
 
-def start_modelfleet(procs: Processes, engines: list[str], routing: str = "least_load") -> Target:
+def start_redis(procs: Processes) -> tuple[str, int]:
+    """Debian's redis-server on a free port, nothing saved: its URL and pid."""
+    port = free_port("127.0.0.1")
+    pid = procs.start(
+        f"redis-{port}",
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(procs.tmp)],
+    )  # fmt: skip
+    deadline = time.monotonic() + 20
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return f"redis://127.0.0.1:{port}/0", pid
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server did not answer PING; see {procs.tmp}")
+        time.sleep(0.05)
+
+
+LIMITED_KEYS = [f"sk-bench-limited-{i:04d}-0123456789abcdef" for i in range(1000)]
+
+
+def start_modelfleet(
+    procs: Processes, engines: list[str], routing: str = "least_load", limits_store: str = ""
+) -> Target:
     port, push = free_port("127.0.0.1"), free_port("127.0.0.1")
-    config = {
+    config: dict[str, Any] = {
         "port": port,
         "push_port": push,
         "api_keys": [{"name": "bench", "key": KEY}],
         "models": [{"name": MODEL, "endpoints": engines, "routing": routing}],
     }
+    if limits_store:
+        config["limits_store"] = limits_store
+        config["api_keys"] = [
+            {"name": f"key-{i}", "key": key, "rpm": 10**6, "tpm": 10**9, "max_concurrent": 10**4}
+            for i, key in enumerate(LIMITED_KEYS)
+        ]
     path = procs.tmp / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     pid = procs.start(
@@ -173,6 +211,8 @@ def start_modelfleet(procs: Processes, engines: list[str], routing: str = "least
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_ready(procs, "the modelfleet router", url + "/health")
+    if limits_store:
+        return Target("limits", [url], [pid], LIMITED_KEYS)
     return Target("modelfleet", [url], [pid])
 
 
@@ -237,17 +277,18 @@ def _body(stream: bool, prompt: str = "hello there", max_tokens: int = 8) -> byt
     return json.dumps(body).encode()
 
 
-HEADERS = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+def _headers(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}", "content-type": "application/json"}
 
 
 async def _one(
-    session: aiohttp.ClientSession, url: str, body: bytes, stream: bool
+    session: aiohttp.ClientSession, url: str, body: bytes, stream: bool, key: str = KEY
 ) -> tuple[float, float, bool]:
     """One completion: (seconds to its end, seconds to its first text, whether it succeeded)."""
     start = time.perf_counter()
     first = None
     try:
-        async with session.post(url + "/v1/completions", data=body, headers=HEADERS) as r:
+        async with session.post(url + "/v1/completions", data=body, headers=_headers(key)) as r:
             if stream:
                 async for line in r.content:
                     if first is None and line.startswith(b"data: {"):
@@ -269,7 +310,7 @@ async def open_loop(
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await _one(session, target.urls[0], _body(stream), stream)  # warm a connection
+        await _one(session, target.urls[0], _body(stream), stream, target.keys[0])  # warm up
         cpu0 = target.cpu_seconds()
         start = time.perf_counter()
         tasks = []
@@ -279,7 +320,8 @@ async def open_loop(
                 await asyncio.sleep(delay)
             body = bodies[i % len(bodies)] if bodies else _body(stream)
             url = target.urls[i % len(target.urls)]
-            tasks.append(asyncio.create_task(_one(session, url, body, stream)))
+            key = target.keys[i % len(target.keys)]
+            tasks.append(asyncio.create_task(_one(session, url, body, stream, key)))
         results = await asyncio.gather(*tasks)
         cpu = target.cpu_seconds() - cpu0
     latencies = sorted(r[0] for r in results)
@@ -308,8 +350,11 @@ async def closed_loop(target: Target, clients: int, duration: float) -> dict[str
         async def client(i: int) -> None:
             nonlocal done, failed
             url = target.urls[i % len(target.urls)]
+            turn = i
             while time.perf_counter() < end:
-                _, _, ok = await _one(session, url, body, False)
+                key = target.keys[turn % len(target.keys)]
+                turn += clients
+                _, _, ok = await _one(session, url, body, False, key)
                 done += 1
                 failed += not ok
 
@@ -405,7 +450,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64, help="closed-loop clients")
     parser.add_argument("--prefix-rate", type=float, default=10.0, help="requests/s, prefix phase")
     parser.add_argument("--prefix-duration", type=float, default=30.0, help="seconds, prefix phase")
-    parser.add_argument("--skip", default="", help="targets to leave out: litellm,vllm_router")
+    parser.add_argument(
+        "--skip", default="", help="targets to leave out: litellm,vllm_router,limits"
+    )
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     skip = set(filter(None, args.skip.split(",")))
@@ -420,6 +467,11 @@ def main() -> None:
             targets.append(start_vllm_router(procs, engines, "round_robin"))
         if "litellm" not in skip:
             targets.append(start_litellm(procs, engines))
+        if "limits" not in skip:
+            store, redis_pid = start_redis(procs)
+            limited = start_modelfleet(procs, engines, limits_store=store)
+            limited.pids.append(redis_pid)
+            targets.append(limited)
         print(f"open loop {args.rates} req/s and closed loop {args.clients} clients, "
               f"{args.duration:g} s each; logs in {tmp}")  # fmt: skip
         for target in targets:
@@ -440,6 +492,7 @@ def main() -> None:
         ("modelfleet", ""),
         ("vllm_router", "vllm_router_"),
         ("litellm", "litellm_"),
+        ("limits", "limits_"),
     ):
         got = figures.get(name)
         if got is None:
