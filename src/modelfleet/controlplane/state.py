@@ -11,7 +11,7 @@ import dataclasses
 import re
 import secrets
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -113,6 +113,41 @@ class FleetState:
     _names: list[str] | None = None  # the nodes' names, sorted; None when a node was added
     # model -> node -> (until when, why): where a replica of the model kept failing
     avoid: dict[str, dict[str, tuple[float, str]]] = field(default_factory=dict)
+    # Indexes, kept up to date by every change instead of derived from the whole table, so
+    # that one agent's report costs what that agent holds, not what the fleet holds:
+    # node -> the replicas in the table with a shard there;
+    _on_node: dict[str, set[str]] = field(default_factory=dict)
+    # replica id -> (node, rank) -> that shard as its node last reported it.
+    _seen: dict[str, dict[tuple[str, int], ShardReport]] = field(default_factory=dict)
+
+    def _put(self, record: ReplicaRecord) -> None:
+        rid = record.replica.id
+        self.replicas[rid] = record
+        for placement in record.replica.shards:
+            self._on_node.setdefault(placement.node, set()).add(rid)
+
+    def _drop(self, rid: str) -> ReplicaRecord:
+        record = self.replicas.pop(rid)
+        for placement in record.replica.shards:
+            held = self._on_node.get(placement.node)
+            if held is not None:
+                held.discard(rid)
+                if not held:
+                    del self._on_node[placement.node]
+        return record
+
+    def _index_report(self, node: str, old: AgentReport | None, new: AgentReport | None) -> None:
+        """Move `node`'s shards in `_seen` from its old report to its new one."""
+        if old is not None:
+            for s in old.shards:
+                shards = self._seen.get(s.replica_id)
+                if shards is not None:
+                    shards.pop((node, s.rank), None)
+                    if not shards:
+                        del self._seen[s.replica_id]
+        if new is not None:
+            for s in new.shards:
+                self._seen.setdefault(s.replica_id, {})[(node, s.rank)] = s
 
     # -- actual state --------------------------------------------------------------------
 
@@ -129,6 +164,7 @@ class FleetState:
         self.nodes[report.node] = NodeRecord(
             report, now, self.marks.get(report.node, NO_MARK), taken
         )
+        self._index_report(report.node, before.report if before else None, report)
         adopted = self._adopt(report, catalog, now)
         if before is None or adopted:
             return True
@@ -153,11 +189,11 @@ class FleetState:
             rid = shard.replica_id
             if rid in self.replicas or rid in self.retired or shard.state is ShardState.STOPPING:
                 continue
-            found: dict[int, tuple[str, ShardReport]] = {}
-            for name, record in self.nodes.items():
-                for s in record.report.shards:
-                    if s.replica_id == rid and s.state is not ShardState.STOPPING:
-                        found[s.rank] = (name, s)
+            found: dict[int, tuple[str, ShardReport]] = {
+                rank: (name, s)
+                for (name, rank), s in self._seen.get(rid, {}).items()
+                if s.state is not ShardState.STOPPING
+            }
             if len(found) < shard.num_shards:
                 continue
             placements = tuple(
@@ -168,7 +204,7 @@ class FleetState:
             if spec is not None and spec.engine_digest != shard.engine_digest:
                 spec = None
             replica = Replica(rid, shard.model, shard.engine_digest, placements, now)
-            self.replicas[rid] = ReplicaRecord(replica, spec, adopted=True)
+            self._put(ReplicaRecord(replica, spec, adopted=True))
             adopted = True
         return adopted
 
@@ -327,14 +363,13 @@ class FleetState:
         for new in plan.new:
             spec = catalog.get(new.model)
             replica = Replica(_new_id(new.model), new.model, new.engine_digest, new.shards, now)
-            self.replicas[replica.id] = ReplicaRecord(replica, spec)
+            self._put(ReplicaRecord(replica, spec))
             created.append(replica)
         self.pending = plan.pending
         # Forget a released replica once no agent reports it, and its last assignment is older
         # than a report could be (an agent may have started it and not yet said so).
-        reported = {s.replica_id for r in self.nodes.values() for s in r.report.shards}
         for rid, (_, released_at) in list(self.retired.items()):
-            if rid not in reported and now - released_at > self.stale_after:
+            if rid not in self._seen and now - released_at > self.stale_after:
                 del self.retired[rid]
         return created
 
@@ -348,15 +383,13 @@ class FleetState:
 
     def holding(self, node: str) -> list[str]:
         """The replicas in service (not retiring) with a shard on `node`."""
-        return [
-            r.replica.id
-            for r in self.replicas.values()
-            if not r.retiring and any(s.node == node for s in r.replica.shards)
-        ]
+        return sorted(rid for rid in self._on_node.get(node, ()) if not self.replicas[rid].retiring)
 
     def forget(self, node: str) -> None:
         """Drop a node: its last report and its mark. An agent that reports again is new."""
-        self.nodes.pop(node, None)
+        gone = self.nodes.pop(node, None)
+        if gone is not None:
+            self._index_report(node, gone.report, None)
         self.marks.pop(node, None)
         self._names = None
 
@@ -379,7 +412,7 @@ class FleetState:
                 continue
             confirmed = record.unrouted_in is not None and record.unrouted_in <= routed_version
             if confirmed or now >= record.retire_by:
-                del self.replicas[rid]
+                self._drop(rid)
                 why = record.retiring if confirmed else f"{record.retiring}; routers unconfirmed"
                 self.retired[rid] = (why, now)
                 released.append((rid, why))
@@ -395,7 +428,11 @@ class FleetState:
 
     def _assignments(self, catalog: Catalog, only: str | None) -> dict[str, list[ShardAssignment]]:
         by_node: dict[str, list[ShardAssignment]] = {}
-        for record in self.replicas.values():
+        if only is None:
+            records: Iterable[ReplicaRecord] = self.replicas.values()
+        else:
+            records = [self.replicas[rid] for rid in self._on_node.get(only, ())]
+        for record in records:
             r = record.replica
             spec = record.spec or catalog.get(r.model)
             if spec is None:
@@ -423,6 +460,8 @@ class FleetState:
                         leader=leader,
                     )
                 )
+        for shards in by_node.values():
+            shards.sort(key=lambda a: (a.replica_id, a.rank))  # the same whichever way built
         return by_node
 
     def _leader(self, replica: Replica) -> str | None:
@@ -443,14 +482,20 @@ class FleetState:
         endpoints: dict[str, list[str]] = {m.name: [] for m in catalog.models}
         keys: dict[str, dict[str, str]] = {m.name: {} for m in catalog.models}
         ids: dict[str, dict[str, str]] = {m.name: {} for m in catalog.models}
-        for record in self.replicas.values():
-            view = self.replica_view(record)
-            if view.endpoint and view.model in endpoints:
-                endpoints[view.model].append(view.endpoint)
-                ids[view.model][view.endpoint] = view.id
-                key = self._engine_key(record)
-                if key is not None:
-                    keys[view.model][view.endpoint] = key
+        # The serving replicas, read straight from their shard 0's report: building each
+        # replica's whole view (every shard's log tail) cost most of a publish at scale.
+        for rid in self.serving():
+            record = self.replicas[rid]
+            model = record.replica.model
+            node = self.nodes[record.replica.shards[0].node]
+            seen = node.shard(rid, 0)
+            if model not in endpoints or seen is None or seen.port is None:
+                continue
+            endpoint = f"http://{node.report.address}:{seen.port}"
+            endpoints[model].append(endpoint)
+            ids[model][endpoint] = rid
+            if seen.engine_key is not None:
+                keys[model][endpoint] = seen.engine_key
         return [
             RoutedModel(
                 name=m.name,
@@ -464,13 +509,6 @@ class FleetState:
             )
             for m in catalog.models
         ]
-
-    def _engine_key(self, record: ReplicaRecord) -> str | None:
-        """The key of the engine that serves `record` (its shard 0's), as its agent said."""
-        first = record.replica.shards[0]
-        node = self.nodes.get(first.node)
-        seen = node.shard(record.replica.id, 0) if node else None
-        return seen.engine_key if seen else None
 
     def explain(self, catalog: Catalog, model: str, now: float) -> Placed | Unplaceable | None:
         """Where the next replica of `model` would go, or why it could go nowhere.

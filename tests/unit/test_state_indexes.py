@@ -1,0 +1,145 @@
+"""The control plane's indexes (replicas by node, reported shards by replica) agree with a
+derivation from the whole table after any sequence of reports, reconcile passes, catalog
+changes, marks, failures, releases and forgotten nodes: speed changes no decision."""
+
+from __future__ import annotations
+
+import yaml
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.config import ControlPlaneConfig
+from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.state import FleetState
+from modelfleet.fleet import Mark
+from modelfleet.store.sqlite import SqliteStore
+from modelfleet.wire import AgentReport, ShardReport, ShardState
+
+NODES = ("n1", "n2", "n3")
+GPUS = SimulatedGpus("4x80GB")
+STATES = (ShardState.STARTING, ShardState.READY, ShardState.FAILED, ShardState.STOPPING)
+
+
+def on_node_from_scratch(state: FleetState) -> dict[str, set[str]]:
+    derived: dict[str, set[str]] = {}
+    for rid, record in state.replicas.items():
+        for placement in record.replica.shards:
+            derived.setdefault(placement.node, set()).add(rid)
+    return derived
+
+
+def seen_from_scratch(state: FleetState) -> dict[str, dict[tuple[str, int], ShardReport]]:
+    derived: dict[str, dict[tuple[str, int], ShardReport]] = {}
+    for name, record in state.nodes.items():
+        for s in record.report.shards:
+            derived.setdefault(s.replica_id, {})[(name, s.rank)] = s
+    return derived
+
+
+class Fleet(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.keeper = CatalogKeeper(SqliteStore(":memory:"))
+        self.keeper.start(0.0)
+        self.set_catalog(2, 1)
+        config = ControlPlaneConfig(admin_token="admin-token-123", settle_for=-1)
+        self.cp = ControlPlane(config, self.keeper)
+        self.now = 1000.0
+        self.seq = dict.fromkeys(NODES, 0)
+        self.boot = dict.fromkeys(NODES, "b0")
+
+    def set_catalog(self, small: int, wide: int) -> None:
+        models = [  # a count of 0 removes the model
+            {"name": "small", "engine": "sim", "replicas": small},
+            {"name": "wide", "engine": "sim", "replicas": wide, "shards": 2},
+        ]
+        models = [m for m in models if m["replicas"]]
+        self.keeper.apply(yaml.safe_dump({"models": models}), "api", 0.0)
+
+    @rule(
+        node=st.sampled_from(NODES),
+        states=st.lists(st.sampled_from(STATES), min_size=8, max_size=8),
+        stranger=st.booleans(),
+        restarted=st.booleans(),
+    )
+    def report(self, node: str, states: list[ShardState], stranger: bool, restarted: bool) -> None:
+        """The node reports what it was assigned, in some states, perhaps a shard the table
+        does not know (to be adopted), perhaps as a new run of its agent."""
+        self.now += 1
+        if restarted:
+            self.boot[node] = f"b{self.seq[node]}"
+        self.seq[node] += 1
+        assigned = self.cp.state.assignment(node, self.keeper.current).shards
+        shards = [
+            ShardReport.of(a, states[i % len(states)], port=9000 + i, pid=100 + i)
+            for i, a in enumerate(assigned)
+        ]
+        if stranger:
+            stray = self.seq[node] % 3
+            shards.append(ShardReport(replica_id=f"stray-{stray}", model="small",
+                                      engine_digest="d", rank=0, num_shards=1, gpus=[3],
+                                      state=ShardState.READY, port=9990 + stray))  # fmt: skip
+        report = AgentReport(node=node, boot_id=self.boot[node], seq=self.seq[node],
+                             address=f"10.0.0.{NODES.index(node)}", gpus=GPUS.gpus(),
+                             shards=shards)  # fmt: skip
+        self.cp.state.take_report(report, self.keeper.current, self.now)
+
+    @rule()
+    def reconcile(self) -> None:
+        self.now += 1
+        self.cp.reconcile_once(self.now)
+        self.cp.publish()
+
+    @rule(small=st.integers(0, 4), wide=st.integers(0, 2))
+    def change_catalog(self, small: int, wide: int) -> None:
+        self.set_catalog(small, wide)
+
+    @rule(node=st.sampled_from(NODES), mark=st.sampled_from(list(Mark)))
+    def mark(self, node: str, mark: Mark) -> None:
+        if node in self.cp.state.nodes:
+            self.cp.set_mark(node, mark, 0)
+
+    @rule(routed=st.integers(0, 50))
+    def release(self, routed: int) -> None:
+        self.now += 5
+        self.cp.state.release(routed, self.now)
+
+    @rule(node=st.sampled_from(NODES))
+    def delete_node(self, node: str) -> None:
+        if node in self.cp.state.nodes:
+            self.cp.delete_node(node, force=True)
+
+    @invariant()
+    def indexes_agree_with_the_whole_table(self) -> None:
+        state = self.cp.state
+        assert state._on_node == on_node_from_scratch(state)
+        assert state._seen == seen_from_scratch(state)
+        whole = state.assignments(self.keeper.current)
+        for node in NODES:
+            assert state.assignment(node, self.keeper.current).shards == whole.get(node, [])
+            holding = sorted(
+                rid
+                for rid, r in state.replicas.items()
+                if not r.retiring and any(s.node == node for s in r.replica.shards)
+            )
+            assert state.holding(node) == holding
+        # The routing table is what the replicas' views (as `ctl replicas` shows them) say.
+        routed = {m.name: (m.endpoints, m.replicas, m.keys)
+                  for m in state.routing_models(self.keeper.current)}  # fmt: skip
+        from_views: dict[str, tuple[list[str], dict[str, str], dict[str, str]]] = {
+            m.name: ([], {}, {}) for m in self.keeper.current.models
+        }
+        for view in state.replica_views():
+            if view.endpoint and view.model in from_views:
+                endpoints, ids, _ = from_views[view.model]
+                endpoints.append(view.endpoint)
+                ids[view.endpoint] = view.id
+        for name, (endpoints, ids, _) in from_views.items():
+            assert (sorted(endpoints), ids) == routed[name][:2], name
+
+
+Fleet.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_indexes_agree_with_a_derivation_from_the_whole_table = Fleet.TestCase
