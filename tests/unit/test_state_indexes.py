@@ -61,7 +61,10 @@ class Fleet(RuleBasedStateMachine):
 
     @rule(
         node=st.sampled_from(NODES),
-        states=st.lists(st.sampled_from(STATES), min_size=8, max_size=8),
+        # mostly ready: the routing table only holds replicas every shard of which is
+        states=st.lists(
+            st.one_of(st.just(ShardState.READY), st.sampled_from(STATES)), min_size=8, max_size=8
+        ),
         stranger=st.booleans(),
         restarted=st.booleans(),
     )
@@ -141,5 +144,5 @@ class Fleet(RuleBasedStateMachine):
             assert (sorted(endpoints), ids) == routed[name][:2], name
 
 
-Fleet.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+Fleet.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 test_indexes_agree_with_a_derivation_from_the_whole_table = Fleet.TestCase

@@ -119,14 +119,20 @@ class FleetState:
     _on_node: dict[str, set[str]] = field(default_factory=dict)
     # replica id -> (node, rank) -> that shard as its node last reported it.
     _seen: dict[str, dict[tuple[str, int], ShardReport]] = field(default_factory=dict)
+    # One more at every change the routing table may depend on (a replica added, dropped or
+    # retiring, a report that changed, a node forgotten): the table is built again only then.
+    _changes: int = 0
+    _routed: tuple[tuple[int, str], list[RoutedModel]] | None = None
 
     def _put(self, record: ReplicaRecord) -> None:
+        self._changes += 1
         rid = record.replica.id
         self.replicas[rid] = record
         for placement in record.replica.shards:
             self._on_node.setdefault(placement.node, set()).add(rid)
 
     def _drop(self, rid: str) -> ReplicaRecord:
+        self._changes += 1
         record = self.replicas.pop(rid)
         for placement in record.replica.shards:
             held = self._on_node.get(placement.node)
@@ -167,14 +173,17 @@ class FleetState:
         self._index_report(report.node, before.report if before else None, report)
         adopted = self._adopt(report, catalog, now)
         if before is None or adopted:
+            self._changes += 1
             return True
         old, new = before.report, report
-        return (old.gpus, old.shards, old.labels, old.address) != (
+        changed = (old.gpus, old.shards, old.labels, old.address) != (
             new.gpus,
             new.shards,
             new.labels,
             new.address,
         )
+        self._changes += changed
+        return changed
 
     def _adopt(self, report: AgentReport, catalog: Catalog, now: float) -> bool:
         """Take into the table running replicas this control plane does not know of.
@@ -359,6 +368,7 @@ class FleetState:
             if record is not None and not record.retiring:
                 record.retiring = stop.reason
                 record.retire_by = now + retire_within
+                self._changes += 1
         created = []
         for new in plan.new:
             spec = catalog.get(new.model)
@@ -380,6 +390,7 @@ class FleetState:
             if record is not None and not record.retiring:
                 record.retiring = why
                 record.retire_by = now
+                self._changes += 1
 
     def holding(self, node: str) -> list[str]:
         """The replicas in service (not retiring) with a shard on `node`."""
@@ -390,6 +401,7 @@ class FleetState:
         gone = self.nodes.pop(node, None)
         if gone is not None:
             self._index_report(node, gone.report, None)
+            self._changes += 1
         self.marks.pop(node, None)
         self._names = None
 
@@ -477,8 +489,18 @@ class FleetState:
         catalog's routing fields.
 
         Only models of that catalog are published, and never a retiring replica: a replica of a
-        removed model is not routed to, whatever state it is in.
+        removed model is not routed to, whatever state it is in. Built again only when the
+        table or the catalog changed since it was last built: a pass with nothing new costs
+        nothing here.
         """
+        made_from = (self._changes, catalog.digest)
+        if self._routed is not None and self._routed[0] == made_from:
+            return self._routed[1]
+        routed = self._routing_models(catalog)
+        self._routed = (made_from, routed)
+        return routed
+
+    def _routing_models(self, catalog: Catalog) -> list[RoutedModel]:
         endpoints: dict[str, list[str]] = {m.name: [] for m in catalog.models}
         keys: dict[str, dict[str, str]] = {m.name: {} for m in catalog.models}
         ids: dict[str, dict[str, str]] = {m.name: {} for m in catalog.models}
