@@ -3,6 +3,7 @@ live in one router's memory or in a real Redis server shared by two routers."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -82,6 +83,21 @@ def test_requests_per_minute_are_exact_and_retry_after_says_when_one_fits(
     run(go())
 
 
+def test_admissions_at_once_are_counted_exactly(backends: Backends) -> None:
+    """Concurrent admissions (in Redis they go together, one pipeline): exactly the limit."""
+    key = ApiKey("k", "h", rpm=5)
+
+    async def go() -> None:
+        a, b = await backends()
+        got = await asyncio.gather(
+            *((a, b)[i % 2].admit(key, 0, f"r{i}", T0 + i / 100) for i in range(12))
+        )
+        assert sum(isinstance(g, Ticket) for g in got) == 5
+        assert all(g.limit == "rpm" for g in got if isinstance(g, Refusal))
+
+    run(go())
+
+
 def test_a_token_reservation_holds_until_the_real_usage_settles_it(backends: Backends) -> None:
     key = ApiKey("k", "h", tpm=1000)
 
@@ -134,7 +150,9 @@ def test_an_unreachable_store_lets_requests_through_or_refuses_them_as_configure
         closed = RedisLimits.from_url(url, fail_open=False)
         refused = await closed.admit(key, 0, "r", T0)
         assert isinstance(refused, Refusal) and refused.limit == "store"
-        assert (open_.store_failures, closed.store_failures) == (3, 1)
+        at_once = await asyncio.gather(*(closed.admit(key, 0, f"r{i}", T0) for i in range(4)))
+        assert all(isinstance(r, Refusal) and r.limit == "store" for r in at_once)
+        assert (open_.store_failures, closed.store_failures) == (3, 5)
 
     run(go())
 

@@ -22,6 +22,7 @@ that dies holding some frees them at the deadline instead of never.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import random
@@ -29,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -272,6 +273,8 @@ class RedisLimits:
         self.store_failures = 0  # requests admitted or refused without the store
         self._settling: list[tuple[list[str], list[str | int]]] = []
         self._flushing = False
+        self._admitting: list[tuple[list[str], list[str | int | float], asyncio.Future[Any]]] = []
+        self._admit_flusher: asyncio.Future[None] | None = None
 
     @classmethod
     def from_url(cls, url: str, fail_open: bool = True) -> RedisLimits:
@@ -309,7 +312,7 @@ class RedisLimits:
             repr(elapsed),
         ]
         try:
-            answer = await self._admit(keys=keys, args=args)
+            answer = await self._admit_batched(keys, args)
         except (redis.exceptions.RedisError, OSError) as exc:
             return self._unbacked(key, request_id, exc)
         if answer[0] == 1:
@@ -320,6 +323,42 @@ class RedisLimits:
         # The script refused on the same counts, so _check names a limit; were the two ever
         # to disagree, the request is still refused, as the store decided.
         return refusal or Refusal("rpm", key.rpm or 0, 1.0)
+
+    async def _admit_batched(self, keys: list[str], args: list[str | int | float]) -> Any:
+        """The admission script's answer. Admissions that come in while a round trip is under
+        way go together in the next one, as one pipeline; alone, one goes as it is."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._admitting.append((keys, args, future))
+        if self._admit_flusher is None or self._admit_flusher.done():
+            self._admit_flusher = asyncio.ensure_future(self._flush_admissions())
+        return await future
+
+    async def _flush_admissions(self) -> None:
+        while self._admitting:
+            batch, self._admitting = self._admitting, []
+            try:
+                if len(batch) == 1:
+                    keys, args, _ = batch[0]
+                    results: list[Any] = [await self._admit(keys=keys, args=args)]
+                else:
+                    pipe = self.client.pipeline(transaction=False)
+                    for keys, args, _ in batch:
+                        await self._admit(keys=keys, args=args, client=pipe)
+                    results = await pipe.execute(raise_on_error=False)
+            except BaseException as exc:  # the store failed the whole batch
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for (_, _, future), result in zip(batch, results, strict=True):
+                if future.done():
+                    continue  # its request was cancelled meanwhile
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
 
     async def settle(self, ticket: Ticket, tokens: int | None, now: float) -> None:
         """Settle in batches: the settlements that come in while one round trip is under
