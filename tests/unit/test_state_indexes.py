@@ -146,3 +146,28 @@ class Fleet(RuleBasedStateMachine):
 
 Fleet.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 test_indexes_agree_with_a_derivation_from_the_whole_table = Fleet.TestCase
+
+
+def test_a_replica_with_a_shard_stopping_is_not_adopted_but_one_all_running_is() -> None:
+    """After a restart the table is empty: a replica one of whose engines its agent is
+    stopping stays out of it (it is on its way out), one whose shards all run is adopted."""
+    keeper = CatalogKeeper(SqliteStore(":memory:"))
+    keeper.start(0.0)
+    keeper.apply(yaml.safe_dump({"models": [{"name": "small", "engine": "sim"}]}), "api", 0.0)
+    state = FleetState()
+
+    def shard(rid: str, rank: int, state_: ShardState) -> ShardReport:
+        return ShardReport(replica_id=rid, model="small", engine_digest="d", rank=rank,
+                           num_shards=2, gpus=[rank], state=state_, port=9000)  # fmt: skip
+
+    def report(node: str, shards: list[ShardReport]) -> AgentReport:
+        return AgentReport(node=node, boot_id="b", seq=1, address=f"10.0.0.{node[-1]}",
+                           gpus=GPUS.gpus(), shards=shards)  # fmt: skip
+
+    ready, stopping = ShardState.READY, ShardState.STOPPING
+    state.take_report(report("n2", [shard("leaving", 1, stopping), shard("running", 1, ready)]),
+                      keeper.current, 1.0)  # fmt: skip
+    state.take_report(report("n1", [shard("leaving", 0, ready), shard("running", 0, ready)]),
+                      keeper.current, 1.0)  # fmt: skip
+    assert sorted(state.replicas) == ["running"]
+    assert state.replicas["running"].adopted
