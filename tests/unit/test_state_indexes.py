@@ -77,8 +77,10 @@ class Fleet(RuleBasedStateMachine):
         self.seq[node] += 1
         assigned = self.cp.state.assignment(node, self.keeper.current).shards
         shards = [
-            ShardReport.of(a, states[i % len(states)], port=9000 + i, pid=100 + i)
-            for i, a in enumerate(assigned)
+            ShardReport.of(
+                a, st, port=9000 + i, pid=100 + i, failures=3 if st is ShardState.FAILED else 0
+            )
+            for i, (a, st) in enumerate(zip(assigned, states * 4, strict=False))
         ]
         if stranger:
             stray = self.seq[node] % 3
@@ -129,6 +131,10 @@ class Fleet(RuleBasedStateMachine):
                 if not r.retiring and any(s.node == node for s in r.replica.shards)
             )
             assert state.holding(node) == holding
+        # What every pass asks, kept between changes, is what working it out anew gives.
+        assert state.serving() == state._serving()
+        assert state.busy_slots() == state._busy_slots()
+        assert dict(state.failing(1)) == state._failing(1)
         # The routing table is what the replicas' views (as `ctl replicas` shows them) say.
         routed = {m.name: (m.endpoints, m.replicas, m.keys)
                   for m in state.routing_models(self.keeper.current)}  # fmt: skip

@@ -11,9 +11,10 @@ import dataclasses
 import re
 import secrets
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, TypeVar, cast
 
 from modelfleet.admin import ReplicaInfo, ReplicaState, ShardInfo
 from modelfleet.catalog import Catalog, ModelSpec
@@ -28,6 +29,8 @@ from modelfleet.wire import (
     ShardReport,
     ShardState,
 )
+
+T = TypeVar("T")
 
 
 class StaleReport(ValueError):
@@ -123,6 +126,17 @@ class FleetState:
     # retiring, a report that changed, a node forgotten): the table is built again only then.
     _changes: int = 0
     _routed: tuple[tuple[int, str], list[RoutedModel]] | None = None
+    # What every pass asks and only those changes alter (serving replicas, busy slots,
+    # failing replicas): worked out again only after one. name -> (_changes then, answer).
+    _derived: dict[str, tuple[int, Any]] = field(default_factory=dict)
+
+    def _once_per_change(self, name: str, work: Callable[[], T]) -> T:
+        kept = self._derived.get(name)
+        if kept is not None and kept[0] == self._changes:
+            return cast(T, kept[1])
+        answer = work()
+        self._derived[name] = (self._changes, answer)
+        return answer
 
     def _put(self, record: ReplicaRecord) -> None:
         self._changes += 1
@@ -231,9 +245,12 @@ class FleetState:
         if node in self.nodes:
             self.nodes[node].set_mark(mark)
 
-    def busy_slots(self) -> set[tuple[str, int]]:
+    def busy_slots(self) -> frozenset[tuple[str, int]]:
         """GPU slots the planner may not use beyond the replicas it plans for: those of retiring
         replicas, and those engines outside the table still hold (e.g. ones finishing a stop)."""
+        return self._once_per_change("busy", self._busy_slots)
+
+    def _busy_slots(self) -> frozenset[tuple[str, int]]:
         busy = {
             (name, g)
             for name, record in self.nodes.items()
@@ -244,11 +261,16 @@ class FleetState:
         for record in self.replicas.values():
             if record.retiring:
                 busy |= record.replica.gpu_slots()
-        return busy
+        return frozenset(busy)
 
-    def failing(self, max_failures: int) -> dict[str, tuple[str, str]]:
+    def failing(self, max_failures: int) -> Mapping[str, tuple[str, str]]:
         """Replicas (not retiring) with a shard whose engine failed `max_failures` times in a
         row: replica id -> (node, why)."""
+        return self._once_per_change(
+            f"failing {max_failures}", lambda: MappingProxyType(self._failing(max_failures))
+        )
+
+    def _failing(self, max_failures: int) -> dict[str, tuple[str, str]]:
         failing = {}
         for rid, record in self.replicas.items():
             if record.retiring:
@@ -336,9 +358,12 @@ class FleetState:
         records = sorted(self.replicas.values(), key=lambda r: (r.replica.model, r.replica.id))
         return [self.replica_view(r) for r in records]
 
-    def serving(self) -> set[str]:
+    def serving(self) -> frozenset[str]:
         """Ids of the replicas every shard of which reports ready (retiring ones excluded):
         those `replica_view` shows as "ready", without building the views."""
+        return self._once_per_change("serving", self._serving)
+
+    def _serving(self) -> frozenset[str]:
         serving = set()
         nodes = self.nodes
         for rid, record in self.replicas.items():
@@ -350,7 +375,7 @@ class FleetState:
                     break
             else:
                 serving.add(rid)
-        return serving
+        return frozenset(serving)
 
     # -- desired state -------------------------------------------------------------------
 
@@ -550,7 +575,7 @@ class FleetState:
 
     def used_slots(self) -> set[tuple[str, int]]:
         """Every GPU slot taken: by replicas in the table, or by engines still holding one."""
-        used = self.busy_slots()
+        used = set(self.busy_slots())
         for record in self.replicas.values():
             used |= record.replica.gpu_slots()
         return used
