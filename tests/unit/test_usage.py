@@ -51,6 +51,7 @@ def test_the_store_counts_each_batch_once_and_sums_batches_of_one_hour() -> None
     assert [u.key for u in store.usage(model="n")] == ["bob"]
     assert [u.key for u in store.usage(since=HOUR + 3600)] == ["bob"]
     assert len(store.usage()) == 2
+    assert store.usage_totals() == {"alice": (3, 23, HOUR + 9.0), "bob": (1, 2, 0.0)}
 
 
 def test_the_control_plane_collects_what_the_router_counted_from_the_engines_usage() -> None:

@@ -262,8 +262,10 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     @app.get("/v1/keys", responses=_errors())
     async def list_keys() -> admin.KeysAnswer:
         """The client API keys this control plane manages (never the keys themselves)."""
-        used = cp.store.usage()
-        return admin.KeysAnswer(keys=[keys.info(k, used) for _, k in sorted(cp.keys.keys.items())])
+        used = cp.store.usage_totals()
+        return admin.KeysAnswer(
+            keys=[keys.info(k, used.get(name)) for name, k in sorted(cp.keys.keys.items())]
+        )
 
     @app.get("/v1/usage", responses=_errors(400))
     async def usage(

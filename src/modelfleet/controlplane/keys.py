@@ -10,13 +10,13 @@ the keys as they were.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 from modelfleet import admin
 from modelfleet.apikeys import hash_key, new_key
-from modelfleet.store import Store, StoredKey, StoredUsage
+from modelfleet.store import Store, StoredKey
 from modelfleet.units import BadDuration, parse_duration
 from modelfleet.wire import RoutedKey
 
@@ -61,13 +61,13 @@ def parse_expiry(text: str, now: float) -> float:
     return at
 
 
-def info(key: StoredKey, used: Sequence[StoredUsage] = ()) -> admin.KeyInfo:
-    """What `ctl keys` shows of a key, with its usage so far from `used`."""
-    mine = [u for u in used if u.key == key.name]
+def info(key: StoredKey, used: tuple[int, int, float] | None = None) -> admin.KeyInfo:
+    """What `ctl keys` shows of a key, with its usage so far: (requests, tokens, last used)."""
+    requests, tokens, last = used if used is not None else (0, 0, None)
     return admin.KeyInfo(
-        requests=sum(u.requests for u in mine),
-        tokens=sum(u.prompt_tokens + u.completion_tokens for u in mine),
-        last_used_at=max((u.last_at for u in mine), default=None),
+        requests=requests,
+        tokens=tokens,
+        last_used_at=last,
         name=key.name,
         prefix=key.prefix,
         models=list(key.models) if key.models is not None else None,

@@ -188,6 +188,13 @@ class SqliteStore:
         ).fetchall()
         return [StoredUsage(*row) for row in rows]
 
+    def usage_totals(self) -> dict[str, tuple[int, int, float]]:
+        rows = self._db.execute(
+            "SELECT key, SUM(requests), SUM(prompt_tokens + completion_tokens), MAX(last_at) "
+            "FROM usage GROUP BY key"
+        ).fetchall()
+        return {key: (requests, tokens, last) for key, requests, tokens, last in rows}
+
     def get_meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return row[0] if row else None
