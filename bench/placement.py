@@ -136,7 +136,7 @@ def full_state(n: int, replicas: int) -> ControlPlane:
     cp.reconcile_once(NOW)
     seq = 2
     by_node: dict[str, list[ShardReport]] = {name: [] for name in names}
-    for node, assigned in cp.state.assignments(catalog).items():
+    for node, assigned in cp.assignments.everyone(catalog).items():
         by_node[node] = [
             ShardReport.of(a, ShardState.READY, port=20000 + i) for i, a in enumerate(assigned)
         ]

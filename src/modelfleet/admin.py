@@ -54,8 +54,9 @@ class NodeInfo(_Answer):
     drain_grace_left_s: float | None  # while draining with a bound
     address: str
     labels: dict[str, str]
-    last_report_s: float  # seconds since its last report
-    reports: int  # reports taken from it since the control plane started
+    last_heard_s: float  # seconds since its last report or heartbeat
+    reports: int  # whole reports taken from it since the control plane started
+    heartbeats: int  # heartbeats taken from it since the control plane started
     gpus: list[GpuInfo]
     shards: int  # shards its agent reports
     replicas: int  # replicas with a shard on it
@@ -265,7 +266,12 @@ class StatusAnswer(_Answer):
     """What the control plane is doing: settling after its start, or reconciling."""
 
     settling: bool  # still waiting for agents to report what runs; nothing placed or stopped
-    reconcile_passes: int  # passes that planned (not settling) since the control plane started
+    reconcile_passes: int  # passes made (not settling) since the control plane started
+    # Of those, the passes that planned: the others found nothing new to plan from.
+    reconcile_plans: int = 0
+    last_plan_ms: float | None = None  # how long the last pass that planned took
+    last_idle_pass_ms: float | None = None  # how long the last pass that did not plan took
+    heartbeat_interval: float = 0.0  # seconds, as told to agents now (it grows with the fleet)
     catalog_version: int
     routing_epoch: int  # one more at every start of the control plane
     routing_version: int  # of the routing table last published, within the epoch

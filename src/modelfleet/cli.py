@@ -68,7 +68,7 @@ def control_plane(
     from modelfleet.config import ConfigError, load_config
     from modelfleet.controlplane.config import ControlPlaneConfig
     from modelfleet.controlplane.service import open_catalogs, serve
-    from modelfleet.serving import configure_logging
+    from modelfleet.serving import configure_logging, run_fast
     from modelfleet.statedir import StateDirBusy, StateDirLock
     from modelfleet.store.sqlite import StoreError
 
@@ -88,7 +88,7 @@ def control_plane(
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot read the catalog: {exc}")
-    asyncio.run(serve(cfg, catalogs, ready_file))
+    run_fast(serve(cfg, catalogs, ready_file))
     lock.release()
 
 
@@ -123,7 +123,13 @@ def agent(
         int | None,
         typer.Option(help="Serve the agent's admin API (simulated GPU faults) here; 0: any."),
     ] = None,
-    report_interval: Annotated[float, typer.Option(help="Seconds between reports.")] = 2.0,
+    report_interval: Annotated[
+        float,
+        typer.Option(
+            help="Seconds between tries while the control plane cannot be reached (once "
+            "reached, it sets how often the agent beats)."
+        ),
+    ] = 2.0,
     stop_grace: Annotated[float, typer.Option(help="Seconds from SIGTERM to SIGKILL.")] = 30.0,
     backoff_base: Annotated[float, typer.Option(help="First restart delay, seconds.")] = 10.0,
     backoff_max: Annotated[float, typer.Option(help="Longest restart delay, seconds.")] = 300.0,

@@ -1,4 +1,5 @@
-"""HTTP pieces every modelfleet listener uses: JSON answers and the bearer-token check."""
+"""HTTP pieces every modelfleet listener uses: JSON answers and the bearer-token check, as
+Starlette responses and, for the paths served as bare ASGI, as ASGI messages."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 JSON = "application/json"
 
@@ -45,3 +47,41 @@ async def read_at_most(request: Request, limit: int) -> bytes | None:
         if len(body) > limit:
             return None
     return bytes(body)
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The value of header `name` (lower case) of an ASGI request, if it has one."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def receive_at_most(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """An ASGI request's body, or None as soon as it is known to be longer than `limit`
+    bytes: `read_at_most` without Starlette's request object."""
+    declared = header(scope, b"content-length") or ""
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return bytes(body)
+        body += message.get("body", b"")
+        if len(body) > limit:
+            return None
+        if not message.get("more_body", False):
+            return bytes(body)
+
+
+async def send_json(send: Send, status: int, body: bytes) -> None:
+    """Answer an ASGI request with the JSON `body`."""
+    headers = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def error_json(message: str) -> bytes:
+    """The body of `error_response`."""
+    return json.dumps({"error": message}).encode()

@@ -1,12 +1,14 @@
 """The messages on the wire: the one schema both ends of every connection import.
 
-Agent -> control plane: `AgentReport` (the node's whole state), answered by `NodeAssignment`
-(the node's whole desired shard set). Control plane -> router: `RoutingSnapshot`, whole and
+Agent -> control plane: `AgentReport` (the node's whole state) when it changed, `Heartbeat`
+otherwise, answered by `NodeAssignment` (the node's whole desired shard set). Control plane ->
+router: `RoutingSnapshot`, whole and
 versioned. Every exchange is level-triggered, so a lost or repeated message heals on the next.
 """
 
 from __future__ import annotations
 
+import hashlib
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -112,8 +114,42 @@ def shard_key(replica_id: str, rank: int) -> str:
 
 
 class NodeAssignment(_Message):
+    """A node's whole desired shard set, as the answer to its agent's report or heartbeat."""
+
     node: str
     shards: list[ShardAssignment]
+    # Names this shard set (the same shards, the same version): a heartbeat carries the version
+    # its agent holds, and is answered with the assignment only when it is another.
+    version: str = ""
+    # Seconds between the agent's heartbeats while nothing changes; the control plane sets it
+    # from the fleet's size (`ControlPlaneConfig.heartbeat_interval`).
+    heartbeat_interval: float = Field(default=2.0, gt=0)
+
+
+def assignment_version(shards: list[ShardAssignment]) -> str:
+    """The version of a node's shard set: a digest of its wire form."""
+    wire = b"[" + b",".join(s.model_dump_json().encode() for s in shards) + b"]"
+    return hashlib.blake2b(wire, digest_size=8).hexdigest()
+
+
+class Heartbeat(_Message):
+    """What an agent sends instead of a report while its report is the one last taken: it is
+    alive, and holds assignment `assignment`.
+
+    The control plane answers at once when the node's assignment is another, or else holds the
+    answer until it changes or `heartbeat_interval` has passed (a long poll), so an assignment
+    reaches its agent as soon as it is made, with one request per node per interval.
+    """
+
+    node: str = Field(min_length=1, max_length=253)
+    boot_id: str = Field(min_length=1, max_length=64)
+    seq: int = Field(ge=0)  # counted with the reports: one more than the last report or beat
+    assignment: str  # the version of the assignment the agent holds
+
+
+class HeartbeatAnswer(_Message):
+    heartbeat_interval: float = Field(gt=0)
+    assignment: NodeAssignment | None = None  # None: the one the agent holds is current
 
 
 Routing = Literal["least_load", "prefix"]

@@ -195,9 +195,10 @@ class Operator:
         """Reconcile passes the control plane has made since it started."""
         return int(self.get("/v1/status")["reconcile_passes"])
 
-    def reports(self, node: str) -> int:
-        """Reports the control plane has taken from `node` since it started."""
-        return next(int(n["reports"]) for n in self.get("/v1/nodes")["nodes"] if n["name"] == node)
+    def heard(self, node: str) -> int:
+        """Reports and heartbeats the control plane has taken from `node` since it started."""
+        found = next(n for n in self.get("/v1/nodes")["nodes"] if n["name"] == node)
+        return int(found["reports"]) + int(found["heartbeats"])
 
     def wait_passes(self, count: int) -> None:
         """Wait until the control plane has made `count` more reconcile passes."""

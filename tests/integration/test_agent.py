@@ -64,6 +64,34 @@ def test_engines_outlive_an_agent_killed_with_sigkill_and_are_adopted(
     assert [s["pid"] for s in recorded["shards"].values()] == [engine_pid]
 
 
+def test_a_steady_node_only_beats_and_reports_at_once_what_changes(tmp_path: Path) -> None:
+    """Once its shards are ready and nothing changes, an agent sends heartbeats, not reports;
+    a change (a GPU failing) is reported at once, well within the 3 s heartbeat interval: the
+    agent gives up the heartbeat the control plane holds."""
+    model = {"name": "a", "engine": "sim", "replicas": 1}
+    with fleet_of(tmp_path, [model], control_plane={"heartbeat_interval": 3}) as fleet:
+        op = Operator(fleet, tmp_path)
+
+        def node() -> dict[str, Any]:
+            return next(n for n in op.get("/v1/nodes")["nodes"] if n["name"] == "node-1")
+
+        wait_for("the replica ready", lambda: [r["state"] for r in op.replicas("a")] == ["ready"])
+        wait_for("node-1 beating", lambda: node()["heartbeats"] > 0)
+        before = node()
+        beats = before["heartbeats"] + 1
+        wait_for("one more heartbeat of node-1", lambda: node()["heartbeats"] >= beats)
+        assert node()["reports"] == before["reports"]  # nothing changed: no report
+        free = next(g["index"] for g in node()["gpus"] if not g["in_use"])
+        op.gpu("node-1", free, healthy=False, reason="XID 79")
+
+        def reported() -> dict[str, Any] | None:
+            n = node()
+            return n if n["reports"] > before["reports"] else None
+
+        after = wait_for("node-1 reporting its failed GPU", reported, timeout=2)
+        assert not next(g for g in after["gpus"] if g["index"] == free)["healthy"]
+
+
 @pytest.fixture
 def crashing(tmp_path: Path) -> Iterator[RunningFleet]:
     models = [

@@ -89,7 +89,7 @@ def control_plane() -> ControlPlane:
         )
         cp.state.take_report(report, keeper.current, now)
     cp.reconcile_once(now)
-    [shard] = cp.state.assignment("a", keeper.current).shards
+    [shard] = cp.assignments.of("a", keeper.current).shards
     ready = ShardReport.of(shard, ShardState.READY, port=9000, pid=123, log_tail=["loaded"])
     report = AgentReport(
         node="a", boot_id="b", seq=2, address="127.0.0.1", gpus=gpus.gpus(), shards=[ready]

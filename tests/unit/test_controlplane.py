@@ -22,6 +22,7 @@ from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
+from modelfleet.controlplane.views import replica_views
 from modelfleet.ctl.render import print_explanation
 from modelfleet.fleet import Mark
 from modelfleet.store.sqlite import SqliteStore
@@ -172,7 +173,7 @@ def serving_report(cp: ControlPlane, node: str, seq: int, gpus: SimulatedGpus) -
     catalog = cp.catalogs.current
     shards = [
         ShardReport.of(a, ShardState.READY, port=9000 + i)
-        for i, a in enumerate(cp.state.assignment(node, catalog).shards)
+        for i, a in enumerate(cp.assignments.of(node, catalog).shards)
     ]
     return AgentReport(
         node=node, boot_id="b", seq=seq, address="127.0.0.1", gpus=gpus.gpus(), shards=shards
@@ -207,12 +208,12 @@ def test_a_removed_model_leaves_the_routers_before_its_engine_is_stopped() -> No
         cp.publish()
         await cp.publisher.sync()
         cp.release_retired(now)
-        views = {v.model: v for v in cp.state.replica_views()}
+        views = {v.model: v for v in replica_views(cp.state)}
         assert views["a"].state == "retiring" and "removed" in views["a"].reason
-        routed = cp.state.routing_models(catalogs.current)
+        routed = cp.routing.models(catalogs.current)
         assert [(m.name, m.endpoints) for m in routed] == [("b", fake.endpoints("b") or [])]
         # Unconfirmed by the router: the engine stays assigned and keeps serving.
-        assigned = {s.model for s in cp.state.assignment("n", catalogs.current).shards}
+        assigned = {s.model for s in cp.assignments.of("n", catalogs.current).shards}
         assert assigned == {"a", "b"}
         assert fake.endpoints("a")  # the router still routes to it
 
@@ -220,7 +221,7 @@ def test_a_removed_model_leaves_the_routers_before_its_engine_is_stopped() -> No
         await cp.publisher.sync()  # pushed again to the router that missed the change
         assert fake.endpoints("a") is None
         cp.release_retired(now)
-        assigned = {s.model for s in cp.state.assignment("n", catalogs.current).shards}
+        assigned = {s.model for s in cp.assignments.of("n", catalogs.current).shards}
         assert assigned == {"b"}
         # Its GPU stays in use until the agent reports the engine gone.
         assert len(cp.state.used_slots()) == 2
@@ -256,9 +257,9 @@ def test_a_router_that_never_confirms_delays_a_stop_only_until_the_timeout() -> 
         cp.publish()
         await cp.publisher.sync()
         cp.release_retired(now + 4.9)
-        assert len(cp.state.assignment("n", catalogs.current).shards) == 1
+        assert len(cp.assignments.of("n", catalogs.current).shards) == 1
         cp.release_retired(now + 5)
-        assert cp.state.assignment("n", catalogs.current).shards == []
+        assert cp.assignments.of("n", catalogs.current).shards == []
         assert "routers unconfirmed" in next(iter(cp.state.retired.values()))[0]
         await http.aclose()
 
@@ -351,8 +352,8 @@ def test_every_shard_is_told_its_rank_and_where_shard_0_meets_its_peers() -> Non
             1.0,
         )
     cp.reconcile_once(1.0)
-    [a] = cp.state.assignment("a", catalog).shards
-    [b] = cp.state.assignment("b", catalog).shards
+    [a] = cp.assignments.of("a", catalog).shards
+    [b] = cp.assignments.of("b", catalog).shards
     assert (a.rank, a.num_shards, b.rank, b.num_shards) == (0, 2, 1, 2)
     assert a.replica_id == b.replica_id and a.leader is None and b.leader is None
 
@@ -365,8 +366,8 @@ def test_every_shard_is_told_its_rank_and_where_shard_0_meets_its_peers() -> Non
         catalog,
         2.0,
     )
-    assert cp.state.assignment("b", catalog).shards[0].leader == "10.0.0.97:29500"
-    assert cp.state.assignment("a", catalog).shards[0].leader == "10.0.0.97:29500"
+    assert cp.assignments.of("b", catalog).shards[0].leader == "10.0.0.97:29500"
+    assert cp.assignments.of("a", catalog).shards[0].leader == "10.0.0.97:29500"
 
 
 def test_a_replica_failing_on_a_node_moves_off_it() -> None:
@@ -382,7 +383,7 @@ def test_a_replica_failing_on_a_node_moves_off_it() -> None:
     node = first.replica.shards[0].node
 
     def failing(failures: int, seq: int) -> AgentReport:
-        [a] = cp.state.assignment(node, catalog).shards
+        [a] = cp.assignments.of(node, catalog).shards
         shard = ShardReport.of(a, ShardState.FAILED, failures=failures, error="engine exited (1)")
         return AgentReport(
             node=node, boot_id="b", seq=seq, address="127.0.0.1", gpus=gpus.gpus(), shards=[shard]
@@ -393,7 +394,7 @@ def test_a_replica_failing_on_a_node_moves_off_it() -> None:
     assert list(cp.state.replicas) == [first.replica.id]  # two failures: restarted in place
     cp.state.take_report(failing(3, 3), catalog, 3.0)
     cp.reconcile_once(3.0)
-    views = {v.id: v for v in cp.state.replica_views()}
+    views = {v.id: v for v in replica_views(cp.state)}
     assert views[first.replica.id].state == "retiring"
     assert "failed 3 times in a row" in views[first.replica.id].reason
     [moved] = [v for v in views.values() if v.id != first.replica.id]
@@ -458,7 +459,7 @@ def test_only_a_push_the_router_took_confirms_and_a_restarted_router_is_pushed_a
         assert not cp.publisher.current(router)
         assert cp.publisher.routed_version() < cp.publisher.version
         cp.release_retired(now)
-        assert len(cp.state.assignment("n", cp.catalogs.current).shards) == 1  # still running
+        assert len(cp.assignments.of("n", cp.catalogs.current).shards) == 1  # still running
         first_epoch = cp.publisher.epoch
         cp.store.close()
         await http.aclose()

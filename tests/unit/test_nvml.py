@@ -72,7 +72,7 @@ def test_a_lost_gpu_is_shown_with_its_reason_and_nothing_lands_on_it() -> None:
     [node] = views.nodes(cp.state, now).nodes
     lost = node.gpus[1]
     assert (lost.healthy, lost.reason, lost.in_use) == (False, "NVML: GPU is lost", False)
-    placed = [s.gpus for s in cp.state.assignment("gpu-1", keeper.current).shards]
+    placed = [s.gpus for s in cp.assignments.of("gpu-1", keeper.current).shards]
     assert placed == [[0]]  # one replica on GPU 0; the second is pending, not on GPU 1
     [pending] = cp.state.pending
     assert "gpu 1 unhealthy: NVML: GPU is lost" in " ".join(

@@ -1,6 +1,8 @@
 """The control plane's indexes (replicas by node, reported shards by replica) agree with a
-derivation from the whole table after any sequence of reports, reconcile passes, catalog
-changes, marks, failures, releases and forgotten nodes: speed changes no decision."""
+derivation from the whole table after any sequence of reports, heartbeats, silences,
+reconcile passes, catalog changes, marks, failures, releases and forgotten nodes; a pass that
+does not plan is one whose plan would change nothing; and every node whose assignment changed
+is among those whose held heartbeats are answered: speed changes no decision."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.records import ReportFirst
 from modelfleet.controlplane.state import FleetState
+from modelfleet.controlplane.views import replica_views
 from modelfleet.fleet import Mark
+from modelfleet.reconcile import plan
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, ShardReport, ShardState
+from modelfleet.wire import AgentReport, Heartbeat, ShardReport, ShardState
 
 NODES = ("n1", "n2", "n3")
 GPUS = SimulatedGpus("4x80GB")
@@ -50,6 +55,8 @@ class Fleet(RuleBasedStateMachine):
         self.now = 1000.0
         self.seq = dict.fromkeys(NODES, 0)
         self.boot = dict.fromkeys(NODES, "b0")
+        # each node's assignment when last checked
+        self.versions = {n: self.cp.assignments.of(n, self.keeper.current).version for n in NODES}
 
     def set_catalog(self, small: int, wide: int) -> None:
         models = [  # a count of 0 removes the model
@@ -75,7 +82,7 @@ class Fleet(RuleBasedStateMachine):
         if restarted:
             self.boot[node] = f"b{self.seq[node]}"
         self.seq[node] += 1
-        assigned = self.cp.state.assignment(node, self.keeper.current).shards
+        assigned = self.cp.assignments.of(node, self.keeper.current).shards
         shards = [
             ShardReport.of(
                 a, st, port=9000 + i, pid=100 + i, failures=3 if st is ShardState.FAILED else 0
@@ -92,20 +99,69 @@ class Fleet(RuleBasedStateMachine):
                              shards=shards)  # fmt: skip
         self.cp.state.take_report(report, self.keeper.current, self.now)
 
-    @rule()
-    def reconcile(self) -> None:
+    def beat(self, node: str) -> None:
+        """The node beats now: taken when its agent run's report is held, refused otherwise."""
+        self.seq[node] += 1
+        beat = Heartbeat(node=node, boot_id=self.boot[node], seq=self.seq[node], assignment="")
+        record = self.cp.state.nodes.get(node)
+        try:
+            self.cp.state.take_heartbeat(beat, self.now)
+        except ReportFirst:
+            assert record is None or record.report.boot_id != self.boot[node]
+        else:
+            assert record is not None and record.received == self.now
+
+    @rule(node=st.sampled_from(NODES))
+    def heartbeat(self, node: str) -> None:
         self.now += 1
-        self.cp.reconcile_once(self.now)
-        self.cp.publish()
+        self.beat(node)
+
+    @rule(seconds=st.sampled_from([4, 11, 30, 61]), beating=st.sets(st.sampled_from(NODES)))
+    def time_passes(self, seconds: int, beating: set[str]) -> None:
+        """Time passes; only the `beating` nodes beat (every 2 s) meanwhile, and passes run:
+        the others may go stale, or be lost, with nothing else new to plan from."""
+        for _ in range(seconds // 2):
+            self.now += 2
+            for node in sorted(beating):
+                self.beat(node)
+            self.reconcile_at_now()
+
+    @rule(small_step=st.booleans())
+    def reconcile(self, small_step: bool) -> None:
+        self.now += 0.25 if small_step else 1
+        self.reconcile_at_now()
+
+    def reconcile_at_now(self) -> None:
+        cp, state, catalog = self.cp, self.cp.state, self.keeper.current
+        plans = cp.plans
+        cp.reconcile_once(self.now)
+        if cp.plans == plans and not cp.settling(self.now):
+            # It did not plan: planning would have changed nothing.
+            avoid = {
+                model: {node: why for node, (until, why) in nodes.items() if self.now < until}
+                for model, nodes in state.avoid.items()
+            }
+            failed = {rid: why for rid, (_, why) in state.failing(cp.config.max_failures).items()}
+            timing = cp.config.heartbeats(len(state.nodes))
+            decided = plan(catalog, state.planned(), state.serving(), state.node_list(),
+                           state.busy_slots(), self.now, state.stale_after, failed, avoid,
+                           timing.lost_after)  # fmt: skip
+            assert not decided.new and not decided.stop, decided
+            assert [(p.model, p.count) for p in decided.pending] == [
+                (p.model, p.count) for p in state.pending
+            ]
+        cp.publish()
 
     @rule(small=st.integers(0, 4), wide=st.integers(0, 2))
     def change_catalog(self, small: int, wide: int) -> None:
         self.set_catalog(small, wide)
 
-    @rule(node=st.sampled_from(NODES), mark=st.sampled_from(list(Mark)))
-    def mark(self, node: str, mark: Mark) -> None:
+    @rule(
+        node=st.sampled_from(NODES), mark=st.sampled_from(list(Mark)), grace=st.sampled_from([0, 3])
+    )
+    def mark(self, node: str, mark: Mark, grace: int) -> None:
         if node in self.cp.state.nodes:
-            self.cp.set_mark(node, mark, 0)
+            self.cp.set_mark(node, mark, grace)
 
     @rule(routed=st.integers(0, 50))
     def release(self, routed: int) -> None:
@@ -118,13 +174,22 @@ class Fleet(RuleBasedStateMachine):
             self.cp.delete_node(node, force=True)
 
     @invariant()
+    def every_changed_assignment_is_notified(self) -> None:
+        changed = self.cp.state.changed_assignments(self.keeper.current)
+        for node in NODES:
+            version = self.cp.assignments.of(node, self.keeper.current).version
+            if version != self.versions[node]:
+                assert node in changed, f"{node}'s assignment changed unnoticed"
+                self.versions[node] = version
+
+    @invariant()
     def indexes_agree_with_the_whole_table(self) -> None:
         state = self.cp.state
         assert state._on_node == on_node_from_scratch(state)
         assert state._seen == seen_from_scratch(state)
-        whole = state.assignments(self.keeper.current)
+        whole = self.cp.assignments.everyone(self.keeper.current)
         for node in NODES:
-            assert state.assignment(node, self.keeper.current).shards == whole.get(node, [])
+            assert self.cp.assignments.of(node, self.keeper.current).shards == whole.get(node, [])
             holding = sorted(
                 rid
                 for rid, r in state.replicas.items()
@@ -137,11 +202,11 @@ class Fleet(RuleBasedStateMachine):
         assert dict(state.failing(1)) == state._failing(1)
         # The routing table is what the replicas' views (as `ctl replicas` shows them) say.
         routed = {m.name: (m.endpoints, m.replicas, m.keys)
-                  for m in state.routing_models(self.keeper.current)}  # fmt: skip
+                  for m in self.cp.routing.models(self.keeper.current)}  # fmt: skip
         from_views: dict[str, tuple[list[str], dict[str, str], dict[str, str]]] = {
             m.name: ([], {}, {}) for m in self.keeper.current.models
         }
-        for view in state.replica_views():
+        for view in replica_views(state):
             if view.endpoint and view.model in from_views:
                 endpoints, ids, _ = from_views[view.model]
                 endpoints.append(view.endpoint)

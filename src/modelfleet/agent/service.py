@@ -1,8 +1,10 @@
 """The agent: one per GPU machine. Reports its node, runs the shards it is assigned.
 
-Level-triggered: every `report_interval` seconds, and at once after a change, the agent sends
-its whole state (GPUs and shards) and gets back the node's whole desired shard set, which it
-makes true: it starts what is missing and stops what is no longer assigned. The agent records
+Level-triggered: at once after a change, the agent sends its whole state (GPUs and shards) and
+gets back the node's whole desired shard set, which it makes true: it starts what is missing
+and stops what is no longer assigned. While nothing changes it sends heartbeats, which the
+control plane holds until the node's assignment changes or the heartbeat interval (set by the
+control plane) is up (`controlplane/agent_api.py`). The agent records
 each engine it started in its state dir (`agent/records.py`), for a later run to adopt.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import logging
 import os
@@ -28,13 +31,20 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from modelfleet.agent.gpus import BadGpuSpec, GpuSource, SimulatedGpus
+from modelfleet.agent.heartbeat import needs_report
 from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
 from modelfleet.files import write_json_atomic
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import bearer_matches, error_response, json_response
-from modelfleet.wire import AgentReport, NodeAssignment, ShardAssignment
+from modelfleet.wire import (
+    AgentReport,
+    Heartbeat,
+    HeartbeatAnswer,
+    NodeAssignment,
+    ShardAssignment,
+)
 
 log = logging.getLogger("modelfleet.agent")
 
@@ -102,6 +112,11 @@ class Agent:
     def changed(self) -> None:
         self._changed.set()
         self._record()
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, or less if something changes."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), seconds)
 
     def report(self) -> AgentReport:
         self.seq += 1
@@ -200,9 +215,8 @@ class Agent:
         records = {key: s.record() for key, s in (*self.shards.items(), *self.stopping.items())}
         write_records(self.settings.state_dir, records)
 
-    async def send_report(self) -> NodeAssignment | None:
+    async def send_report(self, report: AgentReport) -> NodeAssignment | None:
         """One exchange with the control plane; None when it failed (logged, retried later)."""
-        report = self.report()
         try:
             response = await self._cp.post("/v1/report", content=report.model_dump_json())
         except httpx.HTTPError as exc:
@@ -217,22 +231,87 @@ class Agent:
             log.warning("control plane answered with no assignment: %s", exc)
             return None
 
+    async def send_heartbeat(self, seq: int, held: NodeAssignment) -> HeartbeatAnswer | Beat:
+        """One heartbeat: its answer, or why there is none. It is given up when something
+        changes meanwhile, so that the change is reported at once."""
+        beat = Heartbeat(
+            node=self.settings.node, boot_id=self.boot_id, seq=seq, assignment=held.version
+        )
+        # The control plane holds the answer up to one interval: wait a little longer.
+        timeout = httpx.Timeout(10, read=held.heartbeat_interval + 10)
+        sent = asyncio.ensure_future(
+            self._cp.post("/v1/heartbeat", content=beat.model_dump_json(), timeout=timeout)
+        )
+        changed = asyncio.ensure_future(self._changed.wait())
+        try:
+            await asyncio.wait({sent, changed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+            if not sent.done():
+                sent.cancel()
+        if not sent.done() or sent.cancelled():
+            return Beat.CHANGED
+        try:
+            response = sent.result()
+        except httpx.HTTPError as exc:
+            log.warning("heartbeat to %s failed: %s", self.settings.control_plane, exc)
+            return Beat.FAILED
+        if response.status_code == 409:  # it holds no report of this run: send one
+            log.info("control plane asks for the whole report: %s", response.text[:300])
+            return Beat.REPORT
+        if response.status_code != 200:
+            log.warning("control plane refused heartbeat %d: %s", seq, response.text[:300])
+            return Beat.FAILED
+        try:
+            return HeartbeatAnswer.model_validate_json(response.content)
+        except ValidationError as exc:
+            log.warning("control plane answered a heartbeat with nonsense: %s", exc)
+            return Beat.FAILED
+
     async def report_loop(self, ready_file: Path | None, urls: dict[str, str]) -> None:
-        """Adopt what an earlier run left running; then report, apply the answer, repeat. The
-        ready file is written after the first answer."""
+        """Adopt what an earlier run left running; then report (or beat while nothing
+        changed), apply the answer, repeat. The ready file is written after the first answer.
+        """
         await self.adopt()
         ready_written = False
+        taken: AgentReport | None = None  # the last report the control plane took
+        held: NodeAssignment | None = None  # the assignment it answered with, last made true
         while True:
             self._changed.clear()
-            assignment = await self.send_report()
-            if assignment is not None:
-                self.apply(assignment)
-                if not ready_written and ready_file is not None:
-                    ready = {"pid": os.getpid(), "node": self.settings.node, "urls": urls}
-                    write_json_atomic(ready_file, ready)
-                    ready_written = True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self.settings.report_interval)
+            report = self.report()
+            if held is None or needs_report(taken, report):
+                assignment = await self.send_report(report)
+                if assignment is None:
+                    taken = None
+                    await self._pause(self.settings.report_interval)
+                    continue
+                taken = report
+            else:
+                answer = await self.send_heartbeat(report.seq, held)
+                if answer is Beat.CHANGED:
+                    continue
+                if not isinstance(answer, HeartbeatAnswer):
+                    taken = None
+                    if answer is Beat.FAILED:
+                        await self._pause(self.settings.report_interval)
+                    continue
+                assignment = answer.assignment or held.model_copy(
+                    update={"heartbeat_interval": answer.heartbeat_interval}
+                )
+            held = assignment
+            self.apply(assignment)
+            if not ready_written and ready_file is not None:
+                ready = {"pid": os.getpid(), "node": self.settings.node, "urls": urls}
+                write_json_atomic(ready_file, ready)
+                ready_written = True
+
+
+class Beat(enum.Enum):
+    """Why a heartbeat has no answer."""
+
+    CHANGED = "something changed: report it instead"
+    REPORT = "the control plane asks for the whole report"
+    FAILED = "it failed: try again after a while"
 
 
 def create_admin_app(agent: Agent) -> Starlette:

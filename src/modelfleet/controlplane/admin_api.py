@@ -161,7 +161,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
                 raise Refused.because(404, f"replica {replica!r} was stopped: {retired[0]}")
             known = ", ".join(sorted(cp.state.replicas)) or "none"
             raise Refused.because(404, f"no replica {replica!r} (replicas: {known})")
-        return cp.state.replica_view(record)
+        return views.replica_view(cp.state, record)
 
     @app.get("/v1/explain/{model:path}", responses=_errors(404))
     async def explain(model: str) -> admin.Explanation:
@@ -232,6 +232,10 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         return admin.StatusAnswer(
             settling=cp.settling(cp.clock.monotonic()),
             reconcile_passes=cp.passes,
+            reconcile_plans=cp.plans,
+            last_plan_ms=_ms(cp.last_plan_s),
+            last_idle_pass_ms=_ms(cp.last_idle_pass_s),
+            heartbeat_interval=cp.config.heartbeats(len(state.nodes)).interval,
             catalog_version=cp.catalogs.current.version,
             routing_epoch=cp.publisher.epoch,
             routing_version=cp.publisher.version,
@@ -358,3 +362,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
 
     app.openapi = document  # type: ignore[method-assign]
     return app
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

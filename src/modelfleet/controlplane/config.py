@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+@dataclass(frozen=True)
+class Heartbeats:
+    """How often agents beat, and after how long a silent node is stale and lost (seconds)."""
+
+    interval: float
+    stale_after: float
+    lost_after: float
 
 
 class RouterTarget(BaseModel):
@@ -33,8 +43,15 @@ class ControlPlaneConfig(BaseModel):
     known_nodes: list[str] = Field(default_factory=list)  # settling ends once all have reported
     settle_for: float = 0.0  # negative: no window; zero: the default; positive: that long
     reconcile_interval: float = Field(default=1.0, gt=0)
-    node_stale_after: float = Field(default=10.0, gt=0)  # no report this long: nothing new lands
-    # No report this long: the node is lost, and its replicas are replaced elsewhere,
+    # A pass with nothing new to plan from (no report, mark or catalog changed, no node gone
+    # silent, no drain or avoidance run out) plans nothing; one in this many seconds plans anyway.
+    reconcile_full_interval: float = Field(default=30.0, gt=0)
+    # Heartbeats, and when a silent node is stale and lost: see `heartbeats()`, and the
+    # README's "Heartbeats and lost nodes".
+    heartbeat_interval: float = Field(default=2.0, gt=0)
+    max_heartbeats_per_s: float = Field(default=1000.0, gt=0)
+    node_stale_after: float = Field(default=10.0, gt=0)  # no word this long: nothing new lands
+    # No word this long: the node is lost, and its replicas are replaced elsewhere,
     # make-before-break (an agent that was only down finds its engines unassigned and stops them).
     node_lost_after: float = Field(default=60.0, gt=0)
     # No report this long, and no replica left on it: the node is forgotten (and logged).
@@ -69,6 +86,21 @@ class ControlPlaneConfig(BaseModel):
                 f"({self.node_lost_after}): a node is forgotten only once its replicas moved"
             )
         return self
+
+    def heartbeats(self, nodes: int) -> Heartbeats:
+        """The heartbeat interval and silences for a fleet of `nodes` nodes.
+
+        Agents beat every `heartbeat_interval` seconds, stretched so that the whole fleet sends
+        at most `max_heartbeats_per_s` (as Nomad stretches its heartbeat TTL): 10,000 nodes at
+        the defaults beat every 10 s. A node silent for three intervals (at least
+        `node_stale_after`) is stale, for six (at least `node_lost_after`) lost.
+        """
+        interval = max(self.heartbeat_interval, nodes / self.max_heartbeats_per_s)
+        return Heartbeats(
+            interval,
+            max(self.node_stale_after, 3 * interval),
+            max(self.node_lost_after, 6 * interval),
+        )
 
     def resolve(self, folder: Path) -> ControlPlaneConfig:
         """This config with its relative paths made relative to `folder`."""

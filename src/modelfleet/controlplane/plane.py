@@ -2,8 +2,11 @@
 `CatalogKeeper` and the pure planner.
 
 The reconcile loop runs every `reconcile_interval` seconds and at once after a report, a mark
-or a catalog swap that changed something; each pass that changes the routing table is pushed
-to every router (`publisher.py`). A replica taken out of service is stopped only after every
+or a catalog swap that changed something. A pass plans only when something it plans from
+changed since the last one that did, or a time it plans by came (a node goes silent, a drain's
+grace ends), or `reconcile_full_interval` has passed: an idle pass at any fleet size costs next
+to nothing. Each pass that changes the routing table is pushed to every router
+(`publisher.py`). A replica taken out of service is stopped only after every
 router has confirmed a table without it. The listeners (`agent_api.py`, `admin_api.py`) call
 into it; `service.py` runs it all as a process.
 """
@@ -13,21 +16,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 
 import httpx
 
 from modelfleet.catalog import Catalog
 from modelfleet.clock import SYSTEM_CLOCK, Clock
+from modelfleet.controlplane.assignments import Assignments
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import (
     DEFAULT_SETTLE_FOR_S,
     ROUTING_EPOCH_KEY,
     ControlPlaneConfig,
+    Heartbeats,
 )
 from modelfleet.controlplane.keys import KeyBook
 from modelfleet.controlplane.publisher import Publisher
-from modelfleet.controlplane.state import FleetState, NodeMark
+from modelfleet.controlplane.records import NodeMark
+from modelfleet.controlplane.routing import RoutingTable
+from modelfleet.controlplane.state import FleetState
 from modelfleet.controlplane.usage import UsageCollector
+from modelfleet.controlplane.watch import AssignmentWatch
 from modelfleet.fleet import Mark
 from modelfleet.reconcile import Preview, plan, preview, settling
 from modelfleet.store import StoredMark
@@ -60,8 +70,11 @@ class ControlPlane:
         self.catalogs = catalogs
         self.clock = clock
         self.state = FleetState(stale_after=config.node_stale_after)
+        self.assignments = Assignments(self.state)
+        self.routing = RoutingTable(self.state)
         self.started_at = clock.monotonic()
         self.settle_for = config.settle_for or DEFAULT_SETTLE_FOR_S
+        self._settled = False
         self._wake = asyncio.Event()
         self._http = http or httpx.AsyncClient(timeout=5)
         self.store = catalogs.store
@@ -72,14 +85,35 @@ class ControlPlane:
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
         self.publisher = Publisher(config.routers, self._http, epoch, config.push_interval)
+        self.watch = AssignmentWatch()
         self._file_error = ""
-        self.passes = 0  # reconcile passes that planned, for operators (and tests) to count
+        self.passes = 0  # reconcile passes made (after settling), for operators and tests
+        self.plans = 0  # those of them that planned: the others had nothing new to plan from
+        self.last_plan_s: float | None = None  # how long the last pass that planned took
+        self.last_idle_pass_s: float | None = None  # and the last that did not
+        # What the last pass that planned planned from (the table's change count, the
+        # catalog's digest), when it ran, and the next time a pass must plan with nothing new.
+        self._planned: tuple[int, str] | None = None
+        self._planned_at = 0.0
+        self._due = 0.0
         self.frozen = ""  # the last pass's `Plan.frozen`: why nothing moves off lost nodes
         self._load_marks()
+        self.retime()
 
     def wake(self) -> None:
         """Run the next reconcile pass now: something it plans from has changed."""
         self._wake.set()
+
+    def retime(self) -> Heartbeats:
+        """The heartbeat interval and silences for the fleet's size now (the state's stale
+        time follows them)."""
+        timing = self.config.heartbeats(len(self.state.nodes))
+        self.state.stale_after = timing.stale_after
+        return timing
+
+    def notify_assignments(self) -> None:
+        """Answer the heartbeats held for nodes whose assignment may have changed."""
+        self.watch.notify(self.state.changed_assignments(self.catalogs.current))
 
     # -- marks -----------------------------------------------------------------------------
 
@@ -125,9 +159,9 @@ class ControlPlane:
 
     def forget_silent(self, now: float) -> None:
         """Forget nodes silent for `node_forget_after` that hold no replica."""
-        for name, record in list(self.state.nodes.items()):
-            silent = now - record.received
-            if silent > self.config.node_forget_after and not self.state.holding(name):
+        for name in self.state.silent_for(self.config.node_forget_after, now):
+            if not self.state.holding(name):
+                silent = now - self.state.nodes[name].received
                 log.info(
                     "node %s forgotten: no report for %.0fs and no replica on it", name, silent
                 )
@@ -155,22 +189,43 @@ class ControlPlane:
     # -- reconcile and publish -----------------------------------------------------------
 
     def settling(self, now: float) -> bool:
-        return settling(
-            now,
-            self.started_at,
-            self.settle_for,
-            self.config.known_nodes,
-            self.state.nodes.keys(),
+        """Whether the settling window after the start is still open; once closed, it stays
+        closed (and this costs nothing more)."""
+        if self._settled:
+            return False
+        known, reported = self.config.known_nodes, self.state.nodes.keys()
+        # While fewer nodes reported than are known, some have not: the sets are not compared
+        # (on every report of 10,000 nodes coming back, that comparison was the restart's cost).
+        maybe_all = len(reported) >= len(known)
+        self._settled = not settling(
+            now, self.started_at, self.settle_for, known, reported if maybe_all else ()
         )
+        return not self._settled
 
     def reconcile_once(self, now: float) -> None:
-        """One pass: plan against what is known, carry the plan out (unless settling)."""
+        """One pass: plan against what is known, carry the plan out (unless settling, or
+        nothing it plans from changed since the last pass that planned)."""
         if self.settling(now):
             return
         self.passes += 1
-        self.forget_silent(now)
         s = self.state
         catalog = self.catalogs.current
+        timing = self.retime()
+        planned_from = (s.version, catalog.digest)
+        if (
+            planned_from == self._planned
+            and now - self._planned_at < self.config.reconcile_full_interval
+        ):
+            if now >= self._due:
+                # Nodes heard from since the due time was worked out moved it on.
+                self._due = self._next_due(self._planned_at, timing)
+            if now < self._due:
+                return
+        self.plans += 1
+        self.forget_silent(now)
+        # Taken before the plan is carried out: what it changes is planned from once more, so
+        # anything a pass leaves for the next (a replacement held back) is not left waiting.
+        self._planned, self._planned_at = (s.version, catalog.digest), now
         failed = {}
         for rid, (node, why) in s.failing(self.config.max_failures).items():
             s.keep_off(s.replicas[rid].replica.model, node, why, now + self.config.failure_avoid)
@@ -185,7 +240,7 @@ class ControlPlane:
             s.stale_after,
             failed,
             s.avoiding(now),
-            self.config.node_lost_after,
+            timing.lost_after,
         )
         if decided.frozen != self.frozen:
             if decided.frozen:
@@ -204,6 +259,16 @@ class ControlPlane:
         for p in decided.pending:
             if was.get(p.model) != p.count:
                 log.info("%d replica(s) of %s pending: %s", p.count, p.model, p.explanation.summary)
+        self._due = self._next_due(now, timing)
+
+    def _next_due(self, since: float, timing: Heartbeats) -> float:
+        """The first time from `since` on at which a pass must plan though nothing new came:
+        a node goes stale, lost or forgettable, a drain's grace ends, a model may go back on a
+        node."""
+        spans = (timing.stale_after, timing.lost_after, self.config.node_forget_after)
+        times = [self.state.next_silence(since, spans), self.state.avoided_until()]
+        times += [m.drain_deadline for m in self.state.marks.values()]
+        return min((t for t in times if t is not None and t >= since), default=math.inf)
 
     def release_retired(self, now: float) -> None:
         """Let go of the retiring replicas every router has stopped routing to."""
@@ -219,17 +284,22 @@ class ControlPlane:
         if self.settling(self.clock.monotonic()):
             return
         catalog = self.catalogs.current
-        self.publisher.publish(
-            catalog.version, self.state.routing_models(catalog), self.keys.routed()
-        )
+        self.publisher.publish(catalog.version, self.routing.models(catalog), self.keys.routed())
         self.state.mark_unrouted(self.publisher.version)
 
     async def reconcile_loop(self) -> None:
         while True:
             self._wake.clear()
+            began, plans = time.perf_counter(), self.plans
             self.reconcile_once(self.clock.monotonic())
             self.publish()
             self.release_retired(self.clock.monotonic())
+            self.notify_assignments()
+            took = time.perf_counter() - began
+            if self.plans > plans:
+                self.last_plan_s = took
+            elif not self.settling(self.clock.monotonic()):
+                self.last_idle_pass_s = took
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval)
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 
 import httpx
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from modelfleet.admin import RoutedInfo, RoutingAnswer
 from modelfleet.controlplane.config import RouterTarget
@@ -44,6 +44,9 @@ class Publisher:
         self._http = http
         self._published: tuple[int, list[RoutedModel], list[RoutedKey]] | None = None
         self._body = ""
+        # id of a model's entry -> (that entry, its JSON): a change of one model's endpoints
+        # makes that model's JSON again, not the whole table's.
+        self._json: dict[int, tuple[RoutedModel, str]] = {}
         self._held: dict[str, tuple[int, int]] = {}  # router url -> (epoch, version) it took
         self._wake = {r.url: asyncio.Event() for r in self.routers}
 
@@ -57,17 +60,30 @@ class Publisher:
             return False
         self._published = published
         self.version += 1
-        snapshot = RoutingSnapshot(
-            epoch=self.epoch,
-            version=self.version,
-            catalog_version=catalog_version,
-            models=models,
-            keys=keys,
-        )
-        self._body = snapshot.model_dump_json()
+        # The body of a `RoutingSnapshot`, put together from each model's JSON.
+        head = RoutingSnapshot(
+            epoch=self.epoch, version=self.version, catalog_version=catalog_version, models=[]
+        ).model_dump_json(exclude={"models", "keys"})
+        keys_json = TypeAdapter(list[RoutedKey]).dump_json(keys).decode()
+        models_json = ",".join(self._model_json(m) for m in models)
+        self._body = f'{head[:-1]},"models":[{models_json}],"keys":{keys_json}}}'
+        used = {id(m) for m in models}
+        self._json = {k: v for k, v in self._json.items() if k in used}
         for wake in self._wake.values():
             wake.set()
         return True
+
+    @property
+    def body(self) -> str:
+        """What a push sends: the JSON of the current `RoutingSnapshot`."""
+        return self._body
+
+    def _model_json(self, model: RoutedModel) -> str:
+        kept = self._json.get(id(model))
+        if kept is None or kept[0] is not model:
+            kept = (model, model.model_dump_json())
+            self._json[id(model)] = kept
+        return kept[1]
 
     def current(self, router: RouterTarget) -> bool:
         """Whether `router` confirmed the table last published."""

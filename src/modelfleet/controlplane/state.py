@@ -1,13 +1,15 @@
 """What the control plane knows: desired state (catalog, replicas) and actual (agents' reports).
 
-`FleetState` is the control plane's memory. It takes reports in, turns them into the pure
-core's `Node`s, carries out a reconcile `Plan`, and answers the questions the agent API, the
-admin API and the publisher ask. It does no I/O and reads no clock: callers pass `now`.
+`FleetState` is the control plane's memory. It takes reports and heartbeats in, keeps the
+indexes that make one report cost what its node holds, turns reports into the pure core's
+`Node`s, and carries out a reconcile `Plan`. It does no I/O and reads no clock: callers pass
+`now`. What is built from it when asked lives beside it: assignments (`assignments.py`), the
+routing table (`routing.py`), the admin API's views (`views.py`); its records are in
+`records.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import secrets
 from collections import Counter
@@ -16,89 +18,21 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar, cast
 
-from modelfleet.admin import ReplicaInfo, ReplicaState, ShardInfo
-from modelfleet.catalog import Catalog, ModelSpec
-from modelfleet.fleet import Gpu, Mark, Node, Replica, ShardPlacement
+from modelfleet.catalog import Catalog
+from modelfleet.controlplane.records import (
+    NO_MARK,
+    NodeMark,
+    NodeRecord,
+    ReplicaRecord,
+    ReportFirst,
+    StaleReport,
+)
+from modelfleet.fleet import Mark, Node, Replica, ShardPlacement
 from modelfleet.placement import Placed, Unplaceable, place
 from modelfleet.reconcile import Pending, Plan
-from modelfleet.wire import (
-    AgentReport,
-    NodeAssignment,
-    RoutedModel,
-    ShardAssignment,
-    ShardReport,
-    ShardState,
-)
+from modelfleet.wire import AgentReport, Heartbeat, ShardReport, ShardState
 
 T = TypeVar("T")
-
-
-class StaleReport(ValueError):
-    """A report older than one already taken from the same agent run."""
-
-
-@dataclass(frozen=True)
-class NodeMark:
-    """An operator's mark on a node; `drain_deadline` is on the control plane's clock."""
-
-    mark: Mark
-    drain_deadline: float | None = None
-
-
-NO_MARK = NodeMark(Mark.NONE)
-
-
-@dataclass
-class NodeRecord:
-    """One node: its latest report, when it arrived, and what is derived from it once per
-    report (not once per pass): the core's `Node`, and its shards by (replica id, rank)."""
-
-    report: AgentReport
-    received: float
-    mark: NodeMark = NO_MARK
-    reports: int = 1  # taken from this node since the control plane started
-    node: Node = field(init=False)
-    shards: dict[tuple[str, int], ShardReport] = field(init=False)
-    ready: frozenset[tuple[str, int]] = field(init=False)  # the shards that report ready
-
-    def __post_init__(self) -> None:
-        r = self.report
-        self.shards = {(s.replica_id, s.rank): s for s in r.shards}
-        self.ready = frozenset(k for k, s in self.shards.items() if s.state is ShardState.READY)
-        gpus = tuple(
-            Gpu(g.index, g.model, g.memory_total, g.memory_used, g.healthy, g.reason)
-            for g in r.gpus
-        )
-        labels = MappingProxyType(dict(r.labels))
-        self.node = Node(r.node, gpus, r.address, labels, self.received)
-        self.set_mark(self.mark)
-
-    def set_mark(self, mark: NodeMark) -> None:
-        self.mark = mark
-        self.node = dataclasses.replace(
-            self.node, mark=mark.mark, drain_deadline=mark.drain_deadline
-        )
-
-    def shard(self, replica_id: str, rank: int) -> ShardReport | None:
-        return self.shards.get((replica_id, rank))
-
-
-@dataclass
-class ReplicaRecord:
-    """A replica in the table, with the model spec it was started from.
-
-    A replica being taken out of service is `retiring` (why) until the routers have confirmed a
-    routing table without it (`unrouted_in` is the first routing version that left it out), or
-    `retire_by` has passed; only then is it dropped from its nodes' assignments, so its agent
-    stops the engine, which finishes the requests already in flight.
-    """
-
-    replica: Replica
-    spec: ModelSpec | None  # None for an adopted replica whose spec is no longer current
-    adopted: bool = False
-    retiring: str = ""
-    unrouted_in: int | None = None
-    retire_by: float = 0.0
 
 
 @dataclass
@@ -120,15 +54,36 @@ class FleetState:
     # that one agent's report costs what that agent holds, not what the fleet holds:
     # node -> the replicas in the table with a shard there;
     _on_node: dict[str, set[str]] = field(default_factory=dict)
-    # replica id -> (node, rank) -> that shard as its node last reported it.
+    # model -> the replicas of it in the table;
+    _of_model: dict[str, set[str]] = field(default_factory=dict)
+    # replica id -> (node, rank) -> that shard as its node last reported it;
     _seen: dict[str, dict[tuple[str, int], ShardReport]] = field(default_factory=dict)
-    # One more at every change the routing table may depend on (a replica added, dropped or
-    # retiring, a report that changed, a node forgotten): the table is built again only then.
+    # the nodes, the one heard from longest ago first (a dict keeps the order keys came in);
+    _heard: dict[str, None] = field(default_factory=dict)
+    # the replicas that are retiring;
+    _retiring: set[str] = field(default_factory=set)
+    # the nodes whose assignment may have changed since `changed_assignments` was last asked,
+    # and the digest of the catalog it was asked with;
+    _reassigned: set[str] = field(default_factory=set)
+    _assigned_with: str | None = None
+    # node -> the count of changes that may alter assignments when its last did (`Assignments`
+    # keeps each node's until it moves on), and model -> the same for its routing
+    # (`RoutingTable` keeps each model's entry until it moves on).
+    _stamps: dict[str, int] = field(default_factory=dict)
+    _model_stamps: dict[str, int] = field(default_factory=dict)
+    _stamp: int = 0
+    # One more at every change the routing table or the planner may depend on (a replica
+    # added, dropped or retiring, a report that changed, a node forgotten or fresh again, a
+    # mark, a model kept off a node): the table is built again, and a pass plans, only then.
     _changes: int = 0
-    _routed: tuple[tuple[int, str], list[RoutedModel]] | None = None
     # What every pass asks and only those changes alter (serving replicas, busy slots,
     # failing replicas): worked out again only after one. name -> (_changes then, answer).
     _derived: dict[str, tuple[int, Any]] = field(default_factory=dict)
+
+    @property
+    def version(self) -> int:
+        """One more at every change of what the planner plans from, bar the passing of time."""
+        return self._changes
 
     def _once_per_change(self, name: str, work: Callable[[], T]) -> T:
         kept = self._derived.get(name)
@@ -144,10 +99,20 @@ class FleetState:
         self.replicas[rid] = record
         for placement in record.replica.shards:
             self._on_node.setdefault(placement.node, set()).add(rid)
+        self._of_model.setdefault(record.replica.model, set()).add(rid)
+        self._reassign(p.node for p in record.replica.shards)
+        self._reroute((record.replica.model,))
 
     def _drop(self, rid: str) -> ReplicaRecord:
         self._changes += 1
         record = self.replicas.pop(rid)
+        self._retiring.discard(rid)
+        self._reassign(p.node for p in record.replica.shards)
+        self._reroute((record.replica.model,))
+        of_model = self._of_model[record.replica.model]
+        of_model.discard(rid)
+        if not of_model:
+            del self._of_model[record.replica.model]
         for placement in record.replica.shards:
             held = self._on_node.get(placement.node)
             if held is not None:
@@ -155,6 +120,56 @@ class FleetState:
                 if not held:
                     del self._on_node[placement.node]
         return record
+
+    def _start_retiring(self, record: ReplicaRecord, why: str, by: float) -> None:
+        record.retiring = why
+        record.retire_by = by
+        self._retiring.add(record.replica.id)
+        self._reroute((record.replica.model,))
+        self._changes += 1
+
+    def _reassign(self, nodes: Iterable[str]) -> None:
+        """Note that the assignments of `nodes` may have changed."""
+        self._stamp += 1
+        for node in nodes:
+            self._reassigned.add(node)
+            self._stamps[node] = self._stamp
+
+    def _reroute(self, models: Iterable[str]) -> None:
+        """Note that the routing of `models` may have changed."""
+        self._stamp += 1
+        for model in models:
+            self._model_stamps[model] = self._stamp
+
+    def rerouted_at(self, model: str) -> int:
+        """A number that moves on whenever the model's routing may have changed."""
+        return self._model_stamps.get(model, 0)
+
+    def of_model(self, model: str) -> Collection[str]:
+        """The replicas of `model` in the table (retiring ones too)."""
+        return self._of_model.get(model, ())
+
+    def reassigned_at(self, node: str) -> int:
+        """A number that moves on whenever the node's assignment may have changed."""
+        return self._stamps.get(node, 0)
+
+    def on_node(self, node: str) -> Collection[str]:
+        """The replicas in the table (retiring ones too) with a shard on `node`."""
+        return self._on_node.get(node, ())
+
+    def _node_changed(self, node: str) -> None:
+        """`node`'s report changed (or it went). The routing of the models with a replica on
+        it may change with it (a shard's state or port), and so may the assignments of every
+        node that shares a replica with it: a replica of several shards is assigned where its
+        shard 0 meets its peers, as that shard's node reports."""
+        held = [self.replicas[rid].replica for rid in self._on_node.get(node, ())]
+        for replica in held:
+            self._reassign(p.node for p in replica.shards)
+        self._reroute({replica.model for replica in held})
+
+    def _hear(self, node: str) -> None:
+        self._heard.pop(node, None)
+        self._heard[node] = None
 
     def _index_report(self, node: str, old: AgentReport | None, new: AgentReport | None) -> None:
         """Move `node`'s shards in `_seen` from its old report to its new one."""
@@ -174,19 +189,21 @@ class FleetState:
     def take_report(self, report: AgentReport, catalog: Catalog, now: float) -> bool:
         """Record a node's report. Returns whether anything the planner looks at changed."""
         before = self.nodes.get(report.node)
-        if before and before.report.boot_id == report.boot_id and report.seq <= before.report.seq:
+        if before and before.report.boot_id == report.boot_id and report.seq <= before.seq:
             raise StaleReport(
-                f"report {report.seq} from {report.node} is not newer than {before.report.seq}"
+                f"report {report.seq} from {report.node} is not newer than {before.seq}"
             )
         if before is None:
             self._names = None
         taken = before.reports + 1 if before else 1
         self.nodes[report.node] = NodeRecord(
-            report, now, self.marks.get(report.node, NO_MARK), taken
+            report, now, self.marks.get(report.node, NO_MARK), taken, before.beats if before else 0
         )
+        self._hear(report.node)
         self._index_report(report.node, before.report if before else None, report)
         adopted = self._adopt(report, catalog, now)
         if before is None or adopted:
+            self._node_changed(report.node)
             self._changes += 1
             return True
         old, new = before.report, report
@@ -196,7 +213,76 @@ class FleetState:
             new.labels,
             new.address,
         )
+        if changed:
+            self._node_changed(report.node)
+        changed = changed or now - before.received > self.stale_after  # fresh again
         self._changes += changed
+        return changed
+
+    def take_heartbeat(self, beat: Heartbeat, now: float) -> bool:
+        """Note that a node is alive and its report unchanged. Returns whether anything the
+        planner looks at changed: the node had been silent long enough to be stale.
+
+        Raises ReportFirst when no report of the node's agent run is held, and StaleReport
+        when the beat is not newer than what was last taken from it.
+        """
+        record = self.nodes.get(beat.node)
+        if record is None or record.report.boot_id != beat.boot_id:
+            raise ReportFirst(
+                f"no report from node {beat.node} (agent run {beat.boot_id}) is held: "
+                "send the whole report"
+            )
+        if beat.seq <= record.seq:
+            raise StaleReport(
+                f"heartbeat {beat.seq} from {beat.node} is not newer than {record.seq}"
+            )
+        fresh_again = now - record.received > self.stale_after
+        record.beat(beat.seq, now)
+        self._hear(beat.node)
+        self._changes += fresh_again
+        return fresh_again
+
+    def next_silence(self, after: float, spans: Iterable[float]) -> float | None:
+        """The first time from `after` on at which a node will have been silent for one of
+        `spans` seconds (unless heard from before), or None when there is none. A node is
+        silent for longer than a span only after that time: a pass then sees it.
+
+        It walks the nodes from the one heard from longest ago, past those silent that long
+        already: what it costs grows with the silent nodes, not with the fleet.
+        """
+        first = None
+        for span in spans:
+            for name in self._heard:
+                at = self.nodes[name].received + span
+                if at >= after:
+                    first = at if first is None else min(first, at)
+                    break
+        return first
+
+    def silent_for(self, span: float, now: float) -> list[str]:
+        """The nodes not heard from for more than `span` seconds, longest silent first."""
+        silent = []
+        for name in self._heard:
+            if now - self.nodes[name].received <= span:
+                break
+            silent.append(name)
+        return silent
+
+    def changed_assignments(self, catalog: Catalog) -> set[str]:
+        """The nodes whose assignment may have changed since this was last asked (for the
+        heartbeats held for them to be answered).
+
+        A replica added or dropped changes its nodes'; a changed report of a node, those of
+        the nodes its replicas share (the leader's address); another catalog, those holding an
+        adopted replica with no spec of its own. An agent that is sent nothing on a change
+        missed here gets its assignment with its next heartbeat's answer anyway.
+        """
+        if catalog.digest != self._assigned_with:
+            self._assigned_with = catalog.digest
+            for record in self.replicas.values():
+                if record.spec is None:
+                    self._reassign(p.node for p in record.replica.shards)
+        changed, self._reassigned = self._reassigned, set()
         return changed
 
     def _adopt(self, report: AgentReport, catalog: Catalog, now: float) -> bool:
@@ -238,6 +324,7 @@ class FleetState:
         return [self.nodes[name].node for name in self._names]
 
     def set_mark(self, node: str, mark: NodeMark) -> None:
+        self._changes += 1
         if mark.mark is Mark.NONE:
             self.marks.pop(node, None)
         else:
@@ -287,6 +374,11 @@ class FleetState:
     def keep_off(self, model: str, node: str, why: str, until: float) -> None:
         """Place no replica of `model` on `node` until `until`."""
         self.avoid.setdefault(model, {})[node] = (until, why)
+        self._changes += 1
+
+    def avoided_until(self) -> float | None:
+        """When the first model kept off a node may go back on it; None when none is kept off."""
+        return min((t for nodes in self.avoid.values() for t, _ in nodes.values()), default=None)
 
     def avoiding(self, now: float) -> dict[str, dict[str, str]]:
         """model -> node -> why, for what is still kept off at `now` (the rest is forgotten)."""
@@ -301,62 +393,6 @@ class FleetState:
     def planned(self) -> list[Replica]:
         """The replicas the planner counts: every one in the table that is not retiring."""
         return [r.replica for r in self.replicas.values() if not r.retiring]
-
-    def shard_views(self, record: ReplicaRecord) -> list[ShardInfo]:
-        views = []
-        for rank, placement in enumerate(record.replica.shards):
-            node = self.nodes.get(placement.node)
-            seen = node.shard(record.replica.id, rank) if node else None
-            views.append(
-                ShardInfo(
-                    rank=rank,
-                    node=placement.node,
-                    gpus=list(placement.gpus),
-                    state=seen.state.value if seen else "assigned",
-                    port=seen.port if seen else None,
-                    pid=seen.pid if seen else None,
-                    restarts=seen.restarts if seen else 0,
-                    failures=seen.failures if seen else 0,
-                    backoff_s=seen.backoff_s if seen else None,
-                    startup_s=seen.startup_s if seen else None,
-                    error=seen.error if seen else "",
-                    log_tail=list(seen.log_tail) if seen else [],
-                    engine_key_set=bool(seen and seen.engine_key),
-                )
-            )
-        return views
-
-    def replica_view(self, record: ReplicaRecord) -> ReplicaInfo:
-        shards = self.shard_views(record)
-        states = {s.state for s in shards}
-        state: ReplicaState
-        if record.retiring:
-            state = "retiring"
-        elif states == {ShardState.READY.value}:
-            state = "ready"
-        elif ShardState.FAILED.value in states:
-            state = "failed"
-        elif ShardState.STARTING.value in states:
-            state = "starting"
-        else:
-            state = "assigned"
-        endpoint = None
-        if state == "ready":
-            leader = self.nodes[shards[0].node].report.address
-            endpoint = f"http://{leader}:{shards[0].port}"
-        r = record.replica
-        return ReplicaInfo(
-            id=r.id,
-            model=r.model,
-            state=state,
-            endpoint=endpoint,
-            shards=shards,
-            reason=record.retiring,
-        )
-
-    def replica_views(self) -> list[ReplicaInfo]:
-        records = sorted(self.replicas.values(), key=lambda r: (r.replica.model, r.replica.id))
-        return [self.replica_view(r) for r in records]
 
     def serving(self) -> frozenset[str]:
         """Ids of the replicas every shard of which reports ready (retiring ones excluded):
@@ -391,9 +427,7 @@ class FleetState:
         for stop in plan.stop:
             record = self.replicas.get(stop.replica_id)
             if record is not None and not record.retiring:
-                record.retiring = stop.reason
-                record.retire_by = now + retire_within
-                self._changes += 1
+                self._start_retiring(record, stop.reason, now + retire_within)
         created = []
         for new in plan.new:
             spec = catalog.get(new.model)
@@ -413,9 +447,7 @@ class FleetState:
         for rid in replica_ids:
             record = self.replicas.get(rid)
             if record is not None and not record.retiring:
-                record.retiring = why
-                record.retire_by = now
-                self._changes += 1
+                self._start_retiring(record, why, now)
 
     def holding(self, node: str) -> list[str]:
         """The replicas in service (not retiring) with a shard on `node`."""
@@ -423,7 +455,9 @@ class FleetState:
 
     def forget(self, node: str) -> None:
         """Drop a node: its last report and its mark. An agent that reports again is new."""
+        self._node_changed(node)
         gone = self.nodes.pop(node, None)
+        self._heard.pop(node, None)
         if gone is not None:
             self._index_report(node, gone.report, None)
             self._changes += 1
@@ -432,8 +466,9 @@ class FleetState:
 
     def mark_unrouted(self, version: int) -> None:
         """Note that routing `version` is the first without each retiring replica not yet noted."""
-        for record in self.replicas.values():
-            if record.retiring and record.unrouted_in is None:
+        for rid in self._retiring:
+            record = self.replicas[rid]
+            if record.unrouted_in is None:
                 record.unrouted_in = version
 
     def release(self, routed_version: int, now: float) -> list[tuple[str, str]]:
@@ -444,9 +479,8 @@ class FleetState:
         Returns (replica id, why) for each one released.
         """
         released = []
-        for rid, record in list(self.replicas.items()):
-            if not record.retiring:
-                continue
+        for rid in sorted(self._retiring):
+            record = self.replicas[rid]
             confirmed = record.unrouted_in is not None and record.unrouted_in <= routed_version
             if confirmed or now >= record.retire_by:
                 self._drop(rid)
@@ -454,108 +488,6 @@ class FleetState:
                 self.retired[rid] = (why, now)
                 released.append((rid, why))
         return released
-
-    def assignment(self, node: str, catalog: Catalog) -> NodeAssignment:
-        """The node's whole desired shard set."""
-        return NodeAssignment(node=node, shards=self._assignments(catalog, node).get(node, []))
-
-    def assignments(self, catalog: Catalog) -> dict[str, list[ShardAssignment]]:
-        """Every node's desired shards, in one walk of the table (for a whole-fleet view)."""
-        return self._assignments(catalog, None)
-
-    def _assignments(self, catalog: Catalog, only: str | None) -> dict[str, list[ShardAssignment]]:
-        by_node: dict[str, list[ShardAssignment]] = {}
-        if only is None:
-            records: Iterable[ReplicaRecord] = self.replicas.values()
-        else:
-            records = [self.replicas[rid] for rid in self._on_node.get(only, ())]
-        for record in records:
-            r = record.replica
-            spec = record.spec or catalog.get(r.model)
-            if spec is None:
-                continue  # adopted, and its model is gone: nothing to start it from
-            if only is not None and all(p.node != only for p in r.shards):
-                continue
-            leader = self._leader(r) if len(r.shards) > 1 else None
-            for rank, placement in enumerate(r.shards):
-                if only is not None and placement.node != only:
-                    continue
-                by_node.setdefault(placement.node, []).append(
-                    ShardAssignment(
-                        replica_id=r.id,
-                        model=r.model,
-                        engine=spec.engine,
-                        source=spec.source,
-                        args=list(spec.args),
-                        env=dict(spec.env),
-                        command=spec.command,
-                        rank=rank,
-                        num_shards=len(r.shards),
-                        gpus=list(placement.gpus),
-                        engine_digest=r.engine_digest,
-                        startup_timeout=spec.startup_timeout,
-                        leader=leader,
-                    )
-                )
-        for shards in by_node.values():
-            shards.sort(key=lambda a: (a.replica_id, a.rank))  # the same whichever way built
-        return by_node
-
-    def _leader(self, replica: Replica) -> str | None:
-        """Where shard 0 of `replica` meets its peers, as its agent reported; None until then."""
-        first = self.nodes.get(replica.shards[0].node)
-        seen = first.shard(replica.id, 0) if first else None
-        if first is None or seen is None or seen.dist_port is None:
-            return None
-        return f"{first.report.address}:{seen.dist_port}"
-
-    def routing_models(self, catalog: Catalog) -> list[RoutedModel]:
-        """Every model of `catalog` with the endpoints of its serving replicas, and the
-        catalog's routing fields.
-
-        Only models of that catalog are published, and never a retiring replica: a replica of a
-        removed model is not routed to, whatever state it is in. Built again only when the
-        table or the catalog changed since it was last built: a pass with nothing new costs
-        nothing here.
-        """
-        made_from = (self._changes, catalog.digest)
-        if self._routed is not None and self._routed[0] == made_from:
-            return self._routed[1]
-        routed = self._routing_models(catalog)
-        self._routed = (made_from, routed)
-        return routed
-
-    def _routing_models(self, catalog: Catalog) -> list[RoutedModel]:
-        endpoints: dict[str, list[str]] = {m.name: [] for m in catalog.models}
-        keys: dict[str, dict[str, str]] = {m.name: {} for m in catalog.models}
-        ids: dict[str, dict[str, str]] = {m.name: {} for m in catalog.models}
-        # The serving replicas, read straight from their shard 0's report: building each
-        # replica's whole view (every shard's log tail) cost most of a publish at scale.
-        for rid in self.serving():
-            record = self.replicas[rid]
-            model = record.replica.model
-            node = self.nodes[record.replica.shards[0].node]
-            seen = node.shard(rid, 0)
-            if model not in endpoints or seen is None or seen.port is None:
-                continue
-            endpoint = f"http://{node.report.address}:{seen.port}"
-            endpoints[model].append(endpoint)
-            ids[model][endpoint] = rid
-            if seen.engine_key is not None:
-                keys[model][endpoint] = seen.engine_key
-        return [
-            RoutedModel(
-                name=m.name,
-                endpoints=sorted(endpoints[m.name]),
-                keys=keys[m.name],
-                replicas=ids[m.name],
-                routing=m.routing,
-                first_byte_timeout=m.first_byte_timeout,
-                max_tokens_cap=m.max_tokens_cap,
-                max_tokens_over_cap=m.max_tokens_over_cap,
-            )
-            for m in catalog.models
-        ]
 
     def explain(self, catalog: Catalog, model: str, now: float) -> Placed | Unplaceable | None:
         """Where the next replica of `model` would go, or why it could go nowhere.

@@ -5,10 +5,12 @@ from __future__ import annotations
 from modelfleet import admin
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.records import ReplicaRecord
 from modelfleet.controlplane.state import FleetState
 from modelfleet.fleet import Mark, Replica
 from modelfleet.placement import NodeVerdict, Unplaceable, describe_need
 from modelfleet.reconcile import Preview
+from modelfleet.wire import ShardState
 
 
 def verdict(v: NodeVerdict) -> admin.NodeVerdict:
@@ -71,14 +73,77 @@ def nodes(state: FleetState, now: float, warning: str = "") -> admin.NodesAnswer
                 drain_grace_left_s=grace_left,
                 address=node.address,
                 labels=dict(node.labels),
-                last_report_s=round(now - (node.last_report or now), 1),
+                last_heard_s=round(now - (node.last_report or now), 1),
                 reports=state.nodes[node.name].reports,
+                heartbeats=state.nodes[node.name].beats,
                 gpus=gpus,
                 shards=len(state.nodes[node.name].report.shards),
                 replicas=on_node.get(node.name, 0),
             )
         )
     return admin.NodesAnswer(nodes=answer, warning=warning)
+
+
+def shard_views(state: FleetState, record: ReplicaRecord) -> list[admin.ShardInfo]:
+    """Each shard of a replica as its node last reported it."""
+    views = []
+    for rank, placement in enumerate(record.replica.shards):
+        node = state.nodes.get(placement.node)
+        seen = node.shard(record.replica.id, rank) if node else None
+        views.append(
+            admin.ShardInfo(
+                rank=rank,
+                node=placement.node,
+                gpus=list(placement.gpus),
+                state=seen.state.value if seen else "assigned",
+                port=seen.port if seen else None,
+                pid=seen.pid if seen else None,
+                restarts=seen.restarts if seen else 0,
+                failures=seen.failures if seen else 0,
+                backoff_s=seen.backoff_s if seen else None,
+                startup_s=seen.startup_s if seen else None,
+                error=seen.error if seen else "",
+                log_tail=list(seen.log_tail) if seen else [],
+                engine_key_set=bool(seen and seen.engine_key),
+            )
+        )
+    return views
+
+
+def replica_view(state: FleetState, record: ReplicaRecord) -> admin.ReplicaInfo:
+    """A replica as `ctl replicas show` shows it: its state worked out from its shards'."""
+    shards = shard_views(state, record)
+    states = {s.state for s in shards}
+    shown: admin.ReplicaState
+    if record.retiring:
+        shown = "retiring"
+    elif states == {ShardState.READY.value}:
+        shown = "ready"
+    elif ShardState.FAILED.value in states:
+        shown = "failed"
+    elif ShardState.STARTING.value in states:
+        shown = "starting"
+    else:
+        shown = "assigned"
+    endpoint = None
+    if shown == "ready":
+        leader = state.nodes[shards[0].node].report.address
+        endpoint = f"http://{leader}:{shards[0].port}"
+    r = record.replica
+    return admin.ReplicaInfo(
+        id=r.id,
+        model=r.model,
+        state=shown,
+        endpoint=endpoint,
+        shards=shards,
+        reason=record.retiring,
+    )
+
+
+def replica_views(state: FleetState) -> list[admin.ReplicaInfo]:
+    """Every replica, by model and id."""
+    records = sorted(state.replicas.values(), key=lambda r: (r.replica.model, r.replica.id))
+    return [replica_view(state, r) for r in records]
 
 
 def replicas(state: FleetState, catalog: Catalog) -> admin.ReplicasAnswer:
@@ -88,7 +153,7 @@ def replicas(state: FleetState, catalog: Catalog) -> admin.ReplicasAnswer:
         view.model_copy(
             update={"shards": [s.model_copy(update={"log_tail": []}) for s in view.shards]}
         )
-        for view in state.replica_views()
+        for view in replica_views(state)
     ]
     pending = []
     for p in state.pending:

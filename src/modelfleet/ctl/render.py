@@ -23,13 +23,24 @@ def gpu_state(gpu: admin.GpuInfo) -> str:
 def print_status(data: admin.StatusAnswer, console: Console) -> None:
     doing = "settling: waiting for agents to report" if data.settling else "reconciling"
     console.print(
-        f"control plane {doing}; {data.reconcile_passes} pass(es)\n"
+        f"control plane {doing}; {data.reconcile_passes} pass(es), "
+        f"{data.reconcile_plans} of them planned{_pass_times(data)}\n"
+        f"agents beat every {data.heartbeat_interval:g}s\n"
         f"catalog version {data.catalog_version}, routing version {data.routing_version}\n"
         f"{data.nodes} node(s), {data.replicas} replica(s), {data.pending} pending",
         highlight=False,
     )
     if data.frozen:
         console.print(f"warning: {data.frozen}", highlight=False)
+
+
+def _pass_times(data: admin.StatusAnswer) -> str:
+    times = []
+    if data.last_plan_ms is not None:
+        times.append(f"the last that planned took {data.last_plan_ms:.1f} ms")
+    if data.last_idle_pass_ms is not None:
+        times.append(f"the last with nothing to plan {data.last_idle_pass_ms:.2f} ms")
+    return f" ({'; '.join(times)})" if times else ""
 
 
 def print_deleted(data: admin.NodeDeleted, console: Console) -> None:
@@ -41,7 +52,7 @@ def print_deleted(data: admin.NodeDeleted, console: Console) -> None:
 
 def print_nodes(data: admin.NodesAnswer, console: Console) -> None:
     table = Table(
-        "NODE", "STATUS", "MARK", "REPLICAS", "GPUS USED", "MEMORY FREE", "LAST REPORT", "SHARDS"
+        "NODE", "STATUS", "MARK", "REPLICAS", "GPUS USED", "MEMORY FREE", "LAST HEARD", "SHARDS"
     )
     for node in data.nodes:
         gpus = node.gpus
@@ -64,7 +75,7 @@ def print_nodes(data: admin.NodesAnswer, console: Console) -> None:
             str(node.replicas),
             gpu_text,
             free,
-            f"{node.last_report_s:.1f}s ago",
+            f"{node.last_heard_s:.1f}s ago",
             str(node.shards),
         )
     console.print(table)

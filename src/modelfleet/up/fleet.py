@@ -101,6 +101,7 @@ def start_fleet(state_dir: Path, options: FleetOptions | None = None) -> Running
             ],
             "known_nodes": list(opts.nodes),
             "reconcile_interval": opts.reconcile_interval,
+            "heartbeat_interval": opts.report_interval,
             **opts.control_plane,
         }
         write_atomic(state_dir / "control-plane.yaml", yaml.safe_dump(cp_cfg))

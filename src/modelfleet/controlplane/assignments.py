@@ -1,0 +1,102 @@
+"""Each node's assignment: its desired shard set, worked out from the table when an agent asks.
+
+An assignment is kept once worked out, until a change that may alter it (`FleetState` stamps
+the nodes whose assignments may have changed): a heartbeat, every interval of every node, is
+checked against the kept version without building anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from modelfleet.catalog import Catalog
+from modelfleet.controlplane.records import ReplicaRecord
+from modelfleet.controlplane.state import FleetState
+from modelfleet.fleet import Replica
+from modelfleet.wire import NodeAssignment, ShardAssignment, assignment_version
+
+
+class Assignments:
+    """The assignments of the nodes of one `FleetState`."""
+
+    def __init__(self, state: FleetState) -> None:
+        self.state = state
+        # node -> (the node's stamp and the catalog's digest then, its shards, their version)
+        self._kept: dict[str, tuple[tuple[int, str], list[ShardAssignment], str]] = {}
+
+    def of(self, node: str, catalog: Catalog, heartbeat_interval: float = 2.0) -> NodeAssignment:
+        """The node's whole desired shard set, with its version, and the heartbeat interval
+        to tell its agent."""
+        _, shards, version = self._kept_for(node, catalog)
+        return NodeAssignment(
+            node=node, shards=shards, version=version, heartbeat_interval=heartbeat_interval
+        )
+
+    def version(self, node: str, catalog: Catalog) -> str:
+        """The version of the node's assignment (what a heartbeat is checked against)."""
+        return self._kept_for(node, catalog)[2]
+
+    def everyone(self, catalog: Catalog) -> dict[str, list[ShardAssignment]]:
+        """Every node's desired shards, in one walk of the table (for a whole-fleet view)."""
+        return _build(self.state, catalog, self.state.replicas.values(), None)
+
+    def _kept_for(
+        self, node: str, catalog: Catalog
+    ) -> tuple[tuple[int, str], list[ShardAssignment], str]:
+        made_from = (self.state.reassigned_at(node), catalog.digest)
+        kept = self._kept.get(node)
+        if kept is None or kept[0] != made_from:
+            state = self.state
+            records = [state.replicas[rid] for rid in state.on_node(node)]
+            shards = _build(state, catalog, records, node).get(node, [])
+            kept = (made_from, shards, assignment_version(shards))
+            self._kept[node] = kept
+        return kept
+
+    def forget(self, node: str) -> None:
+        self._kept.pop(node, None)
+
+
+def _build(
+    state: FleetState, catalog: Catalog, records: Iterable[ReplicaRecord], only: str | None
+) -> dict[str, list[ShardAssignment]]:
+    """The shards of `records` by node (those on node `only`, if given)."""
+    by_node: dict[str, list[ShardAssignment]] = {}
+    for record in records:
+        r = record.replica
+        spec = record.spec or catalog.get(r.model)
+        if spec is None:
+            continue  # adopted, and its model is gone: nothing to start it from
+        leader = _leader(state, r) if len(r.shards) > 1 else None
+        for rank, placement in enumerate(r.shards):
+            if only is not None and placement.node != only:
+                continue
+            by_node.setdefault(placement.node, []).append(
+                ShardAssignment(
+                    replica_id=r.id,
+                    model=r.model,
+                    engine=spec.engine,
+                    source=spec.source,
+                    args=list(spec.args),
+                    env=dict(spec.env),
+                    command=spec.command,
+                    rank=rank,
+                    num_shards=len(r.shards),
+                    gpus=list(placement.gpus),
+                    engine_digest=r.engine_digest,
+                    startup_timeout=spec.startup_timeout,
+                    leader=leader,
+                )
+            )
+    for shards in by_node.values():
+        shards.sort(key=lambda a: (a.replica_id, a.rank))  # the same whichever way built
+    return by_node
+
+
+def _leader(state: FleetState, replica: Replica) -> str | None:
+    """Where shard 0 of `replica` meets its peers, as its agent reported; None until then."""
+    first = state.nodes.get(replica.shards[0].node)
+    seen = first.shard(replica.id, 0) if first else None
+    if first is None or seen is None or seen.dist_port is None:
+        return None
+    return f"{first.report.address}:{seen.dist_port}"

@@ -1,0 +1,78 @@
+"""The routing table the control plane publishes: every model of the catalog with the
+endpoints of its serving replicas."""
+
+from __future__ import annotations
+
+from modelfleet.catalog import Catalog, ModelSpec
+from modelfleet.controlplane.state import FleetState
+from modelfleet.wire import RoutedModel
+
+
+class RoutingTable:
+    """The routing table of one `FleetState`. Each model's entry is kept until something its
+    routing depends on changed (a replica of it added, dropped or retiring, a report of a node
+    holding one, another catalog): what a change costs here is the changed models' share of
+    the fleet, and a pass with nothing new costs a look per model."""
+
+    def __init__(self, state: FleetState) -> None:
+        self.state = state
+        # model -> ((its stamp, the catalog's digest) when built, its entry)
+        self._kept: dict[str, tuple[tuple[int, str], RoutedModel]] = {}
+
+    def models(self, catalog: Catalog) -> list[RoutedModel]:
+        """Every model of `catalog` with the endpoints of its serving replicas, and the
+        catalog's routing fields.
+
+        Only models of that catalog are published, and never a retiring replica: a replica of a
+        removed model is not routed to, whatever state it is in.
+        """
+        table = []
+        for spec in catalog.models:
+            made_from = (self.state.rerouted_at(spec.name), catalog.digest)
+            kept = self._kept.get(spec.name)
+            if kept is None or kept[0] != made_from:
+                kept = (made_from, _entry(self.state, spec))
+                self._kept[spec.name] = kept
+            table.append(kept[1])
+        if len(self._kept) > len(table):
+            wanted = {m.name for m in catalog.models}
+            self._kept = {name: kept for name, kept in self._kept.items() if name in wanted}
+        return table
+
+
+def _entry(state: FleetState, spec: ModelSpec) -> RoutedModel:
+    """`spec`'s model with its serving replicas: not retiring, every shard reported ready;
+    each read straight from its shard 0's report (building each replica's whole view, every
+    shard's log tail, cost most of a publish at scale)."""
+    endpoints: list[str] = []
+    keys: dict[str, str] = {}
+    ids: dict[str, str] = {}
+    for rid in state.of_model(spec.name):
+        record = state.replicas[rid]
+        if record.retiring:
+            continue
+        shards = record.replica.shards
+        for rank, placement in enumerate(shards):
+            node = state.nodes.get(placement.node)
+            if node is None or (rid, rank) not in node.ready:
+                break
+        else:
+            first = state.nodes[shards[0].node]
+            seen = first.shard(rid, 0)
+            if seen is None or seen.port is None:
+                continue
+            endpoint = f"http://{first.report.address}:{seen.port}"
+            endpoints.append(endpoint)
+            ids[endpoint] = rid
+            if seen.engine_key is not None:
+                keys[endpoint] = seen.engine_key
+    return RoutedModel(
+        name=spec.name,
+        endpoints=sorted(endpoints),
+        keys=keys,
+        replicas=ids,
+        routing=spec.routing,
+        first_byte_timeout=spec.first_byte_timeout,
+        max_tokens_cap=spec.max_tokens_cap,
+        max_tokens_over_cap=spec.max_tokens_over_cap,
+    )

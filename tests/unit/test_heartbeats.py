@@ -1,0 +1,277 @@
+"""Heartbeats: when an agent beats instead of reporting, how the control plane holds a beat
+until the node's assignment changes (in-process, ASGI transport), how the interval grows with
+the fleet, and that a reconcile pass plans only when something it plans from changed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.agent.heartbeat import MEMORY_DRIFT, needs_report
+from modelfleet.controlplane.agent_api import create_agent_app
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.config import ControlPlaneConfig, Heartbeats
+from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.watch import AssignmentWatch
+from modelfleet.store.sqlite import SqliteStore
+from modelfleet.wire import (
+    AgentReport,
+    Heartbeat,
+    HeartbeatAnswer,
+    NodeAssignment,
+    ShardReport,
+    ShardState,
+)
+
+TOKEN = "admin-token-123"
+GPUS = SimulatedGpus("2x80GB")
+
+
+def keeper(models: list[dict[str, Any]]) -> CatalogKeeper:
+    k = CatalogKeeper(SqliteStore(":memory:"))
+    k.start(0.0)
+    k.apply(yaml.safe_dump({"models": models}), "api", 0.0)
+    return k
+
+
+def report(node: str, seq: int = 1, boot: str = "b", **changes: Any) -> AgentReport:
+    fields: dict[str, Any] = {"node": node, "boot_id": boot, "seq": seq,
+                              "address": "10.0.0.1", "gpus": GPUS.gpus(), "shards": []}  # fmt: skip
+    return AgentReport(**{**fields, **changes})
+
+
+# -- when an agent reports ------------------------------------------------------------------
+
+
+def test_an_agent_reports_what_changed_and_beats_otherwise() -> None:
+    taken = report("n", seq=1)
+    assert needs_report(None, taken)  # nothing taken yet
+    assert not needs_report(taken, report("n", seq=7))  # only the count moved on
+    assert needs_report(taken, report("n", seq=7, boot="other"))
+    assert needs_report(taken, report("n", seq=2, labels={"zone": "b"}))
+    shard = ShardReport(replica_id="r", model="m", rank=0, num_shards=1, gpus=[0],
+                        engine_digest="d", state=ShardState.READY, port=9000)  # fmt: skip
+    assert needs_report(taken, report("n", seq=2, shards=[shard]))
+    drift = [g.model_copy(update={"memory_used": g.memory_used + (1 << 20)}) for g in GPUS.gpus()]
+    assert not needs_report(taken, report("n", seq=2, gpus=drift))  # a MiB of drift: no
+    moved = [g.model_copy(update={"memory_used": MEMORY_DRIFT + 1}) for g in GPUS.gpus()]
+    assert needs_report(taken, report("n", seq=2, gpus=moved))
+    failed = [g.model_copy(update={"healthy": False, "reason": "XID 79"}) for g in GPUS.gpus()]
+    assert needs_report(taken, report("n", seq=2, gpus=failed))
+    assert needs_report(taken, report("n", seq=2, gpus=GPUS.gpus()[:1]))
+
+
+# -- the watch ------------------------------------------------------------------------------
+
+
+def test_the_watch_wakes_the_node_notified_and_times_out_the_others() -> None:
+    async def go() -> None:
+        watch = AssignmentWatch()
+        woken = asyncio.ensure_future(watch.wait("a", 30))
+        other = asyncio.ensure_future(watch.wait("b", 0.05))
+        await asyncio.sleep(0)
+        assert watch.waiting() == 2
+        watch.notify(["a", "c"])
+        assert await asyncio.wait_for(woken, 5) is True
+        assert await asyncio.wait_for(other, 5) is False  # its timeout, not a's notice
+        assert watch.waiting() == 0
+
+        held = asyncio.ensure_future(watch.wait("a", 30))
+        await asyncio.sleep(0)
+        watch.close()
+        assert await asyncio.wait_for(held, 5) is False
+        assert await asyncio.wait_for(watch.wait("a", 30), 5) is False  # closed: held no more
+
+    asyncio.run(go())
+
+
+# -- the interval grows with the fleet ------------------------------------------------------
+
+
+def test_the_heartbeat_interval_stretches_with_the_fleet_and_the_silences_with_it() -> None:
+    config = ControlPlaneConfig(admin_token=TOKEN)
+    assert config.heartbeats(10) == Heartbeats(2.0, 10.0, 60.0)
+    assert config.heartbeats(10_000) == Heartbeats(10.0, 30.0, 60.0)
+    assert config.heartbeats(100_000) == Heartbeats(100.0, 300.0, 600.0)
+    custom = ControlPlaneConfig(admin_token=TOKEN, heartbeat_interval=0.5, max_heartbeats_per_s=50)
+    assert custom.heartbeats(100) == Heartbeats(2.0, 10.0, 60.0)
+
+
+# -- the agent API --------------------------------------------------------------------------
+
+
+def with_api(
+    config: ControlPlaneConfig,
+    models: list[dict[str, Any]],
+    test: Callable[[ControlPlane, httpx.AsyncClient], Awaitable[None]],
+) -> None:
+    cp = ControlPlane(config, keeper(models))
+
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=create_agent_app(cp))
+        async with httpx.AsyncClient(transport=transport, base_url="http://cp") as client:
+            await test(cp, client)
+
+    asyncio.run(go())
+
+
+async def send_report(client: httpx.AsyncClient, sent: AgentReport) -> NodeAssignment:
+    response = await client.post("/v1/report", content=sent.model_dump_json())
+    assert response.status_code == 200, response.text
+    return NodeAssignment.model_validate_json(response.content)
+
+
+async def beat(
+    client: httpx.AsyncClient, seq: int, version: str, node: str = "n", boot: str = "b"
+) -> httpx.Response:
+    sent = Heartbeat(node=node, boot_id=boot, seq=seq, assignment=version)
+    return await client.post("/v1/heartbeat", content=sent.model_dump_json())
+
+
+def test_a_heartbeat_is_held_for_the_interval_when_its_assignment_is_current() -> None:
+    config = ControlPlaneConfig(admin_token=TOKEN, settle_for=-1, heartbeat_interval=0.3)
+
+    async def test(cp: ControlPlane, client: httpx.AsyncClient) -> None:
+        held = await send_report(client, report("n"))
+        assert held.version and held.heartbeat_interval == 0.3
+        began = time.monotonic()
+        response = await beat(client, 2, held.version)
+        took = time.monotonic() - began
+        answer = HeartbeatAnswer.model_validate_json(response.content)
+        assert answer.assignment is None and answer.heartbeat_interval == 0.3
+        # Held for 75 to 100 % of the interval, so that agents do not beat in step.
+        assert took >= 0.22, f"answered after {took:.3f}s: not held for the interval"
+        assert cp.state.nodes["n"].beats == 1 and cp.state.nodes["n"].seq == 2
+
+        # An agent holding another assignment gets the current one at once.
+        response = await beat(client, 3, "another")
+        answer = HeartbeatAnswer.model_validate_json(response.content)
+        assert answer.assignment is not None and answer.assignment.version == held.version
+
+    with_api(config, [{"name": "m", "engine": "sim"}], test)
+
+
+def test_a_held_heartbeat_is_answered_as_soon_as_a_pass_assigns_its_node() -> None:
+    config = ControlPlaneConfig(admin_token=TOKEN, settle_for=-1, heartbeat_interval=30)
+
+    async def test(cp: ControlPlane, client: httpx.AsyncClient) -> None:
+        held = await send_report(client, report("n"))
+        assert held.shards == []  # no pass yet
+        waiting = asyncio.ensure_future(beat(client, 2, held.version))
+        deadline = time.monotonic() + 5
+        while cp.watch.waiting() == 0:  # the beat is held
+            assert time.monotonic() < deadline, "the heartbeat was never held"
+            await asyncio.sleep(0.01)
+        cp.reconcile_once(time.monotonic())
+        cp.notify_assignments()
+        response = await asyncio.wait_for(waiting, 5)  # not the 30 s interval
+        answer = HeartbeatAnswer.model_validate_json(response.content)
+        assert answer.assignment is not None
+        assert [s.model for s in answer.assignment.shards] == ["m"]
+
+        # A control plane that stops answers what it holds at once, and says so.
+        waiting = asyncio.ensure_future(beat(client, 3, answer.assignment.version))
+        while cp.watch.waiting() == 0:
+            assert time.monotonic() < deadline, "the heartbeat was never held"
+            await asyncio.sleep(0.01)
+        cp.watch.close()
+        response = await asyncio.wait_for(waiting, 5)
+        assert response.status_code == 503 and "stopping" in response.text  # the agent waits
+
+    with_api(config, [{"name": "m", "engine": "sim"}], test)
+
+
+def test_a_heartbeat_the_control_plane_cannot_place_asks_for_the_whole_report() -> None:
+    config = ControlPlaneConfig(admin_token=TOKEN, settle_for=-1, heartbeat_interval=0.1)
+
+    async def test(cp: ControlPlane, client: httpx.AsyncClient) -> None:
+        unknown = await beat(client, 1, "v")
+        assert unknown.status_code == 409 and "send the whole report" in unknown.text
+        held = await send_report(client, report("n", seq=5))
+        rebooted = await beat(client, 6, held.version, boot="new-run")
+        assert rebooted.status_code == 409 and "new-run" in rebooted.text
+        old = await beat(client, 5, held.version)
+        assert old.status_code == 409 and "not newer than 5" in old.text
+        bad = await client.post("/v1/heartbeat", content=b'{"node": "n"}')
+        assert bad.status_code == 400 and "malformed heartbeat" in bad.text
+        assert cp.state.nodes["n"].beats == 0  # none of them was taken
+
+    with_api(config, [], test)
+
+
+# -- a pass plans only when there is something new ------------------------------------------
+
+
+@pytest.fixture
+def fleet() -> ControlPlane:
+    """Two nodes, one replica on one of them, reported at 0."""
+    config = ControlPlaneConfig(admin_token=TOKEN, settle_for=-1, reconcile_full_interval=30)
+    cp = ControlPlane(config, keeper([{"name": "m", "engine": "sim", "gpus_per_shard": 2}]))
+    for node in ("n1", "n2"):
+        cp.state.take_report(report(node), cp.catalogs.current, 0.0)
+    cp.reconcile_once(0.0)
+    return cp
+
+
+def test_a_pass_with_nothing_new_plans_nothing_until_the_full_pass(fleet: ControlPlane) -> None:
+    cp = fleet
+    cp.reconcile_once(0.5)  # the replica placed at 0 is new to plan from: once more
+    plans = cp.plans
+    for now in (1.0, 2.0, 5.0, 9.0):
+        cp.reconcile_once(now)
+    assert cp.plans == plans and cp.passes == plans + 4
+    for n, node in enumerate(("n1", "n2"), start=2):
+        cp.state.take_report(report(node, seq=n, labels={"zone": "a"}), cp.catalogs.current, 9.5)
+    cp.reconcile_once(9.6)  # two changed reports: one pass plans
+    assert cp.plans == plans + 1
+    seq = 4
+    for now in range(10, 31, 2):  # both nodes beat; nothing else happens
+        for node in ("n1", "n2"):
+            seq += 1
+            cp.state.take_heartbeat(Heartbeat(node=node, boot_id="b", seq=seq, assignment=""), now)
+        cp.reconcile_once(now + 0.5)
+    assert cp.plans == plans + 1
+    cp.reconcile_once(39.7)  # 30 s after the last that planned: the safety net plans
+    assert cp.plans == plans + 2
+
+
+def test_a_node_going_lost_with_nothing_else_new_is_planned_for(fleet: ControlPlane) -> None:
+    cp = fleet
+    [holder] = {s.node for r in cp.state.replicas.values() for s in r.replica.shards}
+    beater = "n2" if holder == "n1" else "n1"
+    cp.reconcile_once(0.5)
+    plans, replaced_at = cp.plans, None
+    for seq, now in enumerate(range(2, 66, 2), start=2):
+        cp.state.take_heartbeat(Heartbeat(node=beater, boot_id="b", seq=seq, assignment=""), now)
+        cp.reconcile_once(now + 0.5)
+        if replaced_at is None and any(
+            s.node == beater for r in cp.state.replicas.values() for s in r.replica.shards
+        ):
+            replaced_at = now + 0.5
+    # The holder goes stale at 10 and lost at 60: those passes plan (and the 30 s safety net
+    # between them), and the one after 60 places the replacement on the node that beats.
+    assert replaced_at == 60.5
+    assert cp.plans - plans <= 5, f"{cp.plans - plans} passes planned"
+
+
+def test_the_bare_agent_api_checks_token_size_method_and_path() -> None:
+    config = ControlPlaneConfig(admin_token=TOKEN, agent_token="agent-token-0123456789")
+
+    async def test(cp: ControlPlane, client: httpx.AsyncClient) -> None:
+        unsigned = await beat(client, 1, "v")
+        assert unsigned.status_code == 401 and "agent token" in unsigned.json()["error"]
+        signed = {"authorization": "Bearer agent-token-0123456789"}
+        huge = await client.post("/v1/heartbeat", content=b"x" * 5000, headers=signed)
+        assert huge.status_code == 413 and "4096 bytes" in huge.json()["error"]
+        assert (await client.get("/v1/heartbeat", headers=signed)).status_code == 405
+        assert (await client.post("/v1/elsewhere", headers=signed)).status_code == 404
+        assert (await client.post("/v1/report", content=b"{}", headers=signed)).status_code == 400
+
+    with_api(config, [], test)

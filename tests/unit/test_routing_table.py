@@ -1,0 +1,79 @@
+"""The routing table is rebuilt per model, only for the models a change touched, and the body
+the publisher pushes, put together from each model's JSON, is the snapshot itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import yaml
+
+from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.config import ControlPlaneConfig, RouterTarget
+from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.publisher import Publisher
+from modelfleet.store.sqlite import SqliteStore
+from modelfleet.wire import (
+    AgentReport,
+    RoutedKey,
+    RoutedModel,
+    RoutingSnapshot,
+    ShardReport,
+    ShardState,
+)
+
+GPUS = SimulatedGpus("2x80GB")
+
+
+def fleet() -> ControlPlane:
+    keeper = CatalogKeeper(SqliteStore(":memory:"))
+    keeper.start(0.0)
+    # a on n1, b on n2
+    models = [{"name": m, "engine": "sim", "replicas": 2, "node_labels": {"zone": m}} for m in "ab"]
+    keeper.apply(yaml.safe_dump({"models": models}), "api", 0.0)
+    cp = ControlPlane(ControlPlaneConfig(admin_token="admin-token-123", settle_for=-1), keeper)
+    for node in ("n1", "n2"):
+        cp.state.take_report(report(cp, node, 1, ready=False), keeper.current, 0.0)
+    cp.reconcile_once(0.0)
+    return cp
+
+
+def report(cp: ControlPlane, node: str, seq: int, ready: bool, **seen: Any) -> AgentReport:
+    state = ShardState.READY if ready else ShardState.STARTING
+    assigned = cp.assignments.of(node, cp.catalogs.current).shards
+    shards = [ShardReport.of(a, state, port=9000 + i, **seen) for i, a in enumerate(assigned)]
+    zone = {"n1": "a", "n2": "b"}[node]
+    return AgentReport(node=node, boot_id="b", seq=seq, address=f"10.0.0.{node[-1]}",
+                       labels={"zone": zone}, gpus=GPUS.gpus(), shards=shards)  # fmt: skip
+
+
+def test_a_change_rebuilds_only_the_models_it_touched() -> None:
+    cp = fleet()
+    catalog = cp.catalogs.current
+    before = {m.name: m for m in cp.routing.models(catalog)}
+    assert all(m.endpoints == [] for m in before.values())
+    assert {cp.state.replicas[r].replica.model for r in cp.state.on_node("n1")} == {"a"}
+    cp.state.take_report(report(cp, "n1", 2, ready=True), catalog, 1.0)
+    after = {m.name: m for m in cp.routing.models(catalog)}
+    assert len(after["a"].endpoints) == 2
+    assert after["b"] is before["b"]  # untouched: the same entry, not built again
+    assert cp.routing.models(catalog)[0] is cp.routing.models(catalog)[0]  # nothing new
+
+
+def test_the_pushed_body_is_the_snapshot() -> None:
+    publisher = Publisher([RouterTarget(url="http://r", token="t")], httpx.AsyncClient(), 3, 1.0)
+    models = [
+        RoutedModel(
+            name="a", endpoints=["http://10.0.0.1:9000"], replicas={"http://10.0.0.1:9000": "a-1"}
+        ),
+        RoutedModel(name="b", endpoints=[], routing="prefix", max_tokens_cap=64),
+    ]
+    keys = [RoutedKey(name="k", sha256="0" * 64, models=["a"], rpm=60)]
+    assert publisher.publish(7, models, keys)
+    expected = RoutingSnapshot(epoch=3, version=1, catalog_version=7, models=models, keys=keys)
+    assert RoutingSnapshot.model_validate_json(publisher.body) == expected
+    assert not publisher.publish(7, list(models), list(keys))  # the same table: no new version
+    assert publisher.publish(7, models[:1], [])
+    expected = RoutingSnapshot(epoch=3, version=2, catalog_version=7, models=models[:1])
+    assert RoutingSnapshot.model_validate_json(publisher.body) == expected
