@@ -107,6 +107,7 @@ def plan(
     failed: Mapping[str, str] = MappingProxyType({}),
     avoid: Mapping[str, Mapping[str, str]] = MappingProxyType({}),
     lost_after: float | None = None,
+    models: Collection[str] | None = None,
 ) -> Plan:
     """Decide one pass.
 
@@ -118,6 +119,10 @@ def plan(
     are replaced elsewhere as a drain would replace them. When every node is silent that
     long, the fault is the control plane's or its network's, not the nodes': nothing is moved
     off them (`Plan.frozen` says why) until one reports again.
+
+    With `models`, only those models of the catalog are planned (replicas of models gone from
+    it are stopped all the same): the control plane passes the models something changed for,
+    when nothing changed that concerns the others (`ControlPlane.reconcile_once`).
     """
     stops: list[StopReplica] = []
     new: list[NewReplica] = []
@@ -169,6 +174,8 @@ def plan(
         serving, nodes, leaving, frozenset(lost), faulty, free_gpus, now, stale_after, failed, avoid
     )
     for spec in catalog.models:
+        if models is not None and spec.name not in models:
+            continue
         model_stops, model_new, model_pending = _plan_model(
             spec, by_model.get(spec.name, []), shared
         )

@@ -232,13 +232,14 @@ def test_a_pass_with_nothing_new_plans_nothing_until_the_full_pass(fleet: Contro
     cp.reconcile_once(9.6)  # two changed reports: one pass plans
     assert cp.plans == plans + 1
     seq = 4
-    for now in range(10, 31, 2):  # both nodes beat; nothing else happens
+    for now in range(10, 29, 2):  # both nodes beat; nothing else happens
         for node in ("n1", "n2"):
             seq += 1
             cp.state.take_heartbeat(Heartbeat(node=node, boot_id="b", seq=seq, assignment=""), now)
         cp.reconcile_once(now + 0.5)
+    cp.reconcile_once(29.9)
     assert cp.plans == plans + 1
-    cp.reconcile_once(39.7)  # 30 s after the last that planned: the safety net plans
+    cp.reconcile_once(30.0)  # 30 s after the pass that planned the whole fleet: the safety net
     assert cp.plans == plans + 2
 
 
@@ -275,3 +276,27 @@ def test_the_bare_agent_api_checks_token_size_method_and_path() -> None:
         assert (await client.post("/v1/report", content=b"{}", headers=signed)).status_code == 400
 
     with_api(config, [], test)
+
+
+def test_a_change_for_one_model_plans_that_model_only() -> None:
+    """A report that changes what one model's replica does plans that model, not the fleet;
+    a node that comes plans every model."""
+    models = [{"name": m, "engine": "sim", "node_labels": {"zone": m}} for m in "ab"]
+    cp = ControlPlane(ControlPlaneConfig(admin_token=TOKEN, settle_for=-1), keeper(models))
+    for node, zone in (("n1", "a"), ("n2", "b")):
+        cp.state.take_report(report(node, labels={"zone": zone}), cp.catalogs.current, 0.0)
+    cp.reconcile_once(0.0)
+    assert cp.planned_models == 2  # the first pass plans everything
+    cp.reconcile_once(0.5)  # the replicas it placed are new to plan from: planned once more
+    [on_n1] = [r.replica for r in cp.state.replicas.values() if r.replica.shards[0].node == "n1"]
+    assigned = cp.assignments.of("n1", cp.catalogs.current).shards
+    failed = ShardReport.of(assigned[0], ShardState.FAILED, failures=3, error="exit 1")
+    sent = report("n1", seq=2, labels={"zone": "a"}, shards=[failed])
+    cp.state.take_report(sent, cp.catalogs.current, 1.0)
+    plans = cp.plans
+    cp.reconcile_once(1.0)
+    assert cp.plans == plans + 1 and cp.planned_models == 1  # model a only
+    assert cp.state.replicas[on_n1.id].retiring.startswith("failed 3 times")
+    cp.state.take_report(report("n3", labels={"zone": "b"}), cp.catalogs.current, 2.0)
+    cp.reconcile_once(2.0)
+    assert cp.planned_models == 2  # a node came: every model may use it

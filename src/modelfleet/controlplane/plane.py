@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -96,6 +97,12 @@ class ControlPlane:
         self._planned: tuple[int, str] | None = None
         self._planned_at = 0.0
         self._due = 0.0
+        # What the last pass that planned the whole fleet planned from: when only the routing
+        # stamps of some models moved on since, the next plans those models only.
+        self._planned_whole: tuple[int, str, int] | None = None  # membership, catalog, stamp
+        self._planned_stamp = 0
+        self._whole_at = 0.0
+        self.planned_models: int | None = None  # how many models the last plan planned
         self.frozen = ""  # the last pass's `Plan.frozen`: why nothing moves off lost nodes
         self._load_marks()
         self.retime()
@@ -110,6 +117,11 @@ class ControlPlane:
         timing = self.config.heartbeats(len(self.state.nodes))
         self.state.stale_after = timing.stale_after
         return timing
+
+    def replan(self) -> None:
+        """Make the next pass plan, the whole fleet, even when nothing it plans from changed."""
+        self._planned = None
+        self._planned_whole = None
 
     def notify_assignments(self) -> None:
         """Answer the heartbeats held for nodes whose assignment may have changed."""
@@ -212,20 +224,35 @@ class ControlPlane:
         catalog = self.catalogs.current
         timing = self.retime()
         planned_from = (s.version, catalog.digest)
-        if (
-            planned_from == self._planned
-            and now - self._planned_at < self.config.reconcile_full_interval
-        ):
-            if now >= self._due:
-                # Nodes heard from since the due time was worked out moved it on.
-                self._due = self._next_due(self._planned_at, timing)
-            if now < self._due:
-                return
+        safety_net = now - self._whole_at >= self.config.reconcile_full_interval
+        if now >= self._due:
+            # Nodes heard from since the due time was worked out moved it on.
+            self._due = self._next_due(self._planned_at, timing)
+        due = now >= self._due
+        if planned_from == self._planned and not safety_net and not due:
+            return
         self.plans += 1
+        # Only some models changed (their replicas, or reports of nodes holding them), and
+        # nothing that concerns every model (another catalog, a node come or gone, a time come):
+        # those are planned, with the ones left pending (what changed may make room for them).
+        whole = (s.membership, catalog.digest, s.stamp)
+        models: set[str] | None = None
+        if (
+            self._planned_whole is not None
+            and self._planned_whole[:2] == whole[:2]
+            and not safety_net
+            and not due
+        ):
+            models = {m.name for m in catalog.models if s.rerouted_at(m.name) > self._planned_stamp}
+            models |= {p.model for p in s.pending}
+        self.planned_models = len(catalog.models) if models is None else len(models)
+        if models is None:
+            self._whole_at = now
         self.forget_silent(now)
         # Taken before the plan is carried out: what it changes is planned from once more, so
         # anything a pass leaves for the next (a replacement held back) is not left waiting.
         self._planned, self._planned_at = (s.version, catalog.digest), now
+        self._planned_whole, self._planned_stamp = whole, s.stamp
         failed = {}
         for rid, (node, why) in s.failing(self.config.max_failures).items():
             s.keep_off(s.replicas[rid].replica.model, node, why, now + self.config.failure_avoid)
@@ -241,6 +268,7 @@ class ControlPlane:
             failed,
             s.avoiding(now),
             timing.lost_after,
+            models,
         )
         if decided.frozen != self.frozen:
             if decided.frozen:
@@ -251,6 +279,9 @@ class ControlPlane:
         for stop in decided.stop:
             log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
         before = s.pending
+        if models is not None:  # the models not planned keep what they had pending
+            kept = tuple(p for p in before if p.model not in models)
+            decided = dataclasses.replace(decided, pending=kept + decided.pending)
         for replica in s.apply(decided, catalog, now, self.config.retire_timeout):
             where = ", ".join(f"{p.node}{list(p.gpus)}" for p in replica.shards)
             log.info("placed %s (%s) on %s", replica.id, replica.model, where)

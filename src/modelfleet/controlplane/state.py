@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar, cast
@@ -62,6 +62,13 @@ class FleetState:
     _heard: dict[str, None] = field(default_factory=dict)
     # the replicas that are retiring;
     _retiring: set[str] = field(default_factory=set)
+    # replicas some node reports that are not in the table (engines outside it hold GPUs),
+    # and replicas some shard of which reports failures;
+    _strays: set[str] = field(default_factory=set)
+    _faulted: set[str] = field(default_factory=set)
+    # one more whenever the set of nodes the planner may use changed otherwise than by a
+    # report's content (a node new, forgotten, or heard from again after going stale);
+    _membership: int = 0
     # the nodes whose assignment may have changed since `changed_assignments` was last asked,
     # and the digest of the catalog it was asked with;
     _reassigned: set[str] = field(default_factory=set)
@@ -97,6 +104,7 @@ class FleetState:
         self._changes += 1
         rid = record.replica.id
         self.replicas[rid] = record
+        self._strays.discard(rid)
         for placement in record.replica.shards:
             self._on_node.setdefault(placement.node, set()).add(rid)
         self._of_model.setdefault(record.replica.model, set()).add(rid)
@@ -107,6 +115,8 @@ class FleetState:
         self._changes += 1
         record = self.replicas.pop(rid)
         self._retiring.discard(rid)
+        if rid in self._seen:
+            self._strays.add(rid)
         self._reassign(p.node for p in record.replica.shards)
         self._reroute((record.replica.model,))
         of_model = self._of_model[record.replica.model]
@@ -172,9 +182,12 @@ class FleetState:
         self._heard[node] = None
 
     def _index_report(self, node: str, old: AgentReport | None, new: AgentReport | None) -> None:
-        """Move `node`'s shards in `_seen` from its old report to its new one."""
+        """Move `node`'s shards in `_seen` from its old report to its new one, and keep the
+        strays and the faulted replicas with them."""
+        touched = set()
         if old is not None:
             for s in old.shards:
+                touched.add(s.replica_id)
                 shards = self._seen.get(s.replica_id)
                 if shards is not None:
                     shards.pop((node, s.rank), None)
@@ -182,7 +195,18 @@ class FleetState:
                         del self._seen[s.replica_id]
         if new is not None:
             for s in new.shards:
+                touched.add(s.replica_id)
                 self._seen.setdefault(s.replica_id, {})[(node, s.rank)] = s
+        for rid in touched:
+            seen = self._seen.get(rid)
+            if seen is not None and rid not in self.replicas:
+                self._strays.add(rid)
+            else:
+                self._strays.discard(rid)
+            if seen is not None and any(s.failures for s in seen.values()):
+                self._faulted.add(rid)
+            else:
+                self._faulted.discard(rid)
 
     # -- actual state --------------------------------------------------------------------
 
@@ -204,6 +228,7 @@ class FleetState:
         adopted = self._adopt(report, catalog, now)
         if before is None or adopted:
             self._node_changed(report.node)
+            self._membership += before is None
             self._changes += 1
             return True
         old, new = before.report, report
@@ -215,7 +240,9 @@ class FleetState:
         )
         if changed:
             self._node_changed(report.node)
-        changed = changed or now - before.received > self.stale_after  # fresh again
+        fresh_again = now - before.received > self.stale_after
+        self._membership += fresh_again
+        changed = changed or fresh_again
         self._changes += changed
         return changed
 
@@ -240,6 +267,7 @@ class FleetState:
         record.beat(beat.seq, now)
         self._hear(beat.node)
         self._changes += fresh_again
+        self._membership += fresh_again
         return fresh_again
 
     def next_silence(self, after: float, spans: Iterable[float]) -> float | None:
@@ -325,6 +353,7 @@ class FleetState:
 
     def set_mark(self, node: str, mark: NodeMark) -> None:
         self._changes += 1
+        self._reroute({self.replicas[rid].replica.model for rid in self._on_node.get(node, ())})
         if mark.mark is Mark.NONE:
             self.marks.pop(node, None)
         else:
@@ -339,15 +368,13 @@ class FleetState:
 
     def _busy_slots(self) -> frozenset[tuple[str, int]]:
         busy = {
-            (name, g)
-            for name, record in self.nodes.items()
-            for s in record.report.shards
-            if s.replica_id not in self.replicas
+            (node, g)
+            for rid in self._strays
+            for (node, _), s in self._seen[rid].items()
             for g in s.gpus
         }
-        for record in self.replicas.values():
-            if record.retiring:
-                busy |= record.replica.gpu_slots()
+        for rid in self._retiring:
+            busy |= self.replicas[rid].replica.gpu_slots()
         return frozenset(busy)
 
     def failing(self, max_failures: int) -> Mapping[str, tuple[str, str]]:
@@ -359,8 +386,9 @@ class FleetState:
 
     def _failing(self, max_failures: int) -> dict[str, tuple[str, str]]:
         failing = {}
-        for rid, record in self.replicas.items():
-            if record.retiring:
+        for rid in sorted(self._faulted):
+            record = self.replicas.get(rid)
+            if record is None or record.retiring:
                 continue
             for rank, placement in enumerate(record.replica.shards):
                 node = self.nodes.get(placement.node)
@@ -374,6 +402,7 @@ class FleetState:
     def keep_off(self, model: str, node: str, why: str, until: float) -> None:
         """Place no replica of `model` on `node` until `until`."""
         self.avoid.setdefault(model, {})[node] = (until, why)
+        self._reroute((model,))
         self._changes += 1
 
     def avoided_until(self) -> float | None:
@@ -394,24 +423,32 @@ class FleetState:
         """The replicas the planner counts: every one in the table that is not retiring."""
         return [r.replica for r in self.replicas.values() if not r.retiring]
 
-    def serving(self) -> frozenset[str]:
-        """Ids of the replicas every shard of which reports ready (retiring ones excluded):
-        those `replica_view` shows as "ready", without building the views."""
-        return self._once_per_change("serving", self._serving)
+    def serving(self) -> Serving:
+        """The replicas every shard of which reports ready (retiring ones excluded): those
+        `replica_view` shows as "ready", without building the views. Worked out per replica as
+        asked: a pass asks of the replicas of the models it plans."""
+        return Serving(self)
 
-    def _serving(self) -> frozenset[str]:
-        serving = set()
-        nodes = self.nodes
-        for rid, record in self.replicas.items():
-            if record.retiring:
-                continue
-            for rank, placement in enumerate(record.replica.shards):
-                node = nodes.get(placement.node)
-                if node is None or (rid, rank) not in node.ready:
-                    break
-            else:
-                serving.add(rid)
-        return frozenset(serving)
+    def is_serving(self, rid: str) -> bool:
+        record = self.replicas.get(rid)
+        if record is None or record.retiring:
+            return False
+        for rank, placement in enumerate(record.replica.shards):
+            node = self.nodes.get(placement.node)
+            if node is None or (rid, rank) not in node.ready:
+                return False
+        return True
+
+    @property
+    def stamp(self) -> int:
+        """The count of changes that may alter an assignment or a model's routing: a model
+        whose `rerouted_at` is above the stamp a pass planned at changed since."""
+        return self._stamp
+
+    @property
+    def membership(self) -> int:
+        """One more whenever a node came, went, or was heard from again after going stale."""
+        return self._membership
 
     # -- desired state -------------------------------------------------------------------
 
@@ -461,6 +498,7 @@ class FleetState:
         if gone is not None:
             self._index_report(node, gone.report, None)
             self._changes += 1
+            self._membership += 1
         self.marks.pop(node, None)
         self._names = None
 
@@ -515,6 +553,22 @@ class FleetState:
     def pending_for(self, model: str) -> Pending | None:
         """The last pass's pending replicas of `model`, if any."""
         return next((p for p in self.pending if p.model == model), None)
+
+
+class Serving(Collection[str]):
+    """The serving replicas of a `FleetState`, worked out one at a time as asked."""
+
+    def __init__(self, state: FleetState) -> None:
+        self._state = state
+
+    def __contains__(self, rid: object) -> bool:
+        return isinstance(rid, str) and self._state.is_serving(rid)
+
+    def __iter__(self) -> Iterator[str]:
+        return (rid for rid in self._state.replicas if self._state.is_serving(rid))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _new_id(model: str) -> str:
