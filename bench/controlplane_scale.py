@@ -16,13 +16,16 @@ the routing tables the control plane pushes. For each size it prints:
 - the time from a restart of the control plane (SIGTERM, then started on the same state dir)
   until every replica is adopted and the router holds a full table, and how many replicas were
   started or stopped meanwhile (none should be);
-- the last reconcile pass with nothing to plan, as the control plane times it (`/v1/status`).
+- the last reconcile pass with nothing to plan, as the control plane times it (`/v1/status`);
+- with `--silence S`, then every agent falls silent for S seconds (the control plane cut off
+  from its fleet: its nodes go stale, then lost, and nothing may move): its CPU meanwhile, and
+  how long it then takes to stop.
 
 Then the growth ratio of each cost per tenfold of fleet size, and one JSON line with
 `cpu_s_per_s` and `report_p99_ms` (by size), `catalog_to_assignments_s_10000`,
 `adopt_s_10000`, `idle_pass_ms_10000` and `rss_mb_10000`.
 
-    python bench/controlplane_scale.py [--sizes 1000,5000,10000] [--steady 20]
+    python bench/controlplane_scale.py [--sizes 1000,5000,10000] [--steady 20] [--silence 90]
 
 Targets at 10,000 nodes: at most 0.5 CPU-seconds per second, report p99 within 50 ms, 1,000 new
 replicas assigned within 5 s, adoption after a restart within 10 s, an idle pass within 10 ms,
@@ -54,6 +57,7 @@ import uvloop
 import yaml
 from aiohttp import web
 
+from modelfleet.router.upstream import UpstreamError, Upstreams
 from modelfleet.wire import (
     AgentReport,
     GpuReport,
@@ -69,6 +73,7 @@ GPUS = tuple(
 MODELS = 20
 ADDED = 1000
 TOKEN = "bench-admin-token"
+JSON_HEADERS = (("content-type", "application/json"),)
 RETRY_S = 2.0  # the agent's default report_interval: its pause after a failed exchange
 
 
@@ -111,11 +116,11 @@ class Fleet:
 class SimNode:
     """One simulated agent: its shards report ready as soon as assigned."""
 
-    def __init__(self, index: int, fleet: Fleet, session: aiohttp.ClientSession, url: str):
+    def __init__(self, index: int, fleet: Fleet, client: Upstreams, url: str):
         self.name = f"node-{index:05d}"
         self.address = f"10.{index // 65536}.{index // 256 % 256}.{index % 256}"
         self.fleet = fleet
-        self.session = session
+        self.client = client
         self.url = url
         self.boot_id = secrets.token_hex(8)
         self.seq = 0
@@ -168,7 +173,7 @@ class SimNode:
                 else:
                     self.set_beating(True)
                     await self.send_heartbeat(self.held)
-            except (aiohttp.ClientError, TimeoutError):
+            except (UpstreamError, TimeoutError):
                 self.fleet.errors += 1
                 self.taken = False
                 self.set_beating(False)
@@ -177,15 +182,27 @@ class SimNode:
     async def send_report(self, probe: bool = False) -> None:
         body = self.report()
         began = time.perf_counter()
-        async with self.session.post(f"{self.url}/v1/report", data=body) as response:
-            content = await response.read()
+        status, content = await self.post("/v1/report", body)
         if probe and self.fleet.measuring:
             self.fleet.report_ms.append((time.perf_counter() - began) * 1000)
-        if response.status != 200:
-            raise aiohttp.ClientError(f"report refused: {response.status} {content[:200]!r}")
+        if status != 200:
+            raise UpstreamError(f"report refused: {status} {content[:200]!r}")
         if not probe:
             self.taken = True
             self.take(json.loads(content))
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """One exchange over the router's own HTTP/1.1 client (`router/upstream.py`): the
+        simulated agents cost this process less than with aiohttp (whose connection set-up
+        and error paths were most of this process's time across a restart)."""
+        answer = await self.client.post(self.url, path, body, JSON_HEADERS)
+        try:
+            parts = []
+            while chunk := await answer.read():
+                parts.append(chunk)
+        finally:
+            answer.release()
+        return answer.status, b"".join(parts)
 
     def take(self, assignment: dict[str, Any]) -> None:
         """Make `assignment` (as JSON) true; validated only when it is another than held."""
@@ -199,13 +216,12 @@ class SimNode:
             {"node": self.name, "boot_id": self.boot_id, "seq": self.seq,
              "assignment": held.version}
         )  # fmt: skip
-        async with self.session.post(f"{self.url}/v1/heartbeat", data=beat.encode()) as response:
-            content = await response.read()
-        if response.status == 409:
+        status, content = await self.post("/v1/heartbeat", beat.encode())
+        if status == 409:
             self.taken = False
             return
-        if response.status != 200:
-            raise aiohttp.ClientError(f"heartbeat refused: {response.status} {content[:200]!r}")
+        if status != 200:
+            raise UpstreamError(f"heartbeat refused: {status} {content[:200]!r}")
         answer = json.loads(content)
         if answer.get("assignment") is not None:
             self.take(answer["assignment"])
@@ -288,7 +304,9 @@ class ControlPlaneProcess:
         return self.process.pid
 
 
-async def measure(nodes: int, steady_s: float, keep_log: Path | None) -> dict[str, Any]:
+async def measure(
+    nodes: int, steady_s: float, keep_log: Path | None, silence_s: float
+) -> dict[str, Any]:
     fleet = Fleet()
     gc.set_threshold(50_000, 20, 100)
     replicas = 2 * nodes // MODELS * MODELS
@@ -315,12 +333,9 @@ async def measure(nodes: int, steady_s: float, keep_log: Path | None) -> dict[st
         (folder / "control-plane.yaml").write_text(yaml.safe_dump(config))
         cp = ControlPlaneProcess(folder)
         await cp.start()
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
-        session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=120)
-        )
+        client = Upstreams(connect_timeout=10, idle_timeout=120)
         admin = aiohttp.ClientSession(headers={"authorization": f"Bearer {TOKEN}"})
-        sims = [SimNode(i, fleet, session, cp.urls["agent"]) for i in range(nodes)]
+        sims = [SimNode(i, fleet, client, cp.urls["agent"]) for i in range(nodes)]
         tasks = [asyncio.create_task(fleet.watch_lag())]
         try:
             for sim in sims:  # a few hundred agents starting per 10 ms, not all in one go
@@ -404,11 +419,29 @@ async def measure(nodes: int, steady_s: float, keep_log: Path | None) -> dict[st
                 "bench": time.process_time() - own_cpu,
             }
             churn = fleet.started - started + fleet.dropped - dropped
+
+            # Every agent falls silent at once (the control plane's network is cut off): the
+            # nodes go stale, then lost, and nothing may be moved; what does it cost, and does
+            # the control plane still stop at once?
+            silent: dict[str, float] = {}
+            if silence_s > 0:
+                for task in tasks[1:]:
+                    task.cancel()
+                await asyncio.gather(*tasks[1:], return_exceptions=True)
+                client.close()
+                cpu0, wall0 = cpu_seconds(cp.pid), time.perf_counter()
+                await asyncio.sleep(silence_s)
+                silent["cpu_s_per_s"] = round(
+                    (cpu_seconds(cp.pid) - cpu0) / (time.perf_counter() - wall0), 3
+                )
+                began = time.perf_counter()
+                cp.stop()
+                silent["stop_s"] = round(time.perf_counter() - began, 2)
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await session.close()
+            client.close()
             await admin.close()
             cp.stop()
             await runner.cleanup()
@@ -431,6 +464,7 @@ async def measure(nodes: int, steady_s: float, keep_log: Path | None) -> dict[st
         "restart_reported_s": round(reported_s, 2),
         "adopt_s": round(adopt_s, 2),
         "restart_churn": churn,
+        "all_silent": silent,
         "restart_cpu_s": {k: round(v, 2) for k, v in restart_cpu.items()},
         "idle_pass_ms": steady["last_idle_pass_ms"],
         "plan_ms": steady["last_plan_ms"],
@@ -446,16 +480,24 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
+    # SIGTERM ends the run as ^C does, through the `finally` that stops the control plane.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000,5000,10000")
     parser.add_argument("--steady", type=float, default=20.0, help="seconds of steady fleet")
     parser.add_argument("--logs", type=Path, help="keep each size's control-plane log here")
+    parser.add_argument(
+        "--silence", type=float, default=0.0,
+        help="then let every agent fall silent this many seconds (90: past the lost time)",
+    )  # fmt: skip
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     results = {}
     for size in sizes:
         log = args.logs / f"control-plane-{size}.log" if args.logs else None
-        result = uvloop.run(measure(size, args.steady, log))  # the simulated agents' loop
+        result = uvloop.run(
+            measure(size, args.steady, log, args.silence)
+        )  # the simulated agents' loop
         results[size] = result
         print(json.dumps(result), flush=True)
     keys = ("cpu_s_per_s", "report_p99_ms", "catalog_to_assignments_s", "adopt_s",

@@ -256,9 +256,10 @@ def test_a_node_going_lost_with_nothing_else_new_is_planned_for(fleet: ControlPl
             s.node == beater for r in cp.state.replicas.values() for s in r.replica.shards
         ):
             replaced_at = now + 0.5
-    # The holder goes stale at 10 and lost at 60: those passes plan (and the 30 s safety net
-    # between them), and the one after 60 places the replacement on the node that beats.
-    assert replaced_at == 60.5
+    # The holder goes stale at 10 and lost at 60: the first passes a reconcile interval (1 s)
+    # after those plan (and the 30 s safety net between them), and the one after 61 places the
+    # replacement on the node that beats.
+    assert replaced_at == 62.5
     assert cp.plans - plans <= 5, f"{cp.plans - plans} passes planned"
 
 
@@ -300,3 +301,25 @@ def test_a_change_for_one_model_plans_that_model_only() -> None:
     cp.state.take_report(report("n3", labels={"zone": "b"}), cp.catalogs.current, 2.0)
     cp.reconcile_once(2.0)
     assert cp.planned_models == 2  # a node came: every model may use it
+
+
+def test_settling_ends_when_every_known_node_reported_or_the_window_closes() -> None:
+    """After a start, nothing is planned until every node the config names has reported, or
+    the settle window (here 10 s) is over; a node it does not name does not end it."""
+    config = ControlPlaneConfig(admin_token=TOKEN, known_nodes=["n1", "n2"], settle_for=10)
+    cp = ControlPlane(config, keeper([{"name": "m", "engine": "sim"}]))
+    start = cp.started_at
+    cp.state.take_report(report("n1"), cp.catalogs.current, start)
+    cp.state.take_report(report("stranger"), cp.catalogs.current, start)
+    assert cp.settling(start + 1)  # two reported, but not both of the known ones
+    cp.reconcile_once(start + 1)
+    assert cp.plans == 0
+    cp.state.take_report(report("n2"), cp.catalogs.current, start + 2)
+    assert not cp.settling(start + 2)
+    cp.reconcile_once(start + 2)
+    assert cp.plans == 1
+
+    alone = ControlPlane(config, keeper([{"name": "m", "engine": "sim"}]))
+    alone.state.take_report(report("n1"), alone.catalogs.current, alone.started_at)
+    assert alone.settling(alone.started_at + 9.9)
+    assert not alone.settling(alone.started_at + 10)  # the window is over

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Collection
 
 import httpx
 
@@ -205,13 +206,14 @@ class ControlPlane:
         closed (and this costs nothing more)."""
         if self._settled:
             return False
-        known, reported = self.config.known_nodes, self.state.nodes.keys()
-        # While fewer nodes reported than are known, some have not: the sets are not compared
-        # (on every report of 10,000 nodes coming back, that comparison was the restart's cost).
-        maybe_all = len(reported) >= len(known)
-        self._settled = not settling(
-            now, self.started_at, self.settle_for, known, reported if maybe_all else ()
-        )
+        known: Collection[str] = self.config.known_nodes
+        reported: Collection[str] = self.state.nodes.keys()
+        if len(reported) < len(known):
+            # Some known node has not reported: only the window counts, and the names are not
+            # compared (on every report of 10,000 nodes coming back, that comparison was most
+            # of a restart's cost).
+            known = reported = ()
+        self._settled = not settling(now, self.started_at, self.settle_for, known, reported)
         return not self._settled
 
     def reconcile_once(self, now: float) -> None:
@@ -285,21 +287,33 @@ class ControlPlane:
         for replica in s.apply(decided, catalog, now, self.config.retire_timeout):
             where = ", ".join(f"{p.node}{list(p.gpus)}" for p in replica.shards)
             log.info("placed %s (%s) on %s", replica.id, replica.model, where)
-        # Pending replicas are logged when they change, not on every pass.
+        # Pending replicas are logged when their count changes, without the explanation: it
+        # judges every node, and at 10,000 nodes going silent, working it out for each model at
+        # each pass kept the control plane busy for minutes (even with the line not logged).
         was = {p.model: p.count for p in before}
         for p in decided.pending:
             if was.get(p.model) != p.count:
-                log.info("%d replica(s) of %s pending: %s", p.count, p.model, p.explanation.summary)
+                log.info(
+                    "%d replica(s) of %s pending; `modelfleet ctl explain %s` says why",
+                    p.count,
+                    p.model,
+                    p.model,
+                )
         self._due = self._next_due(now, timing)
 
     def _next_due(self, since: float, timing: Heartbeats) -> float:
-        """The first time from `since` on at which a pass must plan though nothing new came:
-        a node goes stale, lost or forgettable, a drain's grace ends, a model may go back on a
-        node."""
+        """The time from `since` on at which a pass must plan though nothing new came: a node
+        goes stale, lost or forgettable, a drain's grace ends, a model may go back on a node.
+
+        Those that come within one reconcile interval of the first are planned for together:
+        10,000 nodes going silent cross their thresholds one by one, and a whole plan for each
+        kept the control plane planning back to back.
+        """
         spans = (timing.stale_after, timing.lost_after, self.config.node_forget_after)
         times = [self.state.next_silence(since, spans), self.state.avoided_until()]
         times += [m.drain_deadline for m in self.state.marks.values()]
-        return min((t for t in times if t is not None and t >= since), default=math.inf)
+        first = min((t for t in times if t is not None and t >= since), default=math.inf)
+        return first + self.config.reconcile_interval
 
     def release_retired(self, now: float) -> None:
         """Let go of the retiring replicas every router has stopped routing to."""
