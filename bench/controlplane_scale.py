@@ -57,6 +57,7 @@ import uvloop
 import yaml
 from aiohttp import web
 
+from modelfleet.agent.heartbeat import retry_delay
 from modelfleet.router.upstream import UpstreamError, Upstreams
 from modelfleet.wire import (
     AgentReport,
@@ -74,7 +75,8 @@ MODELS = 20
 ADDED = 1000
 TOKEN = "bench-admin-token"
 JSON_HEADERS = (("content-type", "application/json"),)
-RETRY_S = 2.0  # the agent's default report_interval: its pause after a failed exchange
+RETRY_S = 2.0  # the agent's default report_interval: its pause after a failed exchange,
+# spread as the agent spreads it
 
 
 def catalog(nodes: int, added: bool) -> str:
@@ -177,7 +179,7 @@ class SimNode:
                 self.fleet.errors += 1
                 self.taken = False
                 self.set_beating(False)
-                await asyncio.sleep(RETRY_S * random.uniform(0.9, 1.1))
+                await asyncio.sleep(retry_delay(RETRY_S, random.random()))
 
     async def send_report(self, probe: bool = False) -> None:
         body = self.report()

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from modelfleet.agent.gpus import SimulatedGpus
-from modelfleet.agent.heartbeat import MEMORY_DRIFT, needs_report
+from modelfleet.agent.heartbeat import MEMORY_DRIFT, needs_report, retry_delay
 from modelfleet.controlplane.agent_api import create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig, Heartbeats
@@ -66,6 +66,16 @@ def test_an_agent_reports_what_changed_and_beats_otherwise() -> None:
     failed = [g.model_copy(update={"healthy": False, "reason": "XID 79"}) for g in GPUS.gpus()]
     assert needs_report(taken, report("n", seq=2, gpus=failed))
     assert needs_report(taken, report("n", seq=2, gpus=GPUS.gpus()[:1]))
+
+
+def test_agents_try_again_spread_over_the_interval() -> None:
+    """Agents that failed together (their control plane stopped) do not all come back at once:
+    each waits the interval moved by up to 20 % either way."""
+    assert retry_delay(2.0, 0.0) == pytest.approx(1.6)
+    assert retry_delay(2.0, 0.5) == pytest.approx(2.0)
+    assert retry_delay(2.0, 0.999) == pytest.approx(2.4, abs=0.01)
+    delays = {round(retry_delay(2.0, i / 100), 3) for i in range(100)}
+    assert len(delays) == 100 and min(delays) >= 1.6 and max(delays) < 2.4
 
 
 # -- the watch ------------------------------------------------------------------------------

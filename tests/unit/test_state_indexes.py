@@ -178,12 +178,13 @@ class Fleet(RuleBasedStateMachine):
         self.now += 0.25 if small_step else 1
         self.reconcile_at_now()
 
-    def whole_plan(self) -> Plan:
-        """What a pass planning the whole fleet now would decide (the pass's own side effects
-        on failing replicas, keeping their model off their node, included)."""
+    def whole_plan(self, at: float | None = None) -> Plan:
+        """What a pass planning the whole fleet at `at` (default: now) would decide (the pass's
+        own side effects on failing replicas, keeping their model off their node, included)."""
         cp, state = self.cp, self.cp.state
+        at = self.now if at is None else at
         avoid = {
-            model: {node: why for node, (until, why) in nodes.items() if self.now < until}
+            model: {node: why for node, (until, why) in nodes.items() if at < until}
             for model, nodes in state.avoid.items()
         }
         failing = state.failing(cp.config.max_failures)
@@ -192,7 +193,7 @@ class Fleet(RuleBasedStateMachine):
         failed = {rid: why for rid, (_, why) in failing.items()}
         timing = cp.config.heartbeats(len(state.nodes))
         return plan(self.keeper.current, state.planned(), state.serving(), state.node_list(),
-                    state.busy_slots(), self.now, timing.stale_after, failed, avoid,
+                    state.busy_slots(), at, timing.stale_after, failed, avoid,
                     timing.lost_after)  # fmt: skip
 
     def reconcile_at_now(self) -> None:
@@ -204,9 +205,13 @@ class Fleet(RuleBasedStateMachine):
         if whole is None:
             pass
         elif cp.plans == plans:
-            # It did not plan: planning would have changed nothing.
-            assert not whole.new and not whole.stop, whole
-            assert [(p.model, p.count) for p in whole.pending] == [
+            # It did not plan: planning would have changed nothing, as of one reconcile interval
+            # ago (what a time brings is planned for up to one interval late, so that nodes
+            # going silent one by one are planned for together), or of the last plan if later.
+            at = max(cp.planned_at, self.now - cp.config.reconcile_interval)
+            late = self.whole_plan(at)
+            assert not late.new and not late.stop, late
+            assert [(p.model, p.count) for p in late.pending] == [
                 (p.model, p.count) for p in state.pending
             ]
         elif cp.planned_models != len(self.keeper.current.models):

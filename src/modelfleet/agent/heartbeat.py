@@ -1,4 +1,4 @@
-"""When an agent sends its whole report and when only a heartbeat.
+"""When an agent sends its whole report and when only a heartbeat, and when it tries again.
 
 A report goes when something in it changed since the last one the control plane took; a
 heartbeat otherwise. A GPU's memory in use drifts by a few MiB at a time on a real GPU, and
@@ -10,6 +10,7 @@ from __future__ import annotations
 from modelfleet.wire import AgentReport
 
 MEMORY_DRIFT = 1 << 30  # bytes a GPU's memory in use may move before a report goes
+RETRY_SPREAD = 0.2  # a retry comes up to this share of the interval early or late
 
 
 def needs_report(taken: AgentReport | None, now: AgentReport) -> bool:
@@ -27,3 +28,11 @@ def needs_report(taken: AgentReport | None, now: AgentReport) -> bool:
         if was.model_copy(update={"memory_used": gpu.memory_used}) != gpu:
             return True
     return False
+
+
+def retry_delay(interval: float, spread: float) -> float:
+    """Seconds to wait before trying a failed exchange again: `interval`, moved by up to 20 %
+    either way as `spread` (in [0, 1)) says. Every agent of a fleet fails at the same moment
+    when the control plane stops; without the spread they would all come back at once, every
+    interval, for as long as it is down."""
+    return interval * (1 - RETRY_SPREAD + 2 * RETRY_SPREAD * spread)

@@ -16,6 +16,7 @@ import enum
 import json
 import logging
 import os
+import random
 import secrets
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from modelfleet.agent.gpus import BadGpuSpec, GpuSource, SimulatedGpus
-from modelfleet.agent.heartbeat import needs_report
+from modelfleet.agent.heartbeat import needs_report, retry_delay
 from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
@@ -117,6 +118,10 @@ class Agent:
         """Wait `seconds`, or less if something changes."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), seconds)
+
+    async def _pause_after_failure(self) -> None:
+        """Wait about `report_interval` (spread: `retry_delay`) before trying again."""
+        await self._pause(retry_delay(self.settings.report_interval, random.random()))
 
     def report(self) -> AgentReport:
         self.seq += 1
@@ -283,7 +288,7 @@ class Agent:
                 assignment = await self.send_report(report)
                 if assignment is None:
                     taken = None
-                    await self._pause(self.settings.report_interval)
+                    await self._pause_after_failure()
                     continue
                 taken = report
             else:
@@ -293,7 +298,7 @@ class Agent:
                 if not isinstance(answer, HeartbeatAnswer):
                     taken = None
                     if answer is Beat.FAILED:
-                        await self._pause(self.settings.report_interval)
+                        await self._pause_after_failure()
                     continue
                 assignment = answer.assignment or held.model_copy(
                     update={"heartbeat_interval": answer.heartbeat_interval}

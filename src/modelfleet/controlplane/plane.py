@@ -119,6 +119,11 @@ class ControlPlane:
         self.state.stale_after = timing.stale_after
         return timing
 
+    @property
+    def planned_at(self) -> float:
+        """When the last pass that planned ran."""
+        return self._planned_at
+
     def replan(self) -> None:
         """Make the next pass plan, the whole fleet, even when nothing it plans from changed."""
         self._planned = None
