@@ -19,12 +19,13 @@ import socket
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 import uvloop
 
 from modelfleet.files import write_json_atomic
+from modelfleet.http1 import Http1Server
 
 log = logging.getLogger("modelfleet")
 
@@ -40,6 +41,9 @@ class Listener:
     # Several processes may listen on the port (each such listener says so): the kernel
     # spreads new connections over them.
     reuse_port: bool = False
+    # The HTTP server: uvicorn, or the lean one of `http1.py` for the router's client
+    # listener, where the benchmark showed uvicorn's share of each request.
+    server: Literal["uvicorn", "http1"] = "uvicorn"
     sock: socket.socket | None = field(default=None, repr=False)
 
     def bind(self) -> socket.socket:
@@ -107,8 +111,14 @@ async def run_service(
 
     servers: list[_Server] = []
     server_tasks: list[asyncio.Task[None]] = []
+    lean: list[Http1Server] = []
     for listener in listeners:
         sock = listener.sock or listener.bind()
+        if listener.server == "http1":
+            http1 = Http1Server(listener.app)
+            await http1.start(sock)
+            lean.append(http1)
+            continue
         config = uvicorn.Config(
             listener.app,
             log_level="warning",
@@ -141,11 +151,19 @@ async def run_service(
         log.info("%s listening on %s", listener.name, listener.url)
 
     stop_waiter = asyncio.create_task(stop.wait())
-    watched = {stop_waiter, *server_tasks, *loop_tasks}
-    done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-    for task in done:
-        if task is not stop_waiter and not task.cancelled() and task.exception():
-            log.error("a part of the service failed; shutting down", exc_info=task.exception())
+    watched: set[asyncio.Task[Any]] = {stop_waiter, *server_tasks, *loop_tasks}
+    # A background loop with nothing to do returns (the router's engine watch with
+    # `watch_interval: 0`): the service goes on. A signal, a loop that fails or a listener
+    # that stops ends it.
+    while True:
+        done, watched = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        ended = [t for t in done if t is stop_waiter or t.cancelled() or t.exception()]
+        ended += [t for t in done if t in server_tasks]
+        for task in ended:
+            if task is not stop_waiter and not task.cancelled() and task.exception():
+                log.error("a part of the service failed; shutting down", exc_info=task.exception())
+        if ended:
+            break
 
     # Ordered shutdown: background loops first (nothing new is started), then the listeners
     # (stop accepting, finish in-flight requests), then the service's own teardown.
@@ -154,7 +172,9 @@ async def run_service(
     await asyncio.gather(*loop_tasks, return_exceptions=True)
     for server in servers:
         server.should_exit = True
-    await asyncio.gather(*server_tasks, return_exceptions=True)
+    await asyncio.gather(
+        *server_tasks, *(h.shutdown(drain_timeout) for h in lean), return_exceptions=True
+    )
     if on_stop is not None:
         await on_stop()
     stop_waiter.cancel()

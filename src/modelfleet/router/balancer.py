@@ -121,6 +121,10 @@ class Balancer:
 
     # -- what happened ------------------------------------------------------------------
 
+    def in_flight(self) -> dict[str, int]:
+        """This router's requests in flight, by endpoint."""
+        return {endpoint: state.in_flight for endpoint, state in self.state.items()}
+
     def begin(self, endpoint: str) -> None:
         self._of(endpoint).in_flight += 1
 

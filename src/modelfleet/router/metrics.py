@@ -7,55 +7,71 @@ after it). That splits router time from engine time, which no other figure does.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
 
 # From 0.1 ms: the router's own time is counted in tenths of milliseconds.
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-class RouterMetrics:
-    """Every metric of one router, in a registry of its own (tests make many routers)."""
+class Tally:
+    """A histogram's counts per label set, kept as plain lists: observing is a bisect and
+    three additions, where prometheus-client's Histogram took a lock per bucket. Read only
+    when `/metrics` is scraped."""
 
-    def __init__(self) -> None:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts: dict[tuple[str, ...], list[float]] = {}  # per bucket, then +Inf, then sum
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        counts = self.counts.get(labels)
+        if counts is None:
+            counts = self.counts[labels] = [0.0] * (len(self.buckets) + 2)
+        counts[bisect_left(self.buckets, value)] += 1
+        counts[-1] += value
+
+    def family(self, name: str, doc: str, label_names: list[str]) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, doc, labels=label_names)
+        bounds = [*(str(float(b)) for b in self.buckets), "+Inf"]
+        for labels, counts in self.counts.items():
+            cumulative, running = [], 0.0
+            for bound, n in zip(bounds, counts[:-1], strict=True):
+                running += n
+                cumulative.append((bound, running))
+            family.add_metric(list(labels), cumulative, counts[-1])
+        return family
+
+
+class RouterMetrics:
+    """Every metric of one router, in a registry of its own (tests make many routers).
+
+    The four counted for every request (requests by status, latency, time to first byte,
+    the router's own time) are plain counts folded into Prometheus's form when scraped, as
+    are the requests in flight, read from the balancer's own counts. The rest are
+    prometheus-client metrics: they move on failures only.
+    """
+
+    def __init__(self, in_flight: Callable[[], Mapping[str, int]] = dict) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.answered: dict[tuple[str, str], int] = {}  # (model, status) -> requests
+        self.latency = Tally(_LATENCY_BUCKETS)
+        self.ttft = Tally(_LATENCY_BUCKETS)
+        self.overhead = Tally(_OVERHEAD_BUCKETS)
+        self.in_flight = in_flight  # endpoint -> requests in flight there now
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "modelfleet_router_requests",
-            "Requests answered, by model and HTTP status.",
-            ["model", "status"],
-            registry=r,
-        )
-        self.latency = Histogram(
-            "modelfleet_router_request_seconds",
-            "Time from the request's arrival to the end of its answer.",
-            ["model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "modelfleet_router_first_byte_seconds",
-            "Time from the request's arrival to the first byte of the engine's answer "
-            "(the first token of a stream).",
-            ["model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.overhead = Histogram(
-            "modelfleet_router_overhead_seconds",
-            "Time spent in the router itself per request, excluding waits for the engine.",
-            buckets=_OVERHEAD_BUCKETS,
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "modelfleet_router_in_flight",
-            "Requests in flight, by endpoint.",
-            ["endpoint"],
-            registry=r,
-        )
+        r.register(_PerRequest(self))
         self.retries = Counter(
             "modelfleet_router_retries",
             "Requests sent again to another replica before their first byte, by model.",
@@ -81,6 +97,24 @@ class RouterMetrics:
             registry=r,
         )
 
+    def request_done(
+        self,
+        model: str,
+        status: int,
+        seconds: float,
+        first_byte: float | None,
+        own: float,
+    ) -> None:
+        """One answered request: its status, its whole time, its time to the engine's first
+        byte (None: no engine answered) and the router's own time in it."""
+        key = (model, str(status))
+        self.answered[key] = self.answered.get(key, 0) + 1
+        labels = (model,)
+        self.latency.observe(labels, seconds)
+        if first_byte is not None:
+            self.ttft.observe(labels, first_byte)
+        self.overhead.observe((), own)
+
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, kept: a request's handful of metrics cost a dict lookup
         each instead of prometheus-client's label checks (seen in the router's profile)."""
@@ -89,3 +123,43 @@ class RouterMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+
+class _PerRequest(Collector):
+    """The per-request counts of `RouterMetrics`, in Prometheus's form."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        requests = CounterMetricFamily(
+            "modelfleet_router_requests",
+            "Requests answered, by model and HTTP status.",
+            labels=["model", "status"],
+        )
+        for labels, n in m.answered.items():
+            requests.add_metric(list(labels), n)
+        yield requests
+        yield m.latency.family(
+            "modelfleet_router_request_seconds",
+            "Time from the request's arrival to the end of its answer.",
+            ["model"],
+        )
+        yield m.ttft.family(
+            "modelfleet_router_first_byte_seconds",
+            "Time from the request's arrival to the first byte of the engine's answer "
+            "(the first token of a stream).",
+            ["model"],
+        )
+        yield m.overhead.family(
+            "modelfleet_router_overhead_seconds",
+            "Time spent in the router itself per request, excluding waits for the engine.",
+            [],
+        )
+        in_flight = GaugeMetricFamily(
+            "modelfleet_router_in_flight", "Requests in flight, by endpoint.", labels=["endpoint"]
+        )
+        for endpoint, n in m.in_flight().items():
+            in_flight.add_metric([endpoint], n)
+        yield in_flight

@@ -32,12 +32,15 @@ from modelfleet.router.upstream import Answer, UpstreamError
 from modelfleet.router.usage import UsageScanner
 
 if TYPE_CHECKING:
-    from starlette.types import Message, Receive, Scope, Send
+    from starlette.types import Receive, Scope, Send
 
     from modelfleet.router.service import Router
     from modelfleet.wire import RoutedModel
 
 log = logging.getLogger("modelfleet.router")
+
+# The lean server's extension by which the proxy learns of a client's disconnect (http1.py).
+ON_DISCONNECT = "modelfleet.on_disconnect"
 
 PROXY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 
@@ -226,19 +229,25 @@ class Proxy:
         if route.routing == "prefix":
             prefix = prompt[: router.config.prefix_chars].encode()
 
-        # From here the client may go away at any await: a watcher of its disconnect cancels
-        # this task, and every upstream connection is closed on the way out.
+        # From here the client may go away at any await: that cancels this task, and every
+        # upstream connection is closed on the way out. The lean server says so by a
+        # callback; under any other server a task waits on `receive()` for the disconnect.
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.ensure_future(receive())
 
-        def on_message(done: asyncio.Future[Message]) -> None:
-            if ex.finished or done.cancelled():
-                return
-            ex.client_gone = True
-            task.cancel()
+        def gone() -> None:
+            if not ex.finished:
+                ex.client_gone = True
+                task.cancel()
 
-        watcher.add_done_callback(on_message)
+        extensions = scope.get("extensions")
+        on_disconnect = extensions.get(ON_DISCONNECT) if extensions else None
+        watcher = None
+        if on_disconnect is not None:
+            on_disconnect(gone)
+        else:
+            watcher = asyncio.ensure_future(receive())
+            watcher.add_done_callback(_unless_cancelled(gone))
         try:
             await self._route(ex, send, raw, path, endpoints, route, prefix, stream)
         except asyncio.CancelledError:
@@ -247,7 +256,8 @@ class Proxy:
             task.uncancel()
         finally:
             ex.finished = True
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             if ticket is not None:
                 self._settle(ex, ticket)
 
@@ -365,8 +375,6 @@ class Proxy:
         if engine_key is not None:
             headers.append(("authorization", engine_key))
         balancer.begin(endpoint)
-        gauge = metrics.child(metrics.in_flight, endpoint)
-        gauge.inc()
         upstream: Answer | None = None
         done = False
         try:
@@ -402,7 +410,6 @@ class Proxy:
             return True
         finally:
             balancer.end(endpoint)
-            gauge.dec()
             if upstream is not None:
                 if done:
                     upstream.release()
@@ -520,13 +527,18 @@ class Proxy:
             raise _ClientGone() from exc
 
     def _account(self, ex: _Exchange) -> None:
-        metrics = self.router.metrics
         end = self.clock()
-        metrics.child(metrics.requests, ex.model, str(ex.status)).inc()
-        metrics.child(metrics.latency, ex.model).observe(end - ex.started)
-        if ex.first_byte_at is not None:
-            metrics.child(metrics.ttft, ex.model).observe(ex.first_byte_at - ex.started)
-        metrics.overhead.observe(max(0.0, end - ex.started - ex.upstream_wait))
+        first_byte = ex.first_byte_at - ex.started if ex.first_byte_at is not None else None
+        own = max(0.0, end - ex.started - ex.upstream_wait)
+        self.router.metrics.request_done(ex.model, ex.status, end - ex.started, first_byte, own)
+
+
+def _unless_cancelled(callback: Callable[[], None]) -> Callable[[asyncio.Future[Any]], None]:
+    def done(future: asyncio.Future[Any]) -> None:
+        if not future.cancelled():
+            callback()
+
+    return done
 
 
 class _Broken(Exception):

@@ -11,10 +11,9 @@ background it reads each engine's queue depth and probes ejected engines (`watch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -129,7 +128,7 @@ class Router:
         self.restored = seed.version > 0  # it holds what was pushed before it restarted
         self.pushed = False  # whether it holds a table pushed to this run of it
         self.balancer = Balancer()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(in_flight=self.balancer.in_flight)
         self.upstreams = Upstreams(config.connect_timeout)  # the data path's connections
         self.limits: Limits = (
             RedisLimits.from_url(config.limits_store, config.limits_fail == "open")
@@ -361,11 +360,6 @@ class _ClientApp:
 def create_apps(router: Router) -> tuple[ASGIApp, Starlette]:
     """The client-facing app and the push app of one router."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        yield
-        await router.close()
-
     post = ["POST"]
     proxy = Proxy(router)
     rest = Starlette(
@@ -376,7 +370,6 @@ def create_apps(router: Router) -> tuple[ASGIApp, Starlette]:
             Route("/v1/models/{model:path}", router.get_model),
             *(Route(path, proxy, methods=post) for path in sorted(PROXY_PATHS)),
         ],
-        lifespan=lifespan,
         exception_handlers={404: _openai_error, 405: _openai_error},
     )
     push = Starlette(
@@ -423,7 +416,16 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
     router = Router(config)
     client, push = create_apps(router)
     listeners = [
-        Listener("router", client, config.host, config.port, reuse_port=config.reuse_port),
+        Listener(
+            "router",
+            client,
+            config.host,
+            config.port,
+            reuse_port=config.reuse_port,
+            server="http1",
+        ),
         Listener("push", push, config.host, config.push_port),
     ]
-    await run_service(listeners, ready_file=ready_file, loops=[router.watch_engines])
+    await run_service(
+        listeners, ready_file=ready_file, loops=[router.watch_engines], on_stop=router.close
+    )

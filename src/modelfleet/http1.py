@@ -1,0 +1,494 @@
+"""A lean HTTP/1.1 server for ASGI apps, for the listener every client request goes through.
+
+The router's client listener runs on this instead of uvicorn because the benchmark says so
+(`bench/router.py`): side by side with vllm-router, uvicorn's part of each request was what
+kept the router's added latency above the Rust router's. What it does differently:
+
+- The status line, the headers and the first body chunk leave in one write. uvicorn writes
+  the headers as soon as the app sends them, so a client woke twice for one small answer.
+- Idle kept-alive connections are closed by one sweep every few seconds, not by a timer
+  set and cancelled around every request.
+- Nothing the router does not use: no websockets, no lifespan, no proxy headers, no `date`
+  or `server` header.
+
+What it keeps from uvicorn: keep-alive and pipelined requests (answered in order), flow
+control both ways (reading pauses while a body waits unread, the app waits while the client
+reads slowly), `Expect: 100-continue`, `http.disconnect` when the client goes away (and
+`ClientDisconnected`, an `OSError`, on a send after it), a 500 for an app that fails before
+answering, and one ordered `shutdown()`: stop accepting, close idle connections, let the
+requests in flight finish within a deadline, cancel what is left, close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import urllib.parse
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Literal
+
+import httptools
+
+log = logging.getLogger("modelfleet.http")
+
+# Unread request body above which the connection stops reading from its client.
+HIGH_WATER = 64 * 1024
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers; past this: 431
+_REASONS = {
+    100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content",
+    301: "Moved Permanently", 302: "Found", 304: "Not Modified", 307: "Temporary Redirect",
+    400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+    405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 413: "Content Too Large",
+    422: "Unprocessable Content", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+    500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable",
+    504: "Gateway Timeout",
+}  # fmt: skip
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+class ClientDisconnected(OSError):
+    """A send to a client that has gone away."""
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\n".encode()
+        _STATUS_LINES[status] = line
+    return line
+
+
+class _Cycle:
+    """One request and its answer on a connection."""
+
+    __slots__ = (
+        "body",
+        "body_given",
+        "complete",
+        "conn",
+        "disconnected",
+        "expect_continue",
+        "framing",
+        "head_request",
+        "head_sent",
+        "headers",
+        "keep_alive",
+        "more_body",
+        "on_gone",
+        "scope",
+        "started",
+        "status",
+        "waiter",
+    )
+
+    def __init__(self, conn: _Connection, scope: dict[str, Any], keep_alive: bool) -> None:
+        self.conn = conn
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.expect_continue = False
+        self.head_request = scope["method"] == "HEAD"
+        self.body = b""  # read from the client, not yet given to the app
+        self.more_body = True  # the client has more of the body to send
+        self.body_given = False  # the whole body went to the app
+        self.waiter: asyncio.Future[None] | None = None
+        self.disconnected = False
+        self.started = False  # the app sent http.response.start
+        self.head_sent = False  # the status line and headers are written
+        self.complete = False  # the answer is sent in full
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        # How the body's end is told: by its length, by chunks, or by closing the connection.
+        self.framing: Literal["length", "chunked", "close"] = "length"
+        self.on_gone: Callable[[], None] | None = None
+        scope["extensions"] = {"modelfleet.on_disconnect": self.call_on_disconnect}
+
+    def call_on_disconnect(self, callback: Callable[[], None] | None) -> None:
+        """The `modelfleet.on_disconnect` extension: `callback` is called at once when the
+        client goes away before its answer is complete. The router's proxy uses it instead
+        of a task waiting on `receive()` per request."""
+        self.on_gone = callback
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def receive(self) -> dict[str, Any]:
+        if self.expect_continue and not self.disconnected and not self.started:
+            self.expect_continue = False
+            self.conn.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self.body_given:
+            # After the whole body, the next message is the disconnect, whenever it comes;
+            # an answer sent in full counts as one.
+            await self._wait(lambda: self.disconnected or self.complete)
+            return {"type": "http.disconnect"}
+        await self._wait(
+            lambda: self.disconnected or self.complete or bool(self.body) or not self.more_body
+        )
+        if self.disconnected or self.complete:
+            return {"type": "http.disconnect"}
+        body, self.body = self.body, b""
+        self.body_given = not self.more_body
+        self.conn.resume_reading()
+        return {"type": "http.request", "body": body, "more_body": self.more_body}
+
+    async def _wait(self, until: Callable[[], bool]) -> None:
+        while not until():
+            self.waiter = self.conn.loop.create_future()
+            await self.waiter
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if self.disconnected:
+            raise ClientDisconnected("the client went away")
+        kind = message["type"]
+        if kind == "http.response.start":
+            if self.started:
+                raise RuntimeError("http.response.start sent twice")
+            self.started = True
+            self.status = message["status"]
+            self.headers = list(message.get("headers", ()))
+            return  # written with the first body chunk
+        if kind != "http.response.body":
+            raise RuntimeError(f"cannot send {kind!r} on an HTTP connection")
+        if not self.started:
+            raise RuntimeError("http.response.body before http.response.start")
+        if self.complete:
+            raise RuntimeError("http.response.body after the answer was complete")
+        body: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        out = b"" if self.head_sent else self._head(None if more else len(body))
+        if self.head_request:
+            pass
+        elif self.framing == "chunked":
+            if body:
+                out += b"%x\r\n%b\r\n" % (len(body), body)
+            if not more:
+                out += b"0\r\n\r\n"
+        else:
+            out += body
+        conn = self.conn
+        if out:
+            conn.transport.write(out)
+        if not more:
+            self.complete = True
+            self.wake()
+            conn.answered(self)
+        elif conn.write_paused:
+            await conn.drained()
+
+    def _head(self, length: int | None) -> bytes:
+        """The status line and headers; `length`: the body's, when it is known whole."""
+        parts = [_status_line(self.status)]
+        has_length = False
+        for name, value in self.headers:
+            lower = name.lower()
+            if lower == b"content-length":
+                has_length = True
+            elif lower == b"connection" and value.lower() == b"close":
+                self.keep_alive = False
+            elif lower == b"transfer-encoding":
+                continue  # this server decides how the body is framed
+            parts += [name, b": ", value, b"\r\n"]
+        if not has_length and self.status >= 200 and self.status not in (204, 304):
+            if length is not None:
+                parts.append(b"content-length: %d\r\n" % length)
+            elif self.scope["http_version"] == "1.0":  # no chunks in HTTP/1.0
+                self.framing = "close"
+                self.keep_alive = False
+            else:
+                self.framing = "chunked"
+                parts.append(b"transfer-encoding: chunked\r\n")
+        self.head_sent = True
+        if not self.keep_alive or self.conn.server.stopping:
+            self.keep_alive = False
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+    async def run(self, app: Any) -> None:
+        try:
+            await app(self.scope, self.receive, self.send)
+        except ClientDisconnected:
+            pass
+        except Exception:
+            log.exception("the app failed on %s %s", self.scope["method"], self.scope["path"])
+            self._fail()
+            return
+        if not self.complete and not self.disconnected:
+            log.error("the app returned without a whole answer to %s", self.scope["path"])
+            self._fail()
+
+    def _fail(self) -> None:
+        """500 when nothing was sent yet; otherwise the connection is cut short."""
+        if self.disconnected or self.complete:
+            return
+        if not self.head_sent:
+            body = b'{"error":{"message":"Internal server error","type":"server_error"}}'
+            self.keep_alive = False
+            self.status = 500
+            self.headers = [(b"content-type", b"application/json")]
+            self.conn.transport.write(self._head(len(body)) + body)
+            self.complete = True
+            self.conn.answered(self)
+        else:
+            self.conn.transport.close()
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses its requests and runs the app for each in turn."""
+
+    def __init__(self, server: Http1Server) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.parser = httptools.HttpRequestParser(self)
+        self.cycle: _Cycle | None = None  # the request being answered
+        self.parsing: _Cycle | None = None  # the request being read (pipelined: a later one)
+        self.queue: deque[_Cycle] = deque()  # pipelined requests waiting for their turn
+        self.task: asyncio.Task[None] | None = None
+        self.idle_since: float | None = None
+        self.read_paused = False
+        self.write_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0
+        self._expect_continue = False
+        self.server_addr: tuple[str, int] | None = None
+        self.client_addr: tuple[str, int] | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        own = transport.get_extra_info("sockname")
+        self.client_addr = tuple(peer[:2]) if isinstance(peer, tuple) else None
+        self.server_addr = tuple(own[:2]) if isinstance(own, tuple) else None
+        self.idle_since = self.loop.time()
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        for cycle in (self.cycle, self.parsing, *self.queue):
+            if cycle is not None and not cycle.disconnected:
+                cycle.disconnected = True
+                cycle.wake()
+                if cycle.on_gone is not None and not cycle.complete:
+                    cycle.on_gone()
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        self.idle_since = None
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "Upgrades (websockets) are not served here.")
+        except httptools.HttpParserError as exc:
+            # httptools wraps what a callback raises in its own error.
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(431, "The request's headers are too large.")
+            else:
+                self._refuse(400, f"Invalid HTTP request: {exc}")
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    async def drained(self) -> None:
+        if self.write_paused and not self.transport.is_closing():
+            self._drain = self.loop.create_future()
+            await self._drain
+
+    # -- httptools callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._head_bytes = 0
+        self._expect_continue = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True
+        self._headers.append((name, value))
+
+    def _count(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise ValueError("request head too large")
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        version = parser.get_http_version()
+        url = httptools.parse_url(self._url)
+        raw_path = url.path
+        path = raw_path.decode("latin-1")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": version,
+            "method": parser.get_method().decode("ascii"),
+            "scheme": "http",
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": url.query or b"",
+            "root_path": "",
+            "headers": self._headers,
+            "server": self.server_addr,
+            "client": self.client_addr,
+            "state": {},
+        }
+        keep_alive = version != "1.0" and parser.should_keep_alive()
+        cycle = _Cycle(self, scope, keep_alive)
+        cycle.expect_continue = self._expect_continue
+        self.parsing = cycle
+        if self.cycle is None:
+            self._start(cycle)
+        else:
+            self.queue.append(cycle)  # answered after the one before it
+            self.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.parsing
+        if cycle is None or cycle.complete:
+            return  # an answered request's unread body is dropped
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER:
+            self.pause_reading()
+        cycle.wake()
+
+    def on_message_complete(self) -> None:
+        cycle = self.parsing
+        if cycle is None:
+            return
+        cycle.more_body = False
+        cycle.wake()
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _start(self, cycle: _Cycle) -> None:
+        self.cycle = cycle
+        self.task = self.loop.create_task(cycle.run(self.server.app))
+        self.server.tasks.add(self.task)
+        self.task.add_done_callback(self.server.tasks.discard)
+
+    def answered(self, cycle: _Cycle) -> None:
+        """`cycle`'s answer went out in full: close, or go on with the next request."""
+        if cycle is not self.cycle:
+            return
+        if not cycle.keep_alive:
+            self.transport.close()
+            return
+        # A request answered before its body came whole (a 413): the rest is read and
+        # dropped (`on_body`), and the next request starts after it.
+        self.cycle = None
+        if self.queue:
+            self._start(self.queue.popleft())
+        else:
+            self.idle_since = self.loop.time()
+            if self.server.stopping:
+                self.transport.close()
+                return
+        self.resume_reading()
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused and not self.queue:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer a request that cannot be parsed, and close."""
+        body = message.encode()
+        head = (
+            _status_line(status) + b"content-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        )
+        if self.cycle is None or self.cycle.complete:
+            self.transport.write(head + body)
+        self.transport.close()
+
+
+class Http1Server:
+    """Serves an ASGI app over HTTP/1.1 on listening sockets."""
+
+    def __init__(self, app: Any, keep_alive: float = 30.0) -> None:
+        self.app = app
+        self.keep_alive = keep_alive  # seconds an idle connection is kept
+        self.connections: set[_Connection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+        self.loop = asyncio.get_running_loop()
+        self._servers: list[asyncio.AbstractServer] = []
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self, sock: socket.socket) -> None:
+        """Accept connections on `sock`, which is bound and listening."""
+        server = await self.loop.create_server(lambda: _Connection(self), sock=sock)
+        self._servers.append(server)
+        if self._sweeper is None:
+            self._sweeper = self.loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Close connections idle for longer than `keep_alive`."""
+        period = max(0.05, min(5.0, self.keep_alive / 4))
+        while True:
+            await asyncio.sleep(period)
+            cutoff = self.loop.time() - self.keep_alive
+            for conn in list(self.connections):
+                if conn.idle_since is not None and conn.idle_since < cutoff:
+                    conn.transport.close()
+
+    async def shutdown(self, drain_timeout: float) -> None:
+        """Stop accepting, close idle connections, let requests in flight finish within
+        `drain_timeout` seconds (each connection closes after its answer), cancel what is
+        left, close every connection."""
+        self.stopping = True
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            if conn.cycle is None:
+                conn.transport.close()
+        if self.tasks:
+            _, late = await asyncio.wait(set(self.tasks), timeout=drain_timeout)
+            if late:
+                log.warning("cancelling %d request(s) still in flight", len(late))
+                for task in late:
+                    task.cancel()
+                await asyncio.wait(late, timeout=5)
+        for conn in list(self.connections):
+            conn.transport.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), timeout=1)

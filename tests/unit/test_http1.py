@@ -1,0 +1,359 @@
+"""The lean HTTP/1.1 server (`http1.py`), driven by raw sockets on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from modelfleet.http1 import HIGH_WATER, Http1Server
+from modelfleet.serving import Listener, run_service
+
+from .router_kit import run, until
+
+App = Callable[..., Any]
+
+
+async def echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers with the request's method, path and whole body."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    out = f"{scope['method']} {scope['path']} ".encode() + body
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": out})
+
+
+class Served:
+    def __init__(self, server: Http1Server, port: int) -> None:
+        self.server = server
+        self.port = port
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.port)
+
+
+@contextlib.asynccontextmanager
+async def serve(app: App, keep_alive: float = 30.0) -> AsyncIterator[Served]:
+    listener = Listener("test", app, server="http1")
+    sock = listener.bind()
+    server = Http1Server(app, keep_alive=keep_alive)
+    await server.start(sock)
+    try:
+        yield Served(server, listener.port)
+    finally:
+        await server.shutdown(drain_timeout=1)
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One answer: status, headers, body (by its length or its chunks)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    lines = head.decode().split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 5)
+    elif headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 5))[:-2], 16)
+            chunk = await asyncio.wait_for(reader.readexactly(size + 2), 5)
+            if size == 0:
+                break
+            body += chunk[:-2]
+    else:
+        body = await asyncio.wait_for(reader.read(), 5)  # to the close
+    return status, headers, body
+
+
+def post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
+
+
+def test_kept_alive_connection_answers_requests_in_turn() -> None:
+    run(_test_kept_alive_connection_answers_requests_in_turn())
+
+
+async def _test_kept_alive_connection_answers_requests_in_turn() -> None:
+    async with serve(echo) as echoing:
+        reader, writer = await echoing.connect()
+        for i in range(3):
+            writer.write(post("/a", f"body {i}".encode()))
+            status, headers, body = await read_answer(reader)
+            assert (status, body) == (200, f"POST /a body {i}".encode())
+            assert headers["content-length"] == str(len(body))
+            assert "connection" not in headers
+        writer.close()
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    run(_test_pipelined_requests_are_answered_in_order())
+
+
+async def _test_pipelined_requests_are_answered_in_order() -> None:
+    async with serve(echo) as echoing:
+        reader, writer = await echoing.connect()
+        writer.write(b"".join(post(f"/{i}", b"x" * i) for i in range(5)))
+        for i in range(5):
+            _, _, body = await read_answer(reader)
+            assert body == f"POST /{i} ".encode() + b"x" * i
+        writer.close()
+
+
+def test_chunked_request_body_and_expect_continue() -> None:
+    run(_test_chunked_request_body_and_expect_continue())
+
+
+async def _test_chunked_request_body_and_expect_continue() -> None:
+    async with serve(echo) as echoing:
+        reader, writer = await echoing.connect()
+        writer.write(
+            b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+            b"expect: 100-continue\r\n\r\n"
+        )
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim.startswith(b"HTTP/1.1 100 Continue")
+        writer.write(b"3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n")
+        status, _, body = await read_answer(reader)
+        assert (status, body) == (200, b"POST /c abcdefg")
+        writer.close()
+
+
+def test_large_body_is_read_with_reading_paused_between() -> None:
+    run(_test_large_body_is_read_with_reading_paused_between())
+
+
+async def _test_large_body_is_read_with_reading_paused_between() -> None:
+    async with serve(echo) as echoing:
+        reader, writer = await echoing.connect()
+        big = bytes(range(256)) * (HIGH_WATER // 64)  # four times the high-water mark
+        writer.write(post("/big", big))
+        _, _, body = await read_answer(reader)
+        assert body == b"POST /big " + big
+        writer.close()
+
+
+def test_streamed_answer_is_chunked_and_head_goes_with_first_chunk() -> None:
+    run(_test_streamed_answer_is_chunked_and_head_goes_with_first_chunk())
+
+
+async def _test_streamed_answer_is_chunked_and_head_goes_with_first_chunk() -> None:
+    async def stream(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]})
+        for part in (b"one ", b"two ", b""):
+            await send({"type": "http.response.body", "body": part, "more_body": bool(part)})
+
+    async with serve(stream) as served:
+        reader, writer = await served.connect()
+        writer.write(post("/s", b""))
+        first = await asyncio.wait_for(reader.read(4096), 5)
+        # One write: the head and the first chunk arrive together.
+        assert first.startswith(b"HTTP/1.1 200 OK\r\n") and b"4\r\none \r\n" in first
+        rest = first
+        while not rest.endswith(b"0\r\n\r\n"):
+            rest += await asyncio.wait_for(reader.read(4096), 5)
+        assert b"transfer-encoding: chunked" in rest and b"x-a: 1" in rest
+        assert rest.endswith(b"4\r\ntwo \r\n0\r\n\r\n")
+        writer.close()
+
+
+def test_http10_stream_ends_with_the_connection() -> None:
+    run(_test_http10_stream_ends_with_the_connection())
+
+
+async def _test_http10_stream_ends_with_the_connection() -> None:
+    async def stream(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        await send({"type": "http.response.body", "body": b"b"})
+
+    async with serve(stream) as served:
+        reader, writer = await served.connect()
+        writer.write(b"GET / HTTP/1.0\r\n\r\n")
+        status, headers, body = await read_answer(reader)
+        assert (status, body, headers["connection"]) == (200, b"ab", "close")
+        assert "transfer-encoding" not in headers
+
+
+def test_answer_before_body_drops_the_rest_and_keeps_the_connection() -> None:
+    run(_test_answer_before_body_drops_the_rest_and_keeps_the_connection())
+
+
+async def _test_answer_before_body_drops_the_rest_and_keeps_the_connection() -> None:
+    """A 413 sent on the declared length: the body is never given to the app, and the next
+    request on the connection is answered."""
+    given: list[bytes] = []
+
+    async def refuse_big(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/big":
+            await send({"type": "http.response.start", "status": 413, "headers": []})
+            await send({"type": "http.response.body", "body": b"too big"})
+            return
+        message = await receive()
+        given.append(message["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with serve(refuse_big) as served:
+        reader, writer = await served.connect()
+        writer.write(post("/big", b"z" * 300_000))
+        status, _, body = await read_answer(reader)
+        assert (status, body) == (413, b"too big")
+        writer.write(post("/small", b"s"))
+        status, _, body = await read_answer(reader)
+        assert (status, body, given) == (200, b"ok", [b"s"])
+        writer.close()
+
+
+def test_disconnect_reaches_receive_and_the_callback() -> None:
+    run(_test_disconnect_reaches_receive_and_the_callback())
+
+
+async def _test_disconnect_reaches_receive_and_the_callback() -> None:
+    gone = asyncio.Event()
+    received: list[dict[str, Any]] = []
+
+    async def hang(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        scope["extensions"]["modelfleet.on_disconnect"](gone.set)
+        received.append(await receive())
+        received.append(await receive())  # waits for the disconnect
+
+    async with serve(hang) as served:
+        _, writer = await served.connect()
+        writer.write(post("/h", b"x"))
+        await until("the body received", lambda: len(received) == 1)
+        writer.close()
+        await asyncio.wait_for(gone.wait(), 5)
+        await until("the disconnect received", lambda: len(received) == 2)
+        assert received[1] == {"type": "http.disconnect"}
+
+
+def test_failing_app_gets_500_and_bad_requests_400_and_431() -> None:
+    run(_test_failing_app_gets_500_and_bad_requests_400_and_431())
+
+
+async def _test_failing_app_gets_500_and_bad_requests_400_and_431() -> None:
+    async def fail(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raise RuntimeError("boom")
+
+    async with serve(fail) as served:
+        reader, writer = await served.connect()
+        writer.write(post("/f", b""))
+        status, headers, _ = await read_answer(reader)
+        assert (status, headers["connection"]) == (500, "close")
+
+        reader, writer = await served.connect()
+        writer.write(b"NOT HTTP\r\n\r\n")
+        status, _, _ = await read_answer(reader)
+        assert status == 400
+
+        reader, writer = await served.connect()
+        writer.write(b"GET / HTTP/1.1\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n")
+        status, _, _ = await read_answer(reader)
+        assert status == 431
+
+
+def test_idle_connection_is_closed_after_keep_alive() -> None:
+    run(_test_idle_connection_is_closed_after_keep_alive())
+
+
+async def _test_idle_connection_is_closed_after_keep_alive() -> None:
+    async with serve(echo, keep_alive=0.2) as served:
+        reader, writer = await served.connect()
+        writer.write(post("/a", b""))
+        await read_answer(reader)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+        assert not served.server.connections
+
+
+def test_accepted_connections_have_nagle_off() -> None:
+    run(_test_accepted_connections_have_nagle_off())
+
+
+async def _test_accepted_connections_have_nagle_off() -> None:
+    async with serve(echo) as echoing:
+        reader, writer = await echoing.connect()
+        writer.write(post("/a", b""))
+        await read_answer(reader)
+        (conn,) = echoing.server.connections
+        sock = conn.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        writer.close()
+
+
+def test_shutdown_drains_in_flight_and_closes_idle() -> None:
+    run(_test_shutdown_drains_in_flight_and_closes_idle())
+
+
+async def _test_shutdown_drains_in_flight_and_closes_idle() -> None:
+    release = asyncio.Event()
+
+    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        if scope["path"] == "/slow":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    listener = Listener("test", slow, server="http1")
+    server = Http1Server(slow)
+    await server.start(listener.bind())
+    idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    idle_writer.write(post("/fast", b""))
+    await read_answer(idle_reader)
+    busy_reader, busy_writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    busy_writer.write(post("/slow", b""))
+    await until("the slow request in flight", lambda: len(server.tasks) == 1)
+
+    stopping = asyncio.ensure_future(server.shutdown(drain_timeout=10))
+    assert await asyncio.wait_for(idle_reader.read(), 5) == b""  # idle: closed at once
+    with pytest.raises(OSError):  # no longer accepting
+        await asyncio.open_connection("127.0.0.1", listener.port)
+    assert not stopping.done()
+    release.set()
+    status, headers, body = await read_answer(busy_reader)
+    assert (status, body, headers["connection"]) == (200, b"done", "close")
+    await asyncio.wait_for(stopping, 5)
+
+
+def test_service_outlives_a_loop_that_returns_and_stops_on_sigterm() -> None:
+    """`run_service` with the lean server: a background loop that has nothing to do returns
+    (the router's engine watch at `watch_interval: 0` did, and took the router down with it
+    at once); the listener still answers, and SIGTERM ends the service in order."""
+
+    async def test() -> None:
+        returned = asyncio.Event()
+
+        async def nothing_to_do() -> None:
+            returned.set()
+
+        listener = Listener("test", echo, server="http1")
+        listener.bind()
+        service = asyncio.ensure_future(run_service([listener], loops=[nothing_to_do]))
+        await asyncio.wait_for(returned.wait(), 5)
+        reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+        writer.write(post("/alive", b""))
+        status, _, body = await read_answer(reader)
+        assert (status, body) == (200, b"POST /alive ")
+        assert not service.done()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(service, 10)
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+
+    run(test())
