@@ -4,28 +4,34 @@ live in one router's memory or in a real Redis server shared by two routers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import random
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelfleet.router.limits import (
+    LEASE_SHARE,
     WINDOW,
     Limits,
     MemoryLimits,
     RedisLimits,
     Refusal,
     Ticket,
+    bucket_of,
+    leased,
     over,
     retry_after,
 )
 from modelfleet.router.table import ApiKey
 
 from ..redis_kit import redis_server
-from .router_kit import run
+from .router_kit import run, until
 
 T0 = 1000 * WINDOW + 10.0  # 10 s into a minute bucket
 
@@ -182,3 +188,151 @@ def test_after_retry_after_the_request_fits_and_not_much_before(
     assert not over_at(wait + 1e-6)
     if wait > 0.01:
         assert over_at(wait - 0.01)
+
+
+# -- leases: large limits, admitted from what each router holds ----------------------------
+
+
+def _routers(url: str, n: int, prefix: str) -> list[RedisLimits]:
+    made = []
+    for _ in range(n):
+        limits = RedisLimits.from_url(url)
+        limits.prefix = prefix
+        made.append(limits)
+    return made
+
+
+def test_large_limits_are_leased_a_share_at_a_time_not_asked_per_request(redis_url: str) -> None:
+    key = ApiKey("k", "h", rpm=100_000, tpm=10_000_000, max_concurrent=1_000)
+    assert leased(key) and not leased(ApiKey("small", "h", rpm=60, tpm=10_000_000))
+
+    async def go() -> None:
+        a, b = _routers(redis_url, 2, "test:lease-share:")
+        tickets = []
+        for i in range(400):
+            got = await (a, b)[i % 2].admit(key, 100, f"r{i}", T0 + i / 1000)
+            assert isinstance(got, Ticket) and got.leased
+            tickets.append(got)
+        # A share is 1 % of each limit: 1,000 requests, 100,000 tokens, 10 slots. 400
+        # requests of 100 tokens: each router leased tokens twice, slots 20 times (10 at a
+        # time, none given back while its requests were in flight).
+        assert a.leases_taken + b.leases_taken < 50
+        for i, ticket in enumerate(tickets):
+            await (a, b)[i % 2].settle(ticket, 10, T0 + 1)
+        for limits in (a, b):
+            assert limits._leases["k"].slots == limits._leases["k"].in_flight + 10
+            await limits.close()
+
+    run(go())
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rpm=st.integers(200, 900),
+    routers=st.integers(1, 3),
+    requests=st.integers(1, 1200),
+)
+def test_leases_never_let_more_through_than_the_limit(
+    redis_url: str, rpm: int, routers: int, requests: int
+) -> None:
+    """However the requests fall over the routers, at most the limit is admitted, and at
+    most one share per router less (what each holds unused)."""
+
+    async def go() -> None:
+        prefix = f"test:lease-bound:{uuid.uuid4().hex}:"
+        made = _routers(redis_url, routers, prefix)
+        key = ApiKey("k", "h", rpm=rpm)
+        rng = random.Random(rpm * 31 + requests)
+        got = await asyncio.gather(
+            *(rng.choice(made).admit(key, 0, f"r{i}", T0) for i in range(requests))
+        )
+        admitted = sum(isinstance(g, Ticket) for g in got)
+        assert admitted <= rpm
+        assert admitted >= min(requests, rpm - routers * (rpm // LEASE_SHARE))
+        for limits in made:
+            await limits.close()
+
+    run(go())
+
+
+def test_a_new_minute_gives_the_old_lease_back_and_slots_go_back_as_requests_end(
+    redis_url: str,
+) -> None:
+    async def go() -> None:
+        prefix = f"test:lease-roll:{uuid.uuid4().hex}:"
+        (a,) = _routers(redis_url, 1, prefix)
+        key = ApiKey("k", "h", rpm=1_000, max_concurrent=200)
+        first = await a.admit(key, 0, "r1", T0)
+        assert isinstance(first, Ticket)
+        bucket = first.bucket
+        store = a.client
+        # Leased: a share of 10 requests and of 2 slots, one of each in use.
+        assert await store.get(f"{prefix}k:lease-requests:{bucket}") == b"10"
+        assert await store.hget(f"{prefix}k:lease-slots", a.name) == b"2"
+        await a.settle(first, None, T0 + 1)
+        assert await store.hget(f"{prefix}k:lease-slots", a.name) == b"2"  # a share kept
+        later = await a.admit(key, 0, "r2", T0 + WINDOW)  # the next minute
+        assert isinstance(later, Ticket) and later.bucket == bucket + 1
+        await until("the unused 9 given back", lambda: not a._returning)
+        await a._return_flusher  # type: ignore[misc]
+        assert await store.get(f"{prefix}k:lease-requests:{bucket}") == b"1"
+        await a.close()
+        # Closed: everything it held is given back.
+        (b,) = _routers(redis_url, 1, prefix)
+        assert await b.client.hget(f"{prefix}k:lease-slots", a.name) is None
+        assert await b.client.get(f"{prefix}k:lease-requests:{bucket + 1}") == b"1"
+        await b.close()
+
+    run(go())
+
+
+def test_a_lease_granted_to_a_cancelled_request_is_kept(redis_url: str) -> None:
+    """The client goes away while its router waits for a lease: what the store granted is
+    still the router's, not lost until the bucket ends (or, for slots, for an hour)."""
+
+    async def go() -> None:
+        prefix = f"test:lease-cancel:{uuid.uuid4().hex}:"
+        (a,) = _routers(redis_url, 1, prefix)
+        key = ApiKey("k", "h", rpm=1_000, max_concurrent=200)
+        asking = asyncio.ensure_future(a.admit(key, 0, "r1", T0))
+        await asyncio.sleep(0)  # the admission runs until it waits for the store
+        assert a._leases["k"].fetching is not None and not asking.done()
+        asking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
+        await until("the lease recorded", lambda: a.leases_taken == 1)
+        lease = a._leases["k"]
+        assert (lease.requests, lease.slots, lease.in_flight) == (10, 2, 0)
+        assert isinstance(await a.admit(key, 0, "r2", T0), Ticket)
+        assert a.leases_taken == 1
+        await a.close()
+
+    run(go())
+
+
+def test_keys_used_last_minute_have_their_lease_renewed_together_when_it_turns(
+    redis_url: str,
+) -> None:
+    async def go() -> None:
+        prefix = f"test:lease-renew:{uuid.uuid4().hex}:"
+        (a,) = _routers(redis_url, 1, prefix)
+        keys = [ApiKey(f"k{i}", "h", rpm=1_000, tpm=100_000) for i in range(20)]
+        idle = ApiKey("idle", "h", rpm=1_000)
+        assert isinstance(await a.admit(idle, 0, "r", T0 - WINDOW), Ticket)
+        for key in keys:
+            assert isinstance(await a.admit(key, 10, "r", T0), Ticket)
+        await until("the idle key's renewal", lambda: a._leases["idle"].fetching is None)
+        taken = a.leases_taken
+        # The next minute: its first admission renews every key used in the last one, in
+        # one round trip; the idle key is not renewed.
+        later = T0 + WINDOW
+        assert isinstance(await a.admit(keys[0], 10, "r", later), Ticket)
+        for key in keys[1:]:
+            assert isinstance(await a.admit(key, 10, "r", later + 1), Ticket)
+        assert a.leases_taken == taken + 1
+        bucket = bucket_of(later)[0]
+        assert await a.client.get(f"{prefix}k5:lease-requests:{bucket}") == b"10"
+        assert await a.client.get(f"{prefix}idle:lease-requests:{bucket}") is None
+        await a.close()
+
+    run(go())

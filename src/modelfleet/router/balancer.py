@@ -25,7 +25,7 @@ import bisect
 import hashlib
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -80,20 +80,26 @@ class Balancer:
         self,
         endpoints: Sequence[str],
         *,
-        exclude: Iterable[str] = (),
+        exclude: Collection[str] = (),
         prefix: bytes | None = None,
     ) -> str | None:
         """The endpoint for the next request among `endpoints`, or None when every one is
         ejected or excluded (already tried by this request)."""
-        skip = set(exclude)
-        candidates = [e for e in endpoints if e not in skip and self.usable(e)]
-        if not candidates:
-            return None
-        if len(candidates) == 1:
-            return candidates[0]
+        state = self.state
+        candidates = [
+            e
+            for e in endpoints
+            if e not in exclude and ((s := state.get(e)) is None or s.ejected_until is None)
+        ]
+        n = len(candidates)
+        if n <= 1:
+            return candidates[0] if candidates else None
         if prefix is not None:
             return self._by_prefix(candidates, prefix)
-        a, b = self._rng.sample(candidates, 2)
+        # Two distinct candidates at random (random.sample costs several times more).
+        i = int(self._rng.random() * n)
+        j = int(self._rng.random() * (n - 1))
+        a, b = candidates[i], candidates[j + 1 if j >= i else j]
         return a if self._load(a) <= self._load(b) else b
 
     def _load(self, endpoint: str) -> int:

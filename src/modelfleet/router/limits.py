@@ -18,11 +18,32 @@ no way to give back part of a reservation, and settling needs exactly that.
 
 Requests in flight are members of a sorted set scored by a deadline, not a counter: a router
 that dies holding some frees them at the deadline instead of never.
+
+Leases. A round trip to Redis per request doubled the router's added latency and CPU (the
+benchmark's 1,000 limited keys), so for keys whose rate limits are large (every one of
+`rpm` and `tpm` it has at least `LEASED_FROM` a minute) a router leases a share of the
+key's allowance and admits from it in memory: at most 1/`LEASE_SHARE` of each limit, or what
+the request needs when that is more. The store counts a lease as used when it grants it;
+whatever a router does not use in the minute bucket it was leased in goes back to the store
+when the bucket ends, and a request's tokens settle into the lease. At the first admission of
+a new minute, every key the router admitted requests for in the last one leases a share for
+the new one, all in one round trip: a key in steady use never waits for its lease. What a
+lease changes:
+- requests per minute of such a key are counted like tokens, as the sliding two-bucket
+  window, instead of exactly;
+- what routers hold unused can refuse a request early, by up to one share per router; it
+  never lets one more through;
+- requests in flight are leased as slots. A router keeps at most one share of unused slots
+  and gives the rest back as its requests end. Under 100 requests at once a share is zero
+  and every slot is taken and given back with its request, which is exact.
+Keys with smaller rate limits (60 a minute, say) are counted exactly, one script per
+request, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -41,6 +62,10 @@ log = logging.getLogger("modelfleet.router")
 
 WINDOW = 60.0  # seconds: "per minute"
 IN_FLIGHT_DEADLINE = 3600.0  # a request still counted in flight after this was lost by a router
+# A router leases at most this share of a key's limit at a time (`RedisLimits`): 1/100.
+LEASE_SHARE = 100
+# Requests or tokens per minute from which a limit is leased rather than counted exactly.
+LEASED_FROM = 2 * LEASE_SHARE
 
 
 @dataclass(frozen=True)
@@ -83,6 +108,7 @@ class Ticket:
     tokens: int  # reserved
     bucket: int  # the minute bucket the tokens were counted in
     backed: bool = True  # False: admitted without the store (fail open); nothing to settle
+    leased: bool = False  # admitted from a lease (`RedisLimits`); `entry` names its holder
 
 
 class Limits(Protocol):
@@ -245,6 +271,107 @@ redis.call('ZREM', KEYS[2], ARGV[2])
 return 1
 """
 
+# Leases (see the module's docstring). KEYS: requests of the previous bucket, of the current
+# bucket, tokens of the previous bucket, of the current bucket, slots held (hash: router ->
+# slots), the holders' deadlines (sorted set: router -> deadline).
+# ARGV: now, elapsed fraction of the bucket, rpm, tpm, max_concurrent (0: none), then for
+# requests, tokens and slots each what the router wants and what it needs at least, then
+# the router's name and its deadline.
+# Grants all of what is wanted that fits, or nothing when a need does not fit. Answers
+# {granted requests, tokens, slots, the limit that refused (0: none; 1 rpm, 2 tpm, 3 slots),
+# requests previous, requests current, tokens previous, tokens current, slots held by all}.
+_LEASE = """
+local now, elapsed = tonumber(ARGV[1]), tonumber(ARGV[2])
+local rpm, tpm, maxc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local want_r, need_r = tonumber(ARGV[6]), tonumber(ARGV[7])
+local want_t, need_t = tonumber(ARGV[8]), tonumber(ARGV[9])
+local want_s, need_s = tonumber(ARGV[10]), tonumber(ARGV[11])
+local r_prev = tonumber(redis.call('GET', KEYS[1]) or '0')
+local r_cur = tonumber(redis.call('GET', KEYS[2]) or '0')
+local t_prev = tonumber(redis.call('GET', KEYS[3]) or '0')
+local t_cur = tonumber(redis.call('GET', KEYS[4]) or '0')
+local gone = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)
+for _, holder in ipairs(gone) do redis.call('HDEL', KEYS[5], holder) end
+redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+local held = 0
+for _, n in ipairs(redis.call('HVALS', KEYS[5])) do held = held + tonumber(n) end
+local function room(limit, prev, cur)
+  return math.floor(limit - (prev * (1 - elapsed) + cur))
+end
+local g_r, g_t, g_s, refused = 0, 0, 0, 0
+if need_r > 0 then
+  local r = room(rpm, r_prev, r_cur)
+  if r < need_r then refused = 1 else g_r = math.min(want_r, r) end
+end
+if refused == 0 and need_t > 0 then
+  local r = room(tpm, t_prev, t_cur)
+  if r < need_t then refused = 2 else g_t = math.min(want_t, r) end
+end
+if refused == 0 and need_s > 0 then
+  local r = maxc - held
+  if r < need_s then refused = 3 else g_s = math.min(want_s, r) end
+end
+if refused ~= 0 then
+  return {0, 0, 0, refused, tostring(r_prev), tostring(r_cur), tostring(t_prev),
+          tostring(t_cur), held}
+end
+if g_r > 0 then
+  redis.call('INCRBY', KEYS[2], g_r)
+  redis.call('EXPIRE', KEYS[2], 121)
+end
+if g_t > 0 then
+  redis.call('INCRBY', KEYS[4], g_t)
+  redis.call('EXPIRE', KEYS[4], 121)
+end
+if g_s > 0 then
+  redis.call('HINCRBY', KEYS[5], ARGV[12], g_s)
+  redis.call('ZADD', KEYS[6], ARGV[13], ARGV[12])
+  redis.call('EXPIRE', KEYS[5], math.ceil(tonumber(ARGV[13]) - now))
+  redis.call('EXPIRE', KEYS[6], math.ceil(tonumber(ARGV[13]) - now))
+end
+return {g_r, g_t, g_s, 0, tostring(r_prev), tostring(r_cur), tostring(t_prev),
+        tostring(t_cur), held + g_s}
+"""
+
+# What a router gives back of its lease. KEYS: requests of the lease's bucket, its tokens,
+# slots held. ARGV: requests, tokens (negative: used beyond the lease), slots, the router.
+_GIVE_BACK = """
+local r, t, s = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if r ~= 0 and redis.call('EXISTS', KEYS[1]) == 1 then redis.call('DECRBY', KEYS[1], r) end
+if t ~= 0 and redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DECRBY', KEYS[2], t) end
+if s > 0 then
+  local left = redis.call('HINCRBY', KEYS[3], ARGV[4], -s)
+  if left <= 0 then redis.call('HDEL', KEYS[3], ARGV[4]) end
+end
+return 1
+"""
+
+
+@dataclass
+class _Lease:
+    """What one router holds of one key's allowance."""
+
+    key: ApiKey | None = None  # the key as last seen, with its limits
+    bucket: int = -1  # the minute bucket `requests` and `tokens` were leased in
+    used: bool = False  # whether it admitted a request in that bucket
+    requests: int = 0  # left to admit
+    tokens: int = 0  # left to reserve; negative when requests used more than they reserved
+    slots: int = 0  # requests in flight it may have
+    in_flight: int = 0
+    slot_share: int = 0  # unused slots it keeps: a share of the key's max_concurrent
+    fetching: asyncio.Future[Refusal | None] | None = None  # a lease asked for, unanswered
+
+
+def _share(limit: int | None) -> int:
+    return 0 if limit is None else limit // LEASE_SHARE
+
+
+def leased(key: ApiKey) -> bool:
+    """Whether `key`'s limits are leased by routers rather than counted per request."""
+    return (key.rpm is None or key.rpm >= LEASED_FROM) and (
+        key.tpm is None or key.tpm >= LEASED_FROM
+    )
+
 
 class RedisLimits:
     """The counters in Redis, shared by every router that names the same server.
@@ -275,6 +402,14 @@ class RedisLimits:
         self._flushing = False
         self._admitting: list[tuple[list[str], list[str | int | float], asyncio.Future[Any]]] = []
         self._admit_flusher: asyncio.Future[None] | None = None
+        self._lease = client.register_script(_LEASE)
+        self._give_back = client.register_script(_GIVE_BACK)
+        self.name = f"router-{random.getrandbits(64):016x}"  # the holder of this one's leases
+        self._leases: dict[str, _Lease] = {}
+        self._bucket = -1  # the latest minute bucket an admission was made in
+        self._returning: list[tuple[list[str], list[str | int]]] = []
+        self._return_flusher: asyncio.Future[None] | None = None
+        self.leases_taken = 0  # round trips for leases: a figure for tests and the benchmark
 
     @classmethod
     def from_url(cls, url: str, fail_open: bool = True) -> RedisLimits:
@@ -293,6 +428,8 @@ class RedisLimits:
     ) -> Ticket | Refusal:
         import redis.exceptions
 
+        if leased(key):
+            return await self._admit_leased(key, tokens, now)
         bucket, elapsed = bucket_of(now)
         entry = _entry(request_id)
         keys = [
@@ -367,6 +504,11 @@ class RedisLimits:
 
         if not ticket.backed:
             return
+        if ticket.leased:
+            self._settle_leased(ticket, tokens)
+            if self._return_flusher is not None and not self._return_flusher.done():
+                await asyncio.shield(self._return_flusher)  # what it gave back is counted
+            return
         delta = 0 if tokens is None or not ticket.tokens else tokens - ticket.tokens
         keys = [
             self._key(ticket.key, f"tokens:{ticket.bucket}"),
@@ -389,6 +531,213 @@ class RedisLimits:
         finally:
             self._flushing = False
 
+    # -- leases ----------------------------------------------------------------------------
+
+    def _lease_keys(self, name: str, bucket: int) -> list[str]:
+        return [
+            self._key(name, f"lease-requests:{bucket - 1}"),
+            self._key(name, f"lease-requests:{bucket}"),
+            self._key(name, f"lease-tokens:{bucket - 1}"),
+            self._key(name, f"lease-tokens:{bucket}"),
+            self._key(name, "lease-slots"),
+            self._key(name, "lease-holders"),
+        ]
+
+    async def _admit_leased(self, key: ApiKey, tokens: int, now: float) -> Ticket | Refusal:
+        """Admit from this router's lease of `key`, leasing more from the store only when it
+        falls short: most admissions never wait."""
+        import redis.exceptions
+
+        if key.tpm is not None and tokens > key.tpm:
+            return Refusal("tpm", key.tpm, WINDOW)
+        lease = self._leases.get(key.name)
+        if lease is None:
+            lease = self._leases[key.name] = _Lease()
+        lease.key = key
+        lease.slot_share = _share(key.max_concurrent)
+        while True:
+            bucket = bucket_of(now)[0]
+            if bucket > self._bucket:
+                self._turn(bucket, now)
+            if lease.bucket != bucket:
+                self._roll(key.name, lease, bucket)
+            short_r = max(0, 1 - lease.requests) if key.rpm is not None else 0
+            short_t = max(0, tokens - lease.tokens) if key.tpm is not None else 0
+            short_s = max(0, lease.in_flight + 1 - lease.slots) if key.max_concurrent else 0
+            if not (short_r or short_t or short_s):
+                lease.used = True
+                lease.requests -= 1 if key.rpm is not None else 0
+                lease.tokens -= tokens if key.tpm is not None else 0
+                lease.in_flight += 1
+                reserved = tokens if key.tpm is not None else 0
+                return Ticket(key.name, self.name, reserved, bucket, leased=True)
+            fetching = lease.fetching
+            mine = fetching is None
+            if fetching is None:
+                # A task of its own, so that a grant is recorded even when the request that
+                # asked for it is cancelled meanwhile (its client gone).
+                fetching = lease.fetching = asyncio.ensure_future(
+                    self._fetch(key, lease, (short_r, short_t, short_s), tokens, now)
+                )
+            try:
+                refusal = await asyncio.shield(fetching)
+            except (redis.exceptions.RedisError, OSError) as exc:
+                return self._unbacked(key, self.name, exc)
+            if refusal is not None and mine:
+                return refusal
+            # Another request's lease came: look again whether it brought enough.
+
+    async def _fetch(
+        self, key: ApiKey, lease: _Lease, shorts: tuple[int, int, int], tokens: int, now: float
+    ) -> Refusal | None:
+        """Lease what `shorts` says is missing (requests, tokens, slots), at least a share of
+        each limit; record what is granted. Returns why the store refused, or None."""
+        short_r, short_t, short_s = shorts
+        bucket, elapsed = bucket_of(now)
+        try:
+            answer = await self._lease(
+                keys=self._lease_keys(key.name, bucket),
+                args=[
+                    repr(now), repr(elapsed), key.rpm or 0, key.tpm or 0,
+                    key.max_concurrent or 0,
+                    max(short_r, _share(key.rpm)) if short_r else 0, short_r,
+                    max(short_t, _share(key.tpm)) if short_t else 0, short_t,
+                    max(short_s, lease.slot_share) if short_s else 0, short_s,
+                    self.name, repr(now + IN_FLIGHT_DEADLINE),
+                ],
+            )  # fmt: skip
+        finally:
+            lease.fetching = None
+        self.leases_taken += 1
+        granted_r, granted_t, granted_s, refused = (int(v) for v in answer[:4])
+        if refused:
+            r_prev, r_cur, t_prev, t_cur = (float(v) for v in answer[4:8])
+            if refused == 1:
+                wait = retry_after(r_prev, r_cur, 1, key.rpm or 0, elapsed)
+                return Refusal("rpm", key.rpm or 0, wait)
+            if refused == 2:
+                wait = retry_after(t_prev, t_cur, tokens, key.tpm or 0, elapsed)
+                return Refusal("tpm", key.tpm or 0, wait)
+            return Refusal("max_concurrent", key.max_concurrent or 0, 1.0)
+        if lease.bucket == bucket:
+            lease.requests += granted_r
+            lease.tokens += granted_t
+        else:  # the bucket turned meanwhile: what was granted goes back to its bucket
+            self._give(key.name, bucket, granted_r, granted_t, 0)
+        lease.slots += granted_s
+        return None
+
+    def _turn(self, bucket: int, now: float) -> None:
+        """The first admission in a new minute bucket: the keys that admitted requests in the
+        last one lease a share for this one now, together in one round trip, so that their
+        next requests find a lease instead of waiting for one each."""
+        self._bucket = bucket
+        renewing = [
+            (name, lease)
+            for name, lease in self._leases.items()
+            if lease.used
+            and lease.bucket == bucket - 1
+            and lease.fetching is None
+            and lease.key is not None
+            and (lease.key.rpm is not None or lease.key.tpm is not None)
+        ]
+        for name, lease in self._leases.items():
+            if lease.bucket < bucket:
+                self._roll(name, lease, bucket)
+        if not renewing:
+            return
+        task = asyncio.ensure_future(self._renew(renewing, now))
+        for _, lease in renewing:
+            lease.fetching = task
+
+    async def _renew(self, renewing: list[tuple[str, _Lease]], now: float) -> Refusal | None:
+        import redis.exceptions
+
+        bucket, elapsed = bucket_of(now)
+        pipe = self.client.pipeline(transaction=False)
+        try:
+            for name, lease in renewing:
+                key = lease.key
+                assert key is not None
+                share_r, share_t = _share(key.rpm), _share(key.tpm)
+                await self._lease(
+                    keys=self._lease_keys(name, bucket),
+                    args=[
+                        repr(now), repr(elapsed), key.rpm or 0, key.tpm or 0, 0,
+                        share_r, 1 if share_r else 0, share_t, 1 if share_t else 0, 0, 0,
+                        self.name, repr(now + IN_FLIGHT_DEADLINE),
+                    ],
+                    client=pipe,
+                )  # fmt: skip
+            answers = await pipe.execute(raise_on_error=False)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            self._log(f"cannot renew {len(renewing)} lease(s) in Redis: {exc}")
+            return None  # each key's next request asks for itself
+        finally:
+            for _, lease in renewing:
+                lease.fetching = None
+        self.leases_taken += 1
+        for (name, lease), answer in zip(renewing, answers, strict=True):
+            if isinstance(answer, Exception) or int(answer[3]):
+                continue  # refused, or failed: the key's next request asks for itself
+            if lease.bucket == bucket:
+                lease.requests += int(answer[0])
+                lease.tokens += int(answer[1])
+            else:
+                self._give(name, bucket, int(answer[0]), int(answer[1]), 0)
+        return None
+
+    def _roll(self, name: str, lease: _Lease, bucket: int) -> None:
+        """A new minute bucket: what is left of the last one's lease goes back to it."""
+        if lease.bucket >= 0 and (lease.requests or lease.tokens):
+            self._give(name, lease.bucket, lease.requests, lease.tokens, 0)
+        lease.used = False
+        lease.bucket, lease.requests, lease.tokens = bucket, 0, 0
+
+    def _settle_leased(self, ticket: Ticket, tokens: int | None) -> None:
+        """A leased request ended: its slot and its unused tokens go back to the lease."""
+        lease = self._leases.get(ticket.key)
+        unused = ticket.tokens - tokens if tokens is not None and ticket.tokens else 0
+        if lease is None or ticket.entry != self.name:
+            # Another router's ticket (only tests settle one here): straight to the store.
+            self._give(ticket.key, ticket.bucket, 0, unused, 1, holder=ticket.entry)
+            return
+        lease.in_flight = max(0, lease.in_flight - 1)
+        if unused:
+            if ticket.bucket == lease.bucket:
+                lease.tokens += unused
+            else:
+                self._give(ticket.key, ticket.bucket, 0, unused, 0)
+        keep = lease.in_flight + lease.slot_share
+        if lease.slots > keep:
+            self._give(ticket.key, ticket.bucket, 0, 0, lease.slots - keep)
+            lease.slots = keep
+
+    def _give(
+        self, name: str, bucket: int, requests: int, tokens: int, slots: int, holder: str = ""
+    ) -> None:
+        """Give back to the store, in the background: gives that come while one round trip
+        is under way go together in the next, one pipeline."""
+        keys = self._lease_keys(name, bucket)
+        self._returning.append(
+            ([keys[1], keys[3], keys[4]], [requests, tokens, slots, holder or self.name])
+        )
+        if self._return_flusher is None or self._return_flusher.done():
+            self._return_flusher = asyncio.ensure_future(self._flush_returns())
+
+    async def _flush_returns(self) -> None:
+        import redis.exceptions
+
+        while self._returning:
+            batch, self._returning = self._returning, []
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args in batch:
+                await self._give_back(keys=keys, args=args, client=pipe)
+            try:
+                await pipe.execute()
+            except (redis.exceptions.RedisError, OSError) as exc:
+                self._log(f"cannot give back {len(batch)} lease(s) to Redis: {exc}")
+
     def _unbacked(self, key: ApiKey, request_id: str, exc: Exception) -> Ticket | Refusal:
         self.store_failures += 1
         action = "letting requests through unlimited" if self.fail_open else "refusing them"
@@ -404,4 +753,11 @@ class RedisLimits:
             log.warning("%s", message)
 
     async def close(self) -> None:
+        """Give back what this router holds of every lease (for at most 2 s), then close."""
+        for name, lease in self._leases.items():
+            if lease.bucket >= 0:
+                self._give(name, lease.bucket, lease.requests, lease.tokens, lease.slots)
+        if self._return_flusher is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._return_flusher), 2)
         await self.client.aclose()
