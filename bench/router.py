@@ -7,7 +7,9 @@ through the LiteLLM proxy (each peer from its own venv, made by `bench/make_peer
 that is not there is left out and said so). For each target:
 
 - open loop at each `--rates` (requests/s), streamed and not: latency p50/p99, and the
-  router's CPU (user + sys of its whole process tree, from /proc) per request;
+  router's CPU (user + sys of its whole process tree, from /proc) per request. Each target
+  gets its `--duration` in `--rounds` turns, the targets taking turns in alternating order,
+  so that a spell of noise on this shared machine falls on all of them alike;
 - closed loop, `--clients` clients on kept-alive connections: requests/s at saturation;
 - its RSS after the load.
 
@@ -29,7 +31,7 @@ lowest rate, not streamed), `cpu_ms_per_req`, `max_rps`, `rss_mb`, the same pref
 keys, and `prefix_ttft_p50_gain` (round robin's p50 over prefix affinity's).
 
     bash bench/make_peers.sh      # once: the peers' venvs
-    python bench/router.py [--duration 10] [--rates 50,200] [--clients 64]
+    python bench/router.py [--duration 10] [--rates 50,200] [--clients 64] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -302,9 +304,38 @@ async def _one(
     return end - start, (first or end) - start, ok
 
 
-async def open_loop(
+@dataclass
+class Samples:
+    """What open-loop requests to one target gave: their times and the CPU they cost."""
+
+    latencies: list[float] = field(default_factory=list)
+    firsts: list[float] = field(default_factory=list)
+    failed: int = 0
+    cpu_seconds: float = 0.0
+
+    def add(self, other: Samples) -> None:
+        self.latencies += other.latencies
+        self.firsts += other.firsts
+        self.failed += other.failed
+        self.cpu_seconds += other.cpu_seconds
+
+    def figures(self) -> dict[str, Any]:
+        n = len(self.latencies)
+        latencies, firsts = sorted(self.latencies), sorted(self.firsts)
+        return {
+            "n": n,
+            "failed": self.failed,
+            "p50_ms": _pct(latencies, 50) * 1000,
+            "p99_ms": _pct(latencies, 99) * 1000,
+            "ttft_p50_ms": _pct(firsts, 50) * 1000,
+            "ttft_p99_ms": _pct(firsts, 99) * 1000,
+            "cpu_ms_per_req": self.cpu_seconds * 1000 / max(1, n),
+        }
+
+
+async def open_loop_samples(
     target: Target, rate: float, duration: float, stream: bool, bodies: list[bytes] | None = None
-) -> dict[str, Any]:
+) -> Samples:
     """Requests at `rate`/s for `duration` s, each started on time whatever the others do."""
     n = max(1, int(rate * duration))
     connector = aiohttp.TCPConnector(limit=0)
@@ -324,17 +355,30 @@ async def open_loop(
             tasks.append(asyncio.create_task(_one(session, url, body, stream, key)))
         results = await asyncio.gather(*tasks)
         cpu = target.cpu_seconds() - cpu0
-    latencies = sorted(r[0] for r in results)
-    firsts = sorted(r[1] for r in results)
-    return {
-        "n": n,
-        "failed": sum(not r[2] for r in results),
-        "p50_ms": _pct(latencies, 50) * 1000,
-        "p99_ms": _pct(latencies, 99) * 1000,
-        "ttft_p50_ms": _pct(firsts, 50) * 1000,
-        "ttft_p99_ms": _pct(firsts, 99) * 1000,
-        "cpu_ms_per_req": cpu * 1000 / n,
-    }
+    return Samples(
+        [r[0] for r in results], [r[1] for r in results], sum(not r[2] for r in results), cpu
+    )
+
+
+async def open_loop(
+    target: Target, rate: float, duration: float, stream: bool, bodies: list[bytes] | None = None
+) -> dict[str, Any]:
+    return (await open_loop_samples(target, rate, duration, stream, bodies)).figures()
+
+
+def open_loop_interleaved(
+    targets: list[Target], rate: float, duration: float, stream: bool, rounds: int
+) -> dict[str, dict[str, Any]]:
+    """`duration` s of open loop per target, in `rounds` turns taken in alternating order
+    (A B C, then C B A, ...): a machine that is slower for a while slows every target
+    alike, instead of whichever one's phase it fell in."""
+    pooled = {t.name: Samples() for t in targets}
+    for turn in range(rounds):
+        order = targets if turn % 2 == 0 else targets[::-1]
+        for target in order:
+            got = asyncio.run(open_loop_samples(target, rate, duration / rounds, stream))
+            pooled[target.name].add(got)
+    return {name: samples.figures() for name, samples in pooled.items()}
 
 
 async def closed_loop(target: Target, clients: int, duration: float) -> dict[str, Any]:
@@ -378,18 +422,24 @@ def _pct(values: list[float], p: float) -> float:
 # -- the run ------------------------------------------------------------------------------
 
 
-def measure(target: Target, rates: list[float], duration: float, clients: int) -> dict[str, Any]:
-    phases: dict[str, Any] = {}
+def measure(
+    targets: list[Target], rates: list[float], duration: float, clients: int, rounds: int
+) -> dict[str, dict[str, Any]]:
+    phases: dict[str, dict[str, Any]] = {t.name: {} for t in targets}
     # Saturation first: a router that falls behind in an open loop (LiteLLM does) would
     # still be working off that backlog in the closed loop after it.
-    phases["closed"] = asyncio.run(closed_loop(target, clients, duration))
-    _say(target.name, "closed", phases["closed"])
+    for target in targets:
+        phases[target.name]["closed"] = asyncio.run(closed_loop(target, clients, duration))
+        _say(target.name, "closed", phases[target.name]["closed"])
     for rate in rates:
         for stream in (False, True):
             key = f"open_{rate:g}{'_stream' if stream else ''}"
-            phases[key] = asyncio.run(open_loop(target, rate, duration, stream))
-            _say(target.name, key, phases[key])
-    phases["rss_mb"] = target.rss_mb()
+            got = open_loop_interleaved(targets, rate, duration, stream, rounds)
+            for target in targets:
+                phases[target.name][key] = got[target.name]
+                _say(target.name, key, got[target.name])
+    for target in targets:
+        phases[target.name]["rss_mb"] = target.rss_mb()
     return phases
 
 
@@ -451,6 +501,9 @@ def main() -> None:
     parser.add_argument("--prefix-rate", type=float, default=10.0, help="requests/s, prefix phase")
     parser.add_argument("--prefix-duration", type=float, default=30.0, help="seconds, prefix phase")
     parser.add_argument(
+        "--rounds", type=int, default=5, help="open-loop turns per target, interleaved"
+    )
+    parser.add_argument(
         "--skip", default="", help="targets to leave out: litellm,vllm_router,limits"
     )
     args = parser.parse_args()
@@ -474,9 +527,8 @@ def main() -> None:
             targets.append(limited)
         print(f"open loop {args.rates} req/s and closed loop {args.clients} clients, "
               f"{args.duration:g} s each; logs in {tmp}")  # fmt: skip
-        for target in targets:
-            if target is not None:
-                figures[target.name] = measure(target, rates, args.duration, args.clients)
+        present = [t for t in targets if t is not None]
+        figures = measure(present, rates, args.duration, args.clients, args.rounds)
         print(
             "prefix affinity: 32 prefixes of 2,000 tokens over 4 engines, each caching 1,536 "
             "blocks of 16 tokens (12 prefixes)"
