@@ -336,3 +336,20 @@ def test_keys_used_last_minute_have_their_lease_renewed_together_when_it_turns(
         await a.close()
 
     run(go())
+
+
+def test_a_key_given_lower_limits_admits_no_more_from_its_old_lease(redis_url: str) -> None:
+    """`ctl keys update` lowers a leased key's limits: what the router leased under the old
+    ones is given back, and the new limit holds at once."""
+
+    async def go() -> None:
+        prefix = f"test:lease-change:{uuid.uuid4().hex}:"
+        (a,) = _routers(redis_url, 1, prefix)
+        before = ApiKey("k", "h", rpm=100_000)
+        assert isinstance(await a.admit(before, 0, "r0", T0), Ticket)  # leased 1,000
+        after = ApiKey("k", "h", rpm=300)
+        got = [await a.admit(after, 0, f"r{i}", T0 + 1) for i in range(400)]
+        assert sum(isinstance(g, Ticket) for g in got) == 299  # 300, less the one before
+        await a.close()
+
+    run(go())

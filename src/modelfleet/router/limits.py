@@ -366,6 +366,10 @@ def _share(limit: int | None) -> int:
     return 0 if limit is None else limit // LEASE_SHARE
 
 
+def _limits(key: ApiKey) -> tuple[int | None, int | None, int | None]:
+    return key.rpm, key.tpm, key.max_concurrent
+
+
 def leased(key: ApiKey) -> bool:
     """Whether `key`'s limits are leased by routers rather than counted per request."""
     return (key.rpm is None or key.rpm >= LEASED_FROM) and (
@@ -553,6 +557,8 @@ class RedisLimits:
         lease = self._leases.get(key.name)
         if lease is None:
             lease = self._leases[key.name] = _Lease()
+        elif lease.key is not None and _limits(lease.key) != _limits(key):
+            self._drop(key.name, lease)  # leased under other limits: they hold no more
         lease.key = key
         lease.slot_share = _share(key.max_concurrent)
         while True:
@@ -595,6 +601,9 @@ class RedisLimits:
         short_r, short_t, short_s = shorts
         bucket, elapsed = bucket_of(now)
         try:
+            if self._return_flusher is not None and not self._return_flusher.done():
+                # What this router gives back counts before what it asks for.
+                await asyncio.shield(self._return_flusher)
             answer = await self._lease(
                 keys=self._lease_keys(key.name, bucket),
                 args=[
@@ -686,6 +695,14 @@ class RedisLimits:
             else:
                 self._give(name, bucket, int(answer[0]), int(answer[1]), 0)
         return None
+
+    def _drop(self, name: str, lease: _Lease) -> None:
+        """Give back all of a lease but the slots of requests still in flight."""
+        if lease.bucket >= 0:
+            surplus = max(0, lease.slots - lease.in_flight)
+            self._give(name, lease.bucket, lease.requests, lease.tokens, surplus)
+            lease.slots -= surplus
+        lease.requests = lease.tokens = 0
 
     def _roll(self, name: str, lease: _Lease, bucket: int) -> None:
         """A new minute bucket: what is left of the last one's lease goes back to it."""
