@@ -318,21 +318,30 @@ def test_keys_used_last_minute_have_their_lease_renewed_together_when_it_turns(
         (a,) = _routers(redis_url, 1, prefix)
         keys = [ApiKey(f"k{i}", "h", rpm=1_000, tpm=100_000) for i in range(20)]
         idle = ApiKey("idle", "h", rpm=1_000)
-        assert isinstance(await a.admit(idle, 0, "r", T0 - WINDOW), Ticket)
-        for key in keys:
-            assert isinstance(await a.admit(key, 10, "r", T0), Ticket)
+        tickets = [await a.admit(idle, 0, "r", T0 - WINDOW)]
+        tickets += [await a.admit(key, 10, "r", T0) for key in keys]
+        assert all(isinstance(t, Ticket) for t in tickets)
         await until("the idle key's renewal", lambda: a._leases["idle"].fetching is None)
         taken = a.leases_taken
         # The next minute: its first admission renews every key used in the last one, in
         # one round trip; the idle key is not renewed.
         later = T0 + WINDOW
-        assert isinstance(await a.admit(keys[0], 10, "r", later), Ticket)
-        for key in keys[1:]:
-            assert isinstance(await a.admit(key, 10, "r", later + 1), Ticket)
+        tickets.append(await a.admit(keys[0], 10, "r", later))
+        tickets += [await a.admit(key, 10, "r", later + 1) for key in keys[1:]]
+        assert all(isinstance(t, Ticket) for t in tickets)
         assert a.leases_taken == taken + 1
         bucket = bucket_of(later)[0]
         assert await a.client.get(f"{prefix}k5:lease-requests:{bucket}") == b"10"
         assert await a.client.get(f"{prefix}idle:lease-requests:{bucket}") is None
+        # Their requests end. A minute later only k0 is used, and after another the rest are
+        # forgotten: they held nothing for a minute.
+        for ticket in tickets:
+            assert isinstance(ticket, Ticket)
+            await a.settle(ticket, 10, later + 2)
+        assert isinstance(await a.admit(keys[0], 10, "r", later + WINDOW), Ticket)
+        await until("the renewal", lambda: all(le.fetching is None for le in a._leases.values()))
+        assert isinstance(await a.admit(keys[0], 10, "r", later + 2 * WINDOW), Ticket)
+        assert set(a._leases) == {"k0"}
         await a.close()
 
     run(go())

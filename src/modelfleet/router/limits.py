@@ -650,9 +650,17 @@ class RedisLimits:
             and lease.key is not None
             and (lease.key.rpm is not None or lease.key.tpm is not None)
         ]
-        for name, lease in self._leases.items():
+        for name, lease in list(self._leases.items()):
             if lease.bucket < bucket:
+                idle = (
+                    lease.bucket >= 0  # not one just made for the admission under way
+                    and not lease.used
+                    and not lease.in_flight
+                    and lease.fetching is None
+                )
                 self._roll(name, lease, bucket)
+                if idle and not lease.slots:
+                    del self._leases[name]  # unused for a minute: forgotten, nothing held
         if not renewing:
             return
         task = asyncio.ensure_future(self._renew(renewing, now))
