@@ -29,9 +29,12 @@ from modelfleet.router.limits import (
     retry_after,
 )
 from modelfleet.router.table import ApiKey
+from modelfleet.simulator.engine import SimSettings
+from modelfleet.simulator.server import create_app as create_simulator
+from modelfleet.wire import RoutedModel
 
 from ..redis_kit import redis_server
-from .router_kit import run, until
+from .router_kit import FakeClock, client_of, keyed, run, serving, until
 
 T0 = 1000 * WINDOW + 10.0  # 10 s into a minute bucket
 
@@ -360,5 +363,54 @@ def test_a_key_given_lower_limits_admits_no_more_from_its_old_lease(redis_url: s
         got = [await a.admit(after, 0, f"r{i}", T0 + 1) for i in range(400)]
         assert sum(isinstance(g, Ticket) for g in got) == 299  # 300, less the one before
         await a.close()
+
+    run(go())
+
+
+def test_through_the_router_a_leased_key_settles_into_its_lease_without_the_store(
+    redis_url: str,
+) -> None:
+    """A leased key at the proxy: after each answer its request is out of flight and the
+    tokens it did not use are back in the router's lease, with no round trip for either."""
+    wall = FakeClock()
+    wall.now = T0
+
+    async def go() -> None:
+        sim = create_simulator(SimSettings(model="m", ttft=0, itl=0))
+        async with serving(sim) as engine:
+            router = keyed(
+                wall=wall,
+                models=[RoutedModel(name="m", endpoints=[engine])],
+                api_keys=[
+                    {
+                        "name": "alice",
+                        "key": "alice-key",
+                        "rpm": 1_000,
+                        "tpm": 1_000_000,
+                        "max_concurrent": 200,
+                    }
+                ],
+                limits_store=redis_url,
+            )
+            limits = router.limits
+            assert isinstance(limits, RedisLimits)
+            limits.prefix = f"test:lease-proxy:{uuid.uuid4().hex}:"
+            async with client_of(router) as c:
+                c.headers["authorization"] = "Bearer alice-key"
+                prompt = "abcdefghij " * 40  # 40 tokens to the simulator, 111 estimated
+                body = {"model": "m", "prompt": prompt, "max_tokens": 10}
+                reserved = len(prompt) // 4 + 1 + 10
+                for _ in range(3):
+                    answer = await c.post("/v1/completions", json=body)
+                    assert answer.status_code == 200
+                    lease = limits._leases["alice"]
+                    assert lease.in_flight == 0 and not router.background
+                # Leased once, a share: 10 requests and 10,000 tokens. Each request reserved
+                # 121 tokens and used fewer, as the engine reported: settled, the lease holds
+                # more than 10,000 less three reservations.
+                assert limits.leases_taken == 1
+                assert lease.requests == 10 - 3
+                assert 10_000 - 3 * reserved < lease.tokens < 10_000
+            await router.close()
 
     run(go())

@@ -122,6 +122,11 @@ class Limits(Protocol):
         """The request ended: `tokens` it used (None: unknown, the reservation stands)."""
         ...
 
+    def settle_at_once(self, ticket: Ticket, tokens: int | None, now: float) -> bool:
+        """Settle without waiting when no round trip is needed (in memory, into a lease);
+        False when `settle` must be awaited instead."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -208,12 +213,16 @@ class MemoryLimits:
         return Ticket(key.name, _entry(request_id), reserved, bucket)
 
     async def settle(self, ticket: Ticket, tokens: int | None, now: float) -> None:
+        self.settle_at_once(ticket, tokens, now)
+
+    def settle_at_once(self, ticket: Ticket, tokens: int | None, now: float) -> bool:
         counts = self._keys.get(ticket.key)
         if counts is None:
-            return
+            return True
         counts.in_flight = max(0, counts.in_flight - 1)
         if ticket.tokens and tokens is not None and ticket.bucket in counts.tokens:
             counts.tokens[ticket.bucket] += tokens - ticket.tokens
+        return True
 
     async def close(self) -> None:
         return None
@@ -500,6 +509,14 @@ class RedisLimits:
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+
+    def settle_at_once(self, ticket: Ticket, tokens: int | None, now: float) -> bool:
+        if not ticket.backed:
+            return True
+        if ticket.leased and ticket.entry == self.name:
+            self._settle_leased(ticket, tokens)  # give-backs, if any, go in the background
+            return True
+        return False
 
     async def settle(self, ticket: Ticket, tokens: int | None, now: float) -> None:
         """Settle in batches: the settlements that come in while one round trip is under

@@ -267,6 +267,8 @@ class Proxy:
         router = self.router
         used = ex.scanner.usage if ex.scanner is not None else None
         tokens = used.total if used is not None else (0 if ex.first_byte_at is None else None)
+        if router.limits.settle_at_once(ticket, tokens, router.wall()):
+            return
         settling = asyncio.ensure_future(router.limits.settle(ticket, tokens, router.wall()))
         router.background.add(settling)
         settling.add_done_callback(router.background.discard)
