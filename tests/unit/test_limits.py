@@ -274,11 +274,17 @@ def test_a_new_minute_gives_the_old_lease_back_and_slots_go_back_as_requests_end
         assert await store.hget(f"{prefix}k:lease-slots", a.name) == b"2"
         await a.settle(first, None, T0 + 1)
         assert await store.hget(f"{prefix}k:lease-slots", a.name) == b"2"  # a share kept
-        later = await a.admit(key, 0, "r2", T0 + WINDOW)  # the next minute
-        assert isinstance(later, Ticket) and later.bucket == bucket + 1
-        await until("the unused 9 given back", lambda: not a._returning)
-        await a._return_flusher  # type: ignore[misc]
-        assert await store.get(f"{prefix}k:lease-requests:{bucket}") == b"1"
+        # The next minute: until the key's renewal lands, what is left of the last minute's
+        # lease admits (counted in that minute); then the rest of it goes back.
+        later = await a.admit(key, 0, "r2", T0 + WINDOW)
+        assert isinstance(later, Ticket) and later.bucket == bucket
+        await until("the renewal", lambda: a._leases["k"].fetching is None)
+        flusher = a._return_flusher
+        await until("the give-back", lambda: flusher is None or flusher.done())
+        assert await store.get(f"{prefix}k:lease-requests:{bucket}") == b"2"
+        assert await store.get(f"{prefix}k:lease-requests:{bucket + 1}") == b"10"
+        third = await a.admit(key, 0, "r3", T0 + WINDOW + 1)
+        assert isinstance(third, Ticket) and third.bucket == bucket + 1
         await a.close()
         # Closed: everything it held is given back.
         (b,) = _routers(redis_url, 1, prefix)
@@ -330,6 +336,7 @@ def test_keys_used_last_minute_have_their_lease_renewed_together_when_it_turns(
         # one round trip; the idle key is not renewed.
         later = T0 + WINDOW
         tickets.append(await a.admit(keys[0], 10, "r", later))
+        await until("the renewal", lambda: all(le.fetching is None for le in a._leases.values()))
         tickets += [await a.admit(key, 10, "r", later + 1) for key in keys[1:]]
         assert all(isinstance(t, Ticket) for t in tickets)
         assert a.leases_taken == taken + 1
@@ -412,5 +419,22 @@ def test_through_the_router_a_leased_key_settles_into_its_lease_without_the_stor
                 assert lease.requests == 10 - 3
                 assert 10_000 - 3 * reserved < lease.tokens < 10_000
             await router.close()
+
+    run(go())
+
+
+def test_many_keys_are_renewed_in_pipelines_of_a_hundred(redis_url: str) -> None:
+    async def go() -> None:
+        prefix = f"test:lease-batches:{uuid.uuid4().hex}:"
+        (a,) = _routers(redis_url, 1, prefix)
+        keys = [ApiKey(f"k{i}", "h", rpm=1_000) for i in range(250)]
+        for key in keys:
+            assert isinstance(await a.admit(key, 0, "r", T0), Ticket)
+        taken = a.leases_taken
+        assert isinstance(await a.admit(keys[0], 0, "r", T0 + WINDOW), Ticket)
+        await until("the renewals", lambda: all(le.fetching is None for le in a._leases.values()))
+        assert a.leases_taken == taken + 3  # 100, 100 and 50
+        assert all(a._leases[k.name].requests == 10 for k in keys[1:])
+        await a.close()
 
     run(go())

@@ -27,7 +27,9 @@ the request needs when that is more. The store counts a lease as used when it gr
 whatever a router does not use in the minute bucket it was leased in goes back to the store
 when the bucket ends, and a request's tokens settle into the lease. At the first admission of
 a new minute, every key the router admitted requests for in the last one leases a share for
-the new one, all in one round trip: a key in steady use never waits for its lease. What a
+the new one, a hundred keys to a pipeline; until a key's new lease lands, what was left of
+its last one admits its requests (counted in the last minute, which at the turn still
+weighs in whole), and then goes back. A key in steady use never waits for its lease. What a
 lease changes:
 - requests per minute of such a key are counted like tokens, as the sliding two-bucket
   window, instead of exactly;
@@ -66,6 +68,9 @@ IN_FLIGHT_DEADLINE = 3600.0  # a request still counted in flight after this was 
 LEASE_SHARE = 100
 # Requests or tokens per minute from which a limit is leased rather than counted exactly.
 LEASED_FROM = 2 * LEASE_SHARE
+# Leases renewed (or given back) together in one pipeline at most: building a pipeline of a
+# thousand scripts held the event loop for about 30 ms.
+RENEW_BATCH = 100
 
 
 @dataclass(frozen=True)
@@ -369,6 +374,11 @@ class _Lease:
     in_flight: int = 0
     slot_share: int = 0  # unused slots it keeps: a share of the key's max_concurrent
     fetching: asyncio.Future[Refusal | None] | None = None  # a lease asked for, unanswered
+    # While its lease for a new minute is being renewed, what is left of the last minute's
+    # lease still admits requests (counted in that minute, where the store counted them).
+    carry_bucket: int = -1  # -1: none
+    carry_requests: int = 0
+    carry_tokens: int = 0
 
 
 def _share(limit: int | None) -> int:
@@ -594,6 +604,16 @@ class RedisLimits:
                 lease.in_flight += 1
                 reserved = tokens if key.tpm is not None else 0
                 return Ticket(key.name, self.name, reserved, bucket, leased=True)
+            if lease.carry_bucket >= 0 and not short_s:
+                enough_r = key.rpm is None or lease.carry_requests >= 1
+                enough_t = key.tpm is None or lease.carry_tokens >= tokens
+                if enough_r and enough_t:
+                    lease.used = True
+                    lease.carry_requests -= 1 if key.rpm is not None else 0
+                    lease.carry_tokens -= tokens if key.tpm is not None else 0
+                    lease.in_flight += 1
+                    reserved = tokens if key.tpm is not None else 0
+                    return Ticket(key.name, self.name, reserved, lease.carry_bucket, leased=True)
             fetching = lease.fetching
             mine = fetching is None
             if fetching is None:
@@ -655,8 +675,9 @@ class RedisLimits:
 
     def _turn(self, bucket: int, now: float) -> None:
         """The first admission in a new minute bucket: the keys that admitted requests in the
-        last one lease a share for this one now, together in one round trip, so that their
-        next requests find a lease instead of waiting for one each."""
+        last one lease a share for this one, in pipelines of `RENEW_BATCH`, so that their
+        next requests find a lease instead of waiting for one each. Until a key's renewal
+        lands, what was left of its last lease admits its requests."""
         self._bucket = bucket
         renewing = [
             (name, lease)
@@ -667,6 +688,7 @@ class RedisLimits:
             and lease.key is not None
             and (lease.key.rpm is not None or lease.key.tpm is not None)
         ]
+        carried = {id(lease) for _, lease in renewing}
         for name, lease in list(self._leases.items()):
             if lease.bucket < bucket:
                 idle = (
@@ -675,21 +697,22 @@ class RedisLimits:
                     and not lease.in_flight
                     and lease.fetching is None
                 )
-                self._roll(name, lease, bucket)
+                self._roll(name, lease, bucket, carry=id(lease) in carried)
                 if idle and not lease.slots:
                     del self._leases[name]  # unused for a minute: forgotten, nothing held
-        if not renewing:
-            return
-        task = asyncio.ensure_future(self._renew(renewing, now))
-        for _, lease in renewing:
-            lease.fetching = task
+        for start in range(0, len(renewing), RENEW_BATCH):
+            batch = renewing[start : start + RENEW_BATCH]
+            task = asyncio.ensure_future(self._renew(batch, now))
+            for _, lease in batch:
+                lease.fetching = task
 
     async def _renew(self, renewing: list[tuple[str, _Lease]], now: float) -> Refusal | None:
         import redis.exceptions
 
         bucket, elapsed = bucket_of(now)
-        pipe = self.client.pipeline(transaction=False)
+        answers: list[Any] = []
         try:
+            pipe = self.client.pipeline(transaction=False)
             for name, lease in renewing:
                 key = lease.key
                 assert key is not None
@@ -704,14 +727,15 @@ class RedisLimits:
                     client=pipe,
                 )  # fmt: skip
             answers = await pipe.execute(raise_on_error=False)
+            self.leases_taken += 1
         except (redis.exceptions.RedisError, OSError) as exc:
             self._log(f"cannot renew {len(renewing)} lease(s) in Redis: {exc}")
-            return None  # each key's next request asks for itself
+            answers = [exc] * len(renewing)  # each key's next request asks for itself
         finally:
             for _, lease in renewing:
                 lease.fetching = None
-        self.leases_taken += 1
         for (name, lease), answer in zip(renewing, answers, strict=True):
+            self._end_carry(name, lease)
             if isinstance(answer, Exception) or int(answer[3]):
                 continue  # refused, or failed: the key's next request asks for itself
             if lease.bucket == bucket:
@@ -721,17 +745,29 @@ class RedisLimits:
                 self._give(name, bucket, int(answer[0]), int(answer[1]), 0)
         return None
 
+    def _end_carry(self, name: str, lease: _Lease) -> None:
+        """The renewal landed (or failed): what is left of the last minute goes back."""
+        if lease.carry_bucket >= 0:
+            self._give(name, lease.carry_bucket, lease.carry_requests, lease.carry_tokens, 0)
+        lease.carry_bucket, lease.carry_requests, lease.carry_tokens = -1, 0, 0
+
     def _drop(self, name: str, lease: _Lease) -> None:
         """Give back all of a lease but the slots of requests still in flight."""
+        self._end_carry(name, lease)
         if lease.bucket >= 0:
             surplus = max(0, lease.slots - lease.in_flight)
             self._give(name, lease.bucket, lease.requests, lease.tokens, surplus)
             lease.slots -= surplus
         lease.requests = lease.tokens = 0
 
-    def _roll(self, name: str, lease: _Lease, bucket: int) -> None:
-        """A new minute bucket: what is left of the last one's lease goes back to it."""
-        if lease.bucket >= 0 and (lease.requests or lease.tokens):
+    def _roll(self, name: str, lease: _Lease, bucket: int, carry: bool = False) -> None:
+        """A new minute bucket: what is left of the last one's lease goes back to it, or,
+        with `carry`, is kept to admit requests until the new lease comes."""
+        self._end_carry(name, lease)
+        if carry and lease.bucket >= 0:
+            lease.carry_bucket = lease.bucket
+            lease.carry_requests, lease.carry_tokens = lease.requests, lease.tokens
+        elif lease.bucket >= 0 and (lease.requests or lease.tokens):
             self._give(name, lease.bucket, lease.requests, lease.tokens, 0)
         lease.used = False
         lease.bucket, lease.requests, lease.tokens = bucket, 0, 0
@@ -748,6 +784,8 @@ class RedisLimits:
         if unused:
             if ticket.bucket == lease.bucket:
                 lease.tokens += unused
+            elif ticket.bucket == lease.carry_bucket:
+                lease.carry_tokens += unused
             else:
                 self._give(ticket.key, ticket.bucket, 0, unused, 0)
         keep = lease.in_flight + lease.slot_share
@@ -771,7 +809,8 @@ class RedisLimits:
         import redis.exceptions
 
         while self._returning:
-            batch, self._returning = self._returning, []
+            batch = self._returning[:RENEW_BATCH]
+            del self._returning[:RENEW_BATCH]
             pipe = self.client.pipeline(transaction=False)
             for keys, args in batch:
                 await self._give_back(keys=keys, args=args, client=pipe)
@@ -797,6 +836,7 @@ class RedisLimits:
     async def close(self) -> None:
         """Give back what this router holds of every lease (for at most 2 s), then close."""
         for name, lease in self._leases.items():
+            self._end_carry(name, lease)
             if lease.bucket >= 0:
                 self._give(name, lease.bucket, lease.requests, lease.tokens, lease.slots)
         if self._return_flusher is not None:
