@@ -10,11 +10,14 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from modelfleet.router.proxy import asking_usage
 from modelfleet.router.service import create_apps
 from modelfleet.simulator.engine import SimSettings
 from modelfleet.simulator.server import create_app as create_simulator
@@ -255,3 +258,34 @@ def test_answers_name_their_replica_and_metrics_move() -> None:
         assert f'modelfleet_router_in_flight{{endpoint="{engine}"}} 0.0' in page
 
     run(go())
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+    max_leaves=8,
+)
+
+
+@given(
+    extra=st.dictionaries(
+        st.text(max_size=8).filter(lambda k: k not in ("model", "stream", "stream_options")),
+        _JSON_VALUES,
+        max_size=4,
+    ),
+    options=st.none() | st.dictionaries(st.sampled_from(["include_usage", "x"]), st.booleans()),
+    indent=st.sampled_from([None, 2]),
+)
+def test_asking_usage_gives_the_same_request_with_usage_asked(
+    extra: dict[str, object], options: dict[str, bool] | None, indent: int | None
+) -> None:
+    """Spliced into the raw body or encoded anew, the engine gets the client's request with
+    `stream_options.include_usage` true and nothing else changed."""
+    body: dict[str, object] = {**extra, "model": "m", "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    raw = (json.dumps(body, indent=indent) + "\n").encode()
+    parsed = json.loads(raw)
+    sent = json.loads(asking_usage(parsed, raw))
+    want = {**body, "stream_options": {**(options or {}), "include_usage": True}}
+    assert sent == want

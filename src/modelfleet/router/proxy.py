@@ -211,10 +211,7 @@ class Proxy:
             # Ask the engine for the stream's usage; the client gets it only if it asked too.
             options = body.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
-                options = dict(options) if isinstance(options, dict) else {}
-                options["include_usage"] = True
-                body["stream_options"] = options
-                raw = json.dumps(body).encode()
+                raw = asking_usage(body, raw)
                 hide_usage = True
         ex.scanner = UsageScanner(stream, hide_usage)
         ticket = None
@@ -592,6 +589,21 @@ def _token_estimate(body: dict[str, Any], prompt: str, path: str, default_max: i
     if not isinstance(asked, int) or not isinstance(n, int):
         asked, n = default_max, 1
     return len(prompt) // 4 + 1 + asked * max(1, n)
+
+
+def asking_usage(body: dict[str, Any], raw: bytes) -> bytes:
+    """`raw`, the JSON of `body`, asking the engine for the stream's usage
+    (`stream_options.include_usage`). A body without `stream_options` gets it spliced in
+    before its closing brace: no second encoding of a long prompt per stream."""
+    if "stream_options" not in body:
+        body["stream_options"] = {"include_usage": True}
+        inner = raw.rstrip()[:-1].rstrip()  # a JSON object: its last byte is "}"
+        return inner + b',"stream_options":{"include_usage":true}}'
+    options = body["stream_options"]
+    options = dict(options) if isinstance(options, dict) else {}
+    options["include_usage"] = True
+    body["stream_options"] = options
+    return json.dumps(body).encode()
 
 
 def _capped(body: dict[str, Any], raw: bytes, route: RoutedModel) -> bytes:
