@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import psutil
 
@@ -64,18 +65,28 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port(host: str) -> int:
+# Where `free_port` picks, below the kernel's range for outgoing connections: the services
+# `up` starts in the upper half, the engines agents start in the lower half, anything else
+# anywhere in it.
+PortBand = Literal["services", "engines", "any"]
+
+
+def free_port(host: str, band: PortBand = "any") -> int:
     """A TCP port free on `host` now, for a listener to bind soon after.
 
     Picked below the kernel's range for outgoing connections: a port from that range, free
     now, may be taken a moment later as the source port of some connection, and the listener
-    that was meant to have it fails with "address already in use".
+    that was meant to have it fails with "address already in use". `up` picks its services'
+    ports before they bind them, and agents pick their engines' ports meanwhile: in bands of
+    their own, so that an engine never takes a port promised to a service (it happened).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low = _ephemeral_low()
     first = max(1024, low - 16384)
+    middle = (first + low) // 2
+    first, last = {"services": (middle, low), "engines": (first, middle)}.get(band, (first, low))
     for _ in range(64):
-        port = random.randrange(first, low) if low > first else 0
+        port = random.randrange(first, last) if last > first else 0
         with socket.socket(family) as sock:
             try:
                 sock.bind((host, port))

@@ -121,7 +121,7 @@ class Shard:
         # restart of it keeps the address its peers were given.
         self.dist_port: int | None = None
         if assignment.num_shards > 1 and assignment.rank == 0:
-            self.dist_port = free_port(settings.engine_host)
+            self.dist_port = free_port(settings.engine_host, "engines")
         self.task: asyncio.Task[None] | None = None
 
     # -- what is reported and recorded ---------------------------------------------------
@@ -251,7 +251,7 @@ class Shard:
             self._set(ShardState.FAILED, str(self.driver))
             return False
         host = self.settings.engine_host
-        self.port = free_port(host)
+        self.port = free_port(host, "engines")
         key = ENGINE_KEY_PREFIX + secrets.token_urlsafe(24)
         try:
             launch = self.driver.launch(self.assignment, host, self.port, self.leader, key)

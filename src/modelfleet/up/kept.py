@@ -83,10 +83,10 @@ def load_or_make(state_dir: Path, router_port: int = 0) -> Loaded:
             api_key=new_key(),
             admin_token=secrets.token_urlsafe(24),
             agent_token=secrets.token_urlsafe(24),
-            router_port=router_port or free_port(HOST),
-            push_port=free_port(HOST),
-            agent_port=free_port(HOST),
-            admin_port=free_port(HOST),
+            router_port=router_port or free_port(HOST, "services"),
+            push_port=free_port(HOST, "services"),
+            agent_port=free_port(HOST, "services"),
+            admin_port=free_port(HOST, "services"),
         )
     else:
         moved: dict[str, int] = {}
@@ -97,7 +97,7 @@ def load_or_make(state_dir: Path, router_port: int = 0) -> Loaded:
             if not port_free(port):
                 if name == "router_port" and router_port:
                     continue  # asked for by the operator: the router's own error names it
-                moved[name] = free_port(HOST)
+                moved[name] = free_port(HOST, "services")
                 notes.append(
                     f"{name.replace('_', ' ')} {port} is taken now; using {moved[name]} instead"
                 )
