@@ -552,11 +552,8 @@ class RedisLimits:
         try:
             while self._settling:
                 batch, self._settling = self._settling, []
-                pipe = self.client.pipeline(transaction=False)
-                for batch_keys, args in batch:
-                    await self._settle(keys=batch_keys, args=args, client=pipe)
                 try:
-                    await pipe.execute()
+                    await self._pipelined(self._settle, batch)
                 except (redis.exceptions.RedisError, OSError) as exc:
                     self._log(f"cannot settle {len(batch)} request(s) in Redis: {exc}")
         finally:
@@ -574,6 +571,27 @@ class RedisLimits:
             self._key(name, "lease-holders"),
         ]
 
+    def _lease_args(
+        self,
+        key: ApiKey,
+        now: float,
+        requests: tuple[int, int],
+        tokens: tuple[int, int],
+        slots: tuple[int, int],
+    ) -> list[str | int]:
+        """The lease script's ARGV: for requests, tokens and slots, (wanted, needed)."""
+        elapsed = bucket_of(now)[1]
+        limits = [key.rpm or 0, key.tpm or 0, key.max_concurrent or 0]
+        return [repr(now), repr(elapsed), *limits, *requests, *tokens, *slots, self.name,
+                repr(now + IN_FLIGHT_DEADLINE)]  # fmt: skip
+
+    async def _pipelined(self, script: Any, batch: list[tuple[list[str], list[Any]]]) -> None:
+        """Run `script` once per (keys, args) of `batch`, in one pipeline: one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for keys, args in batch:
+            await script(keys=keys, args=args, client=pipe)
+        await pipe.execute()
+
     async def _admit_leased(self, key: ApiKey, tokens: int, now: float) -> Ticket | Refusal:
         """Admit from this router's lease of `key`, leasing more from the store only when it
         falls short: most admissions never wait."""
@@ -584,7 +602,7 @@ class RedisLimits:
         lease = self._leases.get(key.name)
         if lease is None:
             lease = self._leases[key.name] = _Lease()
-        elif lease.key is not None and _limits(lease.key) != _limits(key):
+        elif lease.key is not key and lease.key is not None and _limits(lease.key) != _limits(key):
             self._drop(key.name, lease)  # leased under other limits: they hold no more
         lease.key = key
         lease.slot_share = _share(key.max_concurrent)
@@ -643,15 +661,14 @@ class RedisLimits:
                 await asyncio.shield(self._return_flusher)
             answer = await self._lease(
                 keys=self._lease_keys(key.name, bucket),
-                args=[
-                    repr(now), repr(elapsed), key.rpm or 0, key.tpm or 0,
-                    key.max_concurrent or 0,
-                    max(short_r, _share(key.rpm)) if short_r else 0, short_r,
-                    max(short_t, _share(key.tpm)) if short_t else 0, short_t,
-                    max(short_s, lease.slot_share) if short_s else 0, short_s,
-                    self.name, repr(now + IN_FLIGHT_DEADLINE),
-                ],
-            )  # fmt: skip
+                args=self._lease_args(
+                    key,
+                    now,
+                    (max(short_r, _share(key.rpm)) if short_r else 0, short_r),
+                    (max(short_t, _share(key.tpm)) if short_t else 0, short_t),
+                    (max(short_s, lease.slot_share) if short_s else 0, short_s),
+                ),
+            )
         finally:
             lease.fetching = None
         self.leases_taken += 1
@@ -709,7 +726,7 @@ class RedisLimits:
     async def _renew(self, renewing: list[tuple[str, _Lease]], now: float) -> Refusal | None:
         import redis.exceptions
 
-        bucket, elapsed = bucket_of(now)
+        bucket = bucket_of(now)[0]
         answers: list[Any] = []
         try:
             pipe = self.client.pipeline(transaction=False)
@@ -719,13 +736,11 @@ class RedisLimits:
                 share_r, share_t = _share(key.rpm), _share(key.tpm)
                 await self._lease(
                     keys=self._lease_keys(name, bucket),
-                    args=[
-                        repr(now), repr(elapsed), key.rpm or 0, key.tpm or 0, 0,
-                        share_r, 1 if share_r else 0, share_t, 1 if share_t else 0, 0, 0,
-                        self.name, repr(now + IN_FLIGHT_DEADLINE),
-                    ],
+                    args=self._lease_args(
+                        key, now, (share_r, min(share_r, 1)), (share_t, min(share_t, 1)), (0, 0)
+                    ),
                     client=pipe,
-                )  # fmt: skip
+                )
             answers = await pipe.execute(raise_on_error=False)
             self.leases_taken += 1
         except (redis.exceptions.RedisError, OSError) as exc:
@@ -811,11 +826,8 @@ class RedisLimits:
         while self._returning:
             batch = self._returning[:RENEW_BATCH]
             del self._returning[:RENEW_BATCH]
-            pipe = self.client.pipeline(transaction=False)
-            for keys, args in batch:
-                await self._give_back(keys=keys, args=args, client=pipe)
             try:
-                await pipe.execute()
+                await self._pipelined(self._give_back, batch)
             except (redis.exceptions.RedisError, OSError) as exc:
                 self._log(f"cannot give back {len(batch)} lease(s) to Redis: {exc}")
 
