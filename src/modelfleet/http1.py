@@ -17,6 +17,12 @@ reads slowly), `Expect: 100-continue`, `http.disconnect` when the client goes aw
 `ClientDisconnected`, an `OSError`, on a send after it), a 500 for an app that fails before
 answering, and one ordered `shutdown()`: stop accepting, close idle connections, let the
 requests in flight finish within a deadline, cancel what is left, close.
+
+A server may also be given `take`, a handler that gets a POST whose whole (small) body is in
+before any task is made for it. The router's fast lane (`router/fast_lane.py`) answers most
+requests this way, by callbacks; what it cannot finish alone it hands to a task of its own
+(`Cycle.carry_on`). A request it does not take goes to the ASGI app as any other, and so
+does a pipelined request that waited for the one before it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import logging
 import socket
 import urllib.parse
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import httptools
@@ -61,10 +67,11 @@ def _status_line(status: int) -> bytes:
     return line
 
 
-class _Cycle:
+class Cycle:
     """One request and its answer on a connection."""
 
     __slots__ = (
+        "awaiting_take",
         "body",
         "body_given",
         "complete",
@@ -103,13 +110,22 @@ class _Cycle:
         # How the body's end is told: by its length, by chunks, or by closing the connection.
         self.framing: Literal["length", "chunked", "close"] = "length"
         self.on_gone: Callable[[], None] | None = None
+        self.awaiting_take = False  # held for `take` until its whole body is in
         scope["extensions"] = {"modelfleet.on_disconnect": self.call_on_disconnect}
 
     def call_on_disconnect(self, callback: Callable[[], None] | None) -> None:
         """The `modelfleet.on_disconnect` extension: `callback` is called at once when the
         client goes away before its answer is complete. The router's proxy uses it instead
-        of a task waiting on `receive()` per request."""
+        of a task waiting on `receive()` per request. A client already gone: called now."""
         self.on_gone = callback
+        if callback is not None and self.disconnected and not self.complete:
+            callback()
+
+    def take_body(self) -> bytes:
+        """The whole body, for `take`: the app is not given it again."""
+        body, self.body = self.body, b""
+        self.body_given = True
+        return body
 
     def wake(self) -> None:
         waiter = self.waiter
@@ -159,8 +175,27 @@ class _Cycle:
             raise RuntimeError("http.response.body before http.response.start")
         if self.complete:
             raise RuntimeError("http.response.body after the answer was complete")
-        body: bytes = message.get("body", b"")
         more = message.get("more_body", False)
+        self._write(message.get("body", b""), more)
+        if more and self.conn.write_paused:
+            await self.conn.drained()
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """Send a whole answer at once: for `take`, which answers without a task. Nothing is
+        sent to a client that has gone away."""
+        if self.disconnected or self.started:
+            return
+        self.started = True
+        self.status = status
+        self.headers = headers
+        self._write(body, False)
+
+    def carry_on(self, work: Callable[[Any, Any], Awaitable[None]]) -> None:
+        """Hand a taken request to a task: `work(receive, send)` finishes it as an ASGI app
+        would. The server waits for it at shutdown like any request's task."""
+        self.conn.start(self, work(self.receive, self.send))
+
+    def _write(self, body: bytes, more: bool) -> None:
         out = b"" if self.head_sent else self._head(None if more else len(body))
         if self.head_request:
             pass
@@ -178,8 +213,6 @@ class _Cycle:
             self.complete = True
             self.wake()
             conn.answered(self)
-        elif conn.write_paused:
-            await conn.drained()
 
     def _head(self, length: int | None) -> bytes:
         """The status line and headers; `length`: the body's, when it is known whole."""
@@ -210,20 +243,20 @@ class _Cycle:
         parts.append(b"\r\n")
         return b"".join(parts)
 
-    async def run(self, app: Any) -> None:
+    async def run(self, work: Awaitable[None]) -> None:
         try:
-            await app(self.scope, self.receive, self.send)
+            await work
         except ClientDisconnected:
             pass
         except Exception:
             log.exception("the app failed on %s %s", self.scope["method"], self.scope["path"])
-            self._fail()
+            self.fail()
             return
         if not self.complete and not self.disconnected:
             log.error("the app returned without a whole answer to %s", self.scope["path"])
-            self._fail()
+            self.fail()
 
-    def _fail(self) -> None:
+    def fail(self) -> None:
         """500 when nothing was sent yet; otherwise the connection is cut short."""
         if self.disconnected or self.complete:
             return
@@ -247,9 +280,9 @@ class _Connection(asyncio.Protocol):
         self.loop = server.loop
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.parser = httptools.HttpRequestParser(self)
-        self.cycle: _Cycle | None = None  # the request being answered
-        self.parsing: _Cycle | None = None  # the request being read (pipelined: a later one)
-        self.queue: deque[_Cycle] = deque()  # pipelined requests waiting for their turn
+        self.cycle: Cycle | None = None  # the request being answered
+        self.parsing: Cycle | None = None  # the request being read (pipelined: a later one)
+        self.queue: deque[Cycle] = deque()  # pipelined requests waiting for their turn
         self.task: asyncio.Task[None] | None = None
         self.idle_since: float | None = None
         self.read_paused = False
@@ -259,6 +292,7 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
         self._expect_continue = False
+        self._length = b""  # the request's Content-Length, as sent
         self.server_addr: tuple[str, int] | None = None
         self.client_addr: tuple[str, int] | None = None
 
@@ -279,6 +313,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        if self.cycle is not None:
+            self.server.untake(self.cycle)
         for cycle in (self.cycle, self.parsing, *self.queue):
             if cycle is not None and not cycle.disconnected:
                 cycle.disconnected = True
@@ -321,6 +357,7 @@ class _Connection(asyncio.Protocol):
         self._headers = []
         self._head_bytes = 0
         self._expect_continue = False
+        self._length = b""
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -331,6 +368,8 @@ class _Connection(asyncio.Protocol):
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
+        elif name == b"content-length":
+            self._length = value
         self._headers.append((name, value))
 
     def _count(self, n: int) -> None:
@@ -362,11 +401,15 @@ class _Connection(asyncio.Protocol):
             "state": {},
         }
         keep_alive = version != "1.0" and parser.should_keep_alive()
-        cycle = _Cycle(self, scope, keep_alive)
+        cycle = Cycle(self, scope, keep_alive)
         cycle.expect_continue = self._expect_continue
         self.parsing = cycle
         if self.cycle is None:
-            self._start(cycle)
+            if self._for_take(cycle):
+                self.cycle = cycle
+                cycle.awaiting_take = True
+                return
+            self.start(cycle)
         else:
             self.queue.append(cycle)  # answered after the one before it
             self.pause_reading()
@@ -385,20 +428,58 @@ class _Connection(asyncio.Protocol):
         if cycle is None:
             return
         cycle.more_body = False
+        if cycle.awaiting_take:
+            cycle.awaiting_take = False
+            self._take(cycle)
+            return
         cycle.wake()
 
     # -- requests --------------------------------------------------------------------------
 
-    def _start(self, cycle: _Cycle) -> None:
-        self.cycle = cycle
-        self.task = self.loop.create_task(cycle.run(self.server.app))
-        self.server.tasks.add(self.task)
-        self.task.add_done_callback(self.server.tasks.discard)
+    def _for_take(self, cycle: Cycle) -> bool:
+        """Whether `cycle` waits for its whole body and goes to `take`: a POST with a small
+        body of known length, whose client does not wait for a 100 Continue."""
+        length = self._length
+        return (
+            self.server.take is not None
+            and cycle.scope["method"] == "POST"
+            and not self._expect_continue
+            and length.isdigit()
+            and int(length) <= HIGH_WATER
+        )
 
-    def answered(self, cycle: _Cycle) -> None:
+    def _take(self, cycle: Cycle) -> None:
+        server = self.server
+        assert server.take is not None
+        server.taken.add(cycle)
+        try:
+            taken = server.take(cycle)
+        except Exception:
+            # Raised out of a parser callback it would read as a malformed request.
+            log.exception("taking %s %s failed", cycle.scope["method"], cycle.scope["path"])
+            cycle.fail()
+            return
+        if not taken:
+            server.untake(cycle)
+            self.start(cycle)
+        elif cycle.complete:
+            server.untake(cycle)
+
+    def start(self, cycle: Cycle, work: Awaitable[None] | None = None) -> None:
+        """Run `work` (by default the app) for `cycle` in a task of its own."""
+        self.cycle = cycle
+        self.server.untake(cycle)
+        if work is None:
+            work = self.server.app(cycle.scope, cycle.receive, cycle.send)
+        self.task = self.loop.create_task(cycle.run(work))
+        self.server.tasks.add(self.task)
+        self.task.add_done_callback(self.server.task_done)
+
+    def answered(self, cycle: Cycle) -> None:
         """`cycle`'s answer went out in full: close, or go on with the next request."""
         if cycle is not self.cycle:
             return
+        self.server.untake(cycle)
         if not cycle.keep_alive:
             self.transport.close()
             return
@@ -406,7 +487,7 @@ class _Connection(asyncio.Protocol):
         # dropped (`on_body`), and the next request starts after it.
         self.cycle = None
         if self.queue:
-            self._start(self.queue.popleft())
+            self.start(self.queue.popleft())
         else:
             self.idle_since = self.loop.time()
             if self.server.stopping:
@@ -439,15 +520,36 @@ class _Connection(asyncio.Protocol):
 class Http1Server:
     """Serves an ASGI app over HTTP/1.1 on listening sockets."""
 
-    def __init__(self, app: Any, keep_alive: float = 30.0) -> None:
+    def __init__(
+        self, app: Any, keep_alive: float = 30.0, take: Callable[[Cycle], bool] | None = None
+    ) -> None:
         self.app = app
         self.keep_alive = keep_alive  # seconds an idle connection is kept
+        # Gets each small POST once its body is in; True: it answers or carries it on.
+        self.take = take
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.taken: set[Cycle] = set()  # taken requests being answered without a task
+        self._quiet: asyncio.Future[None] | None = None  # set once nothing is in flight
         self.stopping = False
         self.loop = asyncio.get_running_loop()
         self._servers: list[asyncio.AbstractServer] = []
         self._sweeper: asyncio.Task[None] | None = None
+
+    def task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self._check_quiet()
+
+    def untake(self, cycle: Cycle) -> None:
+        """`cycle` is answered, gone, or carried on by a task."""
+        if cycle in self.taken:
+            self.taken.discard(cycle)
+            self._check_quiet()
+
+    def _check_quiet(self) -> None:
+        quiet = self._quiet
+        if quiet is not None and not quiet.done() and not self.tasks and not self.taken:
+            quiet.set_result(None)
 
     async def start(self, sock: socket.socket) -> None:
         """Accept connections on `sock`, which is bound and listening."""
@@ -476,12 +578,15 @@ class Http1Server:
         for conn in list(self.connections):
             if conn.cycle is None:
                 conn.transport.close()
-        if self.tasks:
-            _, late = await asyncio.wait(set(self.tasks), timeout=drain_timeout)
+        self._quiet = self.loop.create_future()
+        self._check_quiet()
+        await asyncio.wait([self._quiet], timeout=drain_timeout)
+        if not self._quiet.done():
+            late = set(self.tasks)
+            log.warning("cutting %d request(s) still in flight", len(late) + len(self.taken))
+            for task in late:
+                task.cancel()
             if late:
-                log.warning("cancelling %d request(s) still in flight", len(late))
-                for task in late:
-                    task.cancel()
                 await asyncio.wait(late, timeout=5)
         for conn in list(self.connections):
             conn.transport.close()

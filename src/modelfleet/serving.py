@@ -25,7 +25,7 @@ import uvicorn
 import uvloop
 
 from modelfleet.files import write_json_atomic
-from modelfleet.http1 import Http1Server
+from modelfleet.http1 import Cycle, Http1Server
 
 log = logging.getLogger("modelfleet")
 
@@ -44,6 +44,8 @@ class Listener:
     # The HTTP server: uvicorn, or the lean one of `http1.py` for the router's client
     # listener, where the benchmark showed uvicorn's share of each request.
     server: Literal["uvicorn", "http1"] = "uvicorn"
+    # On the lean server: gets each small POST before the app does (`Http1Server.take`).
+    take: Callable[[Cycle], bool] | None = field(default=None, repr=False)
     sock: socket.socket | None = field(default=None, repr=False)
 
     def bind(self) -> socket.socket:
@@ -115,7 +117,7 @@ async def run_service(
     for listener in listeners:
         sock = listener.sock or listener.bind()
         if listener.server == "http1":
-            http1 = Http1Server(listener.app)
+            http1 = Http1Server(listener.app, take=listener.take)
             await http1.start(sock)
             lean.append(http1)
             continue

@@ -16,7 +16,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from modelfleet.router.service import Router, RouterConfig, create_apps
+from modelfleet.http1 import Http1Server
+from modelfleet.router.fast_lane import FastLane
+from modelfleet.router.service import ClientApp, Router, RouterConfig, create_apps
 from modelfleet.serving import Listener
 
 
@@ -30,14 +32,69 @@ class FakeClock:
         return self.now
 
 
+# Which way `client_of` reaches a router: "proxy", the proxy's coroutine as an ASGI app in
+# process; or "lane", the lean server on 127.0.0.1 with the fast lane in front of it. Tests
+# that hold both ways take the `way` fixture (conftest.py), which sets this.
+WAY = "proxy"
+
+
+class LaneTransport(httpx.AsyncBaseTransport):
+    """Serves a router's client app on the lean server with its fast lane, on a free port of
+    127.0.0.1 from the first request on; every request goes there, whatever its URL."""
+
+    def __init__(self, app: ClientApp) -> None:
+        self.app = app
+        self.server: Http1Server | None = None
+        self.port = 0
+        self.inner = httpx.AsyncHTTPTransport()
+
+    async def start(self) -> str:
+        if self.server is None:
+            listener = Listener("router", self.app, server="http1")
+            sock = listener.bind()
+            self.server = Http1Server(self.app, take=FastLane(self.app.proxy).take)
+            await self.server.start(sock)
+            self.port = listener.port
+        return f"http://127.0.0.1:{self.port}"
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await self.start()
+        request.url = request.url.copy_with(scheme="http", host="127.0.0.1", port=self.port)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+        if self.server is not None:
+            await self.server.shutdown(drain_timeout=1)
+
+
 def client_of(router: Router) -> httpx.AsyncClient:
-    """An in-process client of `router`'s client API, with the key its config names."""
+    """A client of `router`'s client API (the way `WAY` says), with the key its config names."""
     client_app, _ = create_apps(router)
+    transport: httpx.AsyncBaseTransport = (
+        LaneTransport(client_app) if WAY == "lane" else httpx.ASGITransport(app=client_app)
+    )
     return httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=client_app),
+        transport=transport,
         base_url="http://router",
         headers={"authorization": "Bearer client-key"},
     )
+
+
+@contextlib.asynccontextmanager
+async def router_url(router: Router) -> AsyncIterator[str]:
+    """`router`'s client API on 127.0.0.1 (uvicorn, or the lean server with its fast lane,
+    as `WAY` says); yields its URL."""
+    client_app, _ = create_apps(router)
+    if WAY != "lane":
+        async with serving(client_app) as url:
+            yield url
+        return
+    lane = LaneTransport(client_app)
+    try:
+        yield await lane.start()
+    finally:
+        await lane.aclose()
 
 
 def keyed(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from modelfleet.http1 import HIGH_WATER, Http1Server
+from modelfleet.http1 import HIGH_WATER, Cycle, Http1Server
 from modelfleet.serving import Listener, run_service
 
 from .router_kit import run, until
@@ -43,10 +43,12 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serve(app: App, keep_alive: float = 30.0) -> AsyncIterator[Served]:
+async def serve(
+    app: App, keep_alive: float = 30.0, take: Callable[[Cycle], bool] | None = None
+) -> AsyncIterator[Served]:
     listener = Listener("test", app, server="http1")
     sock = listener.bind()
-    server = Http1Server(app, keep_alive=keep_alive)
+    server = Http1Server(app, keep_alive=keep_alive, take=take)
     await server.start(sock)
     try:
         yield Served(server, listener.port)
@@ -113,6 +115,59 @@ async def _test_pipelined_requests_are_answered_in_order() -> None:
             _, _, body = await read_answer(reader)
             assert body == f"POST /{i} ".encode() + b"x" * i
         writer.close()
+
+
+def test_take_gets_whole_small_posts_and_the_app_everything_else() -> None:
+    run(_test_take_gets_whole_small_posts_and_the_app_everything_else())
+
+
+async def _test_take_gets_whole_small_posts_and_the_app_everything_else() -> None:
+    taken: list[bytes] = []
+
+    def take(cycle: Cycle) -> bool:
+        path = cycle.scope["path"]
+        if path == "/boom":
+            raise RuntimeError("a failing take")
+        if path == "/later":
+
+            async def work(receive: Any, send: Any) -> None:
+                await asyncio.sleep(0)
+                await send({"type": "http.response.start", "status": 201, "headers": []})
+                await send({"type": "http.response.body", "body": b"carried on"})
+
+            cycle.carry_on(work)
+            return True
+        if path != "/taken":
+            return False
+        body = cycle.take_body()
+        taken.append(body)
+        cycle.answer(200, [(b"content-type", b"text/plain")], b"took " + body)
+        return True
+
+    async with serve(echo, take=take) as served:
+        reader, writer = await served.connect()
+        # Pipelined: answered in order. A request that waited for its turn goes to the app.
+        writer.write(post("/taken", b"one") + post("/other", b"two") + post("/taken", b"3"))
+        answers = [await read_answer(reader) for _ in range(3)]
+        assert [(a[0], a[2]) for a in answers] == [
+            (200, b"took one"),
+            (200, b"POST /other two"),
+            (200, b"POST /taken 3"),
+        ]
+        writer.write(post("/later", b"x"))
+        assert (await read_answer(reader))[::2] == (201, b"carried on")
+        # A body too large to hold, or one its client sends only after a 100: the app's.
+        big = b"b" * (HIGH_WATER + 1)
+        writer.write(post("/taken", big))
+        assert (await read_answer(reader))[2] == b"POST /taken " + big
+        writer.write(post("/taken", b"", "expect: 100-continue\r\n"))
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # 100 Continue
+        assert (await read_answer(reader))[2] == b"POST /taken "
+        assert taken == [b"one"]
+        writer.write(post("/boom", b"x"))
+        assert (await read_answer(reader))[0] == 500
+        writer.close()
+        await until("the failed request's connection to close", lambda: not served.server.taken)
 
 
 def test_chunked_request_body_and_expect_continue() -> None:

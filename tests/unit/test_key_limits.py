@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from modelfleet.router.limits import MemoryLimits, Ticket
 from modelfleet.router.service import Router
@@ -42,6 +43,7 @@ async def until_settled(router: Router) -> None:
         await next(iter(router.background))
 
 
+@pytest.mark.usefixtures("way")
 def test_over_its_rpm_a_key_gets_429_with_retry_after_naming_the_limit_not_the_key() -> None:
     wall = FakeClock()
     wall.now = T0
@@ -70,6 +72,7 @@ def test_over_its_rpm_a_key_gets_429_with_retry_after_naming_the_limit_not_the_k
     run(go())
 
 
+@pytest.mark.usefixtures("way")
 def test_a_token_limit_is_held_by_the_reservation_and_settled_to_the_engines_usage() -> None:
     """Two requests of max_tokens 400 reserve about 800 of a 1,000 tpm key, so a third is
     refused while they run; each used far fewer, and once settled a third fits."""
@@ -106,6 +109,7 @@ def sse_events(text: str) -> list[dict[str, object]]:
     ]
 
 
+@pytest.mark.usefixtures("way")
 def test_a_streams_usage_is_counted_and_shown_only_to_a_client_that_asked_for_it() -> None:
     wall = FakeClock()
     wall.now = T0

@@ -68,6 +68,7 @@ def test_an_update_changes_what_it_names_and_clears_what_it_clears() -> None:
     )
 
 
+@pytest.mark.usefixtures("way")
 def test_bad_key_requests_are_refused_and_change_nothing() -> None:
     store = SqliteStore(":memory:")
     book = KeyBook(store)
@@ -118,6 +119,7 @@ def test_a_key_made_through_the_admin_api_is_published_to_routers_and_revoked_fr
     run(go())
 
 
+@pytest.mark.usefixtures("way")
 def test_the_router_takes_pushed_keys_beside_its_own_and_refuses_an_expired_one() -> None:
     wall = FakeClock()
     router = keyed(wall=wall)

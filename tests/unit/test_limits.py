@@ -229,6 +229,30 @@ def test_large_limits_are_leased_a_share_at_a_time_not_asked_per_request(redis_u
     run(go())
 
 
+def test_a_leased_key_is_admitted_at_once_until_its_lease_runs_short(redis_url: str) -> None:
+    """`admit_at_once` (the fast lane's) takes from the lease with no round trip, and says
+    None, wait for `admit`, when the lease is short or the key is not leased."""
+    key = ApiKey("k", "h", rpm=1_000)  # a share: 10 requests
+
+    async def go() -> None:
+        (limits,) = _routers(redis_url, 1, f"test:at-once:{uuid.uuid4().hex}:")
+        assert limits.admit_at_once(key, 0, "r0", T0) is None  # nothing leased yet
+        assert isinstance(await limits.admit(key, 0, "r1", T0), Ticket)
+        got = [limits.admit_at_once(key, 0, f"r{i}", T0) for i in range(2, 20)]
+        assert all(isinstance(g, Ticket) and g.leased for g in got[:9])
+        assert got[9:] == [None] * 9 and limits.leases_taken == 1
+        assert limits.admit_at_once(ApiKey("s", "h", rpm=60), 0, "r", T0) is None
+        refused = limits.admit_at_once(ApiKey("t", "h", tpm=1_000), 2_000, "r", T0)
+        assert isinstance(refused, Refusal) and refused.limit == "tpm"
+        memory = MemoryLimits()
+        small = ApiKey("s", "h", rpm=1)
+        assert isinstance(memory.admit_at_once(small, 0, "r", T0), Ticket)
+        assert isinstance(memory.admit_at_once(small, 0, "r", T0), Refusal)
+        await limits.close()
+
+    run(go())
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     rpm=st.integers(200, 900),
@@ -374,6 +398,7 @@ def test_a_key_given_lower_limits_admits_no_more_from_its_old_lease(redis_url: s
     run(go())
 
 
+@pytest.mark.usefixtures("way")
 def test_through_the_router_a_leased_key_settles_into_its_lease_without_the_store(
     redis_url: str,
 ) -> None:

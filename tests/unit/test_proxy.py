@@ -18,16 +18,25 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from modelfleet.router.proxy import asking_usage
-from modelfleet.router.service import create_apps
 from modelfleet.simulator.engine import SimSettings
 from modelfleet.simulator.server import create_app as create_simulator
 from modelfleet.wire import RoutedModel
 
-from .router_kit import FakeClock, client_of, keyed, run, serving, until, upstream
+from .router_kit import (
+    FakeClock,
+    client_of,
+    keyed,
+    router_url,
+    run,
+    serving,
+    until,
+    upstream,
+)
 
 COMPLETION = {"model": "m", "prompt": "x"}
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize("status", [502, 503, 504])
 def test_a_failing_replica_is_retried_elsewhere_then_ejected_and_probed_back(status: int) -> None:
     """Each request that meets the failing engine first is answered by the healthy one; after
@@ -84,6 +93,7 @@ def hanging_engine(calls: list[str], gone: list[str]) -> Starlette:
     return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
 
 
+@pytest.mark.usefixtures("way")
 def test_a_replica_silent_past_the_models_first_byte_timeout_is_left_for_another() -> None:
     async def go() -> None:
         calls: list[str] = []
@@ -128,12 +138,12 @@ def stalling_engine() -> Starlette:
     return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
 
 
+@pytest.mark.usefixtures("way")
 def test_a_stalled_stream_ends_with_an_error_event_never_silence() -> None:
     async def go() -> None:
         async with serving(stalling_engine()) as engine:
             router = keyed(chunk_timeout=0.3, models=[RoutedModel(name="m", endpoints=[engine])])
-            client_app, _ = create_apps(router)
-            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=client_app))
+            http = client_of(router)
             sdk = openai.AsyncOpenAI(
                 api_key="client-key", base_url="http://router/v1", http_client=http
             )
@@ -149,20 +159,24 @@ def test_a_stalled_stream_ends_with_an_error_event_never_silence() -> None:
     run(go())
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_goes_away_cancels_the_request_upstream(stream: bool) -> None:
-    """A request with a huge max_tokens whose client leaves no longer holds the engine."""
+    """A request with a huge max_tokens whose client leaves no longer holds the engine. A
+    short request first leaves a kept-alive connection to the engine, so that the fast lane
+    takes the long one."""
 
     async def go() -> None:
         sim = create_simulator(SimSettings(model="m", ttft=0.0, itl=0.05))
         engine = sim.state.engine
         async with serving(sim) as engine_url:
             router = keyed(models=[RoutedModel(name="m", endpoints=[engine_url])])
-            client_app, _ = create_apps(router)
-            async with serving(client_app) as router_url:
+            async with router_url(router) as url:
                 body = {"model": "m", "prompt": "x", "max_tokens": 100_000, "stream": stream}
                 headers = {"authorization": "Bearer client-key"}
-                async with httpx.AsyncClient(base_url=router_url, headers=headers) as client:
+                async with httpx.AsyncClient(base_url=url, headers=headers) as client:
+                    short = {"model": "m", "prompt": "x", "max_tokens": 1}
+                    assert (await client.post("/v1/completions", json=short)).is_success
                     if stream:
                         async with client.stream("POST", "/v1/completions", json=body) as r:
                             async for _ in r.aiter_bytes():
@@ -192,6 +206,7 @@ def echo_engine(seen: list[dict[str, object]]) -> Starlette:
     return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
 
 
+@pytest.mark.usefixtures("way")
 def test_the_catalogs_max_tokens_cap_refuses_or_clamps() -> None:
     async def go() -> None:
         seen: list[dict[str, object]] = []
@@ -229,6 +244,7 @@ def test_the_catalogs_max_tokens_cap_refuses_or_clamps() -> None:
     run(go())
 
 
+@pytest.mark.usefixtures("way")
 def test_answers_name_their_replica_and_metrics_move() -> None:
     async def go() -> None:
         healthy: list[int] = []

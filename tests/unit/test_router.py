@@ -7,6 +7,7 @@ import socket
 from collections.abc import AsyncIterator
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -125,6 +126,7 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read() -> None:
     assert sent < 20  # it stopped reading at the limit
 
 
+@pytest.mark.usefixtures("way")
 def test_every_answer_is_openai_style_and_carries_its_request_id() -> None:
     async def go() -> None:
         seen: list[str | None] = []

@@ -4,6 +4,7 @@ and the control plane collecting from a router in front of a real simulator."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from modelfleet.controlplane.config import RouterTarget
 from modelfleet.controlplane.usage import UsageCollector
@@ -54,6 +55,7 @@ def test_the_store_counts_each_batch_once_and_sums_batches_of_one_hour() -> None
     assert store.usage_totals() == {"alice": (3, 23, HOUR + 9.0), "bob": (1, 2, 0.0)}
 
 
+@pytest.mark.usefixtures("way")
 def test_the_control_plane_collects_what_the_router_counted_from_the_engines_usage() -> None:
     """Through a router in front of the simulator: a whole answer and a stream whose client
     did not ask for usage. The collected tokens are what the engine reported; a collection

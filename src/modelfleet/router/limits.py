@@ -123,6 +123,13 @@ class Limits(Protocol):
         self, key: ApiKey, tokens: int, request_id: str, now: float
     ) -> Ticket | Refusal: ...
 
+    def admit_at_once(
+        self, key: ApiKey, tokens: int, request_id: str, now: float
+    ) -> Ticket | Refusal | None:
+        """Admit without waiting when no round trip is needed (in memory, from a lease);
+        None when `admit` must be awaited instead."""
+        ...
+
     async def settle(self, ticket: Ticket, tokens: int | None, now: float) -> None:
         """The request ended: `tokens` it used (None: unknown, the reservation stands)."""
         ...
@@ -198,6 +205,11 @@ class MemoryLimits:
         self._keys: dict[str, _KeyCounts] = {}
 
     async def admit(
+        self, key: ApiKey, tokens: int, request_id: str, now: float
+    ) -> Ticket | Refusal:
+        return self.admit_at_once(key, tokens, request_id, now)
+
+    def admit_at_once(
         self, key: ApiKey, tokens: int, request_id: str, now: float
     ) -> Ticket | Refusal:
         counts = self._keys.setdefault(key.name, _KeyCounts())
@@ -592,13 +604,17 @@ class RedisLimits:
             await script(keys=keys, args=args, client=pipe)
         await pipe.execute()
 
-    async def _admit_leased(self, key: ApiKey, tokens: int, now: float) -> Ticket | Refusal:
-        """Admit from this router's lease of `key`, leasing more from the store only when it
-        falls short: most admissions never wait."""
-        import redis.exceptions
-
+    def admit_at_once(
+        self, key: ApiKey, tokens: int, request_id: str, now: float
+    ) -> Ticket | Refusal | None:
+        if not leased(key):
+            return None  # one script per request
         if key.tpm is not None and tokens > key.tpm:
             return Refusal("tpm", key.tpm, WINDOW)
+        got = self._from_lease(key, self._lease_of(key), tokens, now)
+        return got if isinstance(got, Ticket) else None
+
+    def _lease_of(self, key: ApiKey) -> _Lease:
         lease = self._leases.get(key.name)
         if lease is None:
             lease = self._leases[key.name] = _Lease()
@@ -606,32 +622,52 @@ class RedisLimits:
             self._drop(key.name, lease)  # leased under other limits: they hold no more
         lease.key = key
         lease.slot_share = _share(key.max_concurrent)
-        while True:
-            bucket = bucket_of(now)[0]
-            if bucket > self._bucket:
-                self._turn(bucket, now)
-            if lease.bucket != bucket:
-                self._roll(key.name, lease, bucket)
-            short_r = max(0, 1 - lease.requests) if key.rpm is not None else 0
-            short_t = max(0, tokens - lease.tokens) if key.tpm is not None else 0
-            short_s = max(0, lease.in_flight + 1 - lease.slots) if key.max_concurrent else 0
-            if not (short_r or short_t or short_s):
+        return lease
+
+    def _from_lease(
+        self, key: ApiKey, lease: _Lease, tokens: int, now: float
+    ) -> Ticket | tuple[int, int, int]:
+        """Admit from what `lease` holds (or carries from last minute), or say what it is
+        short of: requests, tokens, slots."""
+        bucket = bucket_of(now)[0]
+        if bucket > self._bucket:
+            self._turn(bucket, now)
+        if lease.bucket != bucket:
+            self._roll(key.name, lease, bucket)
+        short_r = max(0, 1 - lease.requests) if key.rpm is not None else 0
+        short_t = max(0, tokens - lease.tokens) if key.tpm is not None else 0
+        short_s = max(0, lease.in_flight + 1 - lease.slots) if key.max_concurrent else 0
+        reserved = tokens if key.tpm is not None else 0
+        if not (short_r or short_t or short_s):
+            lease.used = True
+            lease.requests -= 1 if key.rpm is not None else 0
+            lease.tokens -= reserved
+            lease.in_flight += 1
+            return Ticket(key.name, self.name, reserved, bucket, leased=True)
+        if lease.carry_bucket >= 0 and not short_s:
+            enough_r = key.rpm is None or lease.carry_requests >= 1
+            enough_t = key.tpm is None or lease.carry_tokens >= tokens
+            if enough_r and enough_t:
                 lease.used = True
-                lease.requests -= 1 if key.rpm is not None else 0
-                lease.tokens -= tokens if key.tpm is not None else 0
+                lease.carry_requests -= 1 if key.rpm is not None else 0
+                lease.carry_tokens -= reserved
                 lease.in_flight += 1
-                reserved = tokens if key.tpm is not None else 0
-                return Ticket(key.name, self.name, reserved, bucket, leased=True)
-            if lease.carry_bucket >= 0 and not short_s:
-                enough_r = key.rpm is None or lease.carry_requests >= 1
-                enough_t = key.tpm is None or lease.carry_tokens >= tokens
-                if enough_r and enough_t:
-                    lease.used = True
-                    lease.carry_requests -= 1 if key.rpm is not None else 0
-                    lease.carry_tokens -= tokens if key.tpm is not None else 0
-                    lease.in_flight += 1
-                    reserved = tokens if key.tpm is not None else 0
-                    return Ticket(key.name, self.name, reserved, lease.carry_bucket, leased=True)
+                return Ticket(key.name, self.name, reserved, lease.carry_bucket, leased=True)
+        return short_r, short_t, short_s
+
+    async def _admit_leased(self, key: ApiKey, tokens: int, now: float) -> Ticket | Refusal:
+        """Admit from this router's lease of `key`, leasing more from the store only when it
+        falls short: most admissions never wait."""
+        import redis.exceptions
+
+        if key.tpm is not None and tokens > key.tpm:
+            return Refusal("tpm", key.tpm, WINDOW)
+        lease = self._lease_of(key)
+        while True:
+            got = self._from_lease(key, lease, tokens, now)
+            if isinstance(got, Ticket):
+                return got
+            short_r, short_t, short_s = got
             fetching = lease.fetching
             mine = fetching is None
             if fetching is None:

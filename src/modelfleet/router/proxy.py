@@ -22,12 +22,13 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from modelfleet.openai_api import BadRequest, error_body, parse_body, prompt_text
-from modelfleet.router.limits import Refusal, Ticket
+from modelfleet.router.limits import Refusal as LimitRefusal
+from modelfleet.router.limits import Ticket
 from modelfleet.router.upstream import Answer, UpstreamError
 from modelfleet.router.usage import UsageScanner
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from modelfleet.router.service import Router
+    from modelfleet.router.table import ApiKey
     from modelfleet.wire import RoutedModel
 
 log = logging.getLogger("modelfleet.router")
@@ -73,6 +75,35 @@ class _Exchange:
     key: str | None = None  # the name of the client's key, once it is known
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """The router's own answer to a request it does not send on: an OpenAI-style error, and
+    why (the `rejections` metric, `x-modelfleet-reason`)."""
+
+    status: int
+    message: str
+    type: str
+    reason: str
+    code: str | None = None
+    param: str | None = None
+    retry_after: int | None = None
+
+
+@dataclass
+class Plan:
+    """What a request asks for, read once from its body, and where it may go."""
+
+    key: ApiKey
+    path: str
+    raw: bytes  # the body as the engine gets it
+    endpoints: tuple[str, ...]
+    route: RoutedModel
+    stream: bool
+    limited: bool  # the key has limits: the request is admitted before it is sent
+    cost: int  # tokens reserved for the key's token limit
+    prefix: bytes | None  # for prefix routing
+
+
 class Proxy:
     """The ASGI handler of the proxied OpenAI paths of one router."""
 
@@ -81,6 +112,11 @@ class Proxy:
         self.clock = clock
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex, authorization, declared = self.exchange(scope)
+        await self.run(ex, self._handle(ex, scope, receive, send, authorization, declared))
+
+    def exchange(self, scope: Scope) -> tuple[_Exchange, str | None, bytes]:
+        """A new exchange for a request, its Authorization header and its Content-Length."""
         started = self.clock()
         request_id = authorization = None
         declared = b""
@@ -92,12 +128,20 @@ class Proxy:
             elif name == b"x-request-id":
                 request_id = value.decode("latin-1")[:200]
         ex = _Exchange(request_id or f"{random.getrandbits(128):032x}", started)
+        return ex, authorization, declared
+
+    async def run(self, ex: _Exchange, work: Awaitable[None]) -> None:
+        """Run `work`, which answers `ex`'s client, then count the exchange."""
         try:
-            await self._handle(ex, scope, receive, send, authorization, declared)
+            await work
         except _ClientGone:
             ex.client_gone = True
         except _Broken:
             pass  # the connection closes short of the promised length; the status counts
+        self.finish(ex)
+
+    def finish(self, ex: _Exchange) -> None:
+        """Count an exchange that has ended, in the metrics and the key's usage."""
         if ex.client_gone:
             metrics = self.router.metrics
             metrics.child(metrics.cancellations, ex.model).inc()
@@ -117,94 +161,84 @@ class Proxy:
         authorization: str | None,
         declared: bytes,
     ) -> None:
+        key = self.check_key(authorization)
+        if isinstance(key, Refusal):
+            await self.refuse(ex, send, key)
+            return
+        raw = await _read_body(receive, self.router.config.max_body_bytes, declared)
+        got = self.too_large() if raw is None else self.plan(ex, key, scope["path"], raw)
+        if isinstance(got, Refusal):
+            await self.refuse(ex, send, got)
+            return
+        await self.serve(ex, scope, receive, send, got)
+
+    def check_key(self, authorization: str | None) -> ApiKey | Refusal:
+        """The client's key, or the 401 for a missing, unknown or expired one."""
         router = self.router
         key = router.keys.check(authorization, router.wall())
         if isinstance(key, str):
-            await self._refuse(
-                ex,
-                send,
-                401,
-                key,
-                "invalid_request_error",
-                code="invalid_api_key",
-                reason="invalid-key",
-            )
-            return
-        limit = router.config.max_body_bytes
-        raw = await _read_body(receive, limit, declared)
-        if raw is None:
-            await self._refuse(
-                ex,
-                send,
-                413,
-                f"The request body is larger than this router takes ({limit} bytes).",
-                "invalid_request_error",
-                code="request_too_large",
-                reason="too-large",
-            )
-            return
-        path: str = scope["path"]
+            return Refusal(401, key, "invalid_request_error", "invalid-key", code="invalid_api_key")
+        return key
+
+    def too_large(self) -> Refusal:
+        limit = self.router.config.max_body_bytes
+        return Refusal(
+            413,
+            f"The request body is larger than this router takes ({limit} bytes).",
+            "invalid_request_error",
+            "too-large",
+            code="request_too_large",
+        )
+
+    def plan(self, ex: _Exchange, key: ApiKey, path: str, raw: bytes) -> Plan | Refusal:
+        """Read the request's body once: its model, where it may go, what the engine is sent;
+        or why it is refused. Records the model and the key on `ex`."""
+        router = self.router
         try:
             body = parse_body(raw)
-            prompt = _prompt(body, path) if path != "/v1/embeddings" else ""
         except BadRequest as exc:
-            await self._refuse(
-                ex, send, 400, str(exc), "invalid_request_error", param=exc.param, reason="invalid"
-            )
-            return
+            return Refusal(400, str(exc), "invalid_request_error", "invalid", param=exc.param)
         ex.model = model = body["model"]
         ex.key = key.name
         table = router.table  # taken once: a swap during this request is invisible to it
         endpoints = table.models.get(model)
         if endpoints is None and router.awaiting_table:
-            await self._refuse(
-                ex,
-                send,
+            return Refusal(
                 503,
                 "This router has no routing table yet (it has just started); try again shortly.",
                 "server_error",
+                "no-table",
                 retry_after=1,
-                reason="no-table",
             )
-            return
         if endpoints is None or not key.allows(model):
-            await self._refuse(
-                ex,
-                send,
+            return Refusal(
                 404,
                 f"The model `{model}` does not exist or you do not have access to it.",
                 "invalid_request_error",
+                "unknown-model",
                 code="model_not_found",
                 param="model",
-                reason="unknown-model",
             )
-            return
         route = table.routes[model]
         if path != "/v1/embeddings" and route.max_tokens_cap is not None:
             try:
                 raw = _capped(body, raw, route)
             except BadRequest as exc:
-                await self._refuse(
-                    ex,
-                    send,
+                return Refusal(
                     400,
                     str(exc),
                     "invalid_request_error",
+                    "over-max-tokens-cap",
                     param=exc.param,
-                    reason="over-max-tokens-cap",
                 )
-                return
         if not endpoints:
-            await self._refuse(
-                ex,
-                send,
+            return Refusal(
                 503,
                 f"No replica of `{model}` is ready now; try again shortly.",
                 "server_error",
+                "no-ready-replica",
                 retry_after=1,
-                reason="no-ready-replica",
             )
-            return
         stream = body.get("stream") is True
         hide_usage = False
         if stream and path != "/v1/embeddings":
@@ -214,21 +248,79 @@ class Proxy:
                 raw = asking_usage(body, raw)
                 hide_usage = True
         ex.scanner = UsageScanner(stream, hide_usage)
-        ticket = None
-        if key.rpm is not None or key.tpm is not None or key.max_concurrent is not None:
-            cost = _token_estimate(body, prompt, path, router.config.default_max_tokens)
-            got = await router.limits.admit(key, cost, ex.request_id, router.wall())
-            if isinstance(got, Refusal):
-                await self._over_limit(ex, send, key.name, got, cost)
-                return
-            ticket = got
+        limited = key.rpm is not None or key.tpm is not None or key.max_concurrent is not None
+        prompt = ""  # read only when a limit or the routing needs it
+        if path != "/v1/embeddings" and (limited or route.routing == "prefix"):
+            prompt = _prompt(body, path)
+        cost = (
+            _token_estimate(body, prompt, path, router.config.default_max_tokens) if limited else 0
+        )
         prefix = None
         if route.routing == "prefix":
             prefix = prompt[: router.config.prefix_chars].encode()
+        return Plan(key, path, raw, endpoints, route, stream, limited, cost, prefix)
 
-        # From here the client may go away at any await: that cancels this task, and every
-        # upstream connection is closed on the way out. The lean server says so by a
-        # callback; under any other server a task waits on `receive()` for the disconnect.
+    async def serve(
+        self,
+        ex: _Exchange,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        plan: Plan,
+        admitted: Ticket | LimitRefusal | None = None,
+        tried: list[str] | None = None,
+    ) -> None:
+        """Admit a planned request under its key's limits (unless `admitted` says how that
+        went), then send it to a replica (other than those `tried`) and relay the answer."""
+        router = self.router
+        ticket = None
+        if plan.limited:
+            got = admitted
+            if got is None:
+                got = await router.limits.admit(plan.key, plan.cost, ex.request_id, router.wall())
+            if isinstance(got, LimitRefusal):
+                await self.refuse(ex, send, self.over_limit(plan, got))
+                return
+            ticket = got
+        await self.guarded(ex, scope, receive, ticket, self._route(ex, send, plan, tried or []))
+
+    async def carry_answer(
+        self,
+        ex: _Exchange,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        plan: Plan,
+        ticket: Ticket | None,
+        upstream: Answer,
+        endpoint: str,
+        first: bytes,
+    ) -> None:
+        """Relay the rest of an answer whose first bytes have come (the fast lane's answers
+        that did not come whole at once)."""
+
+        async def relay() -> None:
+            done = False
+            try:
+                done = await self.answer(ex, send, upstream, endpoint, first, plan.stream)
+            finally:
+                self.end_attempt(endpoint, upstream, done)
+
+        await self.guarded(ex, scope, receive, ticket, relay())
+
+    async def guarded(
+        self,
+        ex: _Exchange,
+        scope: Scope,
+        receive: Receive,
+        ticket: Ticket | None,
+        work: Awaitable[None],
+    ) -> None:
+        """Run `work`, which talks to engines, and settle the key's reservation at its end.
+
+        From here the client may go away at any await: that cancels this task, and every
+        upstream connection is closed on the way out. The lean server says so by a callback;
+        under any other server a task waits on `receive()` for the disconnect."""
         task = asyncio.current_task()
         assert task is not None
 
@@ -246,7 +338,7 @@ class Proxy:
             watcher = asyncio.ensure_future(receive())
             watcher.add_done_callback(_unless_cancelled(gone))
         try:
-            await self._route(ex, send, raw, path, endpoints, route, prefix, stream)
+            await work
         except asyncio.CancelledError:
             if not ex.client_gone:
                 raise
@@ -256,9 +348,9 @@ class Proxy:
             if watcher is not None:
                 watcher.cancel()
             if ticket is not None:
-                self._settle(ex, ticket)
+                self.settle(ex, ticket)
 
-    def _settle(self, ex: _Exchange, ticket: Ticket) -> None:
+    def settle(self, ex: _Exchange, ticket: Ticket) -> None:
         """Settle the key's reservation to what the engine reported, in the background: the
         answer does not wait for the store. No engine answered: nothing was used."""
         router = self.router
@@ -270,110 +362,95 @@ class Proxy:
         router.background.add(settling)
         settling.add_done_callback(router.background.discard)
 
-    async def _over_limit(
-        self, ex: _Exchange, send: Send, key: str, refusal: Refusal, cost: int
-    ) -> None:
+    def over_limit(self, plan: Plan, refusal: LimitRefusal) -> Refusal:
         if refusal.limit == "store":
-            await self._refuse(
-                ex,
-                send,
+            return Refusal(
                 503,
                 "The router cannot reach its limits store and is set to refuse requests "
                 "meanwhile; try again shortly.",
                 "server_error",
+                "limits-store-unreachable",
                 retry_after=1,
-                reason="limits-store-unreachable",
             )
-            return
-        await self._refuse(
-            ex,
-            send,
+        return Refusal(
             429,
-            refusal.message(key, cost),
+            refusal.message(plan.key.name, plan.cost),
             "tokens" if refusal.limit == "tpm" else "requests",
+            f"key-{refusal.limit}",
             code="rate_limit_exceeded",
             retry_after=refusal.retry_after_s,
-            reason=f"key-{refusal.limit}",
         )
 
-    async def _route(
-        self,
-        ex: _Exchange,
-        send: Send,
-        raw: bytes,
-        path: str,
-        endpoints: tuple[str, ...],
-        route: RoutedModel,
-        prefix: bytes | None,
-        stream: bool,
-    ) -> None:
+    async def _route(self, ex: _Exchange, send: Send, plan: Plan, tried: list[str]) -> None:
         router = self.router
         config = router.config
+        route = plan.route
         first_byte = route.first_byte_timeout or config.first_byte_timeout
-        tried: list[str] = []
         while len(tried) <= config.retries:
-            endpoint = router.balancer.pick(endpoints, exclude=tried, prefix=prefix)
+            endpoint = router.balancer.pick(plan.endpoints, exclude=tried, prefix=plan.prefix)
             if endpoint is None:
                 break
             if tried:
                 router.metrics.child(router.metrics.retries, ex.model).inc()
             tried.append(endpoint)
-            if await self._attempt(ex, send, raw, path, endpoint, first_byte, stream):
+            if await self._attempt(ex, send, plan, endpoint, first_byte):
                 return
         if not tried:
-            await self._refuse(
+            await self.refuse(
                 ex,
                 send,
-                503,
-                f"Every replica of `{ex.model}` is out of rotation after failing; "
-                "try again shortly.",
-                "server_error",
-                retry_after=1,
-                reason="all-ejected",
+                Refusal(
+                    503,
+                    f"Every replica of `{ex.model}` is out of rotation after failing; "
+                    "try again shortly.",
+                    "server_error",
+                    "all-ejected",
+                    retry_after=1,
+                ),
             )
             return
         log.warning("no replica of %s answered: %s", ex.model, "; ".join(ex.failures))
         if ex.timeouts == len(tried):  # every replica tried was silent: a timeout, not a failure
-            await self._refuse(
+            await self.refuse(
                 ex,
                 send,
-                504,
-                f"No replica of `{ex.model}` answered within {first_byte:g} s "
-                f"({len(tried)} tried).",
-                "server_error",
-                code="upstream_timeout",
-                reason="first-byte-timeout",
+                Refusal(
+                    504,
+                    f"No replica of `{ex.model}` answered within {first_byte:g} s "
+                    f"({len(tried)} tried).",
+                    "server_error",
+                    "first-byte-timeout",
+                    code="upstream_timeout",
+                ),
             )
             return
-        await self._refuse(
+        await self.refuse(
             ex,
             send,
-            503,
-            f"No replica of `{ex.model}` could answer ({len(tried)} tried).",
-            "server_error",
-            retry_after=1,
-            reason="upstream-failed",
+            Refusal(
+                503,
+                f"No replica of `{ex.model}` could answer ({len(tried)} tried).",
+                "server_error",
+                "upstream-failed",
+                retry_after=1,
+            ),
         )
 
+    def engine_headers(self, ex: _Exchange, endpoint: str) -> list[tuple[str, str]]:
+        """The headers a request is sent to `endpoint` with."""
+        headers = [("content-type", "application/json"), ("x-request-id", ex.request_id)]
+        engine_key = self.router.table.keys.get(endpoint)
+        if engine_key is not None:
+            headers.append(("authorization", engine_key))
+        return headers
+
     async def _attempt(
-        self,
-        ex: _Exchange,
-        send: Send,
-        raw: bytes,
-        path: str,
-        endpoint: str,
-        first_byte: float,
-        stream: bool,
+        self, ex: _Exchange, send: Send, plan: Plan, endpoint: str, first_byte: float
     ) -> bool:
         """Send the request to `endpoint`; True when its answer went to the client, False
         when nothing was sent and another replica may be tried."""
         router = self.router
-        balancer, metrics = router.balancer, router.metrics
-        headers = [("content-type", "application/json"), ("x-request-id", ex.request_id)]
-        engine_key = router.table.keys.get(endpoint)
-        if engine_key is not None:
-            headers.append(("authorization", engine_key))
-        balancer.begin(endpoint)
+        router.balancer.begin(endpoint)
         upstream: Answer | None = None
         done = False
         try:
@@ -381,7 +458,9 @@ class Proxy:
             failure = None
             try:
                 async with asyncio.timeout(first_byte):
-                    upstream = await router.upstreams.post(endpoint, path, raw, headers)
+                    upstream = await router.upstreams.post(
+                        endpoint, plan.path, plan.raw, self.engine_headers(ex, endpoint)
+                    )
                     if upstream.status in RETRY_STATUSES:
                         failure = f"HTTP {upstream.status}"
                     else:
@@ -391,44 +470,57 @@ class Proxy:
                 ex.timeouts += 1
             except UpstreamError as exc:
                 failure = f"{type(exc).__name__}: {exc}"[:200]
-            now = self.clock()
-            ex.upstream_wait += now - waited
+            ex.upstream_wait += self.clock() - waited
             if failure is not None:
-                ex.failures.append(f"{endpoint}: {failure}")
-                if balancer.failed(endpoint, router.now()):
-                    metrics.ejections.labels(endpoint).inc()
-                    log.warning("endpoint %s ejected after failing again and again", endpoint)
+                self.failed(ex, endpoint, failure)
                 return False
             assert upstream is not None
-            ex.first_byte_at = now
-            ex.status = upstream.status
-            await self._relay(ex, send, upstream, endpoint, first, stream)
-            done = upstream.at_eof
-            if upstream.status < 500:
-                balancer.succeeded(endpoint)
+            done = await self.answer(ex, send, upstream, endpoint, first, plan.stream)
             return True
         finally:
-            balancer.end(endpoint)
-            if upstream is not None:
-                if done:
-                    upstream.release()
-                else:
-                    upstream.close()  # the engine sees the disconnect and aborts the request
+            self.end_attempt(endpoint, upstream, done)
 
-    async def _relay(
-        self,
-        ex: _Exchange,
-        send: Send,
-        upstream: Answer,
-        endpoint: str,
-        first: bytes,
-        stream: bool,
-    ) -> None:
+    def failed(self, ex: _Exchange, endpoint: str, failure: str) -> None:
+        """`endpoint` gave no answer to relay: noted, and ejected if it keeps failing."""
         router = self.router
+        ex.failures.append(f"{endpoint}: {failure}")
+        if router.balancer.failed(endpoint, router.now()):
+            router.metrics.ejections.labels(endpoint).inc()
+            log.warning("endpoint %s ejected after failing again and again", endpoint)
+
+    def end_attempt(self, endpoint: str, upstream: Answer | None, done: bool) -> None:
+        """An attempt is over: the endpoint's count drops, and the connection goes back to
+        the pool if its answer was read whole, else it is closed, which aborts the request
+        at the engine."""
+        self.router.balancer.end(endpoint)
+        if upstream is not None:
+            if done:
+                upstream.release()
+            else:
+                upstream.close()
+
+    async def answer(
+        self, ex: _Exchange, send: Send, upstream: Answer, endpoint: str, first: bytes, stream: bool
+    ) -> bool:
+        """Relay an answer whose first bytes have come; True when it was read to its end."""
+        ex.first_byte_at = self.clock()
+        ex.status = upstream.status
+        await self._relay(ex, send, upstream, endpoint, first, stream)
+        if upstream.status < 500:
+            self.router.balancer.succeeded(endpoint)
+        return upstream.at_eof
+
+    def answer_head(
+        self, ex: _Exchange, upstream: Answer, endpoint: str, stream: bool
+    ) -> list[tuple[bytes, bytes]]:
+        """The headers the client gets with an engine's answer."""
         headers = [
             (b"content-type", upstream.headers.get("content-type", "application/json").encode()),
             (b"x-request-id", ex.request_id.encode("latin-1")),
-            (b"x-modelfleet-replica", router.table.replicas.get(endpoint, endpoint).encode()),
+            (
+                b"x-modelfleet-replica",
+                self.router.table.replicas.get(endpoint, endpoint).encode(),
+            ),
         ]
         scanner = ex.scanner
         length = upstream.headers.get("content-length")
@@ -440,6 +532,20 @@ class Proxy:
             headers.append((b"x-modelfleet-reason", b"engine"))
             if "retry-after" in upstream.headers:
                 headers.append((b"retry-after", upstream.headers["retry-after"].encode()))
+        return headers
+
+    async def _relay(
+        self,
+        ex: _Exchange,
+        send: Send,
+        upstream: Answer,
+        endpoint: str,
+        first: bytes,
+        stream: bool,
+    ) -> None:
+        router = self.router
+        headers = self.answer_head(ex, upstream, endpoint, stream)
+        scanner = ex.scanner
         gap = router.config.chunk_timeout
         try:
             await send(
@@ -492,33 +598,28 @@ class Proxy:
         except OSError as exc:  # uvicorn's ClientDisconnected: the client went away mid-answer
             raise _ClientGone() from exc
 
-    async def _refuse(
-        self,
-        ex: _Exchange,
-        send: Send,
-        status: int,
-        message: str,
-        type_: str,
-        *,
-        reason: str,
-        code: str | None = None,
-        param: str | None = None,
-        retry_after: int | None = None,
-    ) -> None:
-        """Answer the request with the router's own OpenAI-style error."""
-        body = error_body(message, type_, code, param)
+    def refusal_answer(
+        self, ex: _Exchange, refusal: Refusal
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """The status, headers and body of the router's own error answer; counted."""
+        body = error_body(refusal.message, refusal.type, refusal.code, refusal.param)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"x-request-id", ex.request_id.encode("latin-1")),
         ]
-        if status in _WHY_STATUSES:
-            headers.append((b"x-modelfleet-reason", reason.encode()))
-        if retry_after is not None:
-            headers.append((b"retry-after", str(retry_after).encode()))
-        ex.status = status
+        if refusal.status in _WHY_STATUSES:
+            headers.append((b"x-modelfleet-reason", refusal.reason.encode()))
+        if refusal.retry_after is not None:
+            headers.append((b"retry-after", str(refusal.retry_after).encode()))
+        ex.status = refusal.status
         metrics = self.router.metrics
-        metrics.child(metrics.rejections, reason).inc()
+        metrics.child(metrics.rejections, refusal.reason).inc()
+        return refusal.status, headers, body
+
+    async def refuse(self, ex: _Exchange, send: Send, refusal: Refusal) -> None:
+        """Answer the request with the router's own OpenAI-style error."""
+        status, headers, body = self.refusal_answer(ex, refusal)
         try:
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})

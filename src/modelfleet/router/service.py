@@ -32,6 +32,7 @@ from modelfleet.files import write_json_atomic
 from modelfleet.openai_api import error_response
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.engine_load import read_engine_load
+from modelfleet.router.fast_lane import FastLane
 from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
 from modelfleet.router.metrics import RouterMetrics
 from modelfleet.router.proxy import PROXY_PATHS, Proxy
@@ -342,7 +343,7 @@ async def _openai_error(request: Request, exc: Exception) -> Response:
     return error_response(status, message, "invalid_request_error")
 
 
-class _ClientApp:
+class ClientApp:
     """The client listener: the proxied paths go straight to the proxy, the rest through
     Starlette's routing."""
 
@@ -357,7 +358,7 @@ class _ClientApp:
             await self.rest(scope, receive, send)
 
 
-def create_apps(router: Router) -> tuple[ASGIApp, Starlette]:
+def create_apps(router: Router) -> tuple[ClientApp, Starlette]:
     """The client-facing app and the push app of one router."""
 
     post = ["POST"]
@@ -381,7 +382,7 @@ def create_apps(router: Router) -> tuple[ASGIApp, Starlette]:
             Route("/v1/usage/ack", router.ack_usage, methods=["POST"]),
         ]
     )
-    return _ClientApp(proxy, rest), push
+    return ClientApp(proxy, rest), push
 
 
 async def serve(config: RouterConfig, ready_file: Path | None) -> None:
@@ -423,6 +424,7 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
             config.port,
             reuse_port=config.reuse_port,
             server="http1",
+            take=FastLane(client.proxy).take,
         ),
         # The push API on the lean server too: uvicorn's server wakes every 0.1 s for
         # housekeeping, a third of an idle router's CPU.

@@ -33,7 +33,7 @@ class UpstreamError(Exception):
     """The engine could not be reached, or its answer was cut off or could not be parsed."""
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One connection to an engine and the one answer being read on it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -41,6 +41,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
+        # Told, instead of a waiting reader, when the answer's head and first bytes are in,
+        # when it is whole, or when it failed (the router's fast lane).
+        self.listener: Callable[[Connection], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -72,6 +75,7 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"unreadable answer: {exc}"))
             self.close()
+        self._tell()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -79,8 +83,15 @@ class _Connection(asyncio.Protocol):
             return
         if exc is None and self.until_close and self.headers_done.done():
             self.on_message_complete()
-            return
-        self._fail(UpstreamError("the engine closed the connection" + (f": {exc}" if exc else "")))
+        else:
+            why = "the engine closed the connection" + (f": {exc}" if exc else "")
+            self._fail(UpstreamError(why))
+        self._tell()
+
+    def _tell(self) -> None:
+        listener = self.listener
+        if listener is not None and (self.error is not None or self.complete or self.chunks):
+            listener(self)
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -127,11 +138,22 @@ class _Connection(asyncio.Protocol):
     def usable(self) -> bool:
         return not self.closed and self.transport is not None and not self.transport.is_closing()
 
+    def take_chunks(self) -> bytes:
+        """What has arrived of the body since last taken; reading resumes if it had paused."""
+        chunks = self.chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
 
 class Answer:
     """An engine's answer: status and headers at once, the body as it arrives."""
 
-    def __init__(self, upstreams: Upstreams, key: tuple[str, int], conn: _Connection) -> None:
+    def __init__(self, upstreams: Upstreams, key: tuple[str, int], conn: Connection) -> None:
         self._upstreams = upstreams
         self._key = key
         self._conn = conn
@@ -161,14 +183,7 @@ class Answer:
                 await conn.waiter
             finally:
                 conn.waiter = None
-        chunks = conn.chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        conn.buffered = 0
-        if conn.paused and conn.transport is not None:
-            conn.paused = False
-            conn.transport.resume_reading()
-        return data
+        return conn.take_chunks()
 
     def release(self) -> None:
         """Done with the answer: the connection goes back to the pool if it was read to its end
@@ -200,7 +215,7 @@ class Upstreams:
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.clock = clock
-        self._idle: dict[tuple[str, int], list[tuple[_Connection, float]]] = {}
+        self._idle: dict[tuple[str, int], list[tuple[Connection, float]]] = {}
         self._addresses: dict[str, tuple[str, int]] = {}
 
     def _address(self, endpoint: str) -> tuple[str, int]:
@@ -218,10 +233,7 @@ class Upstreams:
     ) -> Answer:
         """POST `body` to `endpoint` + `path`; returns once the answer's headers are in."""
         key = self._address(endpoint)
-        head = [f"POST {path} HTTP/1.1\r\nhost: {key[0]}:{key[1]}\r\n"]
-        head += [f"{name}: {value}\r\n" for name, value in headers]
-        head.append(f"content-length: {len(body)}\r\n\r\n")
-        request = "".join(head).encode("latin-1")
+        request = _head(key, path, len(body), headers)
         conn = self._take_idle(key)
         if conn is not None:
             try:
@@ -234,16 +246,30 @@ class Upstreams:
         conn = await self._connect(key)
         return await self._exchange(key, conn, request, body)
 
+    def idle(self, endpoint: str) -> Connection | None:
+        """A kept-alive connection to `endpoint` to send a request on at once, if one is idle
+        (for the fast lane, which does not wait for a new connection)."""
+        return self._take_idle(self._address(endpoint))
+
+    def send(
+        self,
+        endpoint: str,
+        conn: Connection,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[str, str]],
+    ) -> None:
+        """POST `body` on `conn`, a connection `idle` gave; the answer fills `conn`."""
+        _write(conn, _head(self._address(endpoint), path, len(body), headers), body)
+
+    def answer(self, endpoint: str, conn: Connection) -> Answer:
+        """The answer on `conn` (from `send`), once its head is in."""
+        return Answer(self, self._address(endpoint), conn)
+
     async def _exchange(
-        self, key: tuple[str, int], conn: _Connection, request: bytes, body: bytes
+        self, key: tuple[str, int], conn: Connection, request: bytes, body: bytes
     ) -> Answer:
-        transport = conn.transport
-        assert transport is not None
-        if len(body) < 65536:
-            transport.write(request + body)
-        else:
-            transport.write(request)
-            transport.write(body)
+        _write(conn, request, body)
         try:
             await conn.headers_done
         except BaseException:
@@ -251,11 +277,11 @@ class Upstreams:
             raise
         return Answer(self, key, conn)
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    async def _connect(self, key: tuple[str, int]) -> Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(loop), *key)
+                _, conn = await loop.create_connection(lambda: Connection(loop), *key)
         except TimeoutError as exc:
             raise UpstreamError(
                 f"no connection to {key[0]}:{key[1]} within {self.connect_timeout:g} s"
@@ -264,7 +290,7 @@ class Upstreams:
             raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from exc
         return conn
 
-    def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
+    def _take_idle(self, key: tuple[str, int]) -> Connection | None:
         idle = self._idle.get(key)
         now = self.clock()
         while idle:
@@ -275,7 +301,7 @@ class Upstreams:
             conn.close()
         return None
 
-    def _give_back(self, key: tuple[str, int], conn: _Connection) -> None:
+    def _give_back(self, key: tuple[str, int], conn: Connection) -> None:
         now = self.clock()
         idle = self._idle.setdefault(key, [])
         # The oldest idle connections sit at the front; those past their time are closed.
@@ -289,3 +315,23 @@ class Upstreams:
             for conn, _ in idle:
                 conn.close()
         self._idle.clear()
+
+
+def _head(
+    address: tuple[str, int], path: str, length: int, headers: Sequence[tuple[str, str]]
+) -> bytes:
+    """A POST's request line and headers."""
+    head = [f"POST {path} HTTP/1.1\r\nhost: {address[0]}:{address[1]}\r\n"]
+    head += [f"{name}: {value}\r\n" for name, value in headers]
+    head.append(f"content-length: {length}\r\n\r\n")
+    return "".join(head).encode("latin-1")
+
+
+def _write(conn: Connection, head: bytes, body: bytes) -> None:
+    transport = conn.transport
+    assert transport is not None
+    if len(body) < 65536:
+        transport.write(head + body)
+    else:
+        transport.write(head)
+        transport.write(body)

@@ -1,12 +1,12 @@
 """The tokens an answer used, read from the engine's `usage` as the answer passes through,
 and the router's ledger of what each key used, collected by the control plane.
 
-A whole answer carries `usage` in its JSON; it is kept as it is relayed and searched once at
-the end. A stream carries it only when asked (`stream_options.include_usage`), in a last
-event whose `choices` is empty: the router asks for it on every stream, and when the client
-did not, that event is taken out of what the client gets, so the client sees the stream it
-asked for. Events are only looked into when they hold `prompt_tokens`; an event cut across
-two chunks is held back until it is whole.
+A whole answer carries `usage` in its JSON; it is kept as it is relayed and searched once,
+after it went to the client. A stream carries it only when asked
+(`stream_options.include_usage`), in a last event whose `choices` is empty: the router asks
+for it on every stream, and when the client did not, that event is taken out of what the
+client gets, so the client sees the stream it asked for. Events are only looked into when
+they hold `prompt_tokens`; an event cut across two chunks is held back until it is whole.
 """
 
 from __future__ import annotations
@@ -47,9 +47,18 @@ class UsageScanner:
     def __init__(self, stream: bool, hide_usage_event: bool) -> None:
         self.stream = stream
         self.hide = hide_usage_event
-        self.usage: Usage | None = None
+        self._usage: Usage | None = None
         self._held = b""  # a stream's incomplete last event
         self._whole: list[bytes] = []  # a whole answer, as relayed
+
+    @property
+    def usage(self) -> Usage | None:
+        """The answer's usage, once it has passed. A whole answer is searched only when this
+        is first read, after the answer went to the client: its latency does not pay for it."""
+        if self._whole:
+            self._usage = read_usage(b"".join(self._whole))
+            self._whole = []
+        return self._usage
 
     def feed(self, chunk: bytes) -> bytes:
         """What of `chunk` goes to the client now."""
@@ -71,7 +80,7 @@ class UsageScanner:
             if b"prompt_tokens" in event:
                 found = read_usage(event)
                 if found is not None:
-                    self.usage = found
+                    self._usage = found
                     if self.hide and _NO_CHOICES.search(event):
                         continue
             kept.append(event)
@@ -80,8 +89,6 @@ class UsageScanner:
     def finish(self) -> bytes:
         """The answer has ended: what is still held goes to the client."""
         if not self.stream:
-            self.usage = read_usage(b"".join(self._whole))
-            self._whole = []
             return b""
         held, self._held = self._held, b""
         return held

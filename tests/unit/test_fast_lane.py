@@ -1,0 +1,317 @@
+"""The router's fast lane (`router/fast_lane.py`) at the moments where it hands over: an
+engine that fails, is silent, closes a kept-alive connection, or answers in pieces; a
+client that leaves; a shutdown with a request in flight.
+
+The lane only takes a request when a kept-alive connection to the engine is idle, so each
+test's engine answers the first request on a connection plainly, and behaves as the test
+needs from the second on. Which way the router went is seen by spies on the lane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from modelfleet.http1 import Http1Server
+from modelfleet.router import fast_lane
+from modelfleet.router.proxy import Proxy
+from modelfleet.router.service import create_apps
+from modelfleet.serving import Listener
+from modelfleet.wire import RoutedModel
+
+from .router_kit import keyed, run, until, upstream
+
+COMPLETION = {"model": "m", "prompt": "x"}
+ANSWER = json.dumps({"choices": [{"index": 0, "text": "ok"}], "usage": {
+    "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}).encode()  # fmt: skip
+
+
+class RawEngine:
+    """An engine on 127.0.0.1 that answers the first request on each connection with 200,
+    and later ones as `later` says: "503", "silent" (until the connection closes), "close"
+    (without a byte), "hold" (the whole answer once `go_on` is set), or "split" (the head
+    and half the body, the rest once `go_on` is set).
+    """
+
+    def __init__(self, later: str) -> None:
+        self.later = later
+        self.requests = 0
+        self.connections = 0
+        self.closed = 0  # connections the router closed
+        self.go_on = asyncio.Event()
+        self.url = ""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        first = True
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                self.requests += 1
+                action = "answer" if first else self.later
+                first = False
+                if action == "close":
+                    writer.close()
+                    return
+                if action == "silent":
+                    await reader.read()  # returns at the router's close
+                    self.closed += 1
+                    return
+                if action == "hold":
+                    await self.go_on.wait()
+                status = b"503 Service Unavailable" if action == "503" else b"200 OK"
+                writer.write(
+                    b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n" % (status, len(ANSWER))
+                )
+                if action == "split":
+                    writer.write(ANSWER[:10])
+                    await writer.drain()
+                    await self.go_on.wait()
+                    writer.write(ANSWER[10:])
+                else:
+                    writer.write(ANSWER)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed += 1
+        finally:
+            writer.close()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            yield self.url
+        finally:
+            server.close()
+
+
+@contextlib.asynccontextmanager
+async def lane_server(router: Any) -> AsyncIterator[tuple[Http1Server, httpx.AsyncClient]]:
+    """`router`'s client app on the lean server with its fast lane; a client of it."""
+    app, _ = create_apps(router)
+    listener = Listener("router", app, server="http1")
+    sock = listener.bind()
+    server = Http1Server(app, take=fast_lane.FastLane(app.proxy).take)
+    await server.start(sock)
+    headers = {"authorization": "Bearer client-key"}
+    try:
+        async with httpx.AsyncClient(base_url=listener.url, headers=headers) as client:
+            yield server, client
+    finally:
+        await server.shutdown(drain_timeout=1)
+
+
+@pytest.fixture
+def spied(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts of what the lane did: flights sent, failed, timed out, retried, handed on."""
+    seen: Counter[str] = Counter()
+
+    def spy(owner: Any, name: str) -> None:
+        original: Callable[..., Any] = getattr(owner, name)
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            seen[name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
+
+    for name in ("send", "on_timeout", "_failed", "_retry", "on_gone"):
+        spy(fast_lane._Flight, name)
+    spy(fast_lane.FastLane, "_carry_on")
+    spy(Proxy, "carry_answer")
+    return seen
+
+
+def test_a_pooled_request_is_answered_without_a_task_as_the_proxy_answers_it(
+    spied: Counter[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tasks: list[object] = []
+    original = Http1Server.task_done
+
+    def counting(self: Http1Server, task: asyncio.Task[None]) -> None:
+        tasks.append(task)
+        original(self, task)
+
+    monkeypatch.setattr(Http1Server, "task_done", counting)
+
+    async def go() -> None:
+        engine = RawEngine("answer")
+        async with engine.running() as url:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[url], replicas={url: "r1"})])
+            proxy_app, _ = create_apps(router)
+            by_proxy = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=proxy_app),
+                base_url="http://router",
+                headers={"authorization": "Bearer client-key", "x-request-id": "req-1"},
+            )
+            async with lane_server(router) as (_, client), by_proxy:
+                first = await client.post("/v1/completions", json=COMPLETION)
+                assert first.status_code == 200 and len(tasks) == 1  # a new connection: a task
+                lane = [
+                    await client.post(
+                        "/v1/completions", json=COMPLETION, headers={"x-request-id": "req-1"}
+                    )
+                    for _ in range(5)
+                ]
+                assert spied["send"] == 5 and len(tasks) == 1 and engine.connections == 1
+                proxied = await by_proxy.post("/v1/completions", json=COMPLETION)
+                for answer in lane:
+                    assert answer.status_code == proxied.status_code == 200
+                    assert answer.content == proxied.content == ANSWER
+                    for name in ("content-type", "content-length", "x-request-id"):
+                        assert answer.headers[name] == proxied.headers[name], name
+                    assert answer.headers["x-modelfleet-replica"] == "r1"
+                page = (await client.get("/metrics")).text
+                assert 'modelfleet_router_requests_total{model="m",status="200"} 7.0' in page
+                assert f'modelfleet_router_in_flight{{endpoint="{url}"}} 0.0' in page
+                batch = router.ledger.take()  # the engine's usage, counted per request
+                assert batch is not None
+                rows = batch.rows
+                assert sum(r.requests for r in rows) == 7
+                assert sum(r.prompt_tokens for r in rows) == 21
+            await router.close()
+
+    run(go())
+
+
+def test_a_replica_failing_in_the_lane_is_left_for_another(spied: Counter[str]) -> None:
+    async def go() -> None:
+        flaky = RawEngine("503")
+        hits: list[int] = []
+        async with flaky.running() as bad, upstream(200, hits) as good:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[bad, good])])
+            router.balancer.set_engine_load(good, 5)  # the flaky one is picked first
+            async with lane_server(router) as (_, client):
+                assert (await client.post("/v1/completions", json=COMPLETION)).is_success
+                assert flaky.requests == 1 and not hits
+                retried = await client.post("/v1/completions", json=COMPLETION)
+                assert retried.status_code == 200, retried.text
+                assert spied["_failed"] == 1 and flaky.requests == 2 and hits == [200]
+                page = (await client.get("/metrics")).text
+                assert 'modelfleet_router_retries_total{model="m"} 1.0' in page
+            await router.close()
+
+    run(go())
+
+
+def test_a_replica_silent_in_the_lane_times_out_and_is_abandoned(spied: Counter[str]) -> None:
+    async def go() -> None:
+        engine = RawEngine("silent")
+        async with engine.running() as url:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[url], first_byte_timeout=0.2)])
+            async with lane_server(router) as (_, client):
+                assert (await client.post("/v1/completions", json=COMPLETION)).is_success
+                late = await client.post("/v1/completions", json=COMPLETION)
+                assert late.status_code == 504, late.text
+                assert late.headers["x-modelfleet-reason"] == "first-byte-timeout"
+                assert spied["on_timeout"] == 1
+                await until("the engine to see its request abandoned", lambda: engine.closed == 1)
+            await router.close()
+
+    run(go())
+
+
+def test_a_kept_alive_connection_the_engine_closed_carries_the_request_anew(
+    spied: Counter[str],
+) -> None:
+    """The engine closed the connection as the request went out, before a byte of an answer:
+    it never began the request, which goes again on a new connection, even to the same
+    replica, and counts as no failure."""
+
+    async def go() -> None:
+        engine = RawEngine("close")
+        async with engine.running() as url:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[url])])
+            async with lane_server(router) as (_, client):
+                assert (await client.post("/v1/completions", json=COMPLETION)).is_success
+                again = await client.post("/v1/completions", json=COMPLETION)
+                assert again.status_code == 200, again.text
+                assert spied["_retry"] == 1 and spied["_failed"] == 0
+                assert engine.connections == 2 and engine.requests == 3
+                assert router.balancer.state[url].failures == 0
+            await router.close()
+
+    run(go())
+
+
+def test_an_answer_that_does_not_come_whole_is_relayed_by_a_task(spied: Counter[str]) -> None:
+    async def go() -> None:
+        engine = RawEngine("split")
+        async with engine.running() as url:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[url])])
+            async with lane_server(router) as (_, client):
+                assert (await client.post("/v1/completions", json=COMPLETION)).is_success
+                pending = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
+                await until("the lane to hand the answer on", lambda: spied["carry_answer"] == 1)
+                engine.go_on.set()
+                answer = await pending
+                assert answer.status_code == 200 and answer.content == ANSWER
+                batch = router.ledger.take()
+                assert batch is not None
+                assert sum(r.completion_tokens for r in batch.rows) == 4
+            await router.close()
+
+    run(go())
+
+
+def test_a_client_gone_from_the_lane_aborts_the_request_at_the_engine(
+    spied: Counter[str],
+) -> None:
+    async def go() -> None:
+        engine = RawEngine("silent")
+        async with engine.running() as url:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[url])])
+            async with lane_server(router) as (_, client):
+                assert (await client.post("/v1/completions", json=COMPLETION)).is_success
+                pending = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
+                await until("the engine to get the request", lambda: engine.requests == 2)
+                pending.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pending
+                await until("the engine to see the request abandoned", lambda: engine.closed == 1)
+                assert spied["on_gone"] == 1
+                page = (await client.get("/metrics")).text
+                assert 'modelfleet_router_client_disconnects_total{model="m"} 1.0' in page
+                assert f'modelfleet_router_in_flight{{endpoint="{url}"}} 0.0' in page
+            await router.close()
+
+    run(go())
+
+
+def test_shutdown_waits_for_a_request_the_lane_holds(spied: Counter[str]) -> None:
+    """A request the lane is waiting on has no task, yet shutdown waits for its answer."""
+
+    async def go() -> None:
+        engine = RawEngine("hold")
+        async with engine.running() as url:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[url])])
+            async with lane_server(router) as (server, client):
+                assert (await client.post("/v1/completions", json=COMPLETION)).is_success
+                pending = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
+                await until("the engine to hold the request", lambda: engine.requests == 2)
+                assert spied["send"] == 1 and server.taken and not server.tasks
+                stopping = asyncio.create_task(server.shutdown(drain_timeout=10))
+                await until("the listener to stop", lambda: server.stopping)
+                assert not stopping.done()
+                engine.go_on.set()
+                answer = await pending
+                assert answer.status_code == 200 and answer.content == ANSWER
+                await asyncio.wait_for(stopping, 5)
+                assert not server.taken
+            await router.close()
+
+    run(go())
