@@ -13,6 +13,10 @@ body read once and only up to its limit, and the client's disconnect as an event
    a whole answer cut short is cut for the client too (its Content-Length says so).
 4. A client that goes away, before or after the first byte, cancels the request upstream:
    the connection to the engine is closed, which is how vLLM and SGLang learn to abort.
+
+On the lean server most requests never reach `__call__`: the fast lane (`fast_lane.py`) runs
+the same steps (`plan`, `refusal_answer`, `answer_head`, `failed`, `finish`) from callbacks,
+and hands to `serve` or `carry_answer` whatever it cannot finish without waiting.
 """
 
 from __future__ import annotations
