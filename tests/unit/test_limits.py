@@ -10,6 +10,7 @@ import random
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -448,7 +449,26 @@ def test_through_the_router_a_leased_key_settles_into_its_lease_without_the_stor
     run(go())
 
 
-def test_many_keys_are_renewed_in_pipelines_of_a_hundred(redis_url: str) -> None:
+def test_many_keys_are_renewed_in_small_pipelines_one_after_another(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A minute's turn renews every key used in the last one, in pipelines of `RENEW_BATCH`
+    sent one at a time: pipelines sent all at once held the event loop for 20 ms."""
+    sizes: list[int] = []  # each pipeline's keys
+    under_way = [0, 0]  # pipelines under way now, and at most
+    original = RedisLimits._renew
+
+    async def counted(self: RedisLimits, batch: list[Any], now: float) -> Any:
+        sizes.append(len(batch))
+        under_way[0] += 1
+        under_way[1] = max(under_way)
+        try:
+            return await original(self, batch, now)
+        finally:
+            under_way[0] -= 1
+
+    monkeypatch.setattr(RedisLimits, "_renew", counted)
+
     async def go() -> None:
         prefix = f"test:lease-batches:{uuid.uuid4().hex}:"
         (a,) = _routers(redis_url, 1, prefix)
@@ -458,7 +478,8 @@ def test_many_keys_are_renewed_in_pipelines_of_a_hundred(redis_url: str) -> None
         taken = a.leases_taken
         assert isinstance(await a.admit(keys[0], 0, "r", T0 + WINDOW), Ticket)
         await until("the renewals", lambda: all(le.fetching is None for le in a._leases.values()))
-        assert a.leases_taken == taken + 3  # 100, 100 and 50
+        assert a.leases_taken == taken + 10 and sizes == [25] * 10  # 250 keys
+        assert under_way == [0, 1]
         assert all(a._leases[k.name].requests == 10 for k in keys[1:])
         await a.close()
 

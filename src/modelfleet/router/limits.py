@@ -68,9 +68,11 @@ IN_FLIGHT_DEADLINE = 3600.0  # a request still counted in flight after this was 
 LEASE_SHARE = 100
 # Requests or tokens per minute from which a limit is leased rather than counted exactly.
 LEASED_FROM = 2 * LEASE_SHARE
-# Leases renewed (or given back) together in one pipeline at most: building a pipeline of a
-# thousand scripts held the event loop for about 30 ms.
-RENEW_BATCH = 100
+# Leases renewed (or given back) together in one pipeline at most, one pipeline after the
+# other. Building and reading a pipeline of a thousand scripts held the event loop for about
+# 30 ms; ten pipelines of a hundred, sent at once, for 16 to 22 ms (a minute's turn with
+# 1,000 keys, measured): every request that came meanwhile waited that long.
+RENEW_BATCH = 25
 
 
 @dataclass(frozen=True)
@@ -753,11 +755,24 @@ class RedisLimits:
                 self._roll(name, lease, bucket, carry=id(lease) in carried)
                 if idle and not lease.slots:
                     del self._leases[name]  # unused for a minute: forgotten, nothing held
+        previous: asyncio.Future[Refusal | None] | None = None
         for start in range(0, len(renewing), RENEW_BATCH):
             batch = renewing[start : start + RENEW_BATCH]
-            task = asyncio.ensure_future(self._renew(batch, now))
+            task = asyncio.ensure_future(self._renew_after(previous, batch, now))
             for _, lease in batch:
                 lease.fetching = task
+            previous = task
+
+    async def _renew_after(
+        self,
+        previous: asyncio.Future[Refusal | None] | None,
+        renewing: list[tuple[str, _Lease]],
+        now: float,
+    ) -> Refusal | None:
+        """Renew once the batch before has been renewed: one pipeline at a time."""
+        if previous is not None:
+            await asyncio.wait([previous])
+        return await self._renew(renewing, now)
 
     async def _renew(self, renewing: list[tuple[str, _Lease]], now: float) -> Refusal | None:
         import redis.exceptions
