@@ -31,7 +31,7 @@ from modelfleet.router.proxy import PROXY_PATHS, RETRY_STATUSES, Plan, Proxy, Re
 
 if TYPE_CHECKING:
     from modelfleet.http1 import Cycle
-    from modelfleet.router.proxy import _Exchange
+    from modelfleet.router.proxy import Exchange
     from modelfleet.router.upstream import Connection
 
 
@@ -79,14 +79,14 @@ class FastLane:
         self._carry_on(cycle, ex, plan, admitted, [])
         return True
 
-    def _refuse(self, cycle: Cycle, ex: _Exchange, refusal: Refusal) -> None:
+    def _refuse(self, cycle: Cycle, ex: Exchange, refusal: Refusal) -> None:
         cycle.answer(*self.proxy.refusal_answer(ex, refusal))
         self.proxy.finish(ex)
 
     def _carry_on(
         self,
         cycle: Cycle,
-        ex: _Exchange,
+        ex: Exchange,
         plan: Plan,
         admitted: Ticket | LimitRefusal | None,
         tried: list[str],
@@ -111,7 +111,7 @@ class _Flight:
         self,
         lane: FastLane,
         cycle: Cycle,
-        ex: _Exchange,
+        ex: Exchange,
         plan: Plan,
         ticket: Ticket | LimitRefusal | None,
         endpoint: str,
@@ -153,8 +153,8 @@ class _Flight:
 
     def on_answer(self, conn: Connection) -> None:
         """The connection has news: the answer's first bytes or all of it, or a failure."""
+        self._stop_waiting()
         if conn.error is not None:
-            self._stop_waiting()
             if not conn.got_bytes:
                 # A kept-alive connection the engine closed as the request went out: the
                 # engine never began it, and the proxy sends it again on a new connection.
@@ -164,10 +164,8 @@ class _Flight:
             self._failed(f"{type(conn.error).__name__}: {conn.error}"[:200])
             return
         if conn.status in RETRY_STATUSES:
-            self._stop_waiting()
             self._failed(f"HTTP {conn.status}")
             return
-        self._stop_waiting()
         lane, ex, endpoint = self.lane, self.ex, self.endpoint
         proxy, router = lane.proxy, lane.router
         upstream = router.upstreams.answer(endpoint, conn)

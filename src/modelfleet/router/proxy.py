@@ -62,7 +62,7 @@ class _ClientGone(Exception):
 
 
 @dataclass
-class _Exchange:
+class Exchange:
     """One request's way through the router."""
 
     request_id: str
@@ -119,7 +119,7 @@ class Proxy:
         ex, authorization, declared = self.exchange(scope)
         await self.run(ex, self._handle(ex, scope, receive, send, authorization, declared))
 
-    def exchange(self, scope: Scope) -> tuple[_Exchange, str | None, bytes]:
+    def exchange(self, scope: Scope) -> tuple[Exchange, str | None, bytes]:
         """A new exchange for a request, its Authorization header and its Content-Length."""
         started = self.clock()
         request_id = authorization = None
@@ -131,10 +131,10 @@ class Proxy:
                 declared = value
             elif name == b"x-request-id":
                 request_id = value.decode("latin-1")[:200]
-        ex = _Exchange(request_id or f"{random.getrandbits(128):032x}", started)
+        ex = Exchange(request_id or f"{random.getrandbits(128):032x}", started)
         return ex, authorization, declared
 
-    async def run(self, ex: _Exchange, work: Awaitable[None]) -> None:
+    async def run(self, ex: Exchange, work: Awaitable[None]) -> None:
         """Run `work`, which answers `ex`'s client, then count the exchange."""
         try:
             await work
@@ -144,7 +144,7 @@ class Proxy:
             pass  # the connection closes short of the promised length; the status counts
         self.finish(ex)
 
-    def finish(self, ex: _Exchange) -> None:
+    def finish(self, ex: Exchange) -> None:
         """Count an exchange that has ended, in the metrics and the key's usage."""
         if ex.client_gone:
             metrics = self.router.metrics
@@ -158,7 +158,7 @@ class Proxy:
 
     async def _handle(
         self,
-        ex: _Exchange,
+        ex: Exchange,
         scope: Scope,
         receive: Receive,
         send: Send,
@@ -194,7 +194,7 @@ class Proxy:
             code="request_too_large",
         )
 
-    def plan(self, ex: _Exchange, key: ApiKey, path: str, raw: bytes) -> Plan | Refusal:
+    def plan(self, ex: Exchange, key: ApiKey, path: str, raw: bytes) -> Plan | Refusal:
         """Read the request's body once: its model, where it may go, what the engine is sent;
         or why it is refused. Records the model and the key on `ex`."""
         router = self.router
@@ -266,7 +266,7 @@ class Proxy:
 
     async def serve(
         self,
-        ex: _Exchange,
+        ex: Exchange,
         scope: Scope,
         receive: Receive,
         send: Send,
@@ -290,7 +290,7 @@ class Proxy:
 
     async def carry_answer(
         self,
-        ex: _Exchange,
+        ex: Exchange,
         scope: Scope,
         receive: Receive,
         send: Send,
@@ -314,7 +314,7 @@ class Proxy:
 
     async def guarded(
         self,
-        ex: _Exchange,
+        ex: Exchange,
         scope: Scope,
         receive: Receive,
         ticket: Ticket | None,
@@ -354,7 +354,7 @@ class Proxy:
             if ticket is not None:
                 self.settle(ex, ticket)
 
-    def settle(self, ex: _Exchange, ticket: Ticket) -> None:
+    def settle(self, ex: Exchange, ticket: Ticket) -> None:
         """Settle the key's reservation to what the engine reported, in the background: the
         answer does not wait for the store. No engine answered: nothing was used."""
         router = self.router
@@ -385,7 +385,7 @@ class Proxy:
             retry_after=refusal.retry_after_s,
         )
 
-    async def _route(self, ex: _Exchange, send: Send, plan: Plan, tried: list[str]) -> None:
+    async def _route(self, ex: Exchange, send: Send, plan: Plan, tried: list[str]) -> None:
         router = self.router
         config = router.config
         route = plan.route
@@ -440,7 +440,7 @@ class Proxy:
             ),
         )
 
-    def engine_headers(self, ex: _Exchange, endpoint: str) -> list[tuple[str, str]]:
+    def engine_headers(self, ex: Exchange, endpoint: str) -> list[tuple[str, str]]:
         """The headers a request is sent to `endpoint` with."""
         headers = [("content-type", "application/json"), ("x-request-id", ex.request_id)]
         engine_key = self.router.table.keys.get(endpoint)
@@ -449,7 +449,7 @@ class Proxy:
         return headers
 
     async def _attempt(
-        self, ex: _Exchange, send: Send, plan: Plan, endpoint: str, first_byte: float
+        self, ex: Exchange, send: Send, plan: Plan, endpoint: str, first_byte: float
     ) -> bool:
         """Send the request to `endpoint`; True when its answer went to the client, False
         when nothing was sent and another replica may be tried."""
@@ -484,7 +484,7 @@ class Proxy:
         finally:
             self.end_attempt(endpoint, upstream, done)
 
-    def failed(self, ex: _Exchange, endpoint: str, failure: str) -> None:
+    def failed(self, ex: Exchange, endpoint: str, failure: str) -> None:
         """`endpoint` gave no answer to relay: noted, and ejected if it keeps failing."""
         router = self.router
         ex.failures.append(f"{endpoint}: {failure}")
@@ -504,7 +504,7 @@ class Proxy:
                 upstream.close()
 
     async def answer(
-        self, ex: _Exchange, send: Send, upstream: Answer, endpoint: str, first: bytes, stream: bool
+        self, ex: Exchange, send: Send, upstream: Answer, endpoint: str, first: bytes, stream: bool
     ) -> bool:
         """Relay an answer whose first bytes have come; True when it was read to its end."""
         ex.first_byte_at = self.clock()
@@ -515,7 +515,7 @@ class Proxy:
         return upstream.at_eof
 
     def answer_head(
-        self, ex: _Exchange, upstream: Answer, endpoint: str, stream: bool
+        self, ex: Exchange, upstream: Answer, endpoint: str, stream: bool
     ) -> list[tuple[bytes, bytes]]:
         """The headers the client gets with an engine's answer."""
         headers = [
@@ -540,7 +540,7 @@ class Proxy:
 
     async def _relay(
         self,
-        ex: _Exchange,
+        ex: Exchange,
         send: Send,
         upstream: Answer,
         endpoint: str,
@@ -603,7 +603,7 @@ class Proxy:
             raise _ClientGone() from exc
 
     def refusal_answer(
-        self, ex: _Exchange, refusal: Refusal
+        self, ex: Exchange, refusal: Refusal
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """The status, headers and body of the router's own error answer; counted."""
         body = error_body(refusal.message, refusal.type, refusal.code, refusal.param)
@@ -621,7 +621,7 @@ class Proxy:
         metrics.child(metrics.rejections, refusal.reason).inc()
         return refusal.status, headers, body
 
-    async def refuse(self, ex: _Exchange, send: Send, refusal: Refusal) -> None:
+    async def refuse(self, ex: Exchange, send: Send, refusal: Refusal) -> None:
         """Answer the request with the router's own OpenAI-style error."""
         status, headers, body = self.refusal_answer(ex, refusal)
         try:
@@ -630,7 +630,7 @@ class Proxy:
         except OSError as exc:
             raise _ClientGone() from exc
 
-    def _account(self, ex: _Exchange) -> None:
+    def _account(self, ex: Exchange) -> None:
         end = self.clock()
         first_byte = ex.first_byte_at - ex.started if ex.first_byte_at is not None else None
         own = max(0.0, end - ex.started - ex.upstream_wait)
