@@ -61,6 +61,30 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+# The fields of a generation request that the router itself reads: for token limits (what a
+# request may use) and for streams (whether to ask the engine for usage).
+_COUNTS = ("max_tokens", "max_completion_tokens", "n")
+
+
+def check_generation(body: dict[str, Any]) -> None:
+    """Refuse a completion or chat request whose fields the router reads are malformed:
+    `max_tokens`, `max_completion_tokens` and `n` must be whole numbers of at least 1 (a
+    negative `max_tokens` once reserved a negative estimate against a key's token limit),
+    `stream_options` an object."""
+    for name in _COUNTS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            shown = repr(value)[:40]
+            raise BadRequest(f"'{name}' must be a whole number, not {shown}", param=name)
+        if value < 1:
+            raise BadRequest(f"'{name}' must be at least 1, not {value}", param=name)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+
+
 def prompt_text(body: dict[str, Any], chat: bool) -> str:
     """The text of a chat's messages or a completion's prompt, for counting tokens."""
     if chat:

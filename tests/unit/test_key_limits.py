@@ -4,6 +4,7 @@ asked of the engine without changing the stream the client asked for."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -15,7 +16,7 @@ from modelfleet.simulator.engine import SimSettings
 from modelfleet.simulator.server import create_app as create_simulator
 from modelfleet.wire import RoutedModel
 
-from .router_kit import FakeClock, client_of, keyed, run, serving
+from .router_kit import FakeClock, client_of, keyed, router_url, run, serving, until, upstream
 
 T0 = 60_000.0 + 10  # 10 s into a minute
 
@@ -35,7 +36,8 @@ def limited(engine: str, wall: FakeClock, **limits: int) -> tuple[Router, httpx.
 def tokens_counted(router: Router) -> int:
     limits = router.limits
     assert isinstance(limits, MemoryLimits)
-    return limits._keys["alice"].tokens.get(int(T0 // 60), 0)
+    counts = limits._keys.get("alice")
+    return 0 if counts is None else counts.tokens.get(int(T0 // 60), 0)
 
 
 async def until_settled(router: Router) -> None:
@@ -136,5 +138,128 @@ def test_a_streams_usage_is_counted_and_shown_only_to_a_client_that_asked_for_it
                 total = usage["usage"]["total_tokens"]
                 assert tokens_counted(router) == after_one + total
                 assert after_one == total  # the first, hidden, counted the same
+
+    run(go())
+
+
+@pytest.mark.usefixtures("way")
+def test_token_counts_that_are_not_whole_numbers_of_at_least_one_are_refused_unreserved() -> None:
+    """A `max_tokens` of -1,000,000 once reserved a negative estimate, which the engine's 400
+    never settled: the key's token window sank far below zero and let thousands through."""
+    wall = FakeClock()
+    wall.now = T0
+
+    async def go() -> None:
+        async with serving(create_simulator(SimSettings(model="m", ttft=0, itl=0))) as engine:
+            router, client = limited(engine, wall, tpm=150)
+            async with client as c:
+                base = {"model": "m", "prompt": "hi"}
+                bad = [
+                    ("max_tokens", -1_000_000),
+                    ("max_tokens", 0),
+                    ("max_tokens", 1.5),
+                    ("max_tokens", "10"),
+                    ("max_tokens", True),
+                    ("max_completion_tokens", -5),
+                    ("n", 0),
+                ]
+                for name, value in bad:
+                    refused = await c.post("/v1/completions", json={**base, name: value})
+                    assert refused.status_code == 400, (name, value, refused.text)
+                    error = refused.json()["error"]
+                    assert error["param"] == name and name in error["message"]
+                chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+                refused = await c.post("/v1/chat/completions", json={**chat, "max_tokens": -1})
+                assert refused.status_code == 400
+                streamed = {**chat, "stream": True, "stream_options": 5}
+                refused = await c.post("/v1/chat/completions", json=streamed)
+                assert refused.status_code == 400
+                assert refused.json()["error"]["param"] == "stream_options"
+                assert tokens_counted(router) == 0  # nothing reserved, nothing below zero
+                # The limit holds as before: 150 tokens admit a few requests of 20, not more.
+                statuses = [
+                    (await c.post("/v1/completions", json={**base, "max_tokens": 20})).status_code
+                    for _ in range(10)
+                ]
+                assert statuses.count(200) == 7 and statuses[7:] == [429] * 3
+
+    run(go())
+
+
+@pytest.mark.usefixtures("way")
+def test_an_engine_that_refuses_a_request_leaves_nothing_reserved() -> None:
+    wall = FakeClock()
+    wall.now = T0
+    hits: list[int] = []
+
+    async def go() -> None:
+        async with upstream(400, hits) as engine:
+            router, client = limited(engine, wall, tpm=10_000, max_concurrent=1)
+            async with client as c:
+                body = {"model": "m", "prompt": "hi", "max_tokens": 100}
+                for _ in range(3):
+                    assert (await c.post("/v1/completions", json=body)).status_code == 400
+                    await until_settled(router)
+                assert len(hits) == 3 and tokens_counted(router) == 0
+                assert in_flight(router) == 0
+
+    run(go())
+
+
+def in_flight(router: Router) -> int:
+    limits = router.limits
+    assert isinstance(limits, MemoryLimits)
+    counts = limits._keys.get("alice")
+    return 0 if counts is None else counts.in_flight
+
+
+@pytest.mark.usefixtures("way")
+def test_a_client_that_hangs_up_before_its_answer_is_charged_its_reservation() -> None:
+    """The engine goes on generating until it learns of the hang-up: the tokens were spent.
+    A client that hung up was once charged nothing: 28,589 tokens in 63 s on a 3,000 tpm key."""
+    wall = FakeClock()
+    wall.now = T0
+
+    async def go() -> None:
+        slow = SimSettings(model="m", ttft=0.01, itl=0.05)
+        async with serving(create_simulator(slow)) as engine:
+            router, _ = limited(engine, wall, tpm=100_000)
+            async with router_url(router) as url:
+                port = int(url.rsplit(":", 1)[1])
+                body = json.dumps({"model": "m", "prompt": "abcdefgh" * 10, "max_tokens": 50})
+                head = (
+                    "POST /v1/completions HTTP/1.1\r\nhost: r\r\n"
+                    "authorization: Bearer alice-key\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\n\r\n"
+                )
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(head.encode() + body.encode())
+                await writer.drain()
+                await until("the request admitted", lambda: in_flight(router) == 1)
+                writer.close()  # hang up well before the 50 tokens' 2.5 s
+                await until("the hang-up noticed", lambda: in_flight(router) == 0)
+                await until_settled(router)
+                assert tokens_counted(router) == 80 // 4 + 1 + 50  # the whole reservation
+
+    run(go())
+
+
+@pytest.mark.usefixtures("way")
+def test_an_endpoint_the_router_cannot_send_to_is_a_503_that_frees_the_keys_slot() -> None:
+    """The fast lane once raised on an https:// endpoint: a 500, and the key's only slot
+    taken until the router restarted."""
+    wall = FakeClock()
+    wall.now = T0
+
+    async def go() -> None:
+        router, client = limited("https://127.0.0.1:9", wall, max_concurrent=1)
+        async with client as c:
+            body = {"model": "m", "prompt": "hi", "max_tokens": 5}
+            for _ in range(2):
+                answer = await c.post("/v1/completions", json=body)
+                assert answer.status_code == 503, answer.text
+                assert answer.headers["x-modelfleet-reason"] == "upstream-failed"
+                await until_settled(router)
+                assert in_flight(router) == 0
 
     run(go())

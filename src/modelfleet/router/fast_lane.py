@@ -23,11 +23,13 @@ coroutine is the reference, and the lane's tests send every request both ways.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from modelfleet.router.limits import Refusal as LimitRefusal
 from modelfleet.router.limits import Ticket
 from modelfleet.router.proxy import PROXY_PATHS, RETRY_STATUSES, Plan, Proxy, Refusal
+from modelfleet.router.upstream import UpstreamError
 
 if TYPE_CHECKING:
     from modelfleet.http1 import Cycle
@@ -72,7 +74,10 @@ class FastLane:
                 return True
         if not plan.stream and (admitted is not None or not plan.limited):
             endpoint = router.balancer.pick(plan.endpoints, exclude=(), prefix=plan.prefix)
-            conn = router.upstreams.idle(endpoint) if endpoint is not None else None
+            conn = None
+            if endpoint is not None:
+                with contextlib.suppress(UpstreamError):  # the task says why, as the proxy does
+                    conn = router.upstreams.idle(endpoint)
             if endpoint is not None and conn is not None:
                 _Flight(self, cycle, ex, plan, admitted, endpoint, conn).send()
                 return True
@@ -132,6 +137,7 @@ class _Flight:
         router = lane.router
         router.balancer.begin(endpoint)
         self.sent_at = lane.proxy.clock()
+        self.ex.maybe_used += 1
         router.upstreams.send(
             endpoint, conn, plan.path, plan.raw, lane.proxy.engine_headers(self.ex, endpoint)
         )
@@ -158,11 +164,14 @@ class _Flight:
             if not conn.got_bytes:
                 # A kept-alive connection the engine closed as the request went out: the
                 # engine never began it, and the proxy sends it again on a new connection.
+                self.ex.maybe_used -= 1
                 conn.close()
                 self._retry(failure=None)
                 return
             self._failed(f"{type(conn.error).__name__}: {conn.error}"[:200])
             return
+        if conn.status >= 400:
+            self.ex.maybe_used -= 1  # the engine refused it
         if conn.status in RETRY_STATUSES:
             self._failed(f"HTTP {conn.status}")
             return

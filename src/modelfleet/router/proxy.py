@@ -30,7 +30,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from modelfleet.openai_api import BadRequest, error_body, parse_body, prompt_text
+from modelfleet.openai_api import (
+    BadRequest,
+    check_generation,
+    error_body,
+    parse_body,
+    prompt_text,
+)
 from modelfleet.router.limits import Refusal as LimitRefusal
 from modelfleet.router.limits import Ticket
 from modelfleet.router.upstream import Answer, UpstreamError
@@ -77,6 +83,9 @@ class Exchange:
     timeouts: int = 0  # attempts that got no first byte in time
     scanner: UsageScanner | None = None  # finds the tokens the answer used
     key: str | None = None  # the name of the client's key, once it is known
+    # Attempts written to an engine that it did not refuse (an error status): for these an
+    # engine may have generated tokens, reported or not.
+    maybe_used: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,11 @@ class Proxy:
             return Refusal(400, str(exc), "invalid_request_error", "invalid", param=exc.param)
         ex.model = model = body["model"]
         ex.key = key.name
+        if path != "/v1/embeddings":
+            try:
+                check_generation(body)
+            except BadRequest as exc:
+                return Refusal(400, str(exc), "invalid_request_error", "invalid", param=exc.param)
         table = router.table  # taken once: a swap during this request is invisible to it
         endpoints = table.models.get(model)
         if endpoints is None and router.awaiting_table:
@@ -356,10 +370,16 @@ class Proxy:
 
     def settle(self, ex: Exchange, ticket: Ticket) -> None:
         """Settle the key's reservation to what the engine reported, in the background: the
-        answer does not wait for the store. No engine answered: nothing was used."""
+        answer does not wait for the store. When the engine reported nothing, the reservation
+        stands if an engine may have worked on the request (the client hung up, the answer
+        broke off, or it named no usage), and nothing was used if none did (no engine took
+        it, or each that did refused it with an error)."""
         router = self.router
         used = ex.scanner.usage if ex.scanner is not None else None
-        tokens = used.total if used is not None else (0 if ex.first_byte_at is None else None)
+        if used is not None:
+            tokens: int | None = used.total
+        else:
+            tokens = None if ex.maybe_used else 0
         if router.limits.settle_at_once(ticket, tokens, router.wall()):
             return
         settling = asyncio.ensure_future(router.limits.settle(ticket, tokens, router.wall()))
@@ -460,11 +480,14 @@ class Proxy:
         try:
             waited = self.clock()
             failure = None
+            ex.maybe_used += 1
             try:
                 async with asyncio.timeout(first_byte):
                     upstream = await router.upstreams.post(
                         endpoint, plan.path, plan.raw, self.engine_headers(ex, endpoint)
                     )
+                    if upstream.status >= 400:
+                        ex.maybe_used -= 1  # the engine refused it
                     if upstream.status in RETRY_STATUSES:
                         failure = f"HTTP {upstream.status}"
                     else:
@@ -473,6 +496,8 @@ class Proxy:
                 failure = f"no first byte within {first_byte:g} s"
                 ex.timeouts += 1
             except UpstreamError as exc:
+                if exc.unsent:
+                    ex.maybe_used -= 1
                 failure = f"{type(exc).__name__}: {exc}"[:200]
             ex.upstream_wait += self.clock() - waited
             if failure is not None:

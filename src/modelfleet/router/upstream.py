@@ -30,7 +30,12 @@ _HIGH_WATER = 1 << 20
 
 
 class UpstreamError(Exception):
-    """The engine could not be reached, or its answer was cut off or could not be parsed."""
+    """The engine could not be reached, or its answer was cut off or could not be parsed.
+    `unsent`: the request never reached the engine (no connection could be made)."""
+
+    def __init__(self, message: str, unsent: bool = False) -> None:
+        super().__init__(message)
+        self.unsent = unsent
 
 
 class Connection(asyncio.Protocol):
@@ -223,7 +228,9 @@ class Upstreams:
         if address is None:
             parts = urlsplit(endpoint)
             if parts.scheme != "http" or parts.hostname is None:
-                raise UpstreamError(f"cannot send to {endpoint!r}: only http://host:port")
+                raise UpstreamError(
+                    f"cannot send to {endpoint!r}: only http://host:port", unsent=True
+                )
             address = (parts.hostname, parts.port or 80)
             self._addresses[endpoint] = address
         return address
@@ -284,10 +291,11 @@ class Upstreams:
                 _, conn = await loop.create_connection(lambda: Connection(loop), *key)
         except TimeoutError as exc:
             raise UpstreamError(
-                f"no connection to {key[0]}:{key[1]} within {self.connect_timeout:g} s"
+                f"no connection to {key[0]}:{key[1]} within {self.connect_timeout:g} s",
+                unsent=True,
             ) from exc
         except OSError as exc:
-            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from exc
+            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc}", unsent=True) from exc
         return conn
 
     def _take_idle(self, key: tuple[str, int]) -> Connection | None:
