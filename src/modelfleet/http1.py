@@ -18,6 +18,10 @@ reads slowly), `Expect: 100-continue`, `http.disconnect` when the client goes aw
 answering, and one ordered `shutdown()`: stop accepting, close idle connections, let the
 requests in flight finish within a deadline, cancel what is left, close.
 
+What it bounds, where uvicorn does not (`Bounds`): the time a request's head and body may
+take to arrive, the head's size and number of lines as they arrive, the time an answer may
+wait for a client that reads nothing, and the number of connections.
+
 A server may also be given `take`, a handler that gets a POST whose whole (small) body is in
 before any task is made for it. The router's fast lane (`router/fast_lane.py`) answers most
 requests this way, by callbacks; what it cannot finish alone it hands to a task of its own
@@ -34,6 +38,7 @@ import socket
 import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import httptools
@@ -42,7 +47,12 @@ log = logging.getLogger("modelfleet.http")
 
 # Unread request body above which the connection stops reading from its client.
 HIGH_WATER = 64 * 1024
-MAX_HEAD_BYTES = 64 * 1024  # request line and headers; past this: 431
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers, counted as they arrive; past this: 431
+MAX_HEADERS = 100  # header lines in one request; past this: 431
+# Seconds a connection that answered before its request's body was in keeps reading (and
+# dropping) what the client still sends, after its answer and a half-close: closed at once,
+# the client's unread data would reset the connection before it read the answer.
+LINGER = 2.0
 _REASONS = {
     100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content",
     301: "Moved Permanently", 302: "Found", 304: "Not Modified", 307: "Temporary Redirect",
@@ -237,6 +247,10 @@ class Cycle:
                 self.framing = "chunked"
                 parts.append(b"transfer-encoding: chunked\r\n")
         self.head_sent = True
+        if length is not None and self.more_body and not self.body_given:
+            # Answered whole before the body was read (a 413): the rest of it is never read,
+            # so the connection cannot carry another request.
+            self.keep_alive = False
         if not self.keep_alive or self.conn.server.stopping:
             self.keep_alive = False
             parts.append(b"connection: close\r\n")
@@ -285,6 +299,11 @@ class _Connection(asyncio.Protocol):
         self.queue: deque[Cycle] = deque()  # pipelined requests waiting for their turn
         self.task: asyncio.Task[None] | None = None
         self.idle_since: float | None = None
+        # When the request being read must be in: its head within `head_timeout` of its first
+        # byte, its body within `body_timeout` of its head. None: no request being read.
+        self.deadline: float | None = None
+        self.reading_head = True  # between requests, or in a request's head
+        self.discarding = False  # answered and half-closed: what comes in is dropped
         self.read_paused = False
         self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
@@ -293,6 +312,8 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._expect_continue = False
         self._length = b""  # the request's Content-Length, as sent
+        self._encoding = b""  # its Transfer-Encoding, as sent
+        self._refusal: tuple[int, str] | None = None  # why a callback stopped the parser
         self.server_addr: tuple[str, int] | None = None
         self.client_addr: tuple[str, int] | None = None
 
@@ -308,34 +329,67 @@ class _Connection(asyncio.Protocol):
         own = transport.get_extra_info("sockname")
         self.client_addr = tuple(peer[:2]) if isinstance(peer, tuple) else None
         self.server_addr = tuple(own[:2]) if isinstance(own, tuple) else None
-        self.idle_since = self.loop.time()
         self.server.connections.add(self)
+        self.set_idle()
+        self.server.admitted(self)
+
+    def set_idle(self) -> None:
+        self.idle_since = self.loop.time()
+        self.server.idle[self] = None  # the newest idle connection, last
+
+    def set_busy(self) -> None:
+        self.idle_since = None
+        self.server.idle.pop(self, None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.server.idle.pop(self, None)
         if self.cycle is not None:
             self.server.untake(self.cycle)
+        self._gone()
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def _gone(self) -> None:
+        """The client is gone, or cut off: every request of it learns so."""
         for cycle in (self.cycle, self.parsing, *self.queue):
             if cycle is not None and not cycle.disconnected:
                 cycle.disconnected = True
                 cycle.wake()
                 if cycle.on_gone is not None and not cycle.complete:
                     cycle.on_gone()
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        self.idle_since = None
+        if self.discarding:
+            return
+        if self.idle_since is not None:
+            self.set_busy()
         try:
-            self.parser.feed_data(data)
+            while data:
+                if not self.reading_head:
+                    self.parser.feed_data(data)
+                    return
+                # A head is fed at most what is left of its limit at a time, so that one
+                # endless header line is refused at the limit, not once httptools has
+                # gathered all of it (a 64 MiB header once cost 120 MB and 5 s of CPU).
+                if self.deadline is None:
+                    self.deadline = self.loop.time() + self.server.head_timeout
+                room = MAX_HEAD_BYTES - self._head_bytes
+                if room <= 0:
+                    self._refuse(431, "The request's headers are too large.")
+                    return
+                if len(data) <= room:  # the usual case: no copy
+                    piece, data = data, b""
+                else:
+                    piece, data = data[:room], data[room:]
+                self._head_bytes += len(piece)
+                self.parser.feed_data(piece)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "Upgrades (websockets) are not served here.")
         except httptools.HttpParserError as exc:
             # httptools wraps what a callback raises in its own error.
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse(431, "The request's headers are too large.")
-            else:
-                self._refuse(400, f"Invalid HTTP request: {exc}")
+            status, message = self._refusal or (400, f"Invalid HTTP request: {exc}")
+            self._refuse(status, message)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -346,38 +400,55 @@ class _Connection(asyncio.Protocol):
             self._drain.set_result(None)
 
     async def drained(self) -> None:
+        """Wait until the client has read enough of what was written; a client that reads
+        nothing for `write_timeout` seconds is cut off (ClientDisconnected)."""
         if self.write_paused and not self.transport.is_closing():
             self._drain = self.loop.create_future()
-            await self._drain
+            try:
+                async with asyncio.timeout(self.server.write_timeout):
+                    await self._drain
+            except TimeoutError:
+                self.transport.abort()
+                raise ClientDisconnected(
+                    f"the client read nothing for {self.server.write_timeout:g} s"
+                ) from None
 
     # -- httptools callbacks ---------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
-        self._head_bytes = 0
         self._expect_continue = False
         self._length = b""
+        self._encoding = b""
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value))
+        if len(self._headers) >= MAX_HEADERS:
+            self._stop(431, f"The request has more than {MAX_HEADERS} header lines.")
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
         elif name == b"content-length":
             self._length = value
+        elif name == b"transfer-encoding":
+            self._encoding = value
         self._headers.append((name, value))
 
-    def _count(self, n: int) -> None:
-        self._head_bytes += n
-        if self._head_bytes > MAX_HEAD_BYTES:
-            raise ValueError("request head too large")
+    def _stop(self, status: int, message: str) -> None:
+        """Stop parsing from a callback: the request is refused with `status`."""
+        self._refusal = (status, message)
+        raise ValueError(message)
 
     def on_headers_complete(self) -> None:
+        if self._encoding and self._encoding.strip().lower() != b"chunked":
+            # Refused here, before the request is started: httptools refuses some forms only
+            # after this callback, when an answer would already be under way.
+            self._stop(400, "Transfer-Encoding other than 'chunked' is not accepted.")
+        self.reading_head = False
+        self.deadline = self.loop.time() + self.server.body_timeout if self._has_body() else None
         parser = self.parser
         version = parser.get_http_version()
         url = httptools.parse_url(self._url)
@@ -423,7 +494,13 @@ class _Connection(asyncio.Protocol):
             self.pause_reading()
         cycle.wake()
 
+    def _has_body(self) -> bool:
+        return bool(self._encoding) or (self._length not in (b"", b"0"))
+
     def on_message_complete(self) -> None:
+        self.reading_head = True
+        self.deadline = None
+        self._head_bytes = 0
         cycle = self.parsing
         if cycle is None:
             return
@@ -481,7 +558,10 @@ class _Connection(asyncio.Protocol):
             return
         self.server.untake(cycle)
         if not cycle.keep_alive:
-            self.transport.close()
+            if cycle.more_body and not cycle.disconnected:
+                self._linger()
+            else:
+                self.transport.close()
             return
         # A request answered before its body came whole (a 413): the rest is read and
         # dropped (`on_body`), and the next request starts after it.
@@ -489,7 +569,7 @@ class _Connection(asyncio.Protocol):
         if self.queue:
             self.start(self.queue.popleft())
         else:
-            self.idle_since = self.loop.time()
+            self.set_idle()
             if self.server.stopping:
                 self.transport.close()
                 return
@@ -505,26 +585,73 @@ class _Connection(asyncio.Protocol):
             self.read_paused = False
             self.transport.resume_reading()
 
+    def _linger(self) -> None:
+        """Half-close after an answer sent before the request was read whole (a 413, a
+        refusal): the client reads the answer while what it still sends is dropped, for
+        `LINGER` seconds."""
+        if self.discarding:
+            return
+        self.discarding = True
+        self.deadline = None
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER, self.transport.close)
+
+    def timed_out(self) -> None:
+        """The request being read missed its deadline (`Http1Server.head_timeout`,
+        `body_timeout`): 408 if nothing of an answer went out yet, and close."""
+        what = "headers" if self.reading_head else "body"
+        self._refuse(408, f"The request's {what} did not arrive in time.")
+
     def _refuse(self, status: int, message: str) -> None:
-        """Answer a request that cannot be parsed, and close."""
+        """Answer a request that cannot be parsed or came too slowly, and close."""
         body = message.encode()
         head = (
             _status_line(status) + b"content-type: text/plain; charset=utf-8\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
         )
-        if self.cycle is None or self.cycle.complete:
+        cycle = self.cycle
+        if cycle is None or cycle.complete or not cycle.head_sent:
             self.transport.write(head + body)
-        self.transport.close()
+        self._gone()  # an app still at work on a request here sees its client gone
+        self._linger()
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a client may cost the server: seconds, and connections."""
+
+    keep_alive: float = 30.0  # an idle connection is kept this long
+    head_timeout: float = 10.0  # a request's head is in within this of its first byte
+    body_timeout: float = 60.0  # its body within this of its head
+    write_timeout: float = 60.0  # an answer the client reads nothing of is cut off after this
+    max_connections: int = 10_000
 
 
 class Http1Server:
-    """Serves an ASGI app over HTTP/1.1 on listening sockets."""
+    """Serves an ASGI app over HTTP/1.1 on listening sockets.
+
+    What bounds a client (`Bounds`): a request's head and body that come too slowly get 408
+    and the connection is closed (the same sweep finds them that closes idle connections);
+    an answer the client reads nothing of for `write_timeout` is cut off; past
+    `max_connections` the longest idle connection is closed for each new one, and a new one
+    is closed at once when none is idle.
+    """
 
     def __init__(
-        self, app: Any, keep_alive: float = 30.0, take: Callable[[Cycle], bool] | None = None
+        self, app: Any, take: Callable[[Cycle], bool] | None = None, bounds: Bounds = Bounds()
     ) -> None:
         self.app = app
-        self.keep_alive = keep_alive  # seconds an idle connection is kept
+        self.keep_alive = bounds.keep_alive
+        self.head_timeout = bounds.head_timeout
+        self.body_timeout = bounds.body_timeout
+        self.write_timeout = bounds.write_timeout
+        self.max_connections = bounds.max_connections
+        self.idle: dict[_Connection, None] = {}  # idle connections, the longest idle first
+        self.turned_away = 0  # connections closed at once: over the cap, none idle
         # Gets each small POST once its body is in; True: it answers or carries it on.
         self.take = take
         self.connections: set[_Connection] = set()
@@ -551,22 +678,54 @@ class Http1Server:
         if quiet is not None and not quiet.done() and not self.tasks and not self.taken:
             quiet.set_result(None)
 
-    async def start(self, sock: socket.socket) -> None:
-        """Accept connections on `sock`, which is bound and listening."""
-        server = await self.loop.create_server(lambda: _Connection(self), sock=sock)
+    def admitted(self, conn: _Connection) -> None:
+        """A new connection: past `max_connections`, the longest idle one makes room, or,
+        with none idle, the new one is closed."""
+        if len(self.connections) <= self.max_connections:
+            return
+        for oldest in self.idle:
+            if oldest is not conn:
+                oldest.transport.close()
+                self.idle.pop(oldest, None)
+                self.connections.discard(oldest)
+                return
+        self.turned_away += 1
+        if self.turned_away == 1 or self.turned_away % 1000 == 0:
+            log.warning(
+                "%d connections open, none idle: turned away %d new connection(s)",
+                len(self.connections),
+                self.turned_away,
+            )
+        conn.transport.close()
+
+    async def start(self, sock: socket.socket, backlog: int = 2048) -> None:
+        """Accept connections on `sock`, which is bound and listening. `backlog` again,
+        because asyncio listens on the socket anew (at its own default of 100)."""
+        server = await self.loop.create_server(
+            lambda: _Connection(self), sock=sock, backlog=backlog
+        )
         self._servers.append(server)
         if self._sweeper is None:
             self._sweeper = self.loop.create_task(self._sweep())
 
     async def _sweep(self) -> None:
-        """Close connections idle for longer than `keep_alive`."""
-        period = max(0.05, min(5.0, self.keep_alive / 4))
+        """Close connections idle for longer than `keep_alive`, and those whose request is
+        late (`head_timeout`, `body_timeout`); a body the app is not reading yet is not late."""
+        shortest = min(self.keep_alive, self.head_timeout, self.body_timeout)
+        period = max(0.05, min(5.0, shortest / 4))
         while True:
             await asyncio.sleep(period)
-            cutoff = self.loop.time() - self.keep_alive
+            now = self.loop.time()
+            cutoff = now - self.keep_alive
+            for conn in list(self.idle):
+                if conn.idle_since is None or conn.idle_since >= cutoff:
+                    break  # the rest have been idle for less time
+                conn.transport.close()
+                self.idle.pop(conn, None)
             for conn in list(self.connections):
-                if conn.idle_since is not None and conn.idle_since < cutoff:
-                    conn.transport.close()
+                deadline = conn.deadline
+                if deadline is not None and deadline < now and not conn.read_paused:
+                    conn.timed_out()
 
     async def shutdown(self, drain_timeout: float) -> None:
         """Stop accepting, close idle connections, let requests in flight finish within

@@ -25,7 +25,7 @@ import uvicorn
 import uvloop
 
 from modelfleet.files import write_json_atomic
-from modelfleet.http1 import Cycle, Http1Server
+from modelfleet.http1 import Bounds, Cycle, Http1Server
 
 log = logging.getLogger("modelfleet")
 
@@ -46,6 +46,7 @@ class Listener:
     server: Literal["uvicorn", "http1"] = "uvicorn"
     # On the lean server: gets each small POST before the app does (`Http1Server.take`).
     take: Callable[[Cycle], bool] | None = field(default=None, repr=False)
+    bounds: Bounds = field(default_factory=Bounds)  # on the lean server: what a client may cost
     sock: socket.socket | None = field(default=None, repr=False)
 
     def bind(self) -> socket.socket:
@@ -117,7 +118,7 @@ async def run_service(
     for listener in listeners:
         sock = listener.sock or listener.bind()
         if listener.server == "http1":
-            http1 = Http1Server(listener.app, take=listener.take)
+            http1 = Http1Server(listener.app, take=listener.take, bounds=listener.bounds)
             await http1.start(sock)
             lean.append(http1)
             continue

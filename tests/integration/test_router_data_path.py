@@ -190,3 +190,10 @@ def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Pa
         return len([c for c in psutil.Process(proc.pid).children() if c.is_running()]) == 2
 
     wait_for("the killed worker to be restarted", new_worker_serves, timeout=60)
+    # Stopped cleanly, it leaves nothing behind: its workers' folder (configs, ready files,
+    # the shared table) once stayed in /tmp after every run.
+    folder = Path(workers[1].cmdline()[workers[1].cmdline().index("--config") + 1]).parent
+    assert folder.is_dir() and folder.name.startswith("modelfleet-router-")
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+    assert not folder.exists()

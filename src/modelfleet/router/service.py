@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modelfleet.apikeys import hash_key
 from modelfleet.files import write_json_atomic
+from modelfleet.http1 import Bounds
 from modelfleet.openai_api import error_response
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.engine_load import read_engine_load
@@ -89,6 +90,15 @@ class RouterConfig(BaseModel):
     first_byte_timeout: float = Field(default=300.0, gt=0)
     chunk_timeout: float = Field(default=60.0, gt=0)
     retries: int = Field(default=1, ge=0)  # other replicas tried before the first byte
+    # What one client may cost the client listener. Seconds: a request's headers must be in
+    # within `client_head_timeout` of their first byte and its body within
+    # `client_body_timeout` of them (408 and close otherwise); an answer the client reads
+    # nothing of for `client_write_timeout` is cut off. Past `max_connections` open at once,
+    # the longest idle connection is closed for each new one (a new one, when none is idle).
+    client_head_timeout: float = Field(default=10.0, gt=0)
+    client_body_timeout: float = Field(default=60.0, gt=0)
+    client_write_timeout: float = Field(default=60.0, gt=0)
+    max_connections: int = Field(default=10_000, ge=1)
     # Prefix routing hashes this many leading characters of the prompt.
     prefix_chars: int = Field(default=256, ge=1)
     # How often each engine's queue depth is read from its /metrics, and ejected engines
@@ -425,6 +435,12 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
             reuse_port=config.reuse_port,
             server="http1",
             take=FastLane(client.proxy).take,
+            bounds=Bounds(
+                head_timeout=config.client_head_timeout,
+                body_timeout=config.client_body_timeout,
+                write_timeout=config.client_write_timeout,
+                max_connections=config.max_connections,
+            ),
         ),
         # The push API on the lean server too: uvicorn's server wakes every 0.1 s for
         # housekeeping, a third of an idle router's CPU.

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import socket
 import subprocess
 import sys
@@ -285,3 +286,5 @@ async def serve_workers(
     finally:
         reserved.close()
         await parent.stop()
+        # Its worker configs and ready files, and the table file unless the config named one.
+        shutil.rmtree(parent.folder, ignore_errors=True)
