@@ -279,6 +279,9 @@ class StatusAnswer(_Answer):
     replicas: int  # in the table, retiring ones included
     pending: int  # replicas wanted that cannot be placed now
     frozen: str = ""  # why nothing is moved off lost nodes (every node is silent), or ""
+    # Why the store cannot write (a full disk, a read-only file), or "": changes are refused
+    # with 503 and collected usage waits at the routers until it can again.
+    store_problem: str = ""
 
 
 # -- routing -------------------------------------------------------------------------------
@@ -305,7 +308,8 @@ class RoutingAnswer(_Answer):
 # -- API keys ------------------------------------------------------------------------------
 
 KeyName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
-Limit = Annotated[int, Field(gt=0)]
+MAX_LIMIT = 10**12  # past any real limit; larger numbers do not fit the store's integers
+Limit = Annotated[int, Field(gt=0, le=MAX_LIMIT)]
 Clearable = Literal["models", "rpm", "tpm", "max_concurrent", "expires"]
 
 

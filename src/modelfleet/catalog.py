@@ -341,6 +341,17 @@ def _problem_message(key: str, error: ErrorDetails, raw: Mapping[str, Any]) -> s
     return f"{_EXPECTED.get(key, error['msg'])}, got {_REPR.repr(raw.get(key))}"
 
 
+def _is_text(value: Any) -> bool:
+    """Whether every string in `value` (and in its lists and mappings) encodes as UTF-8."""
+    if isinstance(value, str):
+        return value.isascii() or not any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, Mapping):
+        return all(_is_text(k) and _is_text(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(_is_text(v) for v in value)
+    return True
+
+
 def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec | None:
     label = f"#{index + 1}"
     if not isinstance(raw, Mapping):
@@ -364,6 +375,13 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
     def problem(key: str, message: str) -> None:
         problems.append(Problem(label, key, message))
 
+    for key, value in raw.items():
+        if not _is_text(value):
+            problem(
+                _clip(str(key), 80),
+                "holds a string that is not valid Unicode (a lone surrogate, such as \\ud800, "
+                "from a JSON escape): an engine's command line or environment cannot carry it",
+            )
     if model.engine == "command" and model.command is None:
         problem("command", "missing: engine 'command' needs a command template")
     if model.engine != "command" and model.command is not None:

@@ -6,7 +6,6 @@ not pay for the control plane's imports.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -70,7 +69,7 @@ def control_plane(
     from modelfleet.controlplane.service import open_catalogs, serve
     from modelfleet.serving import configure_logging, run_fast
     from modelfleet.statedir import StateDirBusy, StateDirLock
-    from modelfleet.store.sqlite import StoreError
+    from modelfleet.store import StoreError
 
     configure_logging(log_level)
     try:
@@ -82,12 +81,20 @@ def control_plane(
                 "(or --insecure-agent-api) for a development fleet"
             )
         warn_if_open(cfg.host, "the agent API", cfg.agent_token is not None)
+    except ConfigError as exc:
+        fail(str(exc))
+    try:
         lock = StateDirLock(cfg.state_dir, "control plane").acquire()
-        catalogs = open_catalogs(cfg)
-    except (ConfigError, CatalogInvalid, StoreError, StateDirBusy) as exc:
+    except StateDirBusy as exc:
         fail(str(exc))
     except OSError as exc:
-        fail(f"cannot read the catalog: {exc}")
+        fail(f"cannot use the state dir {cfg.state_dir}, where the store lives: {exc}")
+    try:
+        catalogs = open_catalogs(cfg)
+    except (CatalogInvalid, StoreError) as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot read the catalog file {cfg.catalog}: {exc}")
     run_fast(serve(cfg, catalogs, ready_file))
     lock.release()
 
@@ -166,7 +173,7 @@ def agent(
     )
     from modelfleet.agent.service import AgentSettings, serve
     from modelfleet.agent.supervisor import SupervisorSettings
-    from modelfleet.serving import configure_logging
+    from modelfleet.serving import configure_logging, run_service_loop
     from modelfleet.statedir import StateDirBusy, StateDirLock
 
     configure_logging(log_level)
@@ -220,7 +227,7 @@ def agent(
             pass_env=tuple(pass_env or ()),
         ),
     )
-    asyncio.run(serve(settings, gpus, ready_file, admin_port))
+    run_service_loop(serve(settings, gpus, ready_file, admin_port))
     lock.release()
 
 

@@ -11,15 +11,20 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 PRIVATE = 0o600
 PRIVATE_DIR = 0o700
 
 
 def private_dir(folder: Path) -> Path:
-    """Make `folder` (and its missing parents) and leave it enterable by its owner alone."""
-    folder.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+    """Make `folder` and its missing parents, each enterable by its owner alone, and leave
+    `folder` so too (parents that were there already keep their mode)."""
+    missing = [folder, *(p for p in folder.parents if not p.exists())]
+    for path in reversed(missing):
+        path.mkdir(exist_ok=True, mode=PRIVATE_DIR)
+        if path is not folder:
+            os.chmod(path, PRIVATE_DIR)
     os.chmod(folder, PRIVATE_DIR)
     return folder
 
@@ -49,3 +54,10 @@ def write_atomic(path: Path, text: str, mode: int = PRIVATE) -> None:
 def write_json_atomic(path: Path, data: Any, mode: int = PRIVATE) -> None:
     """`data` as JSON, written as `write_atomic` writes."""
     write_atomic(path, json.dumps(data, indent=2) + "\n", mode)
+
+
+def open_private_log(path: Path) -> BinaryIO:
+    """`path` opened to append to, made (with its missing folders) readable by its owner
+    alone: a process's output may hold paths, addresses and what an engine prints."""
+    private_dir(path.parent)
+    return open(path, "ab", opener=lambda name, flags: os.open(name, flags, PRIVATE))

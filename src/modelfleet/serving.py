@@ -81,10 +81,30 @@ class _Server(uvicorn.Server):
         yield
 
 
+class ServiceFailed(RuntimeError):
+    """A part of a service (a background loop, a listener) failed and the service stopped:
+    its process exits non-zero, so that whoever supervises it sees a failure."""
+
+
 def run_fast(main: Coroutine[Any, Any, None]) -> None:
-    """Run `main` on uvloop's event loop: for the services on the request path (the router,
-    the engine simulator), where it cut the router's CPU per request (bench/router.py)."""
-    uvloop.run(main)
+    """Run `main` on uvloop's event loop (for the services on the request path it cut the
+    router's CPU per request, bench/router.py). A service that stopped because a part of it
+    failed exits with status 1."""
+    run_service_loop(main, fast=True)
+
+
+def run_service_loop(main: Coroutine[Any, Any, None], fast: bool = False) -> None:
+    """Run a service's `main` until it returns; exit with status 1 if it stopped because a
+    part of it failed (a service that stopped for a failure once exited 0, and a supervisor
+    took the crash loop for clean stops)."""
+    try:
+        if fast:
+            uvloop.run(main)
+        else:
+            asyncio.run(main)
+    except ServiceFailed as exc:
+        log.error("%s", exc)
+        raise SystemExit(1) from None
 
 
 def configure_logging(level: str = "info") -> None:
@@ -137,9 +157,9 @@ async def run_service(
     while not all(s.started for s in servers):
         if any(t.done() for t in server_tasks):
             for t in server_tasks:
-                failure = t.exception() if t.done() else None
-                if failure is not None:
-                    raise failure
+                failed = t.exception() if t.done() else None
+                if failed is not None:
+                    raise failed
             raise RuntimeError("a listener stopped during start-up")
         await asyncio.sleep(0.01)
 
@@ -158,13 +178,17 @@ async def run_service(
     # A background loop with nothing to do returns (the router's engine watch with
     # `watch_interval: 0`): the service goes on. A signal, a loop that fails or a listener
     # that stops ends it.
+    failure: BaseException | None = None
     while True:
         done, watched = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         ended = [t for t in done if t is stop_waiter or t.cancelled() or t.exception()]
         ended += [t for t in done if t in server_tasks]
         for task in ended:
             if task is not stop_waiter and not task.cancelled() and task.exception():
+                failure = failure or task.exception()
                 log.error("a part of the service failed; shutting down", exc_info=task.exception())
+            elif task in server_tasks:
+                failure = failure or RuntimeError("a listener stopped")
         if ended:
             break
 
@@ -181,3 +205,5 @@ async def run_service(
     if on_stop is not None:
         await on_stop()
     stop_waiter.cancel()
+    if failure is not None:
+        raise ServiceFailed(f"stopped because a part of it failed: {failure!r}") from failure

@@ -58,9 +58,16 @@ class BadDuration(ValueError):
     """A duration that could not be read; the message says what is accepted."""
 
 
+MAX_DURATION = 100 * 365 * 86400  # seconds: longer is a typo, and overflows dates and stores
+
+
 def parse_duration(text: str) -> float:
-    """The seconds that `text` names: a number and one of s, m, h, d, w (`90s`, `12h`)."""
+    """The seconds that `text` names: a number and one of s, m, h, d, w (`90s`, `12h`), at
+    most 100 years."""
     match = _DURATION.match(text)
     if not match:
         raise BadDuration(f"{text!r} is not a duration; write it like 90s, 30m, 12h, 30d or 2w")
-    return float(match[1]) * _SECONDS[match[2]]
+    seconds = float(match[1]) * _SECONDS[match[2]]
+    if seconds > MAX_DURATION:
+        raise BadDuration(f"{text[:40]!r} is longer than 100 years")
+    return seconds

@@ -71,6 +71,16 @@ def test_up_serves_every_model_and_stops_everything(procs: Procs, tmp_path: Path
     assert len(engines) == 3  # the default catalog: 2 + 1 replicas
     everything = all_pids(pids)
     assert all(alive(p) for p in everything)
+    # Everything in the state dir is its owner's alone: the store and its WAL, the logs, the
+    # agents' records and engine logs once were 0644 in folders of 0755.
+    wait_for("the engines' logs", lambda: len(list(state.glob("agents/*/logs/*"))) >= 3)
+    loose = [
+        f"{path.relative_to(state)} {stat.S_IMODE(path.stat().st_mode):o}"
+        for path in [state, *state.rglob("*")]
+        if path.name != "catalog.yaml"  # the operator's to edit; it holds no secret
+        and stat.S_IMODE(path.stat().st_mode) != (0o700 if path.is_dir() else 0o600)
+    ]
+    assert not loose, loose
 
     client = openai.OpenAI(
         base_url=info["router_url"] + "/v1", api_key=info["api_key"], max_retries=0

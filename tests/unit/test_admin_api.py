@@ -15,9 +15,10 @@ from jsonschema import Draft202012Validator
 
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane.catalogs import CatalogKeeper
-from modelfleet.controlplane.config import ControlPlaneConfig
+from modelfleet.controlplane.config import ControlPlaneConfig, RouterTarget
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
+from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import AgentReport, ShardReport, ShardState
 
@@ -215,5 +216,92 @@ def test_bad_input_gets_a_clear_4xx_and_changes_nothing() -> None:
             assert big.status_code == 413
             assert chunks_sent < 20  # it stopped reading at the limit (1000 bytes)
         assert cp.catalogs.current.version == version
+
+    asyncio.run(go())
+
+
+def test_what_a_fuzzer_and_a_hand_found_gets_a_400_naming_the_field() -> None:
+    """Each of these was a 500: a limit past int64 (OverflowError in SQLite), a `since` of
+    99999999999999999999 weeks (the same), a catalog whose JSON holds a lone surrogate
+    (pydantic could not write the refusal), a path no route matches with characters a
+    route cannot hold (FastAPI's own `{"detail": ...}`, not an ErrorAnswer)."""
+    cp = control_plane()
+
+    async def go() -> None:
+        async with admin_client(cp) as c:
+            for limit in ("1.7e33", str(10**30)):
+                huge = await c.post("/v1/keys", content=f'{{"name": "big", "rpm": {limit}}}')
+                assert huge.status_code == 400 and "rpm" in huge.json()["error"], huge.text
+            patched = await c.patch("/v1/keys/none", content=f'{{"tpm": {10**19}}}')
+            assert patched.status_code == 400 and "tpm" in patched.json()["error"]
+            for since in ("99999999999999999999w", "1" + "0" * 400 + "s"):
+                far = await c.get(f"/v1/usage?since={since}")
+                assert far.status_code == 400 and "since" in far.json()["error"], far.text
+            forever = await c.post("/v1/keys", content='{"name": "f", "expires": "9999999w"}')
+            assert forever.status_code == 400 and "expires" in forever.json()["error"]
+            for catalog in (
+                '{"models": [{"name": "x\\ud800", "engine": "sim"}]}',
+                '{"models": [{"name": "x", "engine": "sim", "args": ["\\ud800"]}]}',
+                '{"models": [{"name": "x", "engine": "sim", "env": {"A": "\\udfff"}}]}',
+            ):
+                refused = await c.put(
+                    "/v1/catalog", content=catalog, headers={"content-type": "application/json"}
+                )
+                assert refused.status_code == 422, refused.text
+                problem = refused.json()["problems"][0]
+                assert problem["field"] in ("name", "args", "env")
+            strange = await c.get("/v1/replicas/a%0Ab/c")
+            assert strange.status_code == 404 and "no such path" in strange.json()["error"]
+            wrong = await c.request("TRACE", "/v1/keys")
+            assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, POST"
+            assert "error" in wrong.json()
+        assert cp.catalogs.current.version == 2 and cp.store.api_keys() == []
+
+    asyncio.run(go())
+
+
+def test_a_store_that_cannot_write_refuses_changes_with_503_and_recovers_by_itself() -> None:
+    """SQLite's "database or disk is full", made by capping the store at the pages it has:
+    a control plane whose usage collector met it once stopped (and exited 0). Now each change
+    is refused with 503 and changes nothing, collected usage waits at the router, `status`
+    says why, and all of it works again once the store can write."""
+    cp = control_plane()
+    db = cp.store._db  # type: ignore[attr-defined]
+    pages = db.execute("PRAGMA page_count").fetchone()[0]
+    rows = [{"key": "alice" * 400, "model": "small", "hour": hour * 3600, "requests": 1,
+             "prompt_tokens": 2, "completion_tokens": 3, "errors": 0, "last_at": 1.0}
+            for hour in range(10)]  # fmt: skip
+    acks: list[bytes] = []
+
+    def router(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/usage":
+            return httpx.Response(200, json={"batches": [{"run": "r", "batch": 1, "rows": rows}]})
+        acks.append(request.content)
+        return httpx.Response(200, json={"ok": True})
+
+    async def go() -> None:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(router))
+        collector = UsageCollector(
+            [RouterTarget(url="http://router", token="t")], http, cp.store, 1.0, time.time
+        )
+        async with admin_client(cp) as c:
+            db.execute(f"PRAGMA max_page_count = {pages}")
+            big = {"name": "alice", "models": ["small"] * 2000}  # each write needs new pages
+            refused = await c.post("/v1/keys", json=big)
+            assert refused.status_code == 503, refused.text
+            assert "database or disk is full" in refused.json()["error"]
+            assert refused.headers["retry-after"] == "10"
+            assert (await c.get("/v1/keys")).json()["keys"] == []
+            await collector.collect()  # fails to store: no acknowledgement, no exception
+            assert acks == [] and cp.store.usage() == []
+            status = (await c.get("/v1/status")).json()
+            assert "cannot write: database or disk is full" in status["store_problem"]
+
+            db.execute("PRAGMA max_page_count = 1000000")  # space again
+            await collector.collect()
+            assert len(acks) == 1 and len(cp.store.usage()) == 10
+            assert (await c.post("/v1/keys", json=big)).status_code == 200
+            assert (await c.get("/v1/status")).json()["store_problem"] == ""
+        await http.aclose()
 
     asyncio.run(go())

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from modelfleet.http1 import HIGH_WATER, MAX_HEAD_BYTES, MAX_HEADERS, Bounds, Cycle, Http1Server
-from modelfleet.serving import Listener, run_service
+from modelfleet.serving import Listener, run_service, run_service_loop
 
 from .router_kit import run, until
 
@@ -562,3 +562,24 @@ async def _test_the_listen_backlog_is_the_one_asked_for() -> None:
             ["ss", "-ltnH", f"sport = :{served.port}"], capture_output=True, text=True, check=True
         ).stdout.split()
         assert shown[0] == "LISTEN" and shown[2] == "2048", shown
+
+
+def test_a_service_whose_loop_fails_stops_in_order_and_exits_non_zero() -> None:
+    """A control plane whose usage collector raised once shut down, exited 0, and was
+    restarted three times in 35 s by a supervisor that took each exit for a clean stop."""
+    stopped: list[str] = []
+
+    async def failing() -> None:
+        raise RuntimeError("database or disk is full")
+
+    async def on_stop() -> None:
+        stopped.append("on_stop")
+
+    async def service() -> None:
+        listener = Listener("test", echo, server="http1")
+        listener.bind()
+        await run_service([listener], loops=[failing], on_stop=on_stop)
+
+    with pytest.raises(SystemExit) as exited:
+        run_service_loop(service())
+    assert exited.value.code == 1 and stopped == ["on_stop"]

@@ -25,6 +25,7 @@ from modelfleet.agent.records import EngineRecord
 from modelfleet.backoff import Backoff
 from modelfleet.engines import EngineDriver, NoDriver
 from modelfleet.engines.base import engine_environment
+from modelfleet.files import open_private_log
 from modelfleet.processes import ProcessId, free_port, log_tail, stop_groups
 from modelfleet.wire import MAX_LOG_TAIL_LINES, ShardAssignment, ShardReport, ShardState
 
@@ -261,8 +262,7 @@ class Shard:
         self.argv = launch.argv
         self.health_path = launch.health_path
         try:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.log_path.open("ab") as out:
+            with open_private_log(self.log_path) as out:
                 proc = subprocess.Popen(
                     launch.argv,
                     stdin=subprocess.DEVNULL,

@@ -6,14 +6,18 @@ describes them all. Every error answer is an `ErrorAnswer` (`{"error": ...}`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match
 
 from modelfleet import admin
 from modelfleet.catalog import CatalogInvalid
@@ -21,6 +25,7 @@ from modelfleet.controlplane import keys, views
 from modelfleet.controlplane.catalogs import API_SOURCE
 from modelfleet.controlplane.plane import ControlPlane, NodeBusy
 from modelfleet.fleet import Mark
+from modelfleet.store import StoreError
 from modelfleet.units import BadDuration, parse_duration
 from modelfleet.web import JSON, bearer_matches, read_at_most
 
@@ -67,6 +72,15 @@ _MARK_BODY = _body_of(admin.MarkRequest)
 KeyRequest = TypeVar("KeyRequest", admin.KeyCreate, admin.KeyUpdate)
 
 
+def _error(
+    status: int, answer: admin.ErrorAnswer, headers: Mapping[str, str] | None = None
+) -> Response:
+    """An error answer. Encoded by the json module, which writes what it echoes of the
+    request (a lone surrogate in a catalog, say) as escapes where pydantic's encoder fails."""
+    body = json.dumps(answer.model_dump(exclude_none=True))
+    return Response(body, status_code=status, media_type=JSON, headers=headers)
+
+
 def _problems(errors: Sequence[Mapping[str, Any]]) -> str:
     """pydantic's errors in one line: `field: what is wrong; ...`."""
     return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors)
@@ -92,21 +106,47 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
 
     @app.exception_handler(Refused)
     async def refused(_: Request, exc: Refused) -> Response:
-        body = exc.answer.model_dump_json(exclude_none=True)
-        return Response(body, status_code=exc.status, media_type=JSON)
+        return _error(exc.status, exc.answer)
+
+    @app.exception_handler(StoreError)
+    async def cannot_write(_: Request, exc: StoreError) -> Response:
+        """A change the store could not record (a full disk): nothing was changed."""
+        message = (
+            f"{exc}; nothing was changed. The control plane goes on serving and recovers by "
+            "itself once its store can write again: try again then"
+        )
+        return _error(503, admin.ErrorAnswer(error=message), {"retry-after": "10"})
 
     @app.exception_handler(RequestValidationError)
     async def malformed(_: Request, exc: RequestValidationError) -> Response:
         problems = _problems([{**e, "loc": e["loc"][1:]} for e in exc.errors()])
-        answer = admin.ErrorAnswer(error=f"malformed request: {problems}")
-        return Response(answer.model_dump_json(exclude_none=True), status_code=400, media_type=JSON)
+        return _error(400, admin.ErrorAnswer(error=f"malformed request: {problems}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def unrouted(request: Request, exc: StarletteHTTPException) -> Response:
+        """A path no route matches, or a method it does not take, as an `ErrorAnswer`."""
+        what = {404: "no such path", 405: "method not allowed on"}.get(exc.status_code, "")
+        message = f"{what} {request.method} {request.url.path}" if what else str(exc.detail)
+        headers = exc.headers
+        if exc.status_code == 405:
+            # Each method of a path is a route of its own: Allow names those of all of them.
+            methods = {
+                method
+                for route in app.routes
+                if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE
+                for method in route.methods or ()
+            }
+            headers = {"allow": ", ".join(sorted(methods))}
+        return _error(exc.status_code, admin.ErrorAnswer(error=message), headers)
 
     @app.get("/v1/nodes", responses=_errors())
     async def nodes() -> admin.NodesAnswer:
         """The nodes, their GPUs and health, marks and what runs on them."""
         return views.nodes(cp.state, cp.clock.monotonic(), cp.frozen)
 
-    @app.post("/v1/nodes/{node}/mark", responses=_errors(400, 404, 413), openapi_extra=_MARK_BODY)
+    @app.post(
+        "/v1/nodes/{node}/mark", responses=_errors(400, 404, 413, 503), openapi_extra=_MARK_BODY
+    )
     async def mark_node(node: str, request: Request) -> admin.MarkAnswer:
         """Cordon, drain or uncordon a node, and say what moves because of it."""
         # The body is read as JSON whatever its Content-Type says: `curl -d` sends a form type.
@@ -133,7 +173,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             pending=pending,
         )
 
-    @app.delete("/v1/nodes/{node}", responses=_errors(404, 409))
+    @app.delete("/v1/nodes/{node}", responses=_errors(404, 409, 503))
     async def delete_node(node: str, force: bool = False) -> admin.NodeDeleted:
         """Forget a node. Refused while replicas run on it, unless `force`: then they are
         placed anew elsewhere at once. An agent that reports again comes back as a new node."""
@@ -187,7 +227,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         """The last applied catalog versions, newest first."""
         return views.history(cp.catalogs, limit)
 
-    @app.put("/v1/catalog", responses=_errors(400, 413, 422), openapi_extra=_CATALOG_BODY)
+    @app.put("/v1/catalog", responses=_errors(400, 413, 422, 503), openapi_extra=_CATALOG_BODY)
     async def put_catalog(request: Request, dry_run: bool = False) -> admin.CatalogChange:
         """Apply the catalog in the body, or with `dry_run` only say what applying it would
         do. An invalid catalog changes nothing and gets 422 with every problem."""
@@ -243,6 +283,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             replicas=len(state.replicas),
             pending=sum(p.count for p in state.pending),
             frozen=cp.frozen,
+            store_problem=cp.store.write_problem() or "",
         )
 
     @app.get("/v1/routing", responses=_errors())
@@ -299,7 +340,9 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             ],
         )
 
-    @app.post("/v1/keys", responses=_errors(400, 409, 413), openapi_extra=_body_of(admin.KeyCreate))
+    @app.post(
+        "/v1/keys", responses=_errors(400, 409, 413, 503), openapi_extra=_body_of(admin.KeyCreate)
+    )
     async def create_key(request: Request) -> admin.KeyCreated:
         """Make a client API key; the answer holds the key, shown this once. Every router
         takes it with its next routing table."""
@@ -312,7 +355,9 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         return admin.KeyCreated(key=key, **keys.info(stored).model_dump())
 
     @app.patch(
-        "/v1/keys/{name}", responses=_errors(400, 404, 413), openapi_extra=_body_of(admin.KeyUpdate)
+        "/v1/keys/{name}",
+        responses=_errors(400, 404, 413, 503),
+        openapi_extra=_body_of(admin.KeyUpdate),
     )
     async def update_key(name: str, request: Request) -> admin.KeyInfo:
         """Change a key's models, limits or expiry."""
@@ -324,7 +369,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         cp.wake()
         return keys.info(stored)
 
-    @app.delete("/v1/keys/{name}", responses=_errors(404))
+    @app.delete("/v1/keys/{name}", responses=_errors(404, 503))
     async def revoke_key(name: str) -> admin.KeyInfo:
         """Revoke a key: every router refuses it once it holds the next routing table."""
         try:

@@ -20,7 +20,7 @@ import yaml
 
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.files import write_atomic
-from modelfleet.store import Rejection, Store, StoredCatalog
+from modelfleet.store import Rejection, Store, StoredCatalog, StoreError
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -115,7 +115,11 @@ class CatalogKeeper:
             return None
         text = self.file.read_text()
         self._file_stat = stat
-        return self._apply_file_text(text, now, strict=False)
+        try:
+            return self._apply_file_text(text, now, strict=False)
+        except StoreError:
+            self._file_stat = None  # read again at the next poll, when the store may write
+            raise
 
     def _apply_file_text(self, text: str, now: float, strict: bool) -> Applied | None:
         digest = _text_digest(text)
@@ -124,12 +128,12 @@ class CatalogKeeper:
         try:
             applied = self.apply(text, str(self.file), now)
         except CatalogInvalid as exc:
+            self.store.set_meta(_FILE_DIGEST_KEY, digest)
             if strict:
                 raise
             log.error("%s; the current catalog stays", exc)
             return None
-        finally:
-            self.store.set_meta(_FILE_DIGEST_KEY, digest)
+        self.store.set_meta(_FILE_DIGEST_KEY, digest)
         return applied
 
     def validate(self, text: str, source: str) -> Catalog:
@@ -144,7 +148,11 @@ class CatalogKeeper:
         try:
             candidate = self.validate(text, source)
         except CatalogInvalid as exc:
-            self.store.set_rejection(Rejection(now, source, tuple(str(p) for p in exc.problems)))
+            try:
+                rejection = Rejection(now, source, tuple(str(p) for p in exc.problems))
+                self.store.set_rejection(rejection)
+            except StoreError as failed:  # the refusal stands; only its record is missing
+                log.warning("cannot record the rejected catalog: %s", failed)
             raise
         previous = self._current.catalog if self._current else candidate
         if self._current is not None and candidate.digest == self._current.catalog.digest:

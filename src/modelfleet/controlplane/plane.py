@@ -42,7 +42,7 @@ from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.controlplane.watch import AssignmentWatch
 from modelfleet.fleet import Mark
 from modelfleet.reconcile import Preview, plan, preview, settling
-from modelfleet.store import StoredMark
+from modelfleet.store import StoredMark, StoreError
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -166,9 +166,9 @@ class ControlPlane:
         held = self.state.holding(node)
         if held and not force:
             raise NodeBusy(node, held)
+        self.store.clear_mark(node)  # first: a store that cannot write changes nothing
         self.state.retire(held, f"node {node} deleted by an operator", self.clock.monotonic())
         self.state.forget(node)
-        self.store.clear_mark(node)
         self.wake()
         log.info(
             "node %s deleted%s", node, f"; replicas retired: {', '.join(held)}" if held else ""
@@ -184,7 +184,10 @@ class ControlPlane:
                     "node %s forgotten: no report for %.0fs and no replica on it", name, silent
                 )
                 self.state.forget(name)
-                self.store.clear_mark(name)
+                try:
+                    self.store.clear_mark(name)
+                except StoreError as exc:  # a mark of a node nobody knows does no harm
+                    log.warning("cannot clear the mark of forgotten node %s: %s", name, exc)
 
     async def preview(self, catalog: Catalog) -> Preview:
         """What the next passes would start and stop to make `catalog` true.
@@ -360,10 +363,11 @@ class ControlPlane:
             try:
                 applied = self.catalogs.check_file(self.clock.time())
                 self._file_error = ""
-            except OSError as exc:
+            except (OSError, StoreError) as exc:
                 if str(exc) != self._file_error:  # once per distinct error, not every poll
                     self._file_error = str(exc)
-                    log.warning("cannot read the catalog file: %s; the current one stays", exc)
+                    what = "read the catalog file" if isinstance(exc, OSError) else "apply it"
+                    log.warning("cannot %s: %s; the current catalog stays", what, exc)
                 continue
             if applied is not None and applied.changed:
                 self.wake()

@@ -4,7 +4,8 @@ Each router counts requests, prompt and completion tokens and errors per key, mo
 (`router/usage.py`). Every `usage_interval` the control plane takes each router's batch,
 adds it to the store (once per batch, whatever happens to the answer) and acknowledges it, so
 the router forgets it. A router that dies loses what it counted since its last acknowledged
-batch: about one interval.
+batch: about one interval. While the store cannot write (a full disk), nothing is
+acknowledged: each router keeps its batches and sends them again, until they are stored.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import httpx
 from pydantic import ValidationError
 
 from modelfleet.controlplane.config import RouterTarget
-from modelfleet.store import Store, StoredUsage
+from modelfleet.store import Store, StoredUsage, StoreError
 from modelfleet.wire import UsageAck, UsageReport
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -39,6 +40,7 @@ class UsageCollector:
         self.store = store
         self.interval = interval
         self.wall = wall
+        self._failure = ""  # the last store failure logged, to log each only once
 
     async def run(self) -> None:
         """Collect from every router, every interval, until cancelled."""
@@ -66,7 +68,15 @@ class UsageCollector:
                             r.completion_tokens, r.errors, r.last_at)
                 for r in batch.rows
             ]  # fmt: skip
-            self.store.add_usage(batch.run, batch.batch, rows, now)
+            try:
+                self.store.add_usage(batch.run, batch.batch, rows, now)
+            except StoreError as exc:
+                # Not acknowledged: the router keeps the batch and sends it again.
+                if str(exc) != self._failure:
+                    self._failure = str(exc)
+                    log.warning("cannot store usage, kept by the routers meanwhile: %s", exc)
+                return
+        self._failure = ""
         ack = UsageAck(batches=[(b.run, b.batch) for b in report.batches])
         try:
             await self.http.post(

@@ -32,6 +32,8 @@ def print_status(data: admin.StatusAnswer, console: Console) -> None:
     )
     if data.frozen:
         console.print(f"warning: {data.frozen}", highlight=False)
+    if data.store_problem:
+        console.print(f"warning: {data.store_problem}", highlight=False)
 
 
 def _pass_times(data: admin.StatusAnswer) -> str:

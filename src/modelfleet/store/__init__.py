@@ -71,8 +71,19 @@ class StoredUsage:
     last_at: float
 
 
+class StoreError(RuntimeError):
+    """The store could not be opened or written; the message names the file and the cause.
+    A write that fails changes nothing."""
+
+
 class Store(Protocol):
-    """Durable desired state. Every call is a small, synchronous, committed transaction."""
+    """Durable desired state. Every call is a small, synchronous, committed transaction;
+    a write that fails raises StoreError and changes nothing."""
+
+    def write_problem(self) -> str | None:
+        """Why the last write failed, while no write has succeeded since (a full disk, a
+        file made read-only), with how many failed and since when; None while writes work."""
+        ...
 
     def add_catalog(self, digest: str, applied_at: float, source: str, body: dict[str, Any]) -> int:
         """Record a newly applied catalog; returns its version, one more than the last."""

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
-from modelfleet.store import Rejection, StoredCatalog, StoredKey, StoredMark, StoredUsage
+from modelfleet.files import PRIVATE, private_dir
+from modelfleet.store import (
+    Rejection,
+    StoredCatalog,
+    StoredKey,
+    StoredMark,
+    StoredUsage,
+    StoreError,
+)
+
+__all__ = ["SqliteStore", "StoreError"]
 
 # A batch seen longer ago than this is forgotten: no router resends one that old.
 _BATCH_MEMORY_S = 86400.0
@@ -61,8 +73,14 @@ CREATE TABLE IF NOT EXISTS meta (
 """
 
 
-class StoreError(RuntimeError):
-    """The store could not be opened or written; the message names the file and the cause."""
+def _make_private(path: Path) -> None:
+    """Make the store's file readable by its owner alone before SQLite opens it: SQLite makes
+    its -wal and -shm files with the mode of the database file. An older store is narrowed."""
+    private_dir(path.parent)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE))
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if name.exists():
+            os.chmod(name, PRIVATE)
 
 
 class SqliteStore:
@@ -71,13 +89,38 @@ class SqliteStore:
     def __init__(self, path: Path | str) -> None:
         self.path = str(path)
         if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                _make_private(Path(self.path))
+            except OSError as exc:
+                raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(_SCHEMA)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+        # The writes that failed in a row, the first one's wall-clock time, the last's error.
+        self._failed_writes = 0
+        self._failing_since = 0.0
+        self._failure = ""
+
+    def write_problem(self) -> str | None:
+        if not self._failed_writes:
+            return None
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._failing_since))
+        return (
+            f"the store {self.path} cannot write: {self._failure} "
+            f"({self._failed_writes} write(s) failed since {since}; retried, nothing lost)"
+        )
+
+    def _wrote(self, error: sqlite3.Error | None) -> None:
+        if error is None:
+            self._failed_writes = 0
+            return
+        if not self._failed_writes:
+            self._failing_since = time.time()
+        self._failed_writes += 1
+        self._failure = str(error)
 
     def add_catalog(self, digest: str, applied_at: float, source: str, body: dict[str, Any]) -> int:
         with self._write():
@@ -211,25 +254,37 @@ class SqliteStore:
         self._db.close()
 
     def _write(self) -> _Transaction:
-        return _Transaction(self._db, self.path)
+        return _Transaction(self)
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT, rolled back on an error, which becomes a StoreError."""
+    """BEGIN IMMEDIATE ... COMMIT, rolled back on an error, which becomes a StoreError. A
+    COMMIT that fails (the disk is full) is rolled back too: the write changed nothing."""
 
-    def __init__(self, db: sqlite3.Connection, path: str) -> None:
-        self._db = db
-        self._path = path
+    def __init__(self, store: SqliteStore) -> None:
+        self._store = store
+        self._db = store._db
 
     def __enter__(self) -> None:
-        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            self._store._wrote(exc)
+            raise StoreError(f"cannot write the store {self._store.path}: {exc}") from exc
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, _tb: Any
     ) -> None:
         if kind is None:
-            self._db.execute("COMMIT")
-            return
-        self._db.execute("ROLLBACK")
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.Error as failed:
+                exc = failed
+            else:
+                self._store._wrote(None)
+                return
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
         if isinstance(exc, sqlite3.Error):
-            raise StoreError(f"cannot write the store {self._path}: {exc}") from exc
+            self._store._wrote(exc)
+            raise StoreError(f"cannot write the store {self._store.path}: {exc}") from exc

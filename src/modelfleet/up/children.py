@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from modelfleet.agent.records import recorded_engine_pids
-from modelfleet.files import write_json_atomic
+from modelfleet.files import open_private_log, write_json_atomic
 from modelfleet.processes import ProcessId, log_tail, stop_groups
 
 # Which processes `up` started (role, node, pid and start time), kept in the state dir as they
@@ -50,8 +50,7 @@ class Child:
         """Start `modelfleet ARGS` in its own process group, output appended to the log."""
         if self.ready_file is not None:
             self.ready_file.unlink(missing_ok=True)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:
+        with open_private_log(self.log) as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "modelfleet", *self.args],
                 stdin=subprocess.DEVNULL,
