@@ -83,7 +83,7 @@ class MarkRequest(BaseModel):
     mark: MarkName
     # A drain's bound in seconds: what has not moved by then is stopped anyway. None: the
     # control plane's drain_grace; 0: no bound.
-    grace_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    grace_s: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True)
 
 
 # -- placement -----------------------------------------------------------------------------
@@ -309,7 +309,8 @@ class RoutingAnswer(_Answer):
 
 KeyName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 MAX_LIMIT = 10**12  # past any real limit; larger numbers do not fit the store's integers
-Limit = Annotated[int, Field(gt=0, le=MAX_LIMIT)]
+# Strict: a JSON `true` is no limit of 1, nor 60.0 a count (pydantic would take both).
+Limit = Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)]
 Clearable = Literal["models", "rpm", "tpm", "max_concurrent", "expires"]
 
 

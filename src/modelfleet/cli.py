@@ -23,6 +23,27 @@ app = typer.Typer(
 )
 app.add_typer(ctl_app, name="ctl")
 
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import version
+
+        print(f"modelfleet {version('modelfleet')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
+    """modelfleet: serve LLMs on a fleet of GPU machines."""
+
+
 StateDir = Annotated[Path, typer.Option("--state-dir", help="Where the fleet keeps its state.")]
 ReadyFile = Annotated[
     Path | None,
@@ -294,6 +315,13 @@ def engine_sim(
             "blocks cost no prefill. 0: no cache."
         ),
     ] = 4096,
+    max_model_len: Annotated[
+        int,
+        typer.Option(
+            help="Prompt and output tokens a request may hold together (vLLM's "
+            "--max-model-len); past it a request gets 400."
+        ),
+    ] = 8192,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "warning",
 ) -> None:
@@ -310,6 +338,8 @@ def engine_sim(
         fail(f"--fault {fault!r}: one of {', '.join(FAULTS)}")
     if prefix_cache_blocks < 0:
         fail("--prefix-cache-blocks must be 0 or more")
+    if max_model_len < 2:
+        fail("--max-model-len must be at least 2")
     configure_logging(log_level)
     settings = SimSettings(
         model=model,
@@ -322,6 +352,7 @@ def engine_sim(
         hang_after=hang_after,
         api_key=api_key,
         prefix_cache_blocks=prefix_cache_blocks,
+        max_model_len=max_model_len,
     )
     run_fast(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
 

@@ -64,6 +64,15 @@ def test_up_serves_every_model_and_stops_everything(procs: Procs, tmp_path: Path
         assert info[key], key
     printed = procs.log("up")
     assert info["router_url"] in printed and info["api_key"] in printed and "curl" in printed
+    # The ctl commands it prints work as printed, from another folder too: with --state-dir
+    # they once failed ("no .modelfleet/up.json") and said nothing of --state-dir.
+    commands = [line.strip() for line in printed.splitlines() if "modelfleet ctl" in line]
+    assert commands and all(f"--state-dir {state}" in c for c in commands), commands
+    shown = subprocess.run(
+        [sys.executable, "-m", *commands[0].split()],
+        capture_output=True, text=True, timeout=30, cwd=tmp_path,
+    )  # fmt: skip
+    assert shown.returncode == 0 and "node-1" in shown.stdout, shown.stderr
 
     pids = info["pids"]
     assert set(pids["agent"]) == {"node-1", "node-2"}

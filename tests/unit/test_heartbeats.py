@@ -15,6 +15,7 @@ import yaml
 
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.agent.heartbeat import MEMORY_DRIFT, needs_report, retry_delay
+from modelfleet.agent.service import describe
 from modelfleet.controlplane.agent_api import create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig, Heartbeats
@@ -333,3 +334,10 @@ def test_settling_ends_when_every_known_node_reported_or_the_window_closes() -> 
     alone.state.take_report(report("n1"), alone.catalogs.current, alone.started_at)
     assert alone.settling(alone.started_at + 9.9)
     assert not alone.settling(alone.started_at + 10)  # the window is over
+
+
+def test_a_failed_exchange_is_described_never_as_nothing() -> None:
+    """The agent once logged "heartbeat failed:" and nothing more on a timeout."""
+    assert describe(httpx.ReadTimeout("")) == "no answer in time (ReadTimeout)"
+    assert describe(httpx.ConnectError("refused")) == "ConnectError: refused"
+    assert describe(httpx.RemoteProtocolError("")) == "RemoteProtocolError"

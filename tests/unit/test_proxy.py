@@ -172,7 +172,7 @@ def test_a_client_that_goes_away_cancels_the_request_upstream(stream: bool) -> N
         async with serving(sim) as engine_url:
             router = keyed(models=[RoutedModel(name="m", endpoints=[engine_url])])
             async with router_url(router) as url:
-                body = {"model": "m", "prompt": "x", "max_tokens": 100_000, "stream": stream}
+                body = {"model": "m", "prompt": "x", "max_tokens": 8_000, "stream": stream}
                 headers = {"authorization": "Bearer client-key"}
                 async with httpx.AsyncClient(base_url=url, headers=headers) as client:
                     short = {"model": "m", "prompt": "x", "max_tokens": 1}

@@ -225,7 +225,7 @@ class Agent:
         try:
             response = await self._cp.post("/v1/report", content=report.model_dump_json())
         except httpx.HTTPError as exc:
-            log.warning("report to %s failed: %s", self.settings.control_plane, exc)
+            log.warning("report to %s failed: %s", self.settings.control_plane, describe(exc))
             return None
         if response.status_code != 200:
             log.warning("control plane refused report %d: %s", report.seq, response.text[:300])
@@ -259,7 +259,7 @@ class Agent:
         try:
             response = sent.result()
         except httpx.HTTPError as exc:
-            log.warning("heartbeat to %s failed: %s", self.settings.control_plane, exc)
+            log.warning("heartbeat to %s failed: %s", self.settings.control_plane, describe(exc))
             return Beat.FAILED
         if response.status_code == 409:  # it holds no report of this run: send one
             log.info("control plane asks for the whole report: %s", response.text[:300])
@@ -385,3 +385,10 @@ async def serve(
             await agent.report_loop(ready_file, {li.name: li.url for li in listeners})
 
         await run_service(listeners, loops=[loop])
+
+
+def describe(exc: httpx.HTTPError) -> str:
+    """Why an exchange failed, never empty: httpx's timeouts carry no message."""
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer in time ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

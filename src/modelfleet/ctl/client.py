@@ -50,8 +50,10 @@ def resolve_target(admin_url: str | None, token: str | None, state_dir: Path) ->
             up = json.loads(up_file.read_text())
         except FileNotFoundError:
             raise CtlError(
-                f"no admin API given and no {up_file} (is `modelfleet up` running?); "
-                "pass --admin URL --token T or set MODELFLEET_ADMIN_URL / MODELFLEET_ADMIN_TOKEN"
+                f"no admin API given, and no up.json in {state_dir.absolute()} (is "
+                "`modelfleet up` running? if it runs with --state-dir DIR, give ctl the same "
+                "--state-dir DIR or set MODELFLEET_STATE_DIR); elsewhere pass --admin URL "
+                "--token T or set MODELFLEET_ADMIN_URL / MODELFLEET_ADMIN_TOKEN"
             ) from None
         except (OSError, ValueError) as exc:
             raise CtlError(f"cannot read {up_file}: {exc}") from exc

@@ -140,7 +140,12 @@ def options(
         str | None, typer.Option("--token", help="The admin token (or MODELFLEET_ADMIN_TOKEN).")
     ] = None,
     state_dir: Annotated[
-        Path, typer.Option("--state-dir", help="Where `modelfleet up` keeps its up.json.")
+        Path,
+        typer.Option(
+            "--state-dir",
+            envvar="MODELFLEET_STATE_DIR",
+            help="Where `modelfleet up` keeps its up.json (or MODELFLEET_STATE_DIR).",
+        ),
     ] = Path(".modelfleet"),
     output: Annotated[Output, typer.Option("--output", "-o", help="table, json (or csv).")] = (
         Output.table

@@ -43,6 +43,9 @@ class SimSettings:
     # leading blocks of a prompt found there cost no prefill. 0 blocks: no cache.
     prefix_block: int = 16
     prefix_cache_blocks: int = 4096
+    # Prompt and output tokens a request may hold together, as vLLM's --max-model-len: a
+    # request past it is refused (400), and one naming no max_tokens gets what is left.
+    max_model_len: int = 8192
 
 
 def count_prompt_tokens(text: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -78,8 +79,12 @@ def _print_summary(info: dict[str, Any], catalog: Catalog, state_dir: Path, serv
         f"  api key:     {info['api_key']}",
         f"  models:      {models}",
     ]
+    # The ctl commands printed work as printed, from this folder, whatever the state dir.
+    ctl = "modelfleet ctl"
+    if state_dir != Path(".modelfleet"):
+        ctl += f" --state-dir {shlex.quote(str(state_dir))}"
     if not serving:
-        lines.append("  warning: not every replica serves yet; `modelfleet ctl replicas` says why")
+        lines.append(f"  warning: not every replica serves yet; `{ctl} replicas` says why")
     lines += [
         "",
         "Try it:",
@@ -87,7 +92,8 @@ def _print_summary(info: dict[str, Any], catalog: Catalog, state_dir: Path, serv
         f"    -H 'Authorization: Bearer {info['api_key']}' -H 'Content-Type: application/json' \\",
         f"    -d '{body}'",
         "",
-        "  modelfleet ctl nodes        modelfleet ctl replicas",
+        f"  {ctl} nodes",
+        f"  {ctl} replicas",
         "",
         f"Everything above is also in {state_dir / 'up.json'}. Ctrl-C stops the whole fleet.",
     ]

@@ -9,7 +9,8 @@ NODES = ("node-1", "node-2")
 GPUS_PER_NODE = "4x80GB"
 
 DEFAULT_CATALOG = """\
-# The catalog `modelfleet up` serves. Edit it and run `modelfleet up` again.
+# The catalog `modelfleet up` serves. Edit it while the fleet runs: a valid change applies
+# within a second, with no restart (an invalid one is refused; `modelfleet ctl catalog show`).
 models:
   - name: sim-chat
     engine: sim
