@@ -361,12 +361,28 @@ ModelsOpt = Annotated[
     str | None,
     typer.Option("--models", help="The models it may use, comma-separated; every model if none."),
 ]
-RpmOpt = Annotated[int | None, typer.Option("--rpm", help="Requests per minute at most.")]
+RpmOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--rpm",
+        help="Requests in any 60 s at most, on every router together; never more (a request "
+        "may be refused up to 2 s early).",
+    ),
+]
 TpmOpt = Annotated[
-    int | None, typer.Option("--tpm", help="Tokens per minute at most (prompt + completion).")
+    int | None,
+    typer.Option(
+        "--tpm",
+        help="Tokens (prompt + completion) in any 60 s at most; a request reserves prompt + "
+        "max_tokens until its usage is known.",
+    ),
 ]
 ConcurrentOpt = Annotated[
-    int | None, typer.Option("--max-concurrent", help="Requests in flight at once at most.")
+    int | None,
+    typer.Option(
+        "--max-concurrent",
+        help="Requests in flight at once at most (a router that dies frees its within 30 s).",
+    ),
 ]
 ExpiresOpt = Annotated[
     str | None,
