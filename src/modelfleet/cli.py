@@ -56,6 +56,20 @@ LogLevel = Annotated[str, typer.Option(help="debug, info, warning or error.")]
 def up(
     state_dir: StateDir = Path(".modelfleet"),
     router_port: Annotated[int, typer.Option(help="The router's port; 0 picks a free one.")] = 0,
+    limits_store: Annotated[
+        str | None,
+        typer.Option(
+            help="A Redis URL the router counts keys' limits in ('' for its own memory); "
+            "kept for the next `up`."
+        ),
+    ] = None,
+    redis: Annotated[
+        bool | None,
+        typer.Option(
+            "--redis/--no-redis",
+            help="Run Debian's redis-server in the state dir for the router's limits; kept.",
+        ),
+    ] = None,
 ) -> None:
     """Run a whole fleet on this machine: control plane, router, two agents, simulated engines."""
     from modelfleet.catalog import CatalogInvalid
@@ -64,7 +78,9 @@ def up(
     from modelfleet.up import up as run_up
 
     try:
-        raise typer.Exit(run_up(state_dir, router_port=router_port))
+        raise typer.Exit(
+            run_up(state_dir, router_port=router_port, limits_store=limits_store, redis=redis)
+        )
     except (UpError, CatalogInvalid, StateDirBusy) as exc:
         fail(str(exc), 1)
 

@@ -16,9 +16,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import yaml
 
 from modelfleet.agent.records import recorded_engine_pids
+from modelfleet.loadgen import SteadyClient
 from modelfleet.processes import running as alive
+from modelfleet.processes import stop_groups
 from modelfleet.up.children import stop_leftovers
 
 from .conftest import Procs, wait_for, wait_json
@@ -212,12 +215,14 @@ def test_one_up_per_state_dir_and_an_up_after_a_killed_one_duplicates_nothing(
     procs: Procs, tmp_path: Path
 ) -> None:
     """A second `up` on a state dir in use refuses, naming the first. kill -9 of `up` leaves its
-    fleet running; the next `up` stops what the dead one left (its engines excepted: the new
-    agents adopt them) instead of starting a second fleet over the same state, and keeps the
-    first one's API key, admin token and URLs."""
+    fleet running; the next `up` stops the control plane and agents the dead one left (their
+    engines excepted: the new agents adopt them) instead of starting a second fleet over the
+    same state, adopts its router, which serves on throughout (a new router refused 19 of 960
+    requests in 0.9 s), and keeps the first one's API key, admin token and URLs."""
     state = tmp_path / "state"
     first = procs.start("up", "--state-dir", str(state), log="up1")
     info = wait_json(state / "up.json", first, timeout=30)
+    client = SteadyClient(info["router_url"], info["api_key"], "sim-chat", max_tokens=2)
     try:
         second = subprocess.run(
             [sys.executable, "-m", "modelfleet", "up", "--state-dir", str(state)],
@@ -230,10 +235,12 @@ def test_one_up_per_state_dir_and_an_up_after_a_killed_one_duplicates_nothing(
         nodes = ("node-1", "node-2")
         engines = {n: recorded_engine_pids(state / "agents" / n) for n in nodes}
         pids = info["pids"]
-        own = [pids["router"], pids["control-plane"], *pids["agent"].values()]
+        own = [pids["control-plane"], *pids["agent"].values()]
+        client.start()
+        wait_for("requests through the router", lambda: client.ok >= 20)
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
-        assert all(alive(p) for p in own)  # orphaned by the kill
+        assert all(alive(p) for p in [*own, pids["router"]])  # orphaned by the kill
 
         third = procs.start("up", "--state-dir", str(state), log="up3")
         wait_for(
@@ -241,13 +248,21 @@ def test_one_up_per_state_dir_and_an_up_after_a_killed_one_duplicates_nothing(
             lambda: json.loads((state / "up.json").read_text())["pid"] == third.pid,
         )
         assert "left" in procs.log("up3") and "stopped them" in procs.log("up3")
-        # What clients and operators were given still holds: same key, token and URLs.
+        assert "router an earlier `up` left running serves on: adopted" in procs.log("up3")
+        done = client.ok
+        wait_for("requests through the adopted router", lambda: client.ok >= done + 20)
+        client.stop()
+        assert client.failures == [], client.failures[:5]
+        # What clients and operators were given still holds: same key, token and URLs, and
+        # the same router process.
         again = json.loads((state / "up.json").read_text())
         for kept in ("api_key", "admin_token", "router_url", "admin_url"):
             assert again[kept] == info[kept], kept
-        client = openai.OpenAI(base_url=f"{info['router_url']}/v1", api_key=info["api_key"])
-        answer = client.with_options(timeout=20, max_retries=0).completions.create(
-            model="sim-chat", prompt="still here?", max_tokens=3
+        assert again["pids"]["router"] == pids["router"]
+        answer = (
+            openai.OpenAI(base_url=f"{info['router_url']}/v1", api_key=info["api_key"])
+            .with_options(timeout=20, max_retries=0)
+            .completions.create(model="sim-chat", prompt="still here?", max_tokens=3)
         )
         assert answer.usage is not None and answer.usage.completion_tokens == 3
         assert [p for p in own if alive(p)] == []
@@ -255,5 +270,70 @@ def test_one_up_per_state_dir_and_an_up_after_a_killed_one_duplicates_nothing(
         assert after == engines and all(alive(p) for ps in after.values() for p in ps)
         third.send_signal(signal.SIGINT)
         assert third.wait(timeout=60) == 0
+        assert not alive(pids["router"])  # the adopted router is stopped like its own
     finally:
-        stop_leftovers(state)
+        client.stop()
+        left = stop_leftovers(state)
+        stop_groups([p.pid for p in left.adoptable.values()], 10.0)
+
+
+def test_up_gives_its_router_a_redis_and_keeps_the_choice(procs: Procs, tmp_path: Path) -> None:
+    """`up --redis` runs Debian's redis-server in the state dir and the router counts keys'
+    limits there; the next `up` keeps that (router.yaml was written anew at every start with
+    no way to name a limits store); `--limits-store ''` goes back to the router's memory."""
+    import redis
+
+    state = tmp_path / "state"
+
+    def run_up(*flags: str, log: str) -> tuple[Any, dict[str, Any]]:
+        proc = procs.start("up", "--state-dir", str(state), *flags, log=log)
+        wait_for(
+            f"{log} to be ready",
+            lambda: (
+                (state / "up.json").exists()
+                and json.loads((state / "up.json").read_text())["pid"] == proc.pid
+            ),
+            timeout=30,
+        )
+        return proc, json.loads((state / "up.json").read_text())
+
+    def stop(proc: Any) -> None:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+
+    def limits_store() -> Any:
+        return yaml.safe_load((state / "router.yaml").read_text()).get("limits_store")
+
+    first, info = run_up("--redis", log="up-redis")
+    url = limits_store()
+    assert url and url.startswith("redis://127.0.0.1:")
+    redis_pid = info["pids"]["redis"]
+    assert alive(redis_pid)
+    target = ["--admin", info["admin_url"], "--token", info["admin_token"]]
+    made = ctl("keys", "create", "limited", "--rpm", "2", "-o", "json", *target)
+    assert made.returncode == 0, made.stderr
+    key = json.loads(made.stdout)["key"]
+
+    def statuses() -> list[int]:
+        body = {"model": "sim-chat", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {"authorization": f"Bearer {key}"}
+        return [
+            httpx.post(f"{info['router_url']}/v1/chat/completions", json=body, headers=headers,
+                       timeout=10).status_code
+            for _ in range(3)
+        ]  # fmt: skip
+
+    wait_for("the router to take the new key", lambda: statuses()[0] != 401)
+    assert statuses()[-1] == 429
+    counted = redis.Redis.from_url(url).keys("modelfleet:limits:limited:*")
+    assert counted, "nothing of the key was counted in Redis"
+    stop(first)
+    assert not alive(redis_pid)  # stopped with the fleet
+
+    second, info = run_up(log="up-again")
+    assert limits_store() == url and alive(info["pids"]["redis"])  # kept
+    stop(second)
+
+    third, info = run_up("--limits-store", "", log="up-memory")
+    assert limits_store() is None and "redis" not in info["pids"]
+    stop(third)

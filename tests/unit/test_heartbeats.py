@@ -341,3 +341,34 @@ def test_a_failed_exchange_is_described_never_as_nothing() -> None:
     assert describe(httpx.ReadTimeout("")) == "no answer in time (ReadTimeout)"
     assert describe(httpx.ConnectError("refused")) == "ConnectError: refused"
     assert describe(httpx.RemoteProtocolError("")) == "RemoteProtocolError"
+
+
+@pytest.mark.parametrize("how", ["heartbeat", "report"])
+def test_a_stale_node_heard_from_again_is_planned_for_at_once(how: str) -> None:
+    """A model added while the only node was stale waits; the node's next heartbeat (or
+    report) makes the next pass plan, and place it there, not the 30 s safety net. A
+    mutation that dropped this survived every test."""
+    models = [{"name": "a", "engine": "sim"}]
+    cp = ControlPlane(ControlPlaneConfig(admin_token=TOKEN, settle_for=-1), keeper(models))
+    cp.state.take_report(report("n1"), cp.catalogs.current, 0.0)
+    cp.reconcile_once(0.0)
+    cp.reconcile_once(0.5)
+    more = yaml.safe_dump({"models": [*models, {"name": "b", "engine": "sim"}]})
+    cp.catalogs.apply(more, "api", 20.0)
+    cp.reconcile_once(20.0)  # n1 has been silent 20 s: stale, nothing lands on it
+    assert [p.model for p in cp.state.pending] == ["b"]
+    plans = cp.plans
+    cp.reconcile_once(20.5)
+    assert cp.plans == plans  # nothing new to plan from
+    if how == "heartbeat":
+        heard = cp.state.take_heartbeat(
+            Heartbeat(node="n1", boot_id="b", seq=2, assignment=""), 21.0
+        )
+    else:
+        heard = cp.state.take_report(report("n1", seq=2), cp.catalogs.current, 21.0)
+    assert heard  # something the planner looks at changed
+    cp.reconcile_once(21.5)
+    assert cp.plans == plans + 1
+    assert cp.state.pending == [] or all(p.count == 0 for p in cp.state.pending)
+    placed = {r.replica.model for r in cp.state.replicas.values()}
+    assert placed == {"a", "b"}

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,12 @@ from modelfleet.processes import ProcessId, log_tail, stop_groups
 # start, so that an `up` that follows one that was killed finds them.
 CHILDREN_FILE = "fleet.json"
 # The order in which a fleet's own processes are stopped: nothing is placed or published once
-# the control plane is gone, the agents leave their engines running, the router goes last.
-STOP_ORDER = ("control-plane", "agent", "router")
+# the control plane is gone, the agents leave their engines running, the router goes after
+# them, and the Redis its limits count in (`up --redis`) last.
+STOP_ORDER = ("control-plane", "agent", "router", "redis")
+# What a later `up` takes over from one that was killed, when it still runs as it should,
+# instead of stopping it: the router (so that no client is refused meanwhile) and its Redis.
+ADOPTABLE = ("router", "redis")
 
 
 class UpError(RuntimeError):
@@ -33,9 +38,34 @@ def agent_state_dir(state_dir: Path, node: str) -> Path:
     return state_dir / "agents" / node
 
 
+class Adopted:
+    """A process an earlier `up` started, taken over by this one: what `up` asks of a child
+    process (`pid`, `poll`, `wait`, `returncode`), for one it did not start itself."""
+
+    def __init__(self, process: ProcessId) -> None:
+        self.process = process
+        self.pid = process.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self.process.running():
+            self.returncode = -1  # not our child: its exit status is its parent's to read
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+
 @dataclass
 class Child:
-    """One process `up` started; `restart` replaces `proc` with a new run of the same command."""
+    """One process `up` started (or adopted); `restart` replaces `proc` with a new run of the
+    same command: `modelfleet ARGS`, or `command` for a program of its own (redis-server)."""
 
     role: str
     node: str | None
@@ -43,16 +73,20 @@ class Child:
     env: dict[str, str]
     log: Path
     ready_file: Path | None
-    proc: subprocess.Popen[bytes] = field(init=False)
+    command: list[str] | None = None
+    # For a child without a ready file: its ready answer once it serves, else None.
+    ready_check: Callable[[], dict[str, Any] | None] | None = None
+    proc: subprocess.Popen[bytes] | Adopted = field(init=False)
     started_at: float = field(init=False, default=0.0)  # monotonic, at the last launch
 
     def launch(self) -> None:
-        """Start `modelfleet ARGS` in its own process group, output appended to the log."""
+        """Start the command in its own process group, output appended to the log."""
         if self.ready_file is not None:
             self.ready_file.unlink(missing_ok=True)
+        argv = self.command or [sys.executable, "-m", "modelfleet", *self.args]
         with open_private_log(self.log) as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "modelfleet", *self.args],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -76,14 +110,22 @@ class Fleet:
         node: str | None = None,
         env: dict[str, str] | None = None,
         ready_file: Path | None = None,
+        command: list[str] | None = None,
+        ready_check: Callable[[], dict[str, Any] | None] | None = None,
+        adopt: ProcessId | None = None,
     ) -> Child:
-        """Start `modelfleet ARGS` as a child of the fleet."""
+        """Start `modelfleet ARGS` (or `command`) as a child of the fleet; with `adopt`,
+        take that running process as the child instead of starting one."""
         name = f"{role}-{node}" if node else role
         if ready_file is not None:
             args = [*args, "--ready-file", str(ready_file)]
         log = self.state_dir / "logs" / f"{name}.log"
-        child = Child(role, node, args, env or {}, log, ready_file)
-        child.launch()
+        child = Child(role, node, args, env or {}, log, ready_file, command, ready_check)
+        if adopt is not None:
+            child.proc = Adopted(adopt)
+            child.started_at = time.monotonic()
+        else:
+            child.launch()
         self.children.append(child)
         self._record()
         return child
@@ -107,13 +149,16 @@ class Fleet:
         return self.wait_ready(child, timeout)
 
     def wait_ready(self, child: Child, timeout: float) -> dict[str, Any]:
-        """Wait for the child's ready file; UpError with its log tail if it exits first."""
-        assert child.ready_file is not None
+        """Wait for the child's ready file (or its `ready_check`); UpError with its log tail
+        if it exits first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if child.ready_file.exists():
+            if child.ready_file is not None and child.ready_file.exists():
                 ready: dict[str, Any] = json.loads(child.ready_file.read_text())
                 return ready
+            checked = child.ready_check() if child.ready_check is not None else None
+            if checked is not None:
+                return checked
             if child.proc.poll() is not None:
                 tail = "\n".join(log_tail(child.log, 20))
                 raise UpError(f"{child.role} exited with code {child.proc.returncode}:\n{tail}")
@@ -142,31 +187,45 @@ class Fleet:
         engines_now = self.engine_pids()  # the agents may have started more before they stopped
         all_engines = {p for pids in (*engines.values(), *engines_now.values()) for p in pids}
         stop_groups(sorted(all_engines), 15.0)
-        stop_groups([c.proc.pid for c in self.children if c.role == "router"], 10.0)
+        for role in STOP_ORDER[2:]:
+            stop_groups([c.proc.pid for c in self.children if c.role == role], 10.0)
         for c in self.children:
             if c.proc.poll() is None:
                 c.proc.wait()
 
 
-def stop_leftovers(state_dir: Path) -> list[str]:
+@dataclass
+class Leftovers:
+    """What an earlier `up` that was killed left running."""
+
+    stopped: list[str]  # in words
+    adoptable: dict[str, ProcessId]  # role -> a process of ADOPTABLE, still running
+
+
+def stop_leftovers(state_dir: Path) -> Leftovers:
     """Stop what an earlier `up` on `state_dir` started and left running when it was killed:
-    its control plane, agents and router (each only if it is that very process still). Their
-    engines keep running, for the new agents to adopt. Returns what was stopped, in words."""
+    its control plane and agents (each only if it is that very process still). Their engines
+    keep running, for the new agents to adopt; its router and Redis keep running too, for
+    the new `up` to adopt or stop (`start_fleet`)."""
     try:
         data = json.loads((state_dir / CHILDREN_FILE).read_text())
         entries = list(data["children"])
     except (OSError, ValueError, KeyError, TypeError):
-        return []
-    stopped = []
+        return Leftovers([], {})
+    left = Leftovers([], {})
     for role in STOP_ORDER:
         pids = []
         for e in entries:
             if e.get("role") != role:
                 continue
             process = ProcessId(int(e["pid"]), float(e["started"]))
-            if process.running():
-                pids.append(process.pid)
-                where = f" of {e['node']}" if e.get("node") else ""
-                stopped.append(f"the {role}{where} (pid {process.pid})")
+            if not process.running():
+                continue
+            if role in ADOPTABLE:
+                left.adoptable[role] = process
+                continue
+            pids.append(process.pid)
+            where = f" of {e['node']}" if e.get("node") else ""
+            left.stopped.append(f"the {role}{where} (pid {process.pid})")
         stop_groups(pids, 10.0)
-    return stopped
+    return left

@@ -18,15 +18,22 @@ from modelfleet.up.fleet import start_fleet, wait_serving
 from modelfleet.up.restarts import Restarts
 
 
-def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> int:
+def up(
+    state_dir: Path,
+    router_port: int = 0,
+    serve_timeout: float = 15.0,
+    limits_store: str | None = None,
+    redis: bool | None = None,
+) -> int:
     """Bring the fleet up, print how to use it, and stop it all on SIGINT/SIGTERM."""
     state_dir = state_dir.resolve()
     lock = StateDirLock(state_dir, "modelfleet up").acquire()  # StateDirBusy names the holder
     left = stop_leftovers(state_dir)
-    if left:
+    if left.stopped:
         print(
-            f"an earlier `modelfleet up` on {state_dir} is gone but left {', '.join(left)} "
-            "running: stopped them; their engines are adopted by the new agents",
+            f"an earlier `modelfleet up` on {state_dir} is gone but left "
+            f"{', '.join(left.stopped)} running: stopped them; their engines are adopted by "
+            "the new agents",
             flush=True,
         )
     catalog_file = state_dir / "catalog.yaml"
@@ -42,7 +49,8 @@ def up(state_dir: Path, router_port: int = 0, serve_timeout: float = 15.0) -> in
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    fleet = start_fleet(state_dir, FleetOptions(router_port=router_port))
+    options = FleetOptions(router_port=router_port, limits_store=limits_store, redis=redis)
+    fleet = start_fleet(state_dir, options, left)
     try:
         catalog = Catalog.from_yaml(catalog_file.read_text(), source=str(catalog_file))
         serving = wait_serving(fleet.push_url, fleet.admin_token, catalog, serve_timeout)

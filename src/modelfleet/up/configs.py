@@ -41,3 +41,7 @@ class FleetOptions:
     router: dict[str, Any] = field(default_factory=dict)  # more router settings
     agent_args: tuple[str, ...] = ()  # more agent flags
     extra_routers: tuple[str, ...] = ()  # push URLs of routers beyond the one it starts
+    # Where the router counts keys' limits, kept across `up`s: a Redis URL ("" for its own
+    # memory), or `redis` True to run Debian's redis-server in the state dir. None: as before.
+    limits_store: str | None = None
+    redis: bool | None = None

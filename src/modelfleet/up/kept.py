@@ -1,5 +1,6 @@
 """What `modelfleet up` keeps across its restarts on one state dir: the client API key, the
-admin and agent tokens, and the ports of the router and the control plane.
+admin and agent tokens, the ports of the router and the control plane, and where the
+router's limits count (`--limits-store URL`, or `--redis`: a Redis server `up` runs).
 
 A client configured against yesterday's `up` still reaches the router today with the same
 key at the same URL. A kept port that something else holds now is replaced by a free one, and
@@ -40,6 +41,16 @@ class Kept(BaseModel):
     push_port: int = Field(gt=0, lt=65536)
     agent_port: int = Field(gt=0, lt=65536)
     admin_port: int = Field(gt=0, lt=65536)
+    limits_store: str | None = None  # a Redis URL the router counts keys' limits in
+    redis_port: int | None = Field(default=None, gt=0, lt=65536)  # set: `up` runs Redis there
+
+    @property
+    def limits_url(self) -> str | None:
+        """Where the router counts keys' limits: the Redis `up` runs, the URL given, or its
+        own memory (None)."""
+        if self.redis_port is not None:
+            return f"redis://{HOST}:{self.redis_port}/0"
+        return self.limits_store
 
 
 @dataclass(frozen=True)
@@ -60,13 +71,24 @@ def port_free(port: int, host: str = HOST) -> bool:
     return True
 
 
-def load_or_make(state_dir: Path, router_port: int = 0) -> Loaded:
+def load_or_make(
+    state_dir: Path,
+    router_port: int = 0,
+    limits_store: str | None = None,
+    redis: bool | None = None,
+    held: frozenset[str] = frozenset(),
+) -> Loaded:
     """The kept credentials and ports of `state_dir`, made and saved on the first `up`.
 
-    `router_port`, when given, is where the router listens from now on. Raises KeptError when
+    `router_port`, when given, is where the router listens from now on. `limits_store` (a
+    Redis URL; "" for none) and `redis` (run one), when given, are where the router counts
+    keys' limits from now on; left out, the last `up`'s choice stands. Raises KeptError when
     the file exists but cannot be read: making new credentials over it would lock out every
-    client of the old ones without a word.
+    client of the old ones without a word. Ports named in `held` are held by a process of
+    the last `up` that this one may adopt: they are kept even though they are taken.
     """
+    if redis and limits_store:
+        raise KeptError("give --redis or --limits-store, not both: the router counts in one")
     path = state_dir / KEPT_FILE
     notes: list[str] = []
     try:
@@ -94,6 +116,8 @@ def load_or_make(state_dir: Path, router_port: int = 0) -> Loaded:
             moved["router_port"] = router_port
         for name in ("router_port", "push_port", "agent_port", "admin_port"):
             port = moved.get(name, getattr(kept, name))
+            if name in held and name not in moved:
+                continue
             if not port_free(port):
                 if name == "router_port" and router_port:
                     continue  # asked for by the operator: the router's own error names it
@@ -102,5 +126,12 @@ def load_or_make(state_dir: Path, router_port: int = 0) -> Loaded:
                     f"{name.replace('_', ' ')} {port} is taken now; using {moved[name]} instead"
                 )
         kept = kept.model_copy(update=moved)
+    if limits_store is not None:
+        kept = kept.model_copy(update={"limits_store": limits_store or None, "redis_port": None})
+    if redis is not None:
+        port = kept.redis_port or free_port(HOST, "services") if redis else None
+        kept = kept.model_copy(update={"redis_port": port})
+        if redis:
+            kept = kept.model_copy(update={"limits_store": None})
     write_atomic(path, kept.model_dump_json(indent=2))
     return Loaded(kept, notes)
