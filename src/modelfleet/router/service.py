@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -37,12 +37,12 @@ from modelfleet.router.fast_lane import FastLane
 from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
 from modelfleet.router.metrics import RouterMetrics
 from modelfleet.router.proxy import PROXY_PATHS, Proxy
+from modelfleet.router.push import create_push_app
 from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
 from modelfleet.router.upstream import Upstreams
 from modelfleet.router.usage import UsageLedger
 from modelfleet.serving import Listener, run_service
-from modelfleet.web import JSON, bearer_matches, json_response
-from modelfleet.web import error_response as web_error
+from modelfleet.web import json_response
 from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot, UsageAck, UsageReport
 
 log = logging.getLogger("modelfleet.router")
@@ -278,57 +278,29 @@ class Router:
     async def health(self, _: Request) -> Response:
         return json_response({"status": "ok", "version": self.snapshot.version})
 
-    # -- push API -----------------------------------------------------------------------
+    # -- push API (`push.py`) ----------------------------------------------------------------
 
-    def _push_authorized(self, request: Request) -> bool:
-        return bearer_matches(request.headers.get("authorization"), self.config.push_token)
-
-    async def put_routing(self, request: Request) -> Response:
-        if not self._push_authorized(request):
-            return web_error(401, "missing or wrong admin token")
-        try:
-            snapshot = RoutingSnapshot.model_validate_json(await request.body())
-        except ValidationError as exc:
-            return web_error(400, f"not a routing snapshot: {exc}")
+    async def take_table(self, snapshot: RoutingSnapshot, body: bytes) -> RoutingAck:
         applied = self.apply(snapshot)
         held = self.snapshot
-        ack = RoutingAck(applied=applied, epoch=held.epoch, version=held.version)
-        return Response(ack.model_dump_json(), status_code=200 if applied else 409, media_type=JSON)
+        return RoutingAck(applied=applied, epoch=held.epoch, version=held.version)
 
-    async def get_held(self, request: Request) -> Response:
-        """Which table this router holds: `applied` false while it holds none pushed."""
-        if not self._push_authorized(request):
-            return web_error(401, "missing or wrong admin token")
+    async def held(self) -> RoutingAck:
         held = self.snapshot
-        ack = RoutingAck(applied=self.pushed, epoch=held.epoch, version=held.version)
-        return Response(ack.model_dump_json(), media_type=JSON)
+        return RoutingAck(applied=self.pushed, epoch=held.epoch, version=held.version)
 
-    async def get_usage(self, request: Request) -> Response:
-        """The usage counted since the last batch the control plane acknowledged."""
-        if not self._push_authorized(request):
-            return web_error(401, "missing or wrong admin token")
-        batch = self.ledger.take()
-        report = UsageReport(batches=[batch] if batch is not None else [])
-        return Response(report.model_dump_json(), media_type=JSON)
-
-    async def ack_usage(self, request: Request) -> Response:
-        """The control plane stored these batches: forget them."""
-        if not self._push_authorized(request):
-            return web_error(401, "missing or wrong admin token")
-        try:
-            ack = UsageAck.model_validate_json(await request.body())
-        except ValidationError as exc:
-            return web_error(400, f"not a usage acknowledgement: {exc}")
-        for run, batch in ack.batches:
-            self.ledger.ack(run, batch)
-        return Response(b'{"ok":true}', media_type=JSON)
-
-    async def get_routing(self, request: Request) -> Response:
-        if not self._push_authorized(request):
-            return web_error(401, "missing or wrong admin token")
+    async def shown_table(self) -> bytes:
         # The engines' keys stay in the router: whoever holds the push token sees the table.
         shown = self.snapshot.model_dump_json(exclude={"models": {"__all__": {"keys"}}})
-        return Response(shown, media_type=JSON)
+        return shown.encode()
+
+    async def usage(self) -> UsageReport:
+        batch = self.ledger.take()
+        return UsageReport(batches=[batch] if batch is not None else [])
+
+    async def ack_usage(self, ack: UsageAck) -> None:
+        for run, batch in ack.batches:
+            self.ledger.ack(run, batch)
 
 
 def _card(model: str) -> dict[str, Any]:
@@ -383,16 +355,7 @@ def create_apps(router: Router) -> tuple[ClientApp, Starlette]:
         ],
         exception_handlers={404: _openai_error, 405: _openai_error},
     )
-    push = Starlette(
-        routes=[
-            Route("/v1/routing", router.put_routing, methods=["PUT"]),
-            Route("/v1/routing", router.get_routing, methods=["GET"]),
-            Route("/v1/routing/held", router.get_held, methods=["GET"]),
-            Route("/v1/usage", router.get_usage, methods=["GET"]),
-            Route("/v1/usage/ack", router.ack_usage, methods=["POST"]),
-        ]
-    )
-    return ClientApp(proxy, rest), push
+    return ClientApp(proxy, rest), create_push_app(router, router.config.push_token)
 
 
 async def serve(config: RouterConfig, ready_file: Path | None) -> None:

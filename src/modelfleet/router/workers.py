@@ -1,12 +1,12 @@
 """Several router processes on one port, for when one core is not enough (`workers: N`).
 
 Each worker is a whole router that binds the client port with SO_REUSEPORT, so the kernel
-spreads new connections over them. The parent process holds the push API: a table pushed to
-it goes on to every worker (each with a push port of its own on loopback) and is confirmed
-only when every worker took it, so the control plane still sees one router. The workers share
-the `table_file`, from which one that is restarted after a crash serves at once. Each worker
-balances on its own in-flight counts and on the engines' queue depths, which every worker
-reads from the engines themselves: the one count they share.
+spreads new connections over them. The parent process holds the push API (`push.py`): a
+table pushed to it goes on to every worker (each with a push port of its own on loopback)
+and is confirmed only when every worker took it, so the control plane still sees one router.
+The workers share the `table_file`, from which one that is restarted after a crash serves at
+once. Each worker balances on its own in-flight counts and on the engines' queue depths,
+which every worker reads from the engines themselves: the one count they share.
 """
 
 from __future__ import annotations
@@ -24,16 +24,12 @@ from pathlib import Path
 
 import aiohttp
 import yaml
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from modelfleet.files import private_dir
+from modelfleet.router.push import PushUnavailable, create_push_app
 from modelfleet.serving import Listener, run_service
-from modelfleet.web import JSON, bearer_matches
-from modelfleet.web import error_response as web_error
-from modelfleet.wire import RoutingAck, RoutingSnapshot, UsageBatch, UsageReport
+from modelfleet.web import JSON
+from modelfleet.wire import RoutingAck, RoutingSnapshot, UsageAck, UsageBatch, UsageReport
 
 log = logging.getLogger("modelfleet.router")
 
@@ -137,10 +133,7 @@ class Workers:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         return self._session
 
-    # -- the push API, passed on ----------------------------------------------------------
-
-    def _authorized(self, request: Request) -> bool:
-        return bearer_matches(request.headers.get("authorization"), self.token)
+    # -- the push API (`push.py`), passed on to every worker -------------------------------
 
     async def _each(self, method: str, path: str, body: bytes | None = None) -> list[RoutingAck]:
         """Every worker's answer to one push API call; a worker that cannot answer fails it."""
@@ -148,40 +141,37 @@ class Workers:
 
         async def one(worker: _Worker) -> RoutingAck:
             if worker.push_url is None:
-                raise RuntimeError(f"router worker {worker.index} is starting")
+                raise PushUnavailable(f"router worker {worker.index} is starting")
             url = worker.push_url + path
             async with self.session.request(method, url, data=body, headers=headers) as answer:
                 return RoutingAck.model_validate_json(await answer.read())
 
-        return list(await asyncio.gather(*(one(w) for w in self.workers)))
-
-    async def put_routing(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return web_error(401, "missing or wrong admin token")
-        body = await request.body()
         try:
-            RoutingSnapshot.model_validate_json(body)
-        except ValueError as exc:
-            return web_error(400, f"not a routing snapshot: {exc}")
-        try:
-            acks = await self._each("PUT", "/v1/routing", body)
-        except (RuntimeError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            return web_error(503, f"not every router worker took the table: {exc}")
-        return _summary(acks)
+            return list(await asyncio.gather(*(one(w) for w in self.workers)))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise PushUnavailable(str(exc)) from exc
 
-    async def get_held(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return web_error(401, "missing or wrong admin token")
-        try:
-            acks = await self._each("GET", "/v1/routing/held")
-        except (RuntimeError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            return web_error(503, f"a router worker did not answer: {exc}")
-        return _summary(acks, status=200)
+    async def take_table(self, snapshot: RoutingSnapshot, body: bytes) -> RoutingAck:
+        """Taken only when every worker took it."""
+        return _summary(await self._each("PUT", "/v1/routing", body))
 
-    async def get_usage(self, request: Request) -> Response:
+    async def held(self) -> RoutingAck:
+        return _summary(await self._each("GET", "/v1/routing/held"))
+
+    async def shown_table(self) -> bytes:
+        worker = self.workers[0]
+        if worker.push_url is None:
+            raise PushUnavailable("router worker 0 is starting")
+        headers = {"authorization": f"Bearer {self.token}"}
+        try:
+            url = worker.push_url + "/v1/routing"
+            async with self.session.get(url, headers=headers) as answer:
+                return await answer.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise PushUnavailable(str(exc)) from exc
+
+    async def usage(self) -> UsageReport:
         """Every worker's batch; a worker that does not answer now is asked next time."""
-        if not self._authorized(request):
-            return web_error(401, "missing or wrong admin token")
         headers = {"authorization": f"Bearer {self.token}"}
 
         async def one(worker: _Worker) -> list[UsageBatch]:
@@ -195,13 +185,11 @@ class Workers:
                 return []
 
         batches = [b for found in await asyncio.gather(*map(one, self.workers)) for b in found]
-        return Response(UsageReport(batches=batches).model_dump_json(), media_type=JSON)
+        return UsageReport(batches=batches)
 
-    async def ack_usage(self, request: Request) -> Response:
+    async def ack_usage(self, ack: UsageAck) -> None:
         """Pass the acknowledgement to every worker: each forgets the batches that are its."""
-        if not self._authorized(request):
-            return web_error(401, "missing or wrong admin token")
-        body = await request.body()
+        body = ack.model_dump_json()
         headers = {"authorization": f"Bearer {self.token}", "content-type": JSON}
 
         async def one(worker: _Worker) -> None:
@@ -213,26 +201,14 @@ class Workers:
                     await answer.read()
 
         await asyncio.gather(*map(one, self.workers))
-        return Response(b'{"ok":true}', media_type=JSON)
-
-    async def get_routing(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return web_error(401, "missing or wrong admin token")
-        worker = self.workers[0]
-        if worker.push_url is None:
-            return web_error(503, "router worker 0 is starting")
-        headers = {"authorization": f"Bearer {self.token}"}
-        async with self.session.get(worker.push_url + "/v1/routing", headers=headers) as answer:
-            return Response(await answer.read(), status_code=answer.status, media_type=JSON)
 
 
-def _summary(acks: list[RoutingAck], status: int | None = None) -> Response:
+def _summary(acks: list[RoutingAck]) -> RoutingAck:
     """One answer for all workers: taken only if every one took it, at the oldest version held."""
     oldest = min(acks, key=lambda a: (a.epoch, a.version))
-    applied = all(a.applied for a in acks)
-    ack = RoutingAck(applied=applied, epoch=oldest.epoch, version=oldest.version)
-    code = status if status is not None else (200 if applied else 409)
-    return Response(ack.model_dump_json(), status_code=code, media_type=JSON)
+    return RoutingAck(
+        applied=all(a.applied for a in acks), epoch=oldest.epoch, version=oldest.version
+    )
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -260,16 +236,7 @@ async def serve_workers(
     parent = Workers(config_data, workers, token)
     parent.write_configs(port)
     await parent.start()
-    push = Starlette(
-        routes=[
-            Route("/v1/routing", parent.put_routing, methods=["PUT"]),
-            Route("/v1/routing", parent.get_routing, methods=["GET"]),
-            Route("/v1/routing/held", parent.get_held, methods=["GET"]),
-            Route("/v1/usage", parent.get_usage, methods=["GET"]),
-            Route("/v1/usage/ack", parent.ack_usage, methods=["POST"]),
-        ]
-    )
-    listener = Listener("push", push, host, push_port)
+    listener = Listener("push", create_push_app(parent, token), host, push_port)
     listener.bind()
     client = Listener("router", None, host, port)  # served by the workers; named for its URL
     try:
