@@ -117,6 +117,23 @@ class Explanation(_Answer):
     nodes: list[NodeVerdict]
 
 
+class MoveInfo(_Answer):
+    """A replica moved to even out its model: replaced on `to_node`, make-before-break."""
+
+    replica: str
+    model: str
+    from_node: str
+    to_node: str  # where its replacement is expected to go
+    reason: str
+
+
+class RebalanceAnswer(_Answer):
+    """What a rebalance moves (or would move, with `dry_run`)."""
+
+    dry_run: bool
+    moves: list[MoveInfo]
+
+
 # -- replicas ------------------------------------------------------------------------------
 
 ReplicaState = Literal["ready", "starting", "failed", "assigned", "retiring"]

@@ -108,6 +108,7 @@ def plan(
     avoid: Mapping[str, Mapping[str, str]] = MappingProxyType({}),
     lost_after: float | None = None,
     models: Collection[str] | None = None,
+    moving: Mapping[str, str] = MappingProxyType({}),
 ) -> Plan:
     """Decide one pass.
 
@@ -123,6 +124,9 @@ def plan(
     With `models`, only those models of the catalog are planned (replicas of models gone from
     it are stopped all the same): the control plane passes the models something changed for,
     when nothing changed that concerns the others (`ControlPlane.reconcile_once`).
+
+    `moving` maps replicas an operator asked to move (`rebalance`) to why: each serving one
+    is replaced as a drain replaces one, make-before-break and `max_parallel` at a time.
     """
     stops: list[StopReplica] = []
     new: list[NewReplica] = []
@@ -171,7 +175,17 @@ def plan(
         if not g.healthy
     }
     shared = _Pass(
-        serving, nodes, leaving, frozenset(lost), faulty, free_gpus, now, stale_after, failed, avoid
+        serving,
+        nodes,
+        leaving,
+        frozenset(lost),
+        faulty,
+        free_gpus,
+        now,
+        stale_after,
+        failed,
+        avoid,
+        moving,
     )
     for spec in catalog.models:
         if models is not None and spec.name not in models:
@@ -200,6 +214,7 @@ class _Pass:
     stale_after: float
     failed: Mapping[str, str]
     avoid: Mapping[str, Mapping[str, str]]
+    moving: Mapping[str, str]
 
 
 def _plan_model(
@@ -229,7 +244,9 @@ def _plan_model(
             for g in s.gpus
             if (s.node, g) in shared.faulty
         ]
-        if not marks:
+        if not marks and r.id in shared.moving and r.id in serving:
+            evicted.append((r, shared.moving[r.id], False))
+        elif not marks:
             kept.append(r)
         elif any(d is not None and now >= d for _, d in marks):
             stops.append(StopReplica(r.id, "node drained: its grace period is over"))
@@ -361,3 +378,71 @@ def preview(
             table[replica.id] = replica
             steps.append(PreviewStep(step, "start", replica))
     return Preview(tuple(steps), last.pending)
+
+
+@dataclass(frozen=True)
+class Move:
+    """A replica to move to even out a spread model: placed anew, make-before-break."""
+
+    replica_id: str
+    model: str
+    from_node: str
+    to_node: str  # where the planner is expected to put its replacement
+    reason: str
+
+
+def rebalance(
+    catalog: Catalog,
+    replicas: Sequence[Replica],
+    nodes: Sequence[Node],
+    busy: Collection[tuple[str, int]],
+    now: float,
+    stale_after: float,
+    models: Collection[str] | None = None,
+) -> tuple[Move, ...]:
+    """The moves that even out each `spread` model of one shard per replica over the nodes
+    that can host it: while one node holds at least two replicas more than another node
+    with room for one, the newest replica of the fuller node moves. After a drain and an
+    uncordon every replica is still where the drain put it; this says how to spread them
+    again. Only what is free now counts as room (a move's replacement starts before its
+    original stops)."""
+    used = set(busy)
+    for replica in replicas:
+        used.update((s.node, g) for s in replica.shards for g in s.gpus)
+    moves: list[Move] = []
+    for spec in catalog.models:
+        if spec.placement != "spread" or spec.shards != 1:
+            continue
+        if models is not None and spec.name not in models:
+            continue
+        mine = sorted(
+            (r for r in replicas if r.model == spec.name and r.engine_digest == spec.engine_digest),
+            key=lambda r: (-r.created, r.id),
+        )
+        counts = Counter(r.shards[0].node for r in mine)
+        while True:
+            fullest = max(counts, key=lambda n: (counts[n], n), default=None)
+            if fullest is None or counts[fullest] < 2:
+                break
+            room = [
+                n
+                for n in nodes
+                if counts[n.name] <= counts[fullest] - 2
+                and isinstance(place(spec, [n], used, counts, now, stale_after), Placed)
+            ]
+            if not room:
+                break
+            target = min(room, key=lambda n: (counts[n.name], n.name))
+            mover = next(r for r in mine if r.shards[0].node == fullest)
+            mine.remove(mover)
+            placed = place(spec, [target], used, counts, now, stale_after)
+            assert isinstance(placed, Placed)
+            used.update((s.node, g) for s in placed.shards for g in s.gpus)
+            why = (
+                f"rebalance: {fullest} held {counts[fullest]} replicas of {spec.name}, "
+                f"{target.name} {counts[target.name]}"
+            )
+            moves.append(Move(mover.id, spec.name, fullest, target.name, why))
+            counts[fullest] -= 1
+            counts[target.name] += 1
+    return tuple(moves)

@@ -7,7 +7,7 @@ import dataclasses
 from modelfleet.catalog import Catalog
 from modelfleet.fleet import Gpu, Mark, Node, Replica, ShardPlacement
 from modelfleet.placement import Placed, Unplaceable
-from modelfleet.reconcile import Pending, plan, preview, settling
+from modelfleet.reconcile import Pending, plan, preview, rebalance, settling
 
 NOW = 100.0
 GIB = 2**30
@@ -296,3 +296,42 @@ def test_replicas_on_a_lost_node_are_all_replaced_at_once() -> None:
     table = [replica(f"r{g}", "a", digest, "n0", g) for g in range(3)]
     p = plan(c, table, {"r0", "r1", "r2"}, [lost, nodes(2)[1]], set(), NOW, 10, lost_after=60)
     assert len(p.new) == 3
+
+
+def test_rebalance_moves_the_newest_of_a_fuller_node_until_the_spread_is_even() -> None:
+    """After a drain and an uncordon every replica is where the drain put it: rebalance says
+    what to move, and a plan carries it out make-before-break, max_parallel at a time."""
+    c = catalog(
+        {"name": "a", "replicas": 4},
+        {"name": "packed", "replicas": 2, "placement": "pack"},
+        {"name": "wide", "shards": 2},
+    )
+    digest = c.models[0].engine_digest
+    table = [replica(f"r{g}", "a", digest, "n0", g, created=g) for g in range(4)]
+    fleet = nodes(2)
+    moves = rebalance(c, table, fleet, set(), NOW, 10)
+    # n0 4, n1 0: two move, the newest first; then 2 and 2. Pack and multi-shard models are
+    # never moved by it.
+    assert [(m.replica_id, m.from_node, m.to_node) for m in moves] == [
+        ("r3", "n0", "n1"),
+        ("r2", "n0", "n1"),
+    ]
+    assert "n0 held 4 replicas of a, n1 0" in moves[0].reason
+    assert rebalance(c, table, fleet, set(), NOW, 10, models={"packed"}) == ()
+    moving = {m.replica_id: m.reason for m in moves}
+    serving = {r.id for r in table}
+    first = plan(c, table, serving, fleet, set(), NOW, 10, moving=moving)
+    new_a = [n.shards[0].node for n in first.new if n.model == "a"]
+    assert new_a == ["n1"] and not first.stop  # one at a time
+    started = replica("new1", "a", digest, "n1", 0, created=10)
+    second = plan(c, [*table, started], serving | {"new1"}, fleet, set(), NOW, 10, moving=moving)
+    [stopped] = second.stop  # the first replacement serves: one mover leaves
+    assert stopped.replica_id in moving and stopped.reason.startswith("rebalance:")
+    assert [n.shards[0].node for n in second.new if n.model == "a"] == ["n1"]
+    # Nothing moves where no other node has room, or where the spread is even already.
+    full = [dataclasses.replace(fleet[0]), dataclasses.replace(fleet[1], gpus=())]
+    assert rebalance(c, table, full, set(), NOW, 10) == ()
+    even = [replica(f"e{g}", "a", digest, f"n{g % 2}", g // 2) for g in range(4)]
+    assert rebalance(c, even, fleet, set(), NOW, 10) == ()
+    cordoned = [fleet[0], dataclasses.replace(fleet[1], mark=Mark.CORDONED)]
+    assert rebalance(c, table, cordoned, set(), NOW, 10) == ()

@@ -215,6 +215,33 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             )
         return answer
 
+    @app.post("/v1/rebalance", responses=_errors(404, 503))
+    async def rebalance(model: str | None = None, dry_run: bool = False) -> admin.RebalanceAnswer:
+        """Even out spread models (one, or all) over the nodes that can host them: while a
+        node holds two replicas of a model more than another with room, the newest moves
+        there, make-before-break and `max_parallel` at a time. With `dry_run`, only say what
+        would move."""
+        catalog = cp.catalogs.current
+        if model is not None and catalog.get(model) is None:
+            known = ", ".join(m.name for m in catalog.models) or "none"
+            raise Refused.because(
+                404, f"model {model!r} is not in the current catalog (models: {known})"
+            )
+        moves = cp.rebalance(model, dry_run)
+        return admin.RebalanceAnswer(
+            dry_run=dry_run,
+            moves=[
+                admin.MoveInfo(
+                    replica=m.replica_id,
+                    model=m.model,
+                    from_node=m.from_node,
+                    to_node=m.to_node,
+                    reason=m.reason,
+                )
+                for m in moves
+            ],
+        )
+
     @app.get("/v1/catalog", responses=_errors())
     async def catalog() -> admin.CatalogAnswer:
         """The current catalog, its version, and the last rejected attempt."""

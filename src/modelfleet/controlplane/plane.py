@@ -41,7 +41,7 @@ from modelfleet.controlplane.state import FleetState
 from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.controlplane.watch import AssignmentWatch
 from modelfleet.fleet import Mark
-from modelfleet.reconcile import Preview, plan, preview, settling
+from modelfleet.reconcile import Move, Preview, plan, preview, rebalance, settling
 from modelfleet.store import StoredMark, StoreError
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -159,6 +159,29 @@ class ControlPlane:
         previous = was.mark if was else Mark.NONE
         log.info("node %s marked %s (was %s)", node, mark.value, previous.value)
         return previous
+
+    def rebalance(self, model: str | None, dry_run: bool) -> tuple[Move, ...]:
+        """The moves that even out spread models over the nodes that can host them (one
+        model, or all); unless `dry_run`, each moving replica is replaced elsewhere,
+        make-before-break and `max_parallel` at a time, as in a drain."""
+        s = self.state
+        moves = rebalance(
+            self.catalogs.current,
+            s.planned(),
+            s.node_list(),
+            s.busy_slots(),
+            self.clock.monotonic(),
+            s.stale_after,
+            None if model is None else {model},
+        )
+        if not dry_run:
+            for move in moves:
+                s.move(move.replica_id, move.reason)
+                log.info(
+                    "moving replica %s off %s: %s", move.replica_id, move.from_node, move.reason
+                )
+            self.wake()
+        return moves
 
     def delete_node(self, node: str, force: bool) -> list[str]:
         """Forget `node`. Refused (NodeBusy) while replicas run on it, unless `force`: then
@@ -279,6 +302,7 @@ class ControlPlane:
             s.avoiding(now),
             timing.lost_after,
             models,
+            s.moving,
         )
         if decided.frozen != self.frozen:
             if decided.frozen:

@@ -50,6 +50,9 @@ class FleetState:
     _names: list[str] | None = None  # the nodes' names, sorted; None when a node was added
     # model -> node -> (until when, why): where a replica of the model kept failing
     avoid: dict[str, dict[str, tuple[float, str]]] = field(default_factory=dict)
+    # replica id -> why: replicas an operator asked to move (`ctl rebalance`), replaced
+    # make-before-break; forgotten when the replica leaves the table
+    moving: dict[str, str] = field(default_factory=dict)
     # Indexes, kept up to date by every change instead of derived from the whole table, so
     # that one agent's report costs what that agent holds, not what the fleet holds:
     # node -> the replicas in the table with a shard there;
@@ -113,6 +116,7 @@ class FleetState:
 
     def _drop(self, rid: str) -> ReplicaRecord:
         self._changes += 1
+        self.moving.pop(rid, None)
         record = self.replicas.pop(rid)
         self._retiring.discard(rid)
         if rid in self._seen:
@@ -478,6 +482,13 @@ class FleetState:
             if rid not in self._seen and now - released_at > self.stale_after:
                 del self.retired[rid]
         return created
+
+    def move(self, replica_id: str, why: str) -> None:
+        """Have a replica replaced elsewhere, make-before-break (`ctl rebalance`)."""
+        record = self.replicas[replica_id]
+        self.moving[replica_id] = why
+        self._changes += 1
+        self._reroute((record.replica.model,))
 
     def retire(self, replica_ids: Collection[str], why: str, now: float) -> None:
         """Take replicas out of service outside a plan (a deleted node's): released at once."""

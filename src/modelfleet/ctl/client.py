@@ -135,6 +135,12 @@ class AdminClient:
     def replica(self, replica_id: str) -> admin.ReplicaInfo:
         return self._call(admin.ReplicaInfo, "GET", "/v1/replicas/" + quote(replica_id, safe=""))
 
+    def rebalance(self, model: str | None, dry_run: bool) -> admin.RebalanceAnswer:
+        params = {"dry_run": "true" if dry_run else "false"}
+        if model is not None:
+            params["model"] = model
+        return self._call(admin.RebalanceAnswer, "POST", "/v1/rebalance", params=params)
+
     def explain(self, model: str) -> admin.Explanation:
         return self._call(admin.Explanation, "GET", "/v1/explain/" + quote(model, safe=""))
 

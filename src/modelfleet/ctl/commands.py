@@ -222,6 +222,20 @@ def explain_placement(
     _ctl(context).show(lambda c: c.explain(model), _render("print_explanation"))
 
 
+@app.command()
+def rebalance(
+    context: typer.Context,
+    model: Annotated[
+        str | None, typer.Argument(help="A model of the current catalog; every one if none.")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only say what would move.")] = False,
+) -> None:
+    """Spread replicas out again (after a drain and uncordon, say): while a node holds two
+    replicas of a spread model more than another with room, the newest moves there,
+    make-before-break and max_parallel at a time."""
+    _ctl(context).show(lambda c: c.rebalance(model, dry_run), _render("print_rebalance"))
+
+
 NodeArg = Annotated[str, typer.Argument(help="The node's name, as `ctl nodes` shows it.")]
 
 

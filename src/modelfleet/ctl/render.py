@@ -337,3 +337,20 @@ def usage_csv(data: admin.UsageAnswer) -> str:
         writer.writerow([hour, u.key, u.model, u.requests, u.prompt_tokens,
                          u.completion_tokens, u.errors])  # fmt: skip
     return out.getvalue()
+
+
+def print_rebalance(data: admin.RebalanceAnswer, console: Console) -> None:
+    if not data.moves:
+        console.print("nothing to move: every spread model is as even as its nodes allow")
+        return
+    verb = "would move" if data.dry_run else "moving"
+    for m in data.moves:
+        console.print(
+            f"{verb} {m.replica} ({m.model}) from {m.from_node} to {m.to_node}: {m.reason}",
+            highlight=False,
+        )
+    if not data.dry_run:
+        console.print(
+            "each is replaced first and leaves the routers once its replacement serves; "
+            "`modelfleet ctl replicas` follows it"
+        )
