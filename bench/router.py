@@ -166,11 +166,11 @@ def start_sims(procs: Processes, n: int, *extra: str) -> list[str]:
     return urls
 
 
-def start_redis(procs: Processes) -> tuple[str, int]:
-    """Debian's redis-server on a free port, nothing saved: its URL and pid."""
-    port = free_port("127.0.0.1")
+def start_redis(procs: Processes, port: int = 0) -> tuple[str, int]:
+    """Debian's redis-server on `port` (0: a free one), nothing saved: its URL and pid."""
+    port = port or free_port("127.0.0.1")
     pid = procs.start(
-        f"redis-{port}",
+        f"redis-{port}-{len(procs.started)}",
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(procs.tmp)],
     )  # fmt: skip

@@ -654,3 +654,33 @@ def test_routers_whose_clocks_differ_count_on_redis_clock(redis_url: str) -> Non
         await ahead.close()
 
     run(go())
+
+
+def test_a_key_unused_for_a_minute_gives_its_slots_back_and_is_forgotten(
+    redis_url: str,
+) -> None:
+    """A share of slots kept for a key nobody uses any more would hold them as long as the
+    router runs (the same mutation survived for leases at the minute's turn): after a minute
+    unused, the renewal gives them back and forgets the lease."""
+
+    async def go() -> None:
+        wall = FakeClock()
+        wall.now = T0
+        (a,) = _routers(redis_url, 1, wall=wall)
+        key = ApiKey("k", "h", rpm=1_000, max_concurrent=500)  # a share of 5 slots
+        ticket = await a.admit(key, 0, "r", T0)
+        assert isinstance(ticket, Ticket)
+        await a.settle(ticket, 0, T0 + 1)
+        slots = a.store.keys("k")[4]
+        assert await a.client.hget(slots, a.name) == b"5"  # a share kept while in use
+        wall.now = T0 + 30
+        await a.renew()
+        assert "k" in a.leases._leases and await a.client.hget(slots, a.name) == b"5"
+        wall.now = T0 + WINDOW + 2
+        await a.renew()
+        await a.leases.given()
+        assert await a.client.hget(slots, a.name) is None
+        assert "k" not in a.leases._leases
+        await a.close()
+
+    run(go())

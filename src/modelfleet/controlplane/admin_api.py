@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Match
 
 from modelfleet import admin
-from modelfleet.catalog import CatalogInvalid
+from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane import keys, views
 from modelfleet.controlplane.catalogs import API_SOURCE
 from modelfleet.controlplane.plane import ControlPlane, NodeBusy
@@ -79,6 +79,11 @@ def _error(
     request (a lone surrogate in a catalog, say) as escapes where pydantic's encoder fails."""
     body = json.dumps(answer.model_dump(exclude_none=True))
     return Response(body, status_code=status, media_type=JSON, headers=headers)
+
+
+def _no_such_model(catalog: Catalog, model: str) -> Refused:
+    known = ", ".join(m.name for m in catalog.models) or "none"
+    return Refused.because(404, f"model {model!r} is not in the current catalog (models: {known})")
 
 
 def _problems(errors: Sequence[Mapping[str, Any]]) -> str:
@@ -209,10 +214,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         catalog = cp.catalogs.current
         answer = views.explanation(cp.state, catalog, model, cp.clock.monotonic())
         if answer is None:
-            known = ", ".join(m.name for m in catalog.models) or "none"
-            raise Refused.because(
-                404, f"model {model!r} is not in the current catalog (models: {known})"
-            )
+            raise _no_such_model(catalog, model)
         return answer
 
     @app.post("/v1/rebalance", responses=_errors(404, 503))
@@ -223,10 +225,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         would move."""
         catalog = cp.catalogs.current
         if model is not None and catalog.get(model) is None:
-            known = ", ".join(m.name for m in catalog.models) or "none"
-            raise Refused.because(
-                404, f"model {model!r} is not in the current catalog (models: {known})"
-            )
+            raise _no_such_model(catalog, model)
         moves = cp.rebalance(model, dry_run)
         return admin.RebalanceAnswer(
             dry_run=dry_run,
