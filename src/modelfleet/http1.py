@@ -23,8 +23,8 @@ take to arrive, the head's size and number of lines as they arrive, the time an 
 wait for a client that reads nothing, and the number of connections.
 
 A server may also be given `take`, a handler that gets a POST whose whole (small) body is in
-before any task is made for it. The router's fast lane (`router/fast_lane.py`) answers most
-requests this way, by callbacks; what it cannot finish alone it hands to a task of its own
+before any task is made for it. The router's proxy (`router/proxy.py`) carries most requests
+this way, by callbacks; when one must wait it hands it to a task of its own
 (`Cycle.carry_on`). A request it does not take goes to the ASGI app as any other, and so
 does a pipelined request that waited for the one before it.
 """
@@ -190,15 +190,18 @@ class Cycle:
         if more and self.conn.write_paused:
             await self.conn.drained()
 
-    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        """Send a whole answer at once: for `take`, which answers without a task. Nothing is
-        sent to a client that has gone away."""
+    def answer(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, more: bool = False
+    ) -> None:
+        """Send an answer's head and `body` at once, for `take`, which answers without a
+        task: the whole answer, or (`more`) its first bytes, the rest to follow by `send`
+        from a task (`carry_on`). Nothing is sent to a client that has gone away."""
         if self.disconnected or self.started:
             return
         self.started = True
         self.status = status
         self.headers = headers
-        self._write(body, False)
+        self._write(body, more)
 
     def carry_on(self, work: Callable[[Any, Any], Awaitable[None]]) -> None:
         """Hand a taken request to a task: `work(receive, send)` finishes it as an ASGI app

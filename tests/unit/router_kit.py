@@ -17,7 +17,6 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from modelfleet.http1 import Http1Server
-from modelfleet.router.fast_lane import FastLane
 from modelfleet.router.service import ClientApp, Router, RouterConfig, create_apps
 from modelfleet.serving import Listener
 
@@ -32,14 +31,15 @@ class FakeClock:
         return self.now
 
 
-# Which way `client_of` reaches a router: "proxy", the proxy's coroutine as an ASGI app in
-# process; or "lane", the lean server on 127.0.0.1 with the fast lane in front of it. Tests
+# Which way `client_of` reaches a router: "proxy", the proxy as an ASGI app in process (its
+# flights run in the request's task); or "lane", the lean server on 127.0.0.1 handing each
+# request to the proxy's `take` (its flights run by callbacks until they must wait). Tests
 # that hold both ways take the `way` fixture (conftest.py), which sets this.
 WAY = "proxy"
 
 
 class LaneTransport(httpx.AsyncBaseTransport):
-    """Serves a router's client app on the lean server with its fast lane, on a free port of
+    """Serves a router's client app on the lean server with the proxy's `take`, on a free port of
     127.0.0.1 from the first request on; every request goes there, whatever its URL."""
 
     def __init__(self, app: ClientApp) -> None:
@@ -52,7 +52,7 @@ class LaneTransport(httpx.AsyncBaseTransport):
         if self.server is None:
             listener = Listener("router", self.app, server="http1")
             sock = listener.bind()
-            self.server = Http1Server(self.app, take=FastLane(self.app.proxy).take)
+            self.server = Http1Server(self.app, take=self.app.proxy.take)
             await self.server.start(sock)
             self.port = listener.port
         return f"http://127.0.0.1:{self.port}"
@@ -83,7 +83,7 @@ def client_of(router: Router) -> httpx.AsyncClient:
 
 @contextlib.asynccontextmanager
 async def router_url(router: Router) -> AsyncIterator[str]:
-    """`router`'s client API on 127.0.0.1 (uvicorn, or the lean server with its fast lane,
+    """`router`'s client API on 127.0.0.1 (uvicorn, or the lean server with the proxy's `take`,
     as `WAY` says); yields its URL."""
     client_app, _ = create_apps(router)
     if WAY != "lane":

@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 
+from modelfleet.router import flight
 from modelfleet.router.limits import MemoryLimits, Ticket
 from modelfleet.router.service import Router
 from modelfleet.simulator.engine import SimSettings
@@ -246,8 +247,8 @@ def test_a_client_that_hangs_up_before_its_answer_is_charged_its_reservation() -
 
 @pytest.mark.usefixtures("way")
 def test_an_endpoint_the_router_cannot_send_to_is_a_503_that_frees_the_keys_slot() -> None:
-    """The fast lane once raised on an https:// endpoint: a 500, and the key's only slot
-    taken until the router restarted."""
+    """The callback path (then a "fast lane" of its own) once raised on an https:// endpoint:
+    a 500, and the key's only slot taken until the router restarted."""
     wall = FakeClock()
     wall.now = T0
 
@@ -261,5 +262,42 @@ def test_an_endpoint_the_router_cannot_send_to_is_a_503_that_frees_the_keys_slot
                 assert answer.headers["x-modelfleet-reason"] == "upstream-failed"
                 await until_settled(router)
                 assert in_flight(router) == 0
+
+    run(go())
+
+
+@pytest.mark.usefixtures("way")
+def test_a_step_that_fails_in_a_callback_is_a_500_that_holds_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in a step run by the engine connection's callback must not leave the request
+    hanging with its key's slot and its replica's count taken: it is answered with a 500,
+    and ended as any other request."""
+    wall = FakeClock()
+    wall.now = T0
+    original = flight.Flight._answered
+    failures = [RuntimeError("a bug")]
+
+    def failing(self: flight.Flight, *args: object) -> None:
+        if failures:
+            raise failures.pop()
+        original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(flight.Flight, "_answered", failing)
+
+    async def go() -> None:
+        async with serving(create_simulator(SimSettings(model="m", ttft=0, itl=0))) as engine:
+            router, client = limited(engine, wall, max_concurrent=1)
+            async with client as c:
+                body = {"model": "m", "prompt": "hi", "max_tokens": 5}
+                broken = await c.post("/v1/completions", json=body)
+                assert broken.status_code == 500, broken.text
+                assert broken.json()["error"]["type"] == "server_error"
+                await until_settled(router)
+                assert in_flight(router) == 0
+                assert router.balancer.in_flight().get(engine, 0) == 0
+                after = await c.post("/v1/completions", json=body)  # the only slot is free
+                assert after.status_code == 200, after.text
+                assert not failures
 
     run(go())

@@ -306,7 +306,7 @@ def test_large_limits_are_leased_a_share_at_a_time_not_asked_per_request(redis_u
 
 
 def test_a_leased_key_is_admitted_at_once_until_its_lease_runs_short(redis_url: str) -> None:
-    """`admit_at_once` (the fast lane's) takes from the lease with no round trip, and says
+    """`admit_at_once` (a flight run by callbacks) takes from the lease with no round trip, and says
     None, wait for `admit`, when the lease is short or the key is not leased."""
     key = ApiKey("k", "h", rpm=1_000)  # a share: 10 requests
 
@@ -330,8 +330,8 @@ def test_a_leased_key_is_admitted_at_once_until_its_lease_runs_short(redis_url: 
 
 
 def test_a_key_in_steady_use_never_waits_for_its_lease(redis_url: str) -> None:
-    """Half a share used, the next is asked for in the background: the fast lane's
-    admissions (no waiting) go on through a whole minute's worth of shares."""
+    """Half a share used, the next is asked for in the background: admissions by
+    callbacks (no waiting) go on through a whole minute's worth of shares."""
     key = ApiKey("k", "h", rpm=2_000)  # a share: 20 requests
 
     async def go() -> None:

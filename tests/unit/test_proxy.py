@@ -163,8 +163,8 @@ def test_a_stalled_stream_ends_with_an_error_event_never_silence() -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_goes_away_cancels_the_request_upstream(stream: bool) -> None:
     """A request with a huge max_tokens whose client leaves no longer holds the engine. A
-    short request first leaves a kept-alive connection to the engine, so that the fast lane
-    takes the long one."""
+    short request first leaves a kept-alive connection to the engine, so that the long one is
+    sent by callbacks (the lean server's way) or from the request's task (ASGI's)."""
 
     async def go() -> None:
         sim = create_simulator(SimSettings(model="m", ttft=0.0, itl=0.05))

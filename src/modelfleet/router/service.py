@@ -33,7 +33,7 @@ from modelfleet.http1 import Bounds
 from modelfleet.openai_api import error_response
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.engine_load import read_engine_load
-from modelfleet.router.fast_lane import FastLane
+from modelfleet.router.flight import Parts, Settings
 from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
 from modelfleet.router.metrics import RouterMetrics
 from modelfleet.router.proxy import PROXY_PATHS, Proxy
@@ -148,6 +148,25 @@ class Router:
         )
         self.background: set[asyncio.Future[None]] = set()  # settlements under way
         self.ledger = UsageLedger()  # what each key used, until the control plane collects it
+        self.parts = Parts(  # what the data path uses of all this
+            Settings(
+                max_body_bytes=config.max_body_bytes,
+                first_byte_timeout=config.first_byte_timeout,
+                chunk_timeout=config.chunk_timeout,
+                retries=config.retries,
+                prefix_chars=config.prefix_chars,
+                default_max_tokens=config.default_max_tokens,
+            ),
+            self.balancer,
+            self.upstreams,
+            self.limits,
+            self.metrics,
+            self.ledger,
+            clock=time.perf_counter,
+            now=now,
+            wall=wall,
+            background=self.background,
+        )
         self._session: aiohttp.ClientSession | None = None  # scrapes and probes
 
     def _restore(self) -> RoutingSnapshot | None:
@@ -344,7 +363,7 @@ def create_apps(router: Router) -> tuple[ClientApp, Starlette]:
     """The client-facing app and the push app of one router."""
 
     post = ["POST"]
-    proxy = Proxy(router)
+    proxy = Proxy(router.parts, router)
     rest = Starlette(
         routes=[
             Route("/health", router.health),
@@ -397,7 +416,7 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
             config.port,
             reuse_port=config.reuse_port,
             server="http1",
-            take=FastLane(client.proxy).take,
+            take=client.proxy.take,
             bounds=Bounds(
                 head_timeout=config.client_head_timeout,
                 body_timeout=config.client_body_timeout,

@@ -47,7 +47,7 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         # Told, instead of a waiting reader, when the answer's head and first bytes are in,
-        # when it is whole, or when it failed (the router's fast lane).
+        # when it is whole, or when it failed (the router's `Attempt`).
         self.listener: Callable[[Connection], None] | None = None
         self.reset()
 
@@ -238,25 +238,46 @@ class Upstreams:
     async def post(
         self, endpoint: str, path: str, body: bytes, headers: Sequence[tuple[str, str]]
     ) -> Answer:
-        """POST `body` to `endpoint` + `path`; returns once the answer's headers are in."""
-        key = self._address(endpoint)
-        request = _head(key, path, len(body), headers)
-        conn = self._take_idle(key)
+        """POST `body` to `endpoint` + `path`; returns once the answer's headers are in. For
+        callers that wait (benchmarks, tests): the router's requests go by `idle`/`connect`,
+        `send` and the connection's callback (`flight.py`)."""
+        conn = self.idle(endpoint)
         if conn is not None:
             try:
-                return await self._exchange(key, conn, request, body)
+                return await self._exchange(endpoint, conn, path, body, headers)
             except UpstreamError:
                 if conn.got_bytes:
                     raise
                 # The engine closed a kept-alive connection as the request went out; it never
                 # began the request, so a new connection carries it.
-        conn = await self._connect(key)
-        return await self._exchange(key, conn, request, body)
+        conn = await self.connect(endpoint)
+        return await self._exchange(endpoint, conn, path, body, headers)
+
+    async def _exchange(
+        self,
+        endpoint: str,
+        conn: Connection,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[str, str]],
+    ) -> Answer:
+        self.send(endpoint, conn, path, body, headers)
+        try:
+            await conn.headers_done
+        except BaseException:
+            conn.close()
+            raise
+        return self.answer(endpoint, conn)
 
     def idle(self, endpoint: str) -> Connection | None:
-        """A kept-alive connection to `endpoint` to send a request on at once, if one is idle
-        (for the fast lane, which does not wait for a new connection)."""
+        """A kept-alive connection to `endpoint` to send a request on at once, if one is
+        idle. Raises UpstreamError (unsent) for an endpoint that is no http://host:port."""
         return self._take_idle(self._address(endpoint))
+
+    async def connect(self, endpoint: str) -> Connection:
+        """A new connection to `endpoint`, within `connect_timeout`. Raises UpstreamError
+        (unsent)."""
+        return await self._connect(self._address(endpoint))
 
     def send(
         self,
@@ -266,23 +287,12 @@ class Upstreams:
         body: bytes,
         headers: Sequence[tuple[str, str]],
     ) -> None:
-        """POST `body` on `conn`, a connection `idle` gave; the answer fills `conn`."""
+        """POST `body` on `conn`, from `idle` or `connect`; the answer fills `conn`."""
         _write(conn, _head(self._address(endpoint), path, len(body), headers), body)
 
     def answer(self, endpoint: str, conn: Connection) -> Answer:
         """The answer on `conn` (from `send`), once its head is in."""
         return Answer(self, self._address(endpoint), conn)
-
-    async def _exchange(
-        self, key: tuple[str, int], conn: Connection, request: bytes, body: bytes
-    ) -> Answer:
-        _write(conn, request, body)
-        try:
-            await conn.headers_done
-        except BaseException:
-            conn.close()
-            raise
-        return Answer(self, key, conn)
 
     async def _connect(self, key: tuple[str, int]) -> Connection:
         loop = asyncio.get_running_loop()

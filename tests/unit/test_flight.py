@@ -1,10 +1,10 @@
-"""The router's fast lane (`router/fast_lane.py`) at the moments where it hands over: an
-engine that fails, is silent, closes a kept-alive connection, or answers in pieces; a
-client that leaves; a shutdown with a request in flight.
+"""A request's flight (`router/flight.py`) carried by callbacks, at the moments where it
+changes course: an engine that fails, is silent, closes a kept-alive connection, or answers
+in pieces; a client that leaves; a shutdown with a request in flight.
 
-The lane only takes a request when a kept-alive connection to the engine is idle, so each
-test's engine answers the first request on a connection plainly, and behaves as the test
-needs from the second on. Which way the router went is seen by spies on the lane.
+A flight runs without a task only while a kept-alive connection to the engine is idle, so
+each test's engine answers the first request on a connection plainly, and behaves as the
+test needs from the second on. Which way the flight went is seen by spies on its steps.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import httpx
 import pytest
 
 from modelfleet.http1 import Http1Server
-from modelfleet.router import fast_lane
-from modelfleet.router.proxy import Proxy
+from modelfleet.router import flight
 from modelfleet.router.service import create_apps
 from modelfleet.serving import Listener
 from modelfleet.wire import RoutedModel
@@ -101,11 +100,12 @@ class RawEngine:
 
 @contextlib.asynccontextmanager
 async def lane_server(router: Any) -> AsyncIterator[tuple[Http1Server, httpx.AsyncClient]]:
-    """`router`'s client app on the lean server with its fast lane; a client of it."""
+    """`router`'s client app on the lean server, which hands requests to `Proxy.take`; a
+    client of it."""
     app, _ = create_apps(router)
     listener = Listener("router", app, server="http1")
     sock = listener.bind()
-    server = Http1Server(app, take=fast_lane.FastLane(app.proxy).take)
+    server = Http1Server(app, take=app.proxy.take)
     await server.start(sock)
     headers = {"authorization": "Bearer client-key"}
     try:
@@ -117,7 +117,8 @@ async def lane_server(router: Any) -> AsyncIterator[tuple[Http1Server, httpx.Asy
 
 @pytest.fixture
 def spied(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Counts of what the lane did: flights sent, failed, timed out, retried, handed on."""
+    """Counts of what flights did: attempts sent, failed, timed out, sent again on a new
+    connection, abandoned, handed to a task, relayed by one."""
     seen: Counter[str] = Counter()
 
     def spy(owner: Any, name: str) -> None:
@@ -129,10 +130,9 @@ def spied(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
         monkeypatch.setattr(owner, name, counting)
 
-    for name in ("send", "on_timeout", "_failed", "_retry", "on_gone"):
-        spy(fast_lane._Flight, name)
-    spy(fast_lane.FastLane, "_carry_on")
-    spy(Proxy, "carry_answer")
+    spy(flight.Attempt, "send")
+    for name in ("timed_out", "_failed", "_connect", "gone", "_carry", "_relay"):
+        spy(flight.Flight, name)
     return seen
 
 
@@ -167,7 +167,8 @@ def test_a_pooled_request_is_answered_without_a_task_as_the_proxy_answers_it(
                     )
                     for _ in range(5)
                 ]
-                assert spied["send"] == 5 and len(tasks) == 1 and engine.connections == 1
+                # Six attempts sent, one task: the first request's, which waited for a connection.
+                assert spied["send"] == 6 and len(tasks) == 1 and engine.connections == 1
                 proxied = await by_proxy.post("/v1/completions", json=COMPLETION)
                 for answer in lane:
                     assert answer.status_code == proxied.status_code == 200
@@ -188,7 +189,7 @@ def test_a_pooled_request_is_answered_without_a_task_as_the_proxy_answers_it(
     run(go())
 
 
-def test_a_replica_failing_in_the_lane_is_left_for_another(spied: Counter[str]) -> None:
+def test_a_replica_failing_by_callbacks_is_left_for_another(spied: Counter[str]) -> None:
     async def go() -> None:
         flaky = RawEngine("503")
         hits: list[int] = []
@@ -208,7 +209,7 @@ def test_a_replica_failing_in_the_lane_is_left_for_another(spied: Counter[str]) 
     run(go())
 
 
-def test_a_replica_silent_in_the_lane_times_out_and_is_abandoned(spied: Counter[str]) -> None:
+def test_a_replica_silent_by_callbacks_times_out_and_is_abandoned(spied: Counter[str]) -> None:
     async def go() -> None:
         engine = RawEngine("silent")
         async with engine.running() as url:
@@ -218,7 +219,7 @@ def test_a_replica_silent_in_the_lane_times_out_and_is_abandoned(spied: Counter[
                 late = await client.post("/v1/completions", json=COMPLETION)
                 assert late.status_code == 504, late.text
                 assert late.headers["x-modelfleet-reason"] == "first-byte-timeout"
-                assert spied["on_timeout"] == 1
+                assert spied["timed_out"] == 1
                 await until("the engine to see its request abandoned", lambda: engine.closed == 1)
             await router.close()
 
@@ -240,7 +241,8 @@ def test_a_kept_alive_connection_the_engine_closed_carries_the_request_anew(
                 assert (await client.post("/v1/completions", json=COMPLETION)).is_success
                 again = await client.post("/v1/completions", json=COMPLETION)
                 assert again.status_code == 200, again.text
-                assert spied["_retry"] == 1 and spied["_failed"] == 0
+                # New connections: the first request's, and the one that carried the second anew.
+                assert spied["_connect"] == 2 and spied["_failed"] == 0
                 assert engine.connections == 2 and engine.requests == 3
                 assert router.balancer.state[url].failures == 0
             await router.close()
@@ -256,7 +258,7 @@ def test_an_answer_that_does_not_come_whole_is_relayed_by_a_task(spied: Counter[
             async with lane_server(router) as (_, client):
                 assert (await client.post("/v1/completions", json=COMPLETION)).is_success
                 pending = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
-                await until("the lane to hand the answer on", lambda: spied["carry_answer"] == 1)
+                await until("the flight to hand the relay to a task", lambda: spied["_relay"] == 1)
                 engine.go_on.set()
                 answer = await pending
                 assert answer.status_code == 200 and answer.content == ANSWER
@@ -268,7 +270,7 @@ def test_an_answer_that_does_not_come_whole_is_relayed_by_a_task(spied: Counter[
     run(go())
 
 
-def test_a_client_gone_from_the_lane_aborts_the_request_at_the_engine(
+def test_a_client_gone_carried_by_callbacks_aborts_the_request_at_the_engine(
     spied: Counter[str],
 ) -> None:
     async def go() -> None:
@@ -283,7 +285,7 @@ def test_a_client_gone_from_the_lane_aborts_the_request_at_the_engine(
                 with pytest.raises(asyncio.CancelledError):
                     await pending
                 await until("the engine to see the request abandoned", lambda: engine.closed == 1)
-                assert spied["on_gone"] == 1
+                assert spied["gone"] == 1
                 page = (await client.get("/metrics")).text
                 assert 'modelfleet_router_client_disconnects_total{model="m"} 1.0' in page
                 assert f'modelfleet_router_in_flight{{endpoint="{url}"}} 0.0' in page
@@ -292,8 +294,8 @@ def test_a_client_gone_from_the_lane_aborts_the_request_at_the_engine(
     run(go())
 
 
-def test_shutdown_waits_for_a_request_the_lane_holds(spied: Counter[str]) -> None:
-    """A request the lane is waiting on has no task, yet shutdown waits for its answer."""
+def test_shutdown_waits_for_a_request_carried_by_callbacks(spied: Counter[str]) -> None:
+    """A request whose flight waits on callbacks has no task, yet shutdown waits for its answer."""
 
     async def go() -> None:
         engine = RawEngine("hold")
@@ -303,7 +305,7 @@ def test_shutdown_waits_for_a_request_the_lane_holds(spied: Counter[str]) -> Non
                 assert (await client.post("/v1/completions", json=COMPLETION)).is_success
                 pending = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
                 await until("the engine to hold the request", lambda: engine.requests == 2)
-                assert spied["send"] == 1 and server.taken and not server.tasks
+                assert spied["send"] == 2 and server.taken and not server.tasks
                 stopping = asyncio.create_task(server.shutdown(drain_timeout=10))
                 await until("the listener to stop", lambda: server.stopping)
                 assert not stopping.done()

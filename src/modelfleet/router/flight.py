@@ -1,0 +1,770 @@
+"""One request through the router, from its plan to its end: a `Flight`.
+
+Every rule of a request's way lives here once: admission under its key's limits, the
+replica tried next and the retries, the first-byte timeout, relaying the answer, a client
+that goes away, settling the key's reservation, the metrics and the usage ledger.
+
+A flight is a state machine that moves by callbacks wherever it can and by a task only
+where it must wait. Side by side with vllm-router (`bench/router.py`) a task per request,
+the futures that wake it and its timeout scopes were most of the router's own latency, so:
+
+- admission from memory or a lease, the pick of a replica, sending on an idle kept-alive
+  connection, the engine's answer (`Attempt`, told by the connection's callback), a retry
+  on another replica and a whole answer's write to the client all run at once, from the
+  callback that brought the news;
+- admission that needs the store, a new connection, and the relay of an answer that did
+  not come whole are waits: they run in the flight's task (`host`). A request read by the
+  ASGI app already runs in one; a request the lean server handed over whole gets one the
+  first time it must wait (`Client.host`), and most never do.
+
+Either way the same methods run in the same order; only where a wait runs differs. The
+client side is a seam (`Client`): the lean server's `Cycle`, or any ASGI server's `send`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from modelfleet.openai_api import error_body
+from modelfleet.router.limits import Refusal as LimitRefusal
+from modelfleet.router.limits import Ticket
+from modelfleet.router.upstream import UpstreamError
+
+if TYPE_CHECKING:
+    from modelfleet.router.balancer import Balancer
+    from modelfleet.router.limits import Limits
+    from modelfleet.router.metrics import RouterMetrics
+    from modelfleet.router.table import ApiKey, RoutingTable
+    from modelfleet.router.upstream import Answer, Connection, Upstreams
+    from modelfleet.router.usage import UsageLedger, UsageScanner
+    from modelfleet.wire import RoutedModel
+
+log = logging.getLogger("modelfleet.router")
+
+# Statuses an engine answers before it has produced anything, where another replica may do
+# better: the request goes to another before the client has seen a byte.
+RETRY_STATUSES = frozenset({502, 503, 504})
+# Statuses whose answer names why, in `x-modelfleet-reason`.
+_WHY_STATUSES = frozenset({429, 503, 504})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The router's settings that the data path reads (`RouterConfig` names each)."""
+
+    max_body_bytes: int
+    first_byte_timeout: float
+    chunk_timeout: float
+    retries: int
+    prefix_chars: int
+    default_max_tokens: int
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a request uses of its router, and nothing more: the replicas' balance and
+    connections, the keys' limits, what is counted, and the clocks."""
+
+    settings: Settings
+    balancer: Balancer
+    upstreams: Upstreams
+    limits: Limits
+    metrics: RouterMetrics
+    ledger: UsageLedger
+    clock: Callable[[], float]  # a request's own timings
+    now: Callable[[], float]  # ejections
+    wall: Callable[[], float]  # keys' expiry and limits
+    background: set[asyncio.Future[None]]  # settlements under way, awaited at close
+
+
+@dataclass
+class Exchange:
+    """What is measured of one request on its way."""
+
+    request_id: str
+    started: float
+    model: str = "-"
+    upstream_wait: float = 0.0  # seconds spent waiting for engines
+    client_gone: bool = False
+    status: int = 0
+    first_byte_at: float | None = None
+    failures: list[str] = field(default_factory=list)
+    timeouts: int = 0  # attempts that got no first byte in time
+    scanner: UsageScanner | None = None  # finds the tokens the answer used
+    key: str | None = None  # the name of the client's key, once it is known
+    # Attempts written to an engine that it did not refuse (an error status): for these an
+    # engine may have generated tokens, reported or not.
+    maybe_used: int = 0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The router's own answer to a request it does not send on: an OpenAI-style error, and
+    why (the `rejections` metric, `x-modelfleet-reason`)."""
+
+    status: int
+    message: str
+    type: str
+    reason: str
+    code: str | None = None
+    param: str | None = None
+    retry_after: int | None = None
+
+
+@dataclass
+class Plan:
+    """What a request asks for, read once from its body, and where it may go."""
+
+    key: ApiKey
+    path: str
+    raw: bytes  # the body as the engine gets it
+    table: RoutingTable  # taken once: a swap during the request is invisible to it
+    endpoints: tuple[str, ...]
+    route: RoutedModel
+    stream: bool
+    limited: bool  # the key has limits: the request is admitted before it is sent
+    cost: int  # tokens reserved for the key's token limit
+    prefix: bytes | None  # for prefix routing
+
+
+class Client(Protocol):
+    """The client's side of a flight: where its answer goes, and how it says it has gone."""
+
+    @property
+    def send(self) -> Callable[[Any], Awaitable[None]]:
+        """ASGI's `send`, for an answer relayed as it arrives."""
+        ...
+
+    def answer(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, more: bool
+    ) -> bool:
+        """Send an answer's head and `body` now: the whole answer, or (`more`) its first
+        bytes, the rest to follow by `send`. False when only `send` can, in a task."""
+        ...
+
+    def on_disconnect(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` once the client goes away (at once if it has); None: no more."""
+        ...
+
+    def host(self, run: Coroutine[Any, Any, None]) -> None:
+        """Run `run` in a task of the request's own: the flight has to wait."""
+        ...
+
+
+class ClientGone(Exception):
+    """The client went away; what was in flight for it is dropped."""
+
+
+class Broken(Exception):
+    """An engine's whole answer broke off after its first byte: the client's connection is
+    closed short of the length it was promised."""
+
+
+class Flight:
+    """One request from its plan (or its refusal) to its end; see the module's docstring.
+
+    `begin` starts it. It ends exactly once (`_end`): the key's reservation is settled and
+    the request counted, whichever way it went."""
+
+    __slots__ = (
+        "_busy",
+        "_hosted",
+        "_task",
+        "_waker",
+        "_work",
+        "attempt",
+        "client",
+        "ended",
+        "ex",
+        "parts",
+        "plan",
+        "ticket",
+        "tried",
+    )
+
+    def __init__(self, parts: Parts, ex: Exchange, client: Client, in_task: bool) -> None:
+        """`in_task`: the caller runs `host` in its own task (an ASGI app does)."""
+        self.parts = parts
+        self.ex = ex
+        self.client = client
+        self.plan: Plan | None = None
+        self.ticket: Ticket | None = None
+        self.tried: list[str] = []  # endpoints tried, in order
+        self.attempt: Attempt | None = None  # the one under way
+        self.ended = False
+        self._hosted = in_task  # a task runs, or will run, `host`
+        self._work: Coroutine[Any, Any, None] | None = None  # the next wait for the task
+        self._task: asyncio.Task[Any] | None = None
+        self._busy = False  # the task is in a wait
+        self._waker: asyncio.Future[None] | None = None
+
+    # -- the steps, in the order a request takes them ----------------------------------------
+
+    def begin(self, got: Plan | Refusal) -> None:
+        """Refuse the request, or admit it under its key's limits and send it on."""
+        if isinstance(got, Refusal):
+            self.refuse(got)
+            return
+        self.plan = plan = got
+        self.client.on_disconnect(self.gone)
+        if self.ended:  # the client had gone already
+            return
+        if not plan.limited:
+            self._next()
+            return
+        parts = self.parts
+        admitted = parts.limits.admit_at_once(plan.key, plan.cost, self.ex.request_id, parts.wall())
+        if admitted is None:
+            self._carry(self._admit(plan))
+        else:
+            self._admitted(admitted)
+
+    async def _admit(self, plan: Plan) -> None:
+        parts = self.parts
+        got = await parts.limits.admit(plan.key, plan.cost, self.ex.request_id, parts.wall())
+        self._admitted(got)
+
+    def _admitted(self, got: Ticket | LimitRefusal) -> None:
+        if isinstance(got, LimitRefusal):
+            self.refuse(self._over_limit(got))
+            return
+        self.ticket = got
+        self._next()
+
+    def _next(self) -> None:
+        """Send the request to the next replica to try, or answer that none could take it."""
+        parts, plan, tried = self.parts, self.plan, self.tried
+        assert plan is not None
+        while len(tried) <= parts.settings.retries:
+            endpoint = parts.balancer.pick(plan.endpoints, exclude=tried, prefix=plan.prefix)
+            if endpoint is None:
+                break
+            if tried:
+                parts.metrics.child(parts.metrics.retries, self.ex.model).inc()
+            tried.append(endpoint)
+            attempt = Attempt(self, endpoint)
+            try:
+                conn = parts.upstreams.idle(endpoint)
+            except UpstreamError as exc:
+                self._failed(attempt, _why(exc))
+                continue
+            if conn is None:
+                self._carry(self._connect(attempt))
+            else:
+                attempt.send(conn, reused=True)
+            return
+        self.refuse(self._exhausted())
+
+    async def _connect(self, attempt: Attempt) -> None:
+        """Send on a new connection: none was idle, or the idle one closed under the send."""
+        parts = self.parts
+        began = parts.clock()
+        try:
+            conn = await parts.upstreams.connect(attempt.endpoint)
+        except UpstreamError as exc:
+            self.ex.upstream_wait += parts.clock() - began
+            self._failed(attempt, _why(exc))
+            self._next()
+            return
+        self.ex.upstream_wait += parts.clock() - began
+        attempt.send(conn, reused=False)
+
+    def heard(self, attempt: Attempt, conn: Connection) -> None:
+        """`attempt`'s connection has news: the answer's first bytes or all of it, or a
+        failure. Called by the connection, once per attempt."""
+        ex = self.ex
+        if conn.error is not None:
+            if attempt.reused and not conn.got_bytes:
+                # A kept-alive connection the engine closed as the request went out: the
+                # engine never began it, and a new connection carries it, as no failure.
+                ex.maybe_used -= 1
+                conn.close()
+                self._carry(self._connect(attempt))
+                return
+            self._failed(attempt, _why(conn.error))
+            self._next()
+            return
+        if conn.status >= 400:
+            ex.maybe_used -= 1  # the engine refused it
+        if conn.status in RETRY_STATUSES:
+            self._failed(attempt, f"HTTP {conn.status}")
+            self._next()
+            return
+        upstream = self.parts.upstreams.answer(attempt.endpoint, conn)
+        self._answered(attempt, upstream, conn.take_chunks())
+
+    def timed_out(self, attempt: Attempt) -> None:
+        """`attempt` got no first byte within the first-byte timeout."""
+        self.ex.timeouts += 1
+        self._failed(attempt, f"no first byte within {self.first_byte_timeout:g} s")
+        self._next()
+
+    def _failed(self, attempt: Attempt, failure: str) -> None:
+        """`attempt` gave no answer to relay: noted, and its replica ejected if it keeps
+        failing."""
+        attempt.over()
+        parts, endpoint = self.parts, attempt.endpoint
+        self.ex.failures.append(f"{endpoint}: {failure}")
+        if parts.balancer.failed(endpoint, parts.now()):
+            parts.metrics.ejections.labels(endpoint).inc()
+            log.warning("endpoint %s ejected after failing again and again", endpoint)
+
+    def _answered(self, attempt: Attempt, upstream: Answer, first: bytes) -> None:
+        """The engine answered: a whole answer goes to the client at once; of one still
+        coming (a stream), the head and first bytes go at once where the client allows it,
+        and the rest is relayed by the task as it arrives."""
+        parts, ex = self.parts, self.ex
+        ex.first_byte_at = parts.clock()
+        ex.status = upstream.status
+        headers = self._answer_head(upstream, attempt.endpoint)
+        if upstream.at_eof:
+            body = self._scanned(first, last=True)
+            if upstream.status < 500:
+                parts.balancer.succeeded(attempt.endpoint)
+            attempt.over(upstream, done=True)
+            self._respond(upstream.status, headers, body)
+            return
+        out = self._scanned(first, last=False)
+        if self.client.answer(upstream.status, headers, out, more=True):
+            self._carry(self._relay(attempt, upstream, None, b""))
+        else:
+            self._carry(self._relay(attempt, upstream, headers, out))
+
+    async def _relay(
+        self,
+        attempt: Attempt,
+        upstream: Answer,
+        headers: list[tuple[bytes, bytes]] | None,
+        first: bytes,
+    ) -> None:
+        """Relay the rest of an answer, chunk by chunk, after its head and `first` bytes
+        (sent first when `headers` is given; else they went out already). A gap between
+        chunks longer than `chunk_timeout` ends a stream with an OpenAI-style error event; a
+        whole answer cut short is cut for the client too (its Content-Length says so)."""
+        parts, ex = self.parts, self.ex
+        send, clock = self.client.send, parts.clock
+        gap = parts.settings.chunk_timeout
+        done = False
+        try:
+            try:
+                if headers is not None:
+                    start = {"type": "http.response.start", "status": upstream.status}
+                    await send({**start, "headers": headers})
+                    if first:
+                        await send({"type": "http.response.body", "body": first, "more_body": True})
+                ended = upstream.at_eof
+                if ended:  # the rest came before this task ran
+                    out = self._scanned(b"", last=True)
+                    await send({"type": "http.response.body", "body": out, "more_body": False})
+                while not ended:
+                    waited = clock()
+                    try:
+                        async with asyncio.timeout(gap):
+                            chunk = await upstream.read()
+                    except (TimeoutError, UpstreamError) as exc:
+                        ex.upstream_wait += clock() - waited
+                        await self._broke_off(attempt.endpoint, exc)
+                        break
+                    ex.upstream_wait += clock() - waited
+                    # The last chunk, when it is known to be the last, ends the answer: its
+                    # end costs no send of its own.
+                    ended = upstream.at_eof
+                    out = self._scanned(chunk, last=ended)
+                    if out or ended:
+                        await send(
+                            {"type": "http.response.body", "body": out, "more_body": not ended}
+                        )
+            except OSError as exc:  # the client went away mid-answer
+                raise ClientGone() from exc
+            done = upstream.at_eof
+            if upstream.status < 500:
+                parts.balancer.succeeded(attempt.endpoint)
+        finally:
+            attempt.over(upstream, done)
+        self._end()
+
+    async def _broke_off(self, endpoint: str, exc: Exception) -> None:
+        """The engine's answer stopped after its first byte: a stream ends with an error
+        event; a whole answer, which carries its length, is cut short (`Broken`)."""
+        plan = self.plan
+        assert plan is not None
+        gap = self.parts.settings.chunk_timeout
+        why = f"no data for {gap:g} s" if isinstance(exc, TimeoutError) else type(exc).__name__
+        log.warning("answer of %s from %s broke off: %s", self.ex.model, endpoint, why)
+        if not plan.stream:
+            raise Broken(why) from exc
+        event = error_body(
+            f"The engine stopped answering mid-stream ({why}).",
+            "server_error",
+            code="upstream_stalled",
+        )
+        await self.client.send(
+            {
+                "type": "http.response.body",
+                "body": b"data: " + event + b"\n\ndata: [DONE]\n\n",
+                "more_body": False,
+            }
+        )
+
+    def refuse(self, refusal: Refusal) -> None:
+        """Answer with the router's own OpenAI-style error, counted by its reason."""
+        ex = self.ex
+        body = error_body(refusal.message, refusal.type, refusal.code, refusal.param)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", ex.request_id.encode("latin-1")),
+        ]
+        if refusal.status in _WHY_STATUSES:
+            headers.append((b"x-modelfleet-reason", refusal.reason.encode()))
+        if refusal.retry_after is not None:
+            headers.append((b"retry-after", str(refusal.retry_after).encode()))
+        ex.status = refusal.status
+        metrics = self.parts.metrics
+        metrics.child(metrics.rejections, refusal.reason).inc()
+        self._respond(refusal.status, headers, body)
+
+    def _respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """Send a whole answer, and end."""
+        if self.client.answer(status, headers, body, more=False):
+            self._end()
+        else:
+            self._carry(self._send_whole(status, headers, body))
+
+    async def _send_whole(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        send = self.client.send
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        except OSError as exc:
+            raise ClientGone() from exc
+        self._end()
+
+    def gone(self) -> None:
+        """The client went away: the request is abandoned where it is. An engine's
+        connection is closed, which is how vLLM and SGLang learn to abort."""
+        try:
+            if self.ended:
+                return
+            self.ex.client_gone = True
+            attempt = self.attempt
+            if attempt is not None:
+                attempt.stop_waiting()
+                attempt.over()
+            task = self._task
+            if self._busy and task is not None:
+                task.cancel()  # `host` ends the flight once the wait has unwound
+                return
+            self._end()
+        except Exception:
+            log.exception("abandoning request %s failed", self.ex.request_id)
+
+    def failed_in_callback(self) -> None:
+        """A step run by a callback raised (a bug): answered with a 500 if nothing was
+        answered yet, and ended either way, so that nothing stays held."""
+        log.exception("the router failed on request %s", self.ex.request_id)
+        attempt = self.attempt
+        if attempt is not None:
+            attempt.stop_waiting()
+            attempt.over()
+        if self.ended:
+            return
+        try:
+            self.refuse(
+                Refusal(500, "The router failed on this request.", "server_error", "router-error")
+            )
+        except Exception:
+            log.exception("answering request %s with a 500 failed", self.ex.request_id)
+            self._end()
+
+    def _end(self, count: bool = True) -> None:
+        """The request is over: its reservation settled, the request counted (`count`: it was
+        not cut off by a shutdown). Runs once."""
+        if self.ended:
+            return
+        self.ended = True
+        work = self._work
+        if work is not None:  # a wait never begun
+            self._work = None
+            work.close()
+        self.client.on_disconnect(None)
+        if self.ticket is not None:
+            self._settle(self.ticket)
+        if count:
+            self._count()
+        waker = self._waker
+        if waker is not None and not waker.done():
+            waker.set_result(None)
+
+    # -- the task, for the waits -------------------------------------------------------------
+
+    def _carry(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` in the flight's task: the one it has, or one started for it now."""
+        assert self._work is None, "a flight waits for one thing at a time"
+        self._work = work
+        if not self._hosted:
+            self._hosted = True
+            self.client.host(self.host())
+            return
+        waker = self._waker
+        if waker is not None and not waker.done():
+            waker.set_result(None)
+
+    async def host(self) -> None:
+        """Run the flight's waits one after another until it ends."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        count = True
+        try:
+            while not self.ended:
+                work = self._work
+                if work is None:
+                    self._waker = task.get_loop().create_future()
+                    await self._waker
+                    self._waker = None
+                    continue
+                self._work = None
+                self._busy = True
+                try:
+                    await work
+                finally:
+                    self._busy = False
+        except asyncio.CancelledError:
+            if not self.ex.client_gone:
+                count = False  # cancelled by a shutdown: settled, not counted
+                raise
+            task.uncancel()
+        except ClientGone:
+            self.ex.client_gone = True
+        except Broken:
+            pass  # the connection closes short of the promised length; the status counts
+        finally:
+            self._task = None
+            if self.attempt is not None:
+                self.attempt.stop_waiting()
+                self.attempt.over()
+            self._end(count)
+
+    # -- what the steps share ----------------------------------------------------------------
+
+    @property
+    def first_byte_timeout(self) -> float:
+        plan = self.plan
+        assert plan is not None
+        return plan.route.first_byte_timeout or self.parts.settings.first_byte_timeout
+
+    def engine_headers(self, endpoint: str) -> list[tuple[str, str]]:
+        """The headers the request is sent to `endpoint` with."""
+        plan = self.plan
+        assert plan is not None
+        headers = [("content-type", "application/json"), ("x-request-id", self.ex.request_id)]
+        engine_key = plan.table.keys.get(endpoint)
+        if engine_key is not None:
+            headers.append(("authorization", engine_key))
+        return headers
+
+    def _answer_head(self, upstream: Answer, endpoint: str) -> list[tuple[bytes, bytes]]:
+        """The headers the client gets with an engine's answer."""
+        plan = self.plan
+        assert plan is not None
+        headers = [
+            (b"content-type", upstream.headers.get("content-type", "application/json").encode()),
+            (b"x-request-id", self.ex.request_id.encode("latin-1")),
+            (b"x-modelfleet-replica", plan.table.replicas.get(endpoint, endpoint).encode()),
+        ]
+        scanner = self.ex.scanner
+        length = upstream.headers.get("content-length")
+        if length is not None and not (scanner is not None and scanner.hide):
+            headers.append((b"content-length", length.encode()))
+        if plan.stream:
+            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        if upstream.status in _WHY_STATUSES:
+            headers.append((b"x-modelfleet-reason", b"engine"))
+            if "retry-after" in upstream.headers:
+                headers.append((b"retry-after", upstream.headers["retry-after"].encode()))
+        return headers
+
+    def _scanned(self, chunk: bytes, last: bool) -> bytes:
+        """`chunk` as the client gets it, its usage read on the way."""
+        scanner = self.ex.scanner
+        if scanner is None:
+            return chunk
+        out = scanner.feed(chunk)
+        return out + scanner.finish() if last else out
+
+    def _over_limit(self, refusal: LimitRefusal) -> Refusal:
+        plan = self.plan
+        assert plan is not None
+        if refusal.limit == "store":
+            return Refusal(
+                503,
+                "The router cannot reach its limits store and is set to refuse requests "
+                "meanwhile; try again shortly.",
+                "server_error",
+                "limits-store-unreachable",
+                retry_after=1,
+            )
+        return Refusal(
+            429,
+            refusal.message(plan.key.name, plan.cost),
+            "tokens" if refusal.limit == "tpm" else "requests",
+            f"key-{refusal.limit}",
+            code="rate_limit_exceeded",
+            retry_after=refusal.retry_after_s,
+        )
+
+    def _exhausted(self) -> Refusal:
+        """Why no replica answered: none in rotation, all silent, or all failing."""
+        ex, tried = self.ex, self.tried
+        if not tried:
+            return Refusal(
+                503,
+                f"Every replica of `{ex.model}` is out of rotation after failing; "
+                "try again shortly.",
+                "server_error",
+                "all-ejected",
+                retry_after=1,
+            )
+        log.warning("no replica of %s answered: %s", ex.model, "; ".join(ex.failures))
+        if ex.timeouts == len(tried):  # every replica tried was silent: a timeout, not a failure
+            return Refusal(
+                504,
+                f"No replica of `{ex.model}` answered within {self.first_byte_timeout:g} s "
+                f"({len(tried)} tried).",
+                "server_error",
+                "first-byte-timeout",
+                code="upstream_timeout",
+            )
+        return Refusal(
+            503,
+            f"No replica of `{ex.model}` could answer ({len(tried)} tried).",
+            "server_error",
+            "upstream-failed",
+            retry_after=1,
+        )
+
+    def _settle(self, ticket: Ticket) -> None:
+        """Settle the key's reservation to what the engine reported, in the background: the
+        answer does not wait for the store. When the engine reported nothing, the reservation
+        stands if an engine may have worked on the request (the client hung up, the answer
+        broke off, or it named no usage), and nothing was used if none did (no engine took
+        it, or each that did refused it with an error)."""
+        parts, ex = self.parts, self.ex
+        used = ex.scanner.usage if ex.scanner is not None else None
+        if used is not None:
+            tokens: int | None = used.total
+        else:
+            tokens = None if ex.maybe_used else 0
+        if parts.limits.settle_at_once(ticket, tokens, parts.wall()):
+            return
+        settling = asyncio.ensure_future(parts.limits.settle(ticket, tokens, parts.wall()))
+        parts.background.add(settling)
+        settling.add_done_callback(parts.background.discard)
+
+    def _count(self) -> None:
+        """Count the request in the metrics and in its key's usage."""
+        parts, ex = self.parts, self.ex
+        metrics = parts.metrics
+        if ex.client_gone:
+            metrics.child(metrics.cancellations, ex.model).inc()
+            log.debug("the client of %s went away; cancelled upstream", ex.request_id)
+        else:
+            end = parts.clock()
+            first_byte = ex.first_byte_at - ex.started if ex.first_byte_at is not None else None
+            own = max(0.0, end - ex.started - ex.upstream_wait)
+            metrics.request_done(ex.model, ex.status, end - ex.started, first_byte, own)
+        if ex.key is not None:
+            usage = ex.scanner.usage if ex.scanner is not None else None
+            parts.ledger.count(ex.key, ex.model, parts.wall(), usage, ex.status >= 400)
+
+
+class Attempt:
+    """One try of one replica: the request written on a connection, and the answer's first
+    bytes awaited by the connection's callback within the first-byte timeout (counted from
+    the write; a new connection has `connect_timeout` of its own)."""
+
+    __slots__ = ("conn", "endpoint", "flight", "is_over", "reused", "sent_at", "timer")
+
+    def __init__(self, flight: Flight, endpoint: str) -> None:
+        self.flight = flight
+        self.endpoint = endpoint
+        self.conn: Connection | None = None
+        self.reused = False
+        self.sent_at = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.is_over = False
+        flight.attempt = self
+        flight.parts.balancer.begin(endpoint)
+
+    def send(self, conn: Connection, reused: bool) -> None:
+        """Write the request on `conn` (`reused`: a kept-alive one) and wait for its news."""
+        flight = self.flight
+        parts, plan = flight.parts, flight.plan
+        assert plan is not None
+        self.conn = conn
+        self.reused = reused
+        flight.ex.maybe_used += 1
+        parts.upstreams.send(
+            self.endpoint, conn, plan.path, plan.raw, flight.engine_headers(self.endpoint)
+        )
+        self.sent_at = parts.clock()
+        conn.listener = self._news
+        loop = conn.loop
+        self.timer = loop.call_at(loop.time() + flight.first_byte_timeout, self._timeout)
+
+    def stop_waiting(self) -> None:
+        """No more news of the connection is awaited; the wait is counted as the engine's."""
+        conn = self.conn
+        if conn is None or conn.listener is None:
+            return
+        conn.listener = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        flight = self.flight
+        flight.ex.upstream_wait += flight.parts.clock() - self.sent_at
+
+    def _news(self, conn: Connection) -> None:
+        self.stop_waiting()
+        try:
+            self.flight.heard(self, conn)
+        except Exception:
+            self.flight.failed_in_callback()
+
+    def _timeout(self) -> None:
+        self.timer = None
+        self.stop_waiting()
+        try:
+            self.flight.timed_out(self)
+        except Exception:
+            self.flight.failed_in_callback()
+
+    def over(self, upstream: Answer | None = None, done: bool = False) -> None:
+        """The attempt is over: its replica's count drops, and the connection goes back to
+        the pool if the answer was read whole (`done`), else it is closed, which aborts the
+        request at the engine. Runs once."""
+        if self.is_over:
+            return
+        self.is_over = True
+        flight = self.flight
+        if flight.attempt is self:
+            flight.attempt = None
+        flight.parts.balancer.end(self.endpoint)
+        if upstream is not None:
+            if done:
+                upstream.release()
+            else:
+                upstream.close()
+        elif self.conn is not None:
+            self.conn.close()
+
+
+def _why(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"[:200]
