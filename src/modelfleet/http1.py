@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -464,7 +465,7 @@ class _Connection(asyncio.Protocol):
             "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": version,
             "method": parser.get_method().decode("ascii"),
-            "scheme": "http",
+            "scheme": self.server.scheme,
             "path": path,
             "raw_path": raw_path,
             "query_string": url.query or b"",
@@ -645,9 +646,15 @@ class Http1Server:
     """
 
     def __init__(
-        self, app: Any, take: Callable[[Cycle], bool] | None = None, bounds: Bounds = Bounds()
+        self,
+        app: Any,
+        take: Callable[[Cycle], bool] | None = None,
+        bounds: Bounds = Bounds(),
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.app = app
+        self.tls = tls  # the listener speaks TLS only (`pki.server_context`)
+        self.scheme = "https" if tls is not None else "http"
         self.keep_alive = bounds.keep_alive
         self.head_timeout = bounds.head_timeout
         self.body_timeout = bounds.body_timeout
@@ -705,7 +712,7 @@ class Http1Server:
         """Accept connections on `sock`, which is bound and listening. `backlog` again,
         because asyncio listens on the socket anew (at its own default of 100)."""
         server = await self.loop.create_server(
-            lambda: _Connection(self), sock=sock, backlog=backlog
+            lambda: _Connection(self), sock=sock, backlog=backlog, ssl=self.tls
         )
         self._servers.append(server)
         if self._sweeper is None:

@@ -26,6 +26,7 @@ import uvloop
 
 from modelfleet.files import write_json_atomic
 from modelfleet.http1 import Bounds, Cycle, Http1Server
+from modelfleet.pki import TlsFiles, server_context
 
 log = logging.getLogger("modelfleet")
 
@@ -48,6 +49,8 @@ class Listener:
     take: Callable[[Cycle], bool] | None = field(default=None, repr=False)
     bounds: Bounds = field(default_factory=Bounds)  # on the lean server: what a client may cost
     sock: socket.socket | None = field(default=None, repr=False)
+    # The certificate and key it serves TLS with (`pki.py`); None: plain HTTP.
+    tls: TlsFiles | None = None
 
     def bind(self) -> socket.socket:
         """Bind and listen (port 0: the kernel picks one, which `port` then holds)."""
@@ -70,7 +73,8 @@ class Listener:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{host}:{self.port}"
 
 
 class _Server(uvicorn.Server):
@@ -138,7 +142,8 @@ async def run_service(
     for listener in listeners:
         sock = listener.sock or listener.bind()
         if listener.server == "http1":
-            http1 = Http1Server(listener.app, take=listener.take, bounds=listener.bounds)
+            tls = server_context(listener.tls) if listener.tls is not None else None
+            http1 = Http1Server(listener.app, take=listener.take, bounds=listener.bounds, tls=tls)
             await http1.start(sock)
             lean.append(http1)
             continue
@@ -149,6 +154,8 @@ async def run_service(
             lifespan="on",
             timeout_graceful_shutdown=math.ceil(drain_timeout),
             timeout_keep_alive=30,
+            ssl_certfile=listener.tls.cert if listener.tls is not None else None,
+            ssl_keyfile=listener.tls.key if listener.tls is not None else None,
         )
         server = _Server(config)
         servers.append(server)

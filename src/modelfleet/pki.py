@@ -1,0 +1,247 @@
+"""The fleet's own certificate authority, and TLS for its listeners and clients.
+
+Every listener another machine reaches speaks TLS. As k3s and Consul do, the control plane
+makes a CA of its own in its state dir at its first start and issues the certificates the
+fleet's listeners need; every client is given the CA's certificate (or pins it by its
+fingerprint, as a join token carries it) and verifies the server against it. All the
+cryptography is the `cryptography` package's: an ECDSA P-256 key per certificate, SHA-256
+signatures, X.509 v3 with the names a server is reached by (DNS names and IP addresses) as
+subject alternative names.
+
+The CA's fingerprint is the SHA-256 of its public key (the DER SubjectPublicKeyInfo), written
+`sha256:<hex>`, as kubeadm's discovery hash is: it stays the same if the CA's certificate is
+ever issued again with the same key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import ipaddress
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+CA_CERT = "ca.crt"
+CA_KEY = "ca.key"
+_CA_YEARS = 10
+_LEEWAY = datetime.timedelta(minutes=5)  # clocks of the fleet's machines differ a little
+
+
+class PkiError(Exception):
+    """A certificate, key or fingerprint that cannot be used; the message says which and
+    what to do."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A listener's certificate chain and private key, as PEM files."""
+
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
+class Issued:
+    """A certificate and its private key, PEM-encoded."""
+
+    cert_pem: bytes
+    key_pem: bytes
+
+    def write(self, folder: Path, stem: str) -> TlsFiles:
+        """Write `stem.crt` and `stem.key` (0600) into `folder` (made 0700 if missing)."""
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        files = TlsFiles(folder / f"{stem}.crt", folder / f"{stem}.key")
+        _write_private(files.key, self.key_pem)
+        files.cert.write_bytes(self.cert_pem)
+        return files
+
+
+class CertificateAuthority:
+    """A CA: its certificate, and its key, which signs the fleet's certificates."""
+
+    def __init__(self, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+        self.cert = cert
+        self._key = key
+
+    @classmethod
+    def create(cls, name: str, now: datetime.datetime) -> CertificateAuthority:
+        """A new CA named `name`, valid for ten years from `now`."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _LEEWAY)
+            .not_valid_after(now + datetime.timedelta(days=365 * _CA_YEARS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+            .sign(key, hashes.SHA256())
+        )
+        return cls(cert, key)
+
+    @classmethod
+    def load_or_create(
+        cls, folder: Path, name: str, now: datetime.datetime
+    ) -> CertificateAuthority:
+        """The CA kept in `folder` (`ca.crt`, `ca.key`), made there first if it has none.
+        A folder with one of the two files and not the other is refused: a CA made anew
+        would cut off every machine that trusts the old one."""
+        cert_file, key_file = folder / CA_CERT, folder / CA_KEY
+        if cert_file.exists() != key_file.exists():
+            have, lack = (cert_file, key_file) if cert_file.exists() else (key_file, cert_file)
+            raise PkiError(
+                f"{have} is there but {lack} is not: restore it from a backup; making a new CA "
+                "would cut off every machine that trusts this one"
+            )
+        if cert_file.exists():
+            return cls.load(cert_file, key_file)
+        ca = cls.create(name, now)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _write_private(key_file, ca.key_pem)
+        cert_file.write_bytes(ca.cert_pem)
+        return ca
+
+    @classmethod
+    def load(cls, cert_file: Path, key_file: Path) -> CertificateAuthority:
+        try:
+            cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+            key = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
+        except (OSError, ValueError) as exc:
+            raise PkiError(f"cannot read the CA from {cert_file} and {key_file}: {exc}") from exc
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise PkiError(f"{key_file} holds no EC private key")
+        return cls(cert, key)
+
+    @property
+    def cert_pem(self) -> bytes:
+        return self.cert.public_bytes(serialization.Encoding.PEM)
+
+    @property
+    def key_pem(self) -> bytes:
+        return self._key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.cert)
+
+    def issue(
+        self, names: list[str], now: datetime.datetime, days: int = 365, client: bool = False
+    ) -> Issued:
+        """A certificate for a server reached by `names` (DNS names or IP addresses), valid
+        `days` from `now`; `client`: for a client to present instead."""
+        if not names:
+            raise PkiError("a certificate needs at least one name to be reached by")
+        key = ec.generate_private_key(ec.SECP256R1())
+        usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _LEEWAY)
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), False
+            )
+            .sign(self._key, hashes.SHA256())
+        )
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        return Issued(cert.public_bytes(serialization.Encoding.PEM), key_pem)
+
+
+def fingerprint(cert: x509.Certificate) -> str:
+    """`sha256:<hex>` of the certificate's public key (its DER SubjectPublicKeyInfo)."""
+    spki = cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return "sha256:" + hashlib.sha256(spki).hexdigest()
+
+
+def pinned_ca(cert_pem: bytes, expected: str) -> x509.Certificate:
+    """The CA certificate in `cert_pem` if its fingerprint is `expected`; PkiError if not
+    (someone between this machine and the control plane, or a token of another fleet)."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise PkiError(f"the CA certificate offered is unreadable: {exc}") from exc
+    got = fingerprint(cert)
+    if got != expected.lower():
+        raise PkiError(
+            f"the CA offered has fingerprint {got}, not the {expected} the token pins: "
+            "refusing it (a token of another fleet, or someone in between)"
+        )
+    return cert
+
+
+def server_context(files: TlsFiles) -> ssl.SSLContext:
+    """The TLS context of a listener that presents `files` (TLS 1.2 at least)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(files.cert, files.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise PkiError(f"cannot use {files.cert} with {files.key}: {exc}") from exc
+    return context
+
+
+def client_context(ca_pem: bytes) -> ssl.SSLContext:
+    """A client's TLS context that trusts only the CA in `ca_pem` and checks that the
+    server's certificate names the host it was reached by."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_verify_locations(cadata=ca_pem.decode("ascii"))
+    except (UnicodeDecodeError, ssl.SSLError) as exc:
+        raise PkiError(f"the CA certificate given is unusable: {exc}") from exc
+    return context
+
+
+def _general_name(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write `data` to `path`, readable by its owner only from its first byte on."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.chmod(path, 0o600)
