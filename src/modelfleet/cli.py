@@ -103,7 +103,8 @@ def control_plane(
     from modelfleet.catalog import CatalogInvalid
     from modelfleet.config import ConfigError, load_config
     from modelfleet.controlplane.config import ControlPlaneConfig
-    from modelfleet.controlplane.service import open_catalogs, serve
+    from modelfleet.controlplane.service import listener_certificate, open_catalogs, serve
+    from modelfleet.pki import PkiError
     from modelfleet.serving import configure_logging, run_fast
     from modelfleet.statedir import StateDirBusy, StateDirLock
     from modelfleet.store import StoreError
@@ -132,7 +133,13 @@ def control_plane(
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot read the catalog file {cfg.catalog}: {exc}")
-    run_fast(serve(cfg, catalogs, ready_file))
+    certificate = None
+    if cfg.serves_tls:
+        try:
+            certificate = listener_certificate(cfg)
+        except (PkiError, OSError) as exc:
+            fail(f"cannot make the TLS certificate of the control plane's listeners: {exc}")
+    run_fast(serve(cfg, catalogs, ready_file, certificate))
     lock.release()
 
 
@@ -149,6 +156,14 @@ def agent(
     ] = None,
     token: Annotated[
         str | None, typer.Option(envvar="MODELFLEET_AGENT_TOKEN", help="The agent token.")
+    ] = None,
+    ca: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="MODELFLEET_CA",
+            help="The control plane's CA certificate, to check an https:// control plane "
+            "against (its state dir's pki/ca.crt).",
+        ),
     ] = None,
     state_dir: Annotated[
         Path | None, typer.Option(help="Where the agent records its engines and logs.")
@@ -210,6 +225,7 @@ def agent(
     )
     from modelfleet.agent.service import AgentSettings, serve
     from modelfleet.agent.supervisor import SupervisorSettings
+    from modelfleet.pki import PkiError, client_context
     from modelfleet.serving import configure_logging, run_service_loop
     from modelfleet.statedir import StateDirBusy, StateDirLock
 
@@ -239,6 +255,17 @@ def agent(
         if not sep or not key:
             fail(f"--label {item!r}: write KEY=VALUE")
         labels.append((key, value))
+    verify = None
+    if control_plane.startswith("https://"):
+        if ca is None:
+            fail(
+                f"--control-plane {control_plane} serves TLS: give --ca FILE, the control "
+                "plane's CA certificate (its state dir's pki/ca.crt), to check it against"
+            )
+        try:
+            verify = client_context(ca.read_bytes())
+        except (OSError, PkiError) as exc:
+            fail(f"--ca {ca}: {exc}")
     agent_dir = state_dir or Path(".modelfleet") / "agents" / node
     try:
         lock = StateDirLock(agent_dir, f"the agent of {node}").acquire()
@@ -248,6 +275,7 @@ def agent(
         control_plane=control_plane,
         node=node,
         token=token,
+        verify=verify,
         state_dir=agent_dir,
         address=address,
         labels=tuple(labels),

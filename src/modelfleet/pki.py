@@ -232,6 +232,24 @@ def client_context(ca_pem: bytes) -> ssl.SSLContext:
     return context
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a listener on `host` is reached from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether `host` binds every address of the machine (0.0.0.0, ::)."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return host == ""
+
+
 def _general_name(name: str) -> x509.GeneralName:
     try:
         return x509.IPAddress(ipaddress.ip_address(name))

@@ -131,3 +131,24 @@ def test_listeners_given_a_certificate_serve_tls_only_and_clients_verify_it(
             await asyncio.wait_for(service, 10)
 
     asyncio.run(test())
+
+
+def test_the_control_plane_serves_plain_http_on_loopback_only() -> None:
+    from pydantic import ValidationError
+
+    from modelfleet.controlplane.config import ControlPlaneConfig
+
+    def config(**given: object) -> ControlPlaneConfig:
+        return ControlPlaneConfig.model_validate({"admin_token": "t" * 16, **given})
+
+    assert not config().serves_tls  # 127.0.0.1, tls auto
+    assert config(tls="on").serves_tls
+    beyond = config(host="10.0.0.5")
+    assert beyond.serves_tls
+    assert beyond.certificate_names() == ["10.0.0.5", "127.0.0.1", "localhost"]
+    with pytest.raises(ValidationError, match="plain HTTP is served on loopback only"):
+        config(host="10.0.0.5", tls="off")
+    with pytest.raises(ValidationError, match="name in tls_names"):
+        config(host="0.0.0.0")
+    every = config(host="0.0.0.0", tls_names=["cp.fleet.internal", "10.0.0.5"])
+    assert every.certificate_names() == ["cp.fleet.internal", "10.0.0.5", "127.0.0.1", "localhost"]

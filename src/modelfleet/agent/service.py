@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import secrets
+import ssl
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,8 @@ class AgentSettings:
     node: str
     token: str | None
     state_dir: Path
+    # Checks the control plane's certificate (`pki.client_context`); None: the system's CAs.
+    verify: ssl.SSLContext | None = None
     address: str = "127.0.0.1"
     labels: tuple[tuple[str, str], ...] = ()
     report_interval: float = 2.0
@@ -79,7 +82,12 @@ class Agent:
         self.boot_id = secrets.token_hex(8)
         self._changed = asyncio.Event()
         headers = {"authorization": f"Bearer {settings.token}"} if settings.token else {}
-        self._cp = httpx.AsyncClient(base_url=settings.control_plane, headers=headers, timeout=10)
+        self._cp = httpx.AsyncClient(
+            base_url=settings.control_plane,
+            headers=headers,
+            timeout=10,
+            verify=settings.verify if settings.verify is not None else True,
+        )
         self._probe = httpx.AsyncClient()
         self._group = asyncio.TaskGroup()
         self._tasks: set[asyncio.Task[None]] = set()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from modelfleet.pki import is_loopback, is_wildcard
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,13 @@ class ControlPlaneConfig(BaseModel):
     catalog: Path | None = None  # the watched catalog file; None: the catalog comes by API only
     state_dir: Path = Path("control-plane-state")  # holds the store, store.sqlite
     host: str = "127.0.0.1"
+    # TLS on the agent and admin APIs, with a certificate of the control plane's own CA (made
+    # in `state_dir`/pki at its first start): "auto" serves TLS unless `host` is a loopback
+    # address, "on" always; "off" is for loopback only: plain HTTP never leaves the machine.
+    tls: Literal["auto", "on", "off"] = "auto"
+    # The names and addresses agents, routers and operators reach the control plane by, in
+    # its certificate besides `host`, 127.0.0.1 and localhost (needed when `host` is 0.0.0.0).
+    tls_names: list[str] = Field(default_factory=list)
     agent_port: int = Field(default=7070, ge=0, le=65535)
     admin_port: int = Field(default=7071, ge=0, le=65535)
     admin_token: str = Field(min_length=8)
@@ -73,6 +83,31 @@ class ControlPlaneConfig(BaseModel):
     max_report_bytes: int = Field(default=1 << 20, gt=0)
     max_catalog_bytes: int = Field(default=1 << 20, gt=0)
 
+    @property
+    def serves_tls(self) -> bool:
+        return self.tls == "on" or (self.tls == "auto" and not is_loopback(self.host))
+
+    def certificate_names(self) -> list[str]:
+        """What the control plane's certificate names: `tls_names`, `host` unless it is a
+        wildcard, and this machine's loopback names."""
+        names = [*self.tls_names, *([] if is_wildcard(self.host) else [self.host])]
+        return list(dict.fromkeys([*names, "127.0.0.1", "localhost"]))
+
+    @model_validator(mode="after")
+    def _tls_beyond_loopback(self) -> ControlPlaneConfig:
+        if self.tls == "off" and not is_loopback(self.host):
+            raise ValueError(
+                f"tls is off but host is {self.host!r}: plain HTTP is served on loopback only "
+                "(tokens would cross the network in clear); leave tls at auto or on"
+            )
+        if self.serves_tls and is_wildcard(self.host) and not self.tls_names:
+            raise ValueError(
+                f"host {self.host!r} serves TLS on every address: name in tls_names the "
+                "addresses and host names agents, routers and operators reach it by, for its "
+                "certificate"
+            )
+        return self
+
     @model_validator(mode="after")
     def _lost_after_stale(self) -> ControlPlaneConfig:
         if self.node_lost_after < self.node_stale_after:
@@ -113,4 +148,5 @@ class ControlPlaneConfig(BaseModel):
 
 DEFAULT_SETTLE_FOR_S = 10.0
 STORE_FILE = "store.sqlite"
+PKI_DIR = "pki"  # in the state dir: the control plane's CA and its listeners' certificate
 ROUTING_EPOCH_KEY = "routing_epoch"  # in the store: one more at every start

@@ -7,6 +7,7 @@ API (`admin_api.py`, admin token), both around one `ControlPlane` (`plane.py`).
 from __future__ import annotations
 
 import asyncio
+import datetime
 import gc
 import logging
 import time
@@ -18,8 +19,9 @@ from modelfleet.clock import SYSTEM_CLOCK
 from modelfleet.controlplane.admin_api import create_admin_app
 from modelfleet.controlplane.agent_api import AgentApi, create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
-from modelfleet.controlplane.config import STORE_FILE, ControlPlaneConfig
+from modelfleet.controlplane.config import PKI_DIR, STORE_FILE, ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.pki import CA_CERT, CertificateAuthority, TlsFiles
 from modelfleet.serving import Listener, run_service
 from modelfleet.store.sqlite import SqliteStore
 
@@ -73,14 +75,28 @@ def open_catalogs(config: ControlPlaneConfig) -> CatalogKeeper:
 
 
 async def serve(
-    config: ControlPlaneConfig, catalogs: CatalogKeeper, ready_file: Path | None
+    config: ControlPlaneConfig,
+    catalogs: CatalogKeeper,
+    ready_file: Path | None,
+    certificate: tuple[TlsFiles, CertificateAuthority] | None = None,
 ) -> None:
-    """Run the control plane until SIGINT/SIGTERM. Engines and agents keep running."""
+    """Run the control plane until SIGINT/SIGTERM, serving TLS with `certificate` (from
+    `listener_certificate`) when given. Engines and agents keep running."""
     cp = ControlPlane(config, catalogs)
     agent_app, admin_app = create_apps(cp)
+    tls, ready_extra = None, {}
+    if certificate is not None:
+        tls, ca = certificate
+        ready_extra = {"ca_file": str(tls.cert.parent / CA_CERT), "ca_fingerprint": ca.fingerprint}
+        log.info(
+            "serving TLS with a certificate of this control plane's CA %s (fingerprint %s) for %s",
+            tls.cert.parent / CA_CERT,
+            ca.fingerprint,
+            ", ".join(config.certificate_names()),
+        )
     listeners = [
-        Listener("agent", agent_app, config.host, config.agent_port),
-        Listener("admin", admin_app, config.host, config.admin_port),
+        Listener("agent", agent_app, config.host, config.agent_port, tls=tls),
+        Listener("admin", admin_app, config.host, config.admin_port, tls=tls),
     ]
     catalog = catalogs.current
     total = sum(m.replicas for m in catalog.models)
@@ -105,4 +121,16 @@ async def serve(
             lambda: keep_heap(cp),
         ],
         on_stop=cp.close,
+        ready_extra=ready_extra,
     )
+
+
+def listener_certificate(config: ControlPlaneConfig) -> tuple[TlsFiles, CertificateAuthority]:
+    """The CA in the state dir (made at the first start) and a certificate of it for the
+    control plane's listeners, issued anew at each start for the names the config gives:
+    every client trusts the CA, so a new certificate needs nothing of them. Raises PkiError
+    (half a CA in the state dir) or OSError."""
+    now = datetime.datetime.now(datetime.UTC)
+    folder = config.state_dir / PKI_DIR
+    ca = CertificateAuthority.load_or_create(folder, "modelfleet control plane CA", now)
+    return ca.issue(config.certificate_names(), now).write(folder, "control-plane"), ca

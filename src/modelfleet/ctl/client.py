@@ -2,13 +2,15 @@
 
 Where to find the admin API, in order: `--admin URL --token T`, then the variables
 `MODELFLEET_ADMIN_URL` / `MODELFLEET_ADMIN_TOKEN`, then `<state-dir>/up.json` written by
-`modelfleet up`.
+`modelfleet up`. An https:// admin API is checked against the control plane's own CA:
+`--ca FILE`, then `MODELFLEET_CA`, then up.json's `ca_file`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -18,6 +20,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from modelfleet import admin
+from modelfleet.pki import PkiError, client_context
 
 Answer = TypeVar("Answer", bound=BaseModel)
 
@@ -38,12 +41,16 @@ class CatalogRefused(CtlError):
 class AdminTarget:
     url: str
     token: str
+    ca: Path | None = None  # the control plane's CA, for an https:// URL
 
 
-def resolve_target(admin_url: str | None, token: str | None, state_dir: Path) -> AdminTarget:
+def resolve_target(
+    admin_url: str | None, token: str | None, state_dir: Path, ca: Path | None = None
+) -> AdminTarget:
     """Find the admin API from flags, environment, or the state dir's up.json."""
     admin_url = admin_url or os.environ.get("MODELFLEET_ADMIN_URL")
     token = token or os.environ.get("MODELFLEET_ADMIN_TOKEN")
+    ca = ca or (Path(os.environ["MODELFLEET_CA"]) if os.environ.get("MODELFLEET_CA") else None)
     if admin_url is None or token is None:
         up_file = state_dir / "up.json"
         try:
@@ -61,7 +68,15 @@ def resolve_target(admin_url: str | None, token: str | None, state_dir: Path) ->
         token = token or up.get("admin_token")
         if not admin_url or not token:
             raise CtlError(f"{up_file} has no admin_url / admin_token")
-    return AdminTarget(admin_url.rstrip("/"), token)
+        if ca is None and up.get("ca_file"):
+            ca = Path(up["ca_file"])
+    if admin_url.startswith("https://") and ca is None:
+        raise CtlError(
+            f"{admin_url} serves TLS: give ctl the control plane's CA to check it against "
+            "(--ca FILE or MODELFLEET_CA; the control plane keeps it in its state dir, "
+            "pki/ca.crt)"
+        )
+    return AdminTarget(admin_url.rstrip("/"), token, ca)
 
 
 class AdminClient:
@@ -69,6 +84,12 @@ class AdminClient:
 
     def __init__(self, target: AdminTarget) -> None:
         self.target = target
+        self._verify: ssl.SSLContext | None = None
+        if target.ca is not None:
+            try:
+                self._verify = client_context(target.ca.read_bytes())
+            except (OSError, PkiError) as exc:
+                raise CtlError(f"cannot use the CA {target.ca}: {exc}") from exc
 
     def _call(
         self,
@@ -93,6 +114,7 @@ class AdminClient:
                     "content-type": content_type,
                 },
                 timeout=10,
+                verify=self._verify if self._verify is not None else True,
             )
         except httpx.HTTPError as exc:
             raise CtlError(f"cannot reach the admin API at {url}: {exc}") from exc

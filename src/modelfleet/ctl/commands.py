@@ -1,8 +1,8 @@
 """The `modelfleet ctl` command line: one command per admin API route.
 
-`--admin`, `--token`, `--state-dir` and `-o` belong to `ctl` itself (one callback takes them)
-and may be written before or after the command (`modelfleet` moves them first, through
-`with_options_first`): `ctl -o json nodes` and `ctl nodes -o json` are the same.
+`--admin`, `--token`, `--ca`, `--state-dir` and `-o` belong to `ctl` itself (one callback
+takes them) and may be written before or after the command (`modelfleet` moves them first,
+through `with_options_first`): `ctl -o json nodes` and `ctl nodes -o json` are the same.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Output(StrEnum):
 
 
 # ctl's own options, each taking a value: `with_options_first` moves them before the command.
-_GLOBAL_OPTIONS = ("--admin", "--token", "--state-dir", "--output", "-o")
+_GLOBAL_OPTIONS = ("--admin", "--token", "--ca", "--state-dir", "--output", "-o")
 
 
 def with_options_first(args: list[str]) -> list[str]:
@@ -73,12 +73,13 @@ class Ctl:
     token: str | None
     state_dir: Path
     output: Output
+    ca: Path | None = None
 
     def client(self) -> AdminClient:
         from modelfleet.ctl.client import AdminClient, CtlError, resolve_target
 
         try:
-            return AdminClient(resolve_target(self.admin, self.token, self.state_dir))
+            return AdminClient(resolve_target(self.admin, self.token, self.state_dir, self.ca))
         except CtlError as exc:
             fail(str(exc), 1)
 
@@ -150,9 +151,17 @@ def options(
     output: Annotated[Output, typer.Option("--output", "-o", help="table, json (or csv).")] = (
         Output.table
     ),
+    ca: Annotated[
+        Path | None,
+        typer.Option(
+            "--ca",
+            help="The control plane's CA certificate, to check an https:// admin API against "
+            "(or MODELFLEET_CA; the control plane keeps it in its state dir, pki/ca.crt).",
+        ),
+    ] = None,
 ) -> None:
     """Operate a running fleet through its admin API."""
-    context.obj = Ctl(admin, token, state_dir, output)
+    context.obj = Ctl(admin, token, state_dir, output, ca)
 
 
 def _ctl(context: typer.Context) -> Ctl:

@@ -1,0 +1,91 @@
+"""A control plane that serves TLS with its own CA, and the agent and ctl that check it: real
+processes on 127.0.0.1 (`tls: on` asks for TLS on loopback too)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from modelfleet.processes import stop_groups
+
+from .conftest import Procs, wait_for, wait_json
+
+ADMIN_TOKEN = "admin-token-of-the-test"
+AGENT_TOKEN = "agent-token-of-the-test"
+
+
+def _ctl(admin: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFLEET_")}
+    return subprocess.run(
+        [sys.executable, "-m", "modelfleet", "ctl", "--admin", admin, "--token", ADMIN_TOKEN,
+         *args],
+        capture_output=True, text=True, timeout=30, env=env,
+    )  # fmt: skip
+
+
+def test_a_control_plane_serves_tls_with_a_ca_of_its_own_that_agents_and_ctl_check(
+    procs: Procs, tmp_path: Path
+) -> None:
+    config = {
+        "state_dir": "state", "admin_token": ADMIN_TOKEN, "agent_token": AGENT_TOKEN,
+        "tls": "on", "agent_port": 0, "admin_port": 0, "heartbeat_interval": 0.5,
+    }  # fmt: skip
+    (tmp_path / "cp.yaml").write_text(yaml.safe_dump(config))
+
+    def start_control_plane(run: int) -> dict[str, Any]:
+        ready = tmp_path / f"cp-{run}.json"
+        started = procs.start(
+            "control-plane", "--config", str(tmp_path / "cp.yaml"), "--ready-file", str(ready),
+            log=f"cp-{run}",
+        )  # fmt: skip
+        found = wait_json(ready, started)
+        found["pid"] = started.pid
+        return found
+
+    first = start_control_plane(1)
+    agent_url, admin_url = first["urls"]["agent"], first["urls"]["admin"]
+    assert agent_url.startswith("https://127.0.0.1:") and admin_url.startswith("https://127.0.0.1:")
+    ca_file = Path(first["ca_file"])
+    assert ca_file == tmp_path / "state" / "pki" / "ca.crt"
+    assert stat.S_IMODE((ca_file.parent / "ca.key").stat().st_mode) == 0o600
+
+    # Plain HTTP gets no answer; a client that checks the certificate against the CA does.
+    with pytest.raises(httpx.TransportError):
+        httpx.get(admin_url.replace("https://", "http://") + "/v1/status", timeout=5)
+    refused = _ctl(admin_url, "status")
+    assert refused.returncode == 1, refused.stderr
+    assert "serves TLS: give ctl the control plane's CA" in refused.stderr
+    assert _ctl(admin_url, "--ca", str(ca_file), "status").returncode == 0
+
+    agent_args = [
+        "agent", "--control-plane", agent_url, "--node", "n1", "--simulate-gpus", "1x80GB",
+        "--token", AGENT_TOKEN, "--state-dir", str(tmp_path / "agent"),
+    ]  # fmt: skip
+    unverified = subprocess.run(
+        [sys.executable, "-m", "modelfleet", *agent_args],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert unverified.returncode == 2 and "give --ca FILE" in unverified.stderr
+    procs.start(*agent_args, "--ca", str(ca_file), log="agent")
+
+    def heard_n1() -> bool:
+        shown = _ctl(admin_url, "--ca", str(ca_file), "-o", "json", "nodes")
+        assert shown.returncode == 0, shown.stderr
+        return any(n["name"] == "n1" and n["ready"] for n in json.loads(shown.stdout)["nodes"])
+
+    wait_for("node n1 to report over TLS", heard_n1)
+
+    # A restarted control plane keeps its CA: what trusts it goes on trusting it.
+    stop_groups([first["pid"]], grace=20)
+    second = start_control_plane(2)
+    assert second["ca_fingerprint"] == first["ca_fingerprint"]
+    assert _ctl(second["urls"]["admin"], "--ca", str(ca_file), "status").returncode == 0
