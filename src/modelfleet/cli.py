@@ -103,7 +103,12 @@ def control_plane(
     from modelfleet.catalog import CatalogInvalid
     from modelfleet.config import ConfigError, load_config
     from modelfleet.controlplane.config import ControlPlaneConfig
-    from modelfleet.controlplane.service import listener_certificate, open_catalogs, serve
+    from modelfleet.controlplane.service import (
+        fleet_ca,
+        listener_certificate,
+        open_catalogs,
+        serve,
+    )
     from modelfleet.pki import PkiError
     from modelfleet.serving import configure_logging, run_fast
     from modelfleet.statedir import StateDirBusy, StateDirLock
@@ -133,13 +138,12 @@ def control_plane(
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot read the catalog file {cfg.catalog}: {exc}")
-    certificate = None
-    if cfg.serves_tls:
-        try:
-            certificate = listener_certificate(cfg)
-        except (PkiError, OSError) as exc:
-            fail(f"cannot make the TLS certificate of the control plane's listeners: {exc}")
-    run_fast(serve(cfg, catalogs, ready_file, certificate))
+    try:
+        ca = fleet_ca(cfg)
+        tls = listener_certificate(cfg, ca) if cfg.serves_tls else None
+    except (PkiError, OSError) as exc:
+        fail(f"cannot make the control plane's CA or its listeners' certificate: {exc}")
+    run_fast(serve(cfg, catalogs, ready_file, ca, tls))
     lock.release()
 
 
@@ -299,10 +303,19 @@ def agent(
 @app.command()
 def router(
     config: Annotated[Path, typer.Option(help="The router's YAML config.")],
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(help="The client API's TLS certificate (PEM), instead of the config's."),
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option(help="Its private key (PEM), instead of the config's.")
+    ] = None,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Run the router: the OpenAI-compatible client API with API keys."""
+    from pydantic import ValidationError
+
     from modelfleet.config import ConfigError, load_config
     from modelfleet.router.service import RouterConfig, serve
     from modelfleet.serving import configure_logging, run_fast
@@ -312,8 +325,47 @@ def router(
         cfg = load_config(config, RouterConfig)
     except ConfigError as exc:
         fail(str(exc))
+    if tls_cert is not None or tls_key is not None:
+        given = {"tls_cert": tls_cert, "tls_key": tls_key}
+        try:
+            cfg = RouterConfig.model_validate({**cfg.model_dump(), **given})
+        except ValidationError as exc:
+            problems = "; ".join(e["msg"] for e in exc.errors())
+            fail(f"--tls-cert/--tls-key: {problems}")
     warn_if_open(cfg.host, "the client API", bool(cfg.api_keys))
     run_fast(serve(cfg, ready_file))
+
+
+@app.command()
+def certificate(
+    state_dir: Annotated[
+        Path, typer.Option(help="The control plane's state dir, which holds the fleet's CA.")
+    ],
+    name: Annotated[
+        list[str],
+        typer.Option(help="A DNS name or IP address the server is reached by; repeatable."),
+    ],
+    out: Annotated[Path, typer.Option(help="The folder to write STEM.crt and STEM.key to.")],
+    stem: Annotated[str, typer.Option(help="The files' name.")] = "server",
+    days: Annotated[int, typer.Option(min=1, help="Days it is valid.")] = 365,
+) -> None:
+    """Issue a TLS certificate from the fleet's CA, for a router's listeners: run it where
+    the control plane's state dir is (the CA's key never leaves it)."""
+    import datetime
+
+    from modelfleet.controlplane.config import PKI_DIR
+    from modelfleet.pki import CA_CERT, CA_KEY, CertificateAuthority, PkiError
+
+    folder = state_dir / PKI_DIR
+    if not (folder / CA_KEY).exists():
+        fail(f"no CA in {folder}: start the control plane once with this state dir (it makes one)")
+    try:
+        ca = CertificateAuthority.load(folder / CA_CERT, folder / CA_KEY)
+        now = datetime.datetime.now(datetime.UTC)
+        files = ca.issue(name, now, days=days).write(out, stem)
+    except (PkiError, OSError) as exc:
+        fail(str(exc))
+    typer.echo(f"{files.cert}\n{files.key}  (0600)\nissued by the CA {ca.fingerprint}")
 
 
 @app.command("engine-sim")

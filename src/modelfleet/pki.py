@@ -55,11 +55,12 @@ class Issued:
     key_pem: bytes
 
     def write(self, folder: Path, stem: str) -> TlsFiles:
-        """Write `stem.crt` and `stem.key` (0600) into `folder` (made 0700 if missing)."""
+        """Write `stem.crt` and `stem.key` into `folder` (made 0700 if missing), both 0600 like
+        everything in a state dir (a certificate is no secret; copy it where it is needed)."""
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         files = TlsFiles(folder / f"{stem}.crt", folder / f"{stem}.key")
         _write_private(files.key, self.key_pem)
-        files.cert.write_bytes(self.cert_pem)
+        _write_private(files.cert, self.cert_pem)
         return files
 
 
@@ -122,7 +123,7 @@ class CertificateAuthority:
         ca = cls.create(name, now)
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         _write_private(key_file, ca.key_pem)
-        cert_file.write_bytes(ca.cert_pem)
+        _write_private(cert_file, ca.cert_pem)
         return ca
 
     @classmethod

@@ -1,5 +1,6 @@
-"""A control plane that serves TLS with its own CA, and the agent and ctl that check it: real
-processes on 127.0.0.1 (`tls: on` asks for TLS on loopback too)."""
+"""A control plane that serves TLS with its own CA, and the agents, ctl and routers that check
+it: real processes on 127.0.0.1 (`tls: on` and the router's certificate ask for TLS on
+loopback too)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import yaml
 
-from modelfleet.processes import stop_groups
+from modelfleet.pki import client_context
+from modelfleet.processes import free_port, stop_groups
 
 from .conftest import Procs, wait_for, wait_json
 
@@ -89,3 +92,76 @@ def test_a_control_plane_serves_tls_with_a_ca_of_its_own_that_agents_and_ctl_che
     second = start_control_plane(2)
     assert second["ca_fingerprint"] == first["ca_fingerprint"]
     assert _ctl(second["urls"]["admin"], "--ca", str(ca_file), "status").returncode == 0
+
+
+def test_a_fleet_over_tls_serves_the_openai_client_and_its_pushes_are_checked(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Control plane, agent and router on TLS (on loopback, asked for): the router's
+    certificate comes from the fleet's CA (`modelfleet certificate`), the control plane
+    pushes its table to the router's push API checking it against that CA, and the official
+    openai client gets a completion through the router, trusting that CA alone."""
+    push_token = "push-token-of-the-test"
+    port, push_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    (tmp_path / "catalog.yaml").write_text(
+        yaml.safe_dump({"models": [{"name": "m", "engine": "sim", "replicas": 1}]})
+    )
+    config = {
+        "catalog": "catalog.yaml", "state_dir": "state", "admin_token": ADMIN_TOKEN,
+        "agent_token": AGENT_TOKEN, "tls": "on", "agent_port": 0, "admin_port": 0,
+        "routers": [{"url": f"https://127.0.0.1:{push_port}", "token": push_token}],
+    }  # fmt: skip
+    (tmp_path / "cp.yaml").write_text(yaml.safe_dump(config))
+    cp_ready = tmp_path / "cp.json"
+    cp = procs.start(
+        "control-plane", "--config", str(tmp_path / "cp.yaml"), "--ready-file", str(cp_ready),
+        log="cp",
+    )  # fmt: skip
+    found = wait_json(cp_ready, cp)
+    ca_file = Path(found["ca_file"])
+
+    issued = subprocess.run(
+        [sys.executable, "-m", "modelfleet", "certificate", "--state-dir", str(tmp_path / "state"),
+         "--name", "127.0.0.1", "--out", str(tmp_path / "tls"), "--stem", "router"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert issued.returncode == 0, issued.stderr
+    assert found["ca_fingerprint"] in issued.stdout
+    router_config = {
+        "port": port, "push_port": push_port, "push_token": push_token,
+        "tls_cert": str(tmp_path / "tls" / "router.crt"),
+        "tls_key": str(tmp_path / "tls" / "router.key"),
+        "api_keys": [{"name": "app", "key": "sk-app-key-of-the-test"}],
+    }  # fmt: skip
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(router_config))
+    router_ready = tmp_path / "router.json"
+    router = procs.start(
+        "router", "--config", str(tmp_path / "router.yaml"), "--ready-file", str(router_ready),
+        log="router",
+    )  # fmt: skip
+    urls = wait_json(router_ready, router)["urls"]
+    assert urls == {"router": f"https://127.0.0.1:{port}", "push": f"https://127.0.0.1:{push_port}"}
+    procs.start(
+        "agent", "--control-plane", found["urls"]["agent"], "--node", "n1", "--simulate-gpus",
+        "1x80GB", "--token", AGENT_TOKEN, "--ca", str(ca_file), "--state-dir",
+        str(tmp_path / "agent"), log="agent",
+    )  # fmt: skip
+
+    with httpx.Client(verify=client_context(ca_file.read_bytes()), timeout=20) as http:
+        client = openai.OpenAI(
+            base_url=urls["router"] + "/v1",
+            api_key="sk-app-key-of-the-test",
+            http_client=http,
+            max_retries=0,
+        )
+
+        def answered() -> str | None:
+            try:
+                done = client.completions.create(model="m", prompt="hello", max_tokens=4)
+            except (openai.NotFoundError, openai.APIStatusError):
+                return None  # not pushed yet, or no replica ready yet
+            return done.choices[0].text
+
+        assert wait_for("a completion through the router over TLS", answered, timeout=60)
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(urls["router"] + "/health", timeout=5)  # the system's CAs know it not

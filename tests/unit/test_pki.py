@@ -152,3 +152,25 @@ def test_the_control_plane_serves_plain_http_on_loopback_only() -> None:
         config(host="0.0.0.0")
     every = config(host="0.0.0.0", tls_names=["cp.fleet.internal", "10.0.0.5"])
     assert every.certificate_names() == ["cp.fleet.internal", "10.0.0.5", "127.0.0.1", "localhost"]
+
+
+def test_a_router_beyond_loopback_serves_tls_only(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from modelfleet.router.service import RouterConfig
+
+    cert, key = tmp_path / "r.crt", tmp_path / "r.key"
+    assert RouterConfig().client_tls is None  # loopback: plain HTTP
+    with pytest.raises(ValidationError, match="beyond loopback the router serves TLS only"):
+        RouterConfig(host="10.0.0.5")
+    with pytest.raises(ValidationError, match="give both tls_cert and tls_key"):
+        RouterConfig(tls_cert=cert)
+    beyond = RouterConfig(host="10.0.0.5", tls_cert=cert, tls_key=key)
+    assert beyond.client_tls == beyond.push_tls  # the push API serves the same by default
+    own = tmp_path / "p.crt", tmp_path / "p.key"
+    split = RouterConfig(
+        host="10.0.0.5", tls_cert=cert, tls_key=key, push_tls_cert=own[0], push_tls_key=own[1]
+    )
+    assert split.push_tls is not None and split.push_tls.cert == own[0]
+    with pytest.raises(ValidationError, match="workers > 1"):
+        RouterConfig(tls_cert=cert, tls_key=key, workers=2)

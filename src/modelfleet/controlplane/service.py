@@ -13,6 +13,7 @@ import logging
 import time
 from pathlib import Path
 
+import httpx
 from starlette.applications import Starlette
 
 from modelfleet.clock import SYSTEM_CLOCK
@@ -21,7 +22,7 @@ from modelfleet.controlplane.agent_api import AgentApi, create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import PKI_DIR, STORE_FILE, ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.pki import CA_CERT, CertificateAuthority, TlsFiles
+from modelfleet.pki import CA_CERT, CertificateAuthority, TlsFiles, client_context
 from modelfleet.serving import Listener, run_service
 from modelfleet.store.sqlite import SqliteStore
 
@@ -78,19 +79,21 @@ async def serve(
     config: ControlPlaneConfig,
     catalogs: CatalogKeeper,
     ready_file: Path | None,
-    certificate: tuple[TlsFiles, CertificateAuthority] | None = None,
+    ca: CertificateAuthority,
+    tls: TlsFiles | None = None,
 ) -> None:
-    """Run the control plane until SIGINT/SIGTERM, serving TLS with `certificate` (from
-    `listener_certificate`) when given. Engines and agents keep running."""
-    cp = ControlPlane(config, catalogs)
+    """Run the control plane until SIGINT/SIGTERM, its listeners serving TLS with `tls` (from
+    `listener_certificate`) when given. Routers' push APIs are checked against `ca`.
+    Engines and agents keep running."""
+    http = httpx.AsyncClient(timeout=5, verify=client_context(ca.cert_pem))
+    cp = ControlPlane(config, catalogs, http=http)
     agent_app, admin_app = create_apps(cp)
-    tls, ready_extra = None, {}
-    if certificate is not None:
-        tls, ca = certificate
-        ready_extra = {"ca_file": str(tls.cert.parent / CA_CERT), "ca_fingerprint": ca.fingerprint}
+    ca_file = config.state_dir / PKI_DIR / CA_CERT
+    ready_extra = {"ca_file": str(ca_file), "ca_fingerprint": ca.fingerprint}
+    if tls is not None:
         log.info(
             "serving TLS with a certificate of this control plane's CA %s (fingerprint %s) for %s",
-            tls.cert.parent / CA_CERT,
+            ca_file,
             ca.fingerprint,
             ", ".join(config.certificate_names()),
         )
@@ -125,12 +128,19 @@ async def serve(
     )
 
 
-def listener_certificate(config: ControlPlaneConfig) -> tuple[TlsFiles, CertificateAuthority]:
-    """The CA in the state dir (made at the first start) and a certificate of it for the
-    control plane's listeners, issued anew at each start for the names the config gives:
-    every client trusts the CA, so a new certificate needs nothing of them. Raises PkiError
-    (half a CA in the state dir) or OSError."""
+def fleet_ca(config: ControlPlaneConfig) -> CertificateAuthority:
+    """The fleet's CA, in the state dir: made at the first start, kept after. Raises
+    PkiError (half a CA in the state dir) or OSError."""
     now = datetime.datetime.now(datetime.UTC)
-    folder = config.state_dir / PKI_DIR
-    ca = CertificateAuthority.load_or_create(folder, "modelfleet control plane CA", now)
-    return ca.issue(config.certificate_names(), now).write(folder, "control-plane"), ca
+    return CertificateAuthority.load_or_create(
+        config.state_dir / PKI_DIR, "modelfleet control plane CA", now
+    )
+
+
+def listener_certificate(config: ControlPlaneConfig, ca: CertificateAuthority) -> TlsFiles:
+    """A certificate of `ca` for the control plane's listeners, issued anew at each start
+    for the names the config gives: every client trusts the CA, so a new certificate needs
+    nothing of them. Raises OSError."""
+    now = datetime.datetime.now(datetime.UTC)
+    issued = ca.issue(config.certificate_names(), now)
+    return issued.write(config.state_dir / PKI_DIR, "control-plane")

@@ -31,6 +31,7 @@ from modelfleet.apikeys import hash_key
 from modelfleet.files import write_json_atomic
 from modelfleet.http1 import Bounds
 from modelfleet.openai_api import error_response
+from modelfleet.pki import TlsFiles, is_loopback
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.engine_load import read_engine_load
 from modelfleet.router.flight import Parts, Settings
@@ -59,7 +60,7 @@ class KeyConfig(BaseModel):
     max_concurrent: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _one_of(self) -> KeyConfig:
+    def _one_of_key(self) -> KeyConfig:
         if (self.sha256 is None) == (self.key is None):
             raise ValueError(f"key {self.name!r}: give exactly one of 'sha256' or 'key'")
         return self
@@ -77,6 +78,15 @@ class RouterConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     push_port: int = Field(default=8081, ge=0, le=65535)
+    # TLS (`pki.py`). The client listener serves with `tls_cert`/`tls_key`: a certificate of
+    # the fleet's CA (`modelfleet certificate`) or the operator's own; the push listener with
+    # `push_tls_cert`/`push_tls_key`, by default the same, which the control plane checks
+    # against its CA. Beyond loopback both listeners must have one: plain HTTP never leaves
+    # the machine.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    push_tls_cert: Path | None = None
+    push_tls_key: Path | None = None
     push_token: str | None = None  # shared admin token for routing pushes; None: pushes refused
     api_keys: list[KeyConfig] = Field(default_factory=list)
     models: list[RoutedModel] = Field(default_factory=list)  # the static seed
@@ -117,6 +127,33 @@ class RouterConfig(BaseModel):
     # What a request that names no max_tokens is taken to ask for, for token limits (its
     # real usage settles the count when it ends).
     default_max_tokens: int = Field(default=1024, gt=0)
+
+    @property
+    def client_tls(self) -> TlsFiles | None:
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        return TlsFiles(self.tls_cert, self.tls_key)
+
+    @property
+    def push_tls(self) -> TlsFiles | None:
+        if self.push_tls_cert is None or self.push_tls_key is None:
+            return self.client_tls
+        return TlsFiles(self.push_tls_cert, self.push_tls_key)
+
+    @model_validator(mode="after")
+    def _tls(self) -> RouterConfig:
+        for cert, key in (("tls_cert", "tls_key"), ("push_tls_cert", "push_tls_key")):
+            if (getattr(self, cert) is None) != (getattr(self, key) is None):
+                raise ValueError(f"give both {cert} and {key}, or neither")
+        if not is_loopback(self.host) and (self.client_tls is None or self.push_tls is None):
+            raise ValueError(
+                f"host is {self.host!r}: beyond loopback the router serves TLS only (API keys "
+                "and the push token would cross the network in clear); give tls_cert and "
+                "tls_key (`modelfleet certificate` issues them from the control plane's CA)"
+            )
+        if self.workers > 1 and self.client_tls is not None:
+            raise ValueError("TLS with workers > 1 is not supported yet: use workers: 1")
+        return self
 
 
 class Router:
@@ -416,6 +453,7 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
             config.port,
             reuse_port=config.reuse_port,
             server="http1",
+            tls=config.client_tls,
             take=client.proxy.take,
             bounds=Bounds(
                 head_timeout=config.client_head_timeout,
@@ -426,7 +464,7 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
         ),
         # The push API on the lean server too: uvicorn's server wakes every 0.1 s for
         # housekeeping, a third of an idle router's CPU.
-        Listener("push", push, config.host, config.push_port, server="http1"),
+        Listener("push", push, config.host, config.push_port, server="http1", tls=config.push_tls),
     ]
     await run_service(
         listeners, ready_file=ready_file, loops=[router.watch_engines], on_stop=router.close
