@@ -22,6 +22,8 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(ctl_app, name="ctl")
+install_app = typer.Typer(help="Install the fleet's processes as services.", no_args_is_help=True)
+app.add_typer(install_app, name="install")
 
 
 def _print_version(asked: bool) -> None:
@@ -366,6 +368,44 @@ def certificate(
     except (PkiError, OSError) as exc:
         fail(str(exc))
     typer.echo(f"{files.cert}\n{files.key}  (0600)\nissued by the CA {ca.fingerprint}")
+
+
+@install_app.command(
+    "systemd", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+)
+def install_systemd(
+    context: typer.Context,
+    role: Annotated[str, typer.Option(help="control-plane, router or agent.")],
+    out: Annotated[Path, typer.Option(help="The folder to write the unit (and env file) to.")],
+    env_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where the env file will live (by default --out, made absolute)."),
+    ] = None,
+    user: Annotated[str | None, typer.Option(help="Run the service as this user.")] = None,
+) -> None:
+    """Write a systemd unit running `modelfleet ROLE` with the options given after `--`,
+    e.g. `install systemd --role agent --out DIR -- --control-plane URL --node gpu-1 --ca
+    FILE --token T`. Secrets (the agent's --token) go to an env file of mode 0600."""
+    from modelfleet.install import ROLES, InstallError, systemd_unit, write_unit
+
+    if role not in ROLES:
+        fail(f"--role {role!r}: one of {', '.join(ROLES)}")
+    try:
+        unit = systemd_unit(
+            role,  # checked against ROLES above
+            list(context.args),
+            (env_dir or out).absolute(),
+            user=user,
+        )
+        written = write_unit(unit, out)
+    except (InstallError, OSError) as exc:
+        fail(str(exc))
+    for path in written:
+        typer.echo(path)
+    typer.echo(
+        f"then: cp {written[0]} /etc/systemd/system/ && systemctl daemon-reload && "
+        f"systemctl enable --now {unit.name}"
+    )
 
 
 @app.command("engine-sim")

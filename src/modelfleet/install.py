@@ -1,0 +1,168 @@
+"""`modelfleet install systemd`: the fleet's processes as systemd services.
+
+One unit per role (`modelfleet-control-plane.service`, `modelfleet-router.service`,
+`modelfleet-agent.service`), each restarted whenever it exits (`Restart=always`), its working
+directory `/var/lib/modelfleet` (made by systemd: `StateDirectory=`). A secret given among the
+role's options (the agent's `--token`) goes to an environment file of mode 0600 beside the
+unit, not into the unit, which anyone on the machine may read.
+
+The agent's unit stops its agent only (`KillMode=process`): engines outlive their agent in this
+project (the next agent adopts them), and systemd's default would kill every process of the
+unit's cgroup, engines included, at each restart or upgrade of the agent.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Role = Literal["control-plane", "router", "agent"]
+ROLES: tuple[Role, ...] = ("control-plane", "router", "agent")
+
+# What each role's command needs, and the options whose value is a secret (moved to the
+# environment file as the variable the command reads it from).
+_NEEDED: dict[Role, tuple[str, ...]] = {
+    "control-plane": ("--config",),
+    "router": ("--config",),
+    "agent": ("--control-plane", "--node"),
+}
+_SECRETS: dict[Role, dict[str, str]] = {
+    "control-plane": {},
+    "router": {},
+    "agent": {"--token": "MODELFLEET_AGENT_TOKEN"},
+}
+_DESCRIPTIONS: dict[Role, str] = {
+    "control-plane": "modelfleet control plane (agent and admin APIs, reconcile loop)",
+    "router": "modelfleet router (OpenAI-compatible client API)",
+    "agent": "modelfleet agent (reports this node's GPUs, runs its engines)",
+}
+
+
+class InstallError(Exception):
+    """Options that cannot make a working unit; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A role's unit file, and its environment file when it has secrets."""
+
+    name: str  # modelfleet-ROLE.service
+    text: str
+    env_name: str | None = None
+    env_text: str = ""
+
+
+def systemd_unit(
+    role: Role,
+    options: list[str],
+    env_dir: Path,
+    program: list[str] | None = None,
+    user: str | None = None,
+) -> Unit:
+    """The unit running `modelfleet ROLE OPTIONS`; its environment file, when it has one,
+    is named as living in `env_dir`. `program`: how `modelfleet` is run (by default this
+    Python, `-m modelfleet`)."""
+    if role not in ROLES:
+        raise InstallError(f"no role {role!r}: one of {', '.join(ROLES)}")
+    kept, secrets = _split_secrets(role, options)
+    given = {option.split("=", 1)[0] for option in kept if option.startswith("--")}
+    missing = [option for option in _NEEDED[role] if option not in given]
+    if missing:
+        raise InstallError(
+            f"the {role} needs {' and '.join(missing)} among its options (after `--`), as "
+            f"`modelfleet {role}` does"
+        )
+    name = f"modelfleet-{role}.service"
+    command = [*(program or [sys.executable, "-m", "modelfleet"]), role, *kept]
+    env_name = f"modelfleet-{role}.env" if secrets else None
+    service = [
+        "Type=simple",
+        *([f"User={user}", f"Group={user}"] if user else []),
+        "StateDirectory=modelfleet",
+        "WorkingDirectory=/var/lib/modelfleet",
+        *([f"EnvironmentFile={env_dir / env_name}"] if env_name else []),
+        "ExecStart=" + " ".join(_quoted(arg) for arg in command),
+        "Restart=always",
+        "RestartSec=2",
+        # SIGTERM, then the service's own ordered shutdown (in-flight requests finish).
+        "TimeoutStopSec=60",
+        "LimitNOFILE=65536",
+    ]
+    if role == "agent":
+        # Engines outlive their agent: only the agent is stopped (see the module's docstring).
+        service.append("KillMode=process")
+    text = "\n".join(
+        [
+            "[Unit]",
+            f"Description={_DESCRIPTIONS[role]}",
+            "After=network-online.target",
+            "Wants=network-online.target",
+            "",
+            "[Service]",
+            *service,
+            "",
+            "[Install]",
+            "WantedBy=multi-user.target",
+            "",
+        ]
+    )
+    env_text = "".join(f"{variable}={_env_quoted(value)}\n" for variable, value in secrets.items())
+    return Unit(name, text, env_name, env_text)
+
+
+def write_unit(unit: Unit, out: Path) -> list[Path]:
+    """Write `unit` (0644) and its environment file (0600) into `out`; the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    unit_file = out / unit.name
+    unit_file.write_text(unit.text)
+    unit_file.chmod(0o644)
+    written = [unit_file]
+    if unit.env_name is not None:
+        env_file = out / unit.env_name
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(unit.env_text)
+        env_file.chmod(0o600)
+        written.append(env_file)
+    return written
+
+
+def _split_secrets(role: Role, options: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The options without their secrets, and the secrets by environment variable."""
+    secret_options = _SECRETS[role]
+    kept: list[str] = []
+    secrets: dict[str, str] = {}
+    i = 0
+    while i < len(options):
+        option = options[i]
+        name, sep, value = option.partition("=")
+        if name in secret_options:
+            if not sep:
+                if i + 1 >= len(options):
+                    raise InstallError(f"{name} needs a value")
+                value = options[i + 1]
+                i += 1
+            if "\n" in value:
+                raise InstallError(f"{name}: a value on one line")
+            secrets[secret_options[name]] = value
+        else:
+            kept.append(option)
+        i += 1
+    return kept, secrets
+
+
+def _env_quoted(value: str) -> str:
+    """`value` in double quotes, as systemd's environment files read them."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _quoted(arg: str) -> str:
+    """`arg` as one word of a systemd command line: specifiers (%) and variables ($) kept
+    literal, quoted when it holds a space or a quote."""
+    arg = arg.replace("%", "%%").replace("$", "$$")
+    if arg and not any(c in arg for c in " \t\"'\\"):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'

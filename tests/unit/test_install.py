@@ -1,0 +1,64 @@
+"""`modelfleet install systemd`: units systemd itself accepts (`systemd-analyze verify`), that
+restart always, keep secrets out of the unit, and leave an agent's engines running when the
+agent stops."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modelfleet.install import InstallError, Role, systemd_unit, write_unit
+
+OPTIONS: dict[Role, list[str]] = {
+    "control-plane": ["--config", "/etc/modelfleet/control-plane.yaml"],
+    "router": ["--config", "/etc/modelfleet/router.yaml", "--tls-cert", "/etc/a b/100%.crt"],
+    "agent": ["--control-plane", "https://10.0.0.1:7070", "--node", "gpu-1", "--token=s3cret"],
+}
+
+
+def verify(unit_file: Path) -> None:
+    """systemd's own check of a unit: no error and nothing it would warn about."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:  # .ci/run installs systemd where it is missing
+        pytest.skip("systemd-analyze is not installed (Debian's systemd package)")
+    done = subprocess.run(
+        [analyze, "verify", str(unit_file)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and not done.stdout and not done.stderr, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("role", list(OPTIONS))
+def test_each_role_gets_a_unit_that_systemd_accepts_and_that_restarts_always(
+    role: Role, tmp_path: Path
+) -> None:
+    unit = systemd_unit(role, OPTIONS[role], tmp_path)
+    written = write_unit(unit, tmp_path)
+    verify(tmp_path / unit.name)
+    lines = unit.text.splitlines()
+    assert "Restart=always" in lines and "WantedBy=multi-user.target" in lines
+    start = next(line for line in lines if line.startswith("ExecStart="))
+    assert start.startswith(f"ExecStart={sys.executable} -m modelfleet {role} ")
+    # Engines outlive their agent: only the agent's unit stops its main process alone.
+    assert ("KillMode=process" in lines) == (role == "agent")
+    if role == "router":
+        assert '"/etc/a b/100%%.crt"' in start  # one word, the % kept literal
+    if role == "agent":
+        assert "s3cret" not in unit.text and len(written) == 2
+        env_file = tmp_path / "modelfleet-agent.env"
+        assert f"EnvironmentFile={env_file}" in lines
+        assert env_file.read_text() == 'MODELFLEET_AGENT_TOKEN="s3cret"\n'
+        assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    else:
+        assert len(written) == 1 and "EnvironmentFile" not in unit.text
+
+
+def test_a_unit_without_what_its_role_needs_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InstallError, match="the agent needs --node"):
+        systemd_unit("agent", ["--control-plane", "https://cp:7070"], tmp_path)
+    with pytest.raises(InstallError, match="--token needs a value"):
+        systemd_unit("agent", ["--control-plane", "u", "--node", "n", "--token"], tmp_path)
