@@ -174,9 +174,14 @@ def agent(
     state_dir: Annotated[
         Path | None, typer.Option(help="Where the agent records its engines and logs.")
     ] = None,
-    address: Annotated[str, typer.Option(help="Host at which this node's engines are reached.")] = (
-        "127.0.0.1"
-    ),
+    address: Annotated[
+        str | None,
+        typer.Option(
+            help="The address this node's engines listen on and routers reach them at. "
+            "Default: this host's address on the route to the control plane (127.0.0.1 for "
+            "a control plane on loopback)."
+        ),
+    ] = None,
     label: Annotated[
         list[str] | None, typer.Option(help="A node label KEY=VALUE; repeatable.")
     ] = None,
@@ -272,6 +277,8 @@ def agent(
             verify = client_context(ca.read_bytes())
         except (OSError, PkiError) as exc:
             fail(f"--ca {ca}: {exc}")
+    if address is None:
+        address = _address_towards(control_plane)
     agent_dir = state_dir or Path(".modelfleet") / "agents" / node
     try:
         lock = StateDirLock(agent_dir, f"the agent of {node}").acquire()
@@ -491,6 +498,27 @@ def engine_sim(
         max_model_len=max_model_len,
     )
     run_fast(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
+
+
+def _address_towards(url: str) -> str:
+    """This host's address on its route to the host of `url`: where peers on that network
+    reach it. 127.0.0.1 for a loopback URL."""
+    from urllib.parse import urlsplit
+
+    from modelfleet.network import route_address
+    from modelfleet.pki import is_loopback
+
+    host = urlsplit(url).hostname
+    if host is None:
+        fail(f"--control-plane {url!r}: give a URL such as https://cp.example:7070")
+    if is_loopback(host):
+        return "127.0.0.1"
+    try:
+        address = route_address(host)
+    except OSError as exc:
+        fail(f"cannot tell which address of this host reaches {host} ({exc}): give --address")
+    typer.echo(f"engines listen on {address}, this host's address towards {host}", err=True)
+    return address
 
 
 def warn_if_open(host: str, listener: str, credential: bool) -> None:

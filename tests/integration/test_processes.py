@@ -22,6 +22,7 @@ from modelfleet.agent.records import EngineRecord, write_records
 from modelfleet.agent.service import Agent, AgentSettings
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
 from modelfleet.engines import Launch, driver_for
+from modelfleet.network import interface_of
 from modelfleet.processes import ProcessId, stop_groups
 from modelfleet.processes import running as alive
 from modelfleet.wire import NodeAssignment, ShardAssignment, ShardState
@@ -215,10 +216,16 @@ def test_a_control_plane_without_an_agent_token_refuses_to_start(
     assert set(wait_json(ready, started)["urls"]) == {"agent", "admin"}
 
 
+LOOPBACK = interface_of("127.0.0.1")  # "lo" on Linux
+
+
 def test_a_shard_of_rank_1_starts_once_it_knows_where_shard_0_is(tmp_path: Path) -> None:
+    """...and with the interface that holds the agent's address for NCCL and Gloo (left to
+    themselves they pick one, often the wrong one on a host with several)."""
     out = tmp_path / "leader.txt"
     write_leader = (
-        f"{sys.executable} -c \"import sys,time; open(sys.argv[1],'w').write(sys.argv[2]); "
+        f"{sys.executable} -c \"import os,sys,time; open(sys.argv[1],'w').write(' '.join(["
+        "sys.argv[2], os.environ['NCCL_SOCKET_IFNAME'], os.environ['GLOO_SOCKET_IFNAME']])); "
         f'time.sleep(60)" {out} {{leader}}'
     )
 
@@ -246,7 +253,7 @@ def test_a_shard_of_rank_1_starts_once_it_knows_where_shard_0_is(tmp_path: Path)
             assert agent.shards == {}  # waits for shard 0's address
             agent.apply(NodeAssignment(node="n", shards=[rank(1, "10.0.0.7:29500")]))
             await until("rank 1 started", lambda: out.exists() and out.read_text())
-            assert out.read_text() == "10.0.0.7:29500"
+            assert out.read_text() == f"10.0.0.7:29500 {LOOPBACK} {LOOPBACK}"
             agent.apply(NodeAssignment(node="n", shards=[]))
             await until("the unassigned shards stopped", lambda: not agent.stopping)
 

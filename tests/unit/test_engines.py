@@ -56,6 +56,7 @@ def test_vllm_across_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "--headless" not in lead.argv and lead.health_path == "/health"
     worker = driver_for("vllm").launch(shard("vllm", 1, 2), "10.0.0.6", 8002, "10.0.0.5:29500", "k")
     assert "--node-rank 1" in " ".join(worker.argv) and "--headless" in worker.argv
+    assert (lead.env["VLLM_HOST_IP"], worker.env["VLLM_HOST_IP"]) == ("10.0.0.5", "10.0.0.6")
     assert worker.health_path is None  # a headless worker serves no HTTP
     with pytest.raises(NoDriver, match="no address of shard 0"):
         driver_for("vllm").launch(shard("vllm", 1, 2), "10.0.0.6", 8002, None, "k")

@@ -26,6 +26,7 @@ from modelfleet.backoff import Backoff
 from modelfleet.engines import EngineDriver, NoDriver
 from modelfleet.engines.base import engine_environment
 from modelfleet.files import open_private_log
+from modelfleet.network import interface_of
 from modelfleet.processes import ProcessId, free_port, log_tail, stop_groups
 from modelfleet.wire import MAX_LOG_TAIL_LINES, ShardAssignment, ShardReport, ShardState
 
@@ -246,6 +247,17 @@ class Shard:
             self.backoff_s = None
             self._set(ShardState.STARTING)
 
+    def _distributed_env(self) -> dict[str, str]:
+        """For a replica of several shards: the interface its shards talk over, the one that
+        holds the agent's engine address (NCCL and Gloo otherwise pick their own, often the
+        wrong one on a host with several). The catalog's `env` may set them otherwise."""
+        if self.assignment.num_shards <= 1:
+            return {}
+        interface = interface_of(self.settings.engine_host)
+        if interface is None:
+            return {}
+        return {"NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface}
+
     def _spawn(self) -> bool:
         """Start the engine; False (with the shard failed and why) when it cannot start."""
         if isinstance(self.driver, NoDriver):
@@ -268,7 +280,11 @@ class Shard:
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                    env=engine_environment(launch.env, os.environ, self.settings.pass_env),
+                    env=engine_environment(
+                        {**self._distributed_env(), **launch.env},
+                        os.environ,
+                        self.settings.pass_env,
+                    ),
                     start_new_session=True,
                 )
         except OSError as exc:

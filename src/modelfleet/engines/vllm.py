@@ -22,7 +22,9 @@ class VllmDriver:
         argv += ["--served-model-name", shard.model]
         argv += ["--tensor-parallel-size", str(len(shard.gpus))]
         health: str | None = "/health"
+        peers: dict[str, str] = {}
         if shard.num_shards > 1:
+            peers["VLLM_HOST_IP"] = host  # the address its peers reach it at, not a guess
             master_host, master_port = split_leader(shard, leader)
             argv += ["--pipeline-parallel-size", str(shard.num_shards)]
             argv += ["--nnodes", str(shard.num_shards), "--node-rank", str(shard.rank)]
@@ -30,4 +32,5 @@ class VllmDriver:
             if shard.rank > 0:
                 argv.append("--headless")
                 health = None
-        return Launch([*argv, *shard.args], {**gpu_env(shard), "VLLM_API_KEY": key}, health)
+        env = {**peers, **gpu_env(shard), "VLLM_API_KEY": key}  # the catalog sets no key
+        return Launch([*argv, *shard.args], env, health)
