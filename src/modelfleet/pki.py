@@ -143,11 +143,7 @@ class CertificateAuthority:
 
     @property
     def key_pem(self) -> bytes:
-        return self._key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+        return _key_pem(self._key)
 
     @property
     def fingerprint(self) -> str:
@@ -178,12 +174,7 @@ class CertificateAuthority:
             )
             .sign(self._key, hashes.SHA256())
         )
-        key_pem = key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-        return Issued(cert.public_bytes(serialization.Encoding.PEM), key_pem)
+        return Issued(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
 
 def fingerprint(cert: x509.Certificate) -> str:
@@ -249,6 +240,13 @@ def is_wildcard(host: str) -> bool:
         return ipaddress.ip_address(host).is_unspecified
     except ValueError:
         return host == ""
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """A private key as unencrypted PKCS#8 PEM: its file's mode is what protects it."""
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _general_name(name: str) -> x509.GeneralName:

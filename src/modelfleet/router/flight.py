@@ -453,10 +453,7 @@ class Flight:
             if self.ended:
                 return
             self.ex.client_gone = True
-            attempt = self.attempt
-            if attempt is not None:
-                attempt.stop_waiting()
-                attempt.over()
+            self._drop_attempt()
             task = self._task
             if self._busy and task is not None:
                 task.cancel()  # `host` ends the flight once the wait has unwound
@@ -469,10 +466,7 @@ class Flight:
         """A step run by a callback raised (a bug): answered with a 500 if nothing was
         answered yet, and ended either way, so that nothing stays held."""
         log.exception("the router failed on request %s", self.ex.request_id)
-        attempt = self.attempt
-        if attempt is not None:
-            attempt.stop_waiting()
-            attempt.over()
+        self._drop_attempt()
         if self.ended:
             return
         try:
@@ -482,6 +476,14 @@ class Flight:
         except Exception:
             log.exception("answering request %s with a 500 failed", self.ex.request_id)
             self._end()
+
+    def _drop_attempt(self) -> None:
+        """The attempt under way, if any, is abandoned: its connection is closed, which aborts
+        the request at the engine."""
+        attempt = self.attempt
+        if attempt is not None:
+            attempt.stop_waiting()
+            attempt.over()
 
     def _end(self, count: bool = True) -> None:
         """The request is over: its reservation settled, the request counted (`count`: it was
@@ -547,9 +549,7 @@ class Flight:
             pass  # the connection closes short of the promised length; the status counts
         finally:
             self._task = None
-            if self.attempt is not None:
-                self.attempt.stop_waiting()
-                self.attempt.over()
+            self._drop_attempt()
             self._end(count)
 
     # -- what the steps share ----------------------------------------------------------------
