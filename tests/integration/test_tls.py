@@ -17,6 +17,7 @@ import openai
 import pytest
 import yaml
 
+from modelfleet.agent.records import recorded_engine_pids
 from modelfleet.pki import client_context
 from modelfleet.processes import free_port, stop_groups
 
@@ -146,7 +147,17 @@ def test_a_fleet_over_tls_serves_the_openai_client_and_its_pushes_are_checked(
         "1x80GB", "--token", AGENT_TOKEN, "--ca", str(ca_file), "--state-dir",
         str(tmp_path / "agent"), log="agent",
     )  # fmt: skip
+    try:
+        _complete_over_tls(urls["router"], ca_file)
+    finally:
+        # Engines outlive their agent by design: once it has stopped (and recorded them),
+        # the engines it started are ended too, by their process groups.
+        procs.stop_all()
+        stop_groups(recorded_engine_pids(tmp_path / "agent"), grace=10)
 
+
+def _complete_over_tls(router_url: str, ca_file: Path) -> None:
+    urls = {"router": router_url}
     with httpx.Client(verify=client_context(ca_file.read_bytes()), timeout=20) as http:
         client = openai.OpenAI(
             base_url=urls["router"] + "/v1",
