@@ -36,6 +36,19 @@ def _ctl(admin: str, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def _serve(
+    procs: Procs, folder: Path, role: str, config: dict[str, Any], run: str
+) -> dict[str, Any]:
+    """Write `config` as ROLE's config file in `folder`, start `modelfleet ROLE`, and return
+    its ready file (with its `pid`) once it listens."""
+    config_file, ready = folder / f"{role}.yaml", folder / f"{run}.json"
+    config_file.write_text(yaml.safe_dump(config))
+    started = procs.start(role, "--config", str(config_file), "--ready-file", str(ready), log=run)
+    found = wait_json(ready, started)
+    found["pid"] = started.pid
+    return found
+
+
 def test_a_control_plane_serves_tls_with_a_ca_of_its_own_that_agents_and_ctl_check(
     procs: Procs, tmp_path: Path
 ) -> None:
@@ -43,19 +56,7 @@ def test_a_control_plane_serves_tls_with_a_ca_of_its_own_that_agents_and_ctl_che
         "state_dir": "state", "admin_token": ADMIN_TOKEN, "agent_token": AGENT_TOKEN,
         "tls": "on", "agent_port": 0, "admin_port": 0, "heartbeat_interval": 0.5,
     }  # fmt: skip
-    (tmp_path / "cp.yaml").write_text(yaml.safe_dump(config))
-
-    def start_control_plane(run: int) -> dict[str, Any]:
-        ready = tmp_path / f"cp-{run}.json"
-        started = procs.start(
-            "control-plane", "--config", str(tmp_path / "cp.yaml"), "--ready-file", str(ready),
-            log=f"cp-{run}",
-        )  # fmt: skip
-        found = wait_json(ready, started)
-        found["pid"] = started.pid
-        return found
-
-    first = start_control_plane(1)
+    first = _serve(procs, tmp_path, "control-plane", config, "cp-1")
     agent_url, admin_url = first["urls"]["agent"], first["urls"]["admin"]
     assert agent_url.startswith("https://127.0.0.1:") and admin_url.startswith("https://127.0.0.1:")
     ca_file = Path(first["ca_file"])
@@ -90,7 +91,7 @@ def test_a_control_plane_serves_tls_with_a_ca_of_its_own_that_agents_and_ctl_che
 
     # A restarted control plane keeps its CA: what trusts it goes on trusting it.
     stop_groups([first["pid"]], grace=20)
-    second = start_control_plane(2)
+    second = _serve(procs, tmp_path, "control-plane", config, "cp-2")
     assert second["ca_fingerprint"] == first["ca_fingerprint"]
     assert _ctl(second["urls"]["admin"], "--ca", str(ca_file), "status").returncode == 0
 
@@ -112,13 +113,7 @@ def test_a_fleet_over_tls_serves_the_openai_client_and_its_pushes_are_checked(
         "agent_token": AGENT_TOKEN, "tls": "on", "agent_port": 0, "admin_port": 0,
         "routers": [{"url": f"https://127.0.0.1:{push_port}", "token": push_token}],
     }  # fmt: skip
-    (tmp_path / "cp.yaml").write_text(yaml.safe_dump(config))
-    cp_ready = tmp_path / "cp.json"
-    cp = procs.start(
-        "control-plane", "--config", str(tmp_path / "cp.yaml"), "--ready-file", str(cp_ready),
-        log="cp",
-    )  # fmt: skip
-    found = wait_json(cp_ready, cp)
+    found = _serve(procs, tmp_path, "control-plane", config, "cp")
     ca_file = Path(found["ca_file"])
 
     issued = subprocess.run(
@@ -134,13 +129,7 @@ def test_a_fleet_over_tls_serves_the_openai_client_and_its_pushes_are_checked(
         "tls_key": str(tmp_path / "tls" / "router.key"),
         "api_keys": [{"name": "app", "key": "sk-app-key-of-the-test"}],
     }  # fmt: skip
-    (tmp_path / "router.yaml").write_text(yaml.safe_dump(router_config))
-    router_ready = tmp_path / "router.json"
-    router = procs.start(
-        "router", "--config", str(tmp_path / "router.yaml"), "--ready-file", str(router_ready),
-        log="router",
-    )  # fmt: skip
-    urls = wait_json(router_ready, router)["urls"]
+    urls = _serve(procs, tmp_path, "router", router_config, "router")["urls"]
     assert urls == {"router": f"https://127.0.0.1:{port}", "push": f"https://127.0.0.1:{push_port}"}
     procs.start(
         "agent", "--control-plane", found["urls"]["agent"], "--node", "n1", "--simulate-gpus",
@@ -157,10 +146,12 @@ def test_a_fleet_over_tls_serves_the_openai_client_and_its_pushes_are_checked(
 
 
 def _complete_over_tls(router_url: str, ca_file: Path) -> None:
-    urls = {"router": router_url}
+    """The openai client gets a completion through the router, trusting the fleet's CA
+    alone (retried until the table is pushed and the replica ready); a client trusting the
+    system's CAs is refused."""
     with httpx.Client(verify=client_context(ca_file.read_bytes()), timeout=20) as http:
         client = openai.OpenAI(
-            base_url=urls["router"] + "/v1",
+            base_url=router_url + "/v1",
             api_key="sk-app-key-of-the-test",
             http_client=http,
             max_retries=0,
@@ -175,4 +166,4 @@ def _complete_over_tls(router_url: str, ca_file: Path) -> None:
 
         assert wait_for("a completion through the router over TLS", answered, timeout=60)
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-        httpx.get(urls["router"] + "/health", timeout=5)  # the system's CAs know it not
+        httpx.get(router_url + "/health", timeout=5)  # the system's CAs know it not
