@@ -11,7 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MarkName = Literal["none", "cordoned", "draining"]
+MarkName = Literal["none", "cordoned", "draining"]  # what an operator may set
+NodeMarkName = Literal["none", "cordoned", "draining", "revoked"]  # what a node may have
 MAX_HISTORY = 1000  # catalog versions one history answer lists at most
 
 
@@ -50,7 +51,7 @@ class GpuInfo(_Answer):
 class NodeInfo(_Answer):
     name: str
     ready: bool  # reported within node_stale_after
-    mark: MarkName
+    mark: NodeMarkName
     drain_grace_left_s: float | None  # while draining with a bound
     address: str
     labels: dict[str, str]
@@ -380,6 +381,45 @@ class KeyCreated(KeyInfo):
 
 class KeysAnswer(_Answer):
     keys: list[KeyInfo]
+
+
+# -- joining -------------------------------------------------------------------------------
+
+
+class JoinTokenCreate(BaseModel):
+    """Make a join token. `ttl`: how long it can be used (`90m`, `1h`, `7d`; `never`);
+    `uses`: how many nodes may join with it (None: any number while it lasts)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttl: str = "1h"
+    uses: Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)] | None = None
+
+
+class JoinTokenInfo(_Answer):
+    """A join token as the control plane keeps it: never its secret."""
+
+    id: str
+    created_at: float  # wall-clock seconds
+    expires_at: float | None  # None: never
+    uses_left: int | None  # None: any number
+    used: int  # nodes that joined with it
+    state: Literal["usable", "expired", "used up"]
+
+
+class JoinTokenCreated(JoinTokenInfo):
+    token: str  # shown this once; the control plane keeps only a hash of its secret
+    ca_fingerprint: str  # the CA the token pins, "sha256:<hex>"
+
+
+class JoinTokensAnswer(_Answer):
+    tokens: list[JoinTokenInfo]
+
+
+class NodeRevoked(_Answer):
+    """A node cut off: its credential deleted, its replicas replaced elsewhere."""
+
+    node: str
+    replacing: list[str]  # its replicas, replaced elsewhere as a lost node's are
 
 
 # -- usage ---------------------------------------------------------------------------------

@@ -6,14 +6,18 @@ not pay for the control plane's imports.
 
 from __future__ import annotations
 
+import ssl
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from modelfleet.ctl.commands import app as ctl_app
 from modelfleet.ctl.commands import fail, with_options_first
+
+if TYPE_CHECKING:
+    from modelfleet.agent.credential import Credential
 
 app = typer.Typer(
     help="modelfleet: serve LLMs on a fleet of GPU machines.",
@@ -94,8 +98,8 @@ def control_plane(
         bool,
         typer.Option(
             "--insecure-agent-api",
-            help="Serve the agent API with no agent token (development only): any process "
-            "that reaches it can report as a node.",
+            help="Take reports with no credential at all (development only): any process "
+            "that reaches the agent API can report as any node not joined on its own.",
         ),
     ] = False,
     ready_file: ReadyFile = None,
@@ -119,13 +123,10 @@ def control_plane(
     configure_logging(log_level)
     try:
         cfg = load_config(config, ControlPlaneConfig).resolve(config.parent)
-        if cfg.agent_token is None and not (cfg.insecure_agent_api or insecure_agent_api):
-            fail(
-                f"{config}: no agent_token: any process that reaches the agent API could report "
-                "as a node. Set agent_token (16 characters or more), or insecure_agent_api: true "
-                "(or --insecure-agent-api) for a development fleet"
-            )
-        warn_if_open(cfg.host, "the agent API", cfg.agent_token is not None)
+        if insecure_agent_api:
+            cfg = cfg.model_copy(update={"insecure_agent_api": True})
+        open_api = cfg.insecure_agent_api and cfg.agent_token is None
+        warn_if_open(cfg.host, "the agent API", not open_api)
     except ConfigError as exc:
         fail(str(exc))
     try:
@@ -151,8 +152,22 @@ def control_plane(
 
 @app.command()
 def agent(
-    control_plane: Annotated[str, typer.Option(help="The control plane's agent API URL.")],
     node: Annotated[str, typer.Option(help="This node's name.")],
+    join: Annotated[
+        str | None,
+        typer.Option(
+            help="Join the fleet whose agent API is at this URL with the join token --token "
+            "(`ctl join-tokens create`); the credential it is exchanged for is kept in the "
+            "state dir and used from then on."
+        ),
+    ] = None,
+    control_plane: Annotated[
+        str | None,
+        typer.Option(
+            help="The control plane's agent API URL, for the fleet's shared agent token "
+            "(the mode `up` runs in); other fleets use --join."
+        ),
+    ] = None,
     simulate_gpus: Annotated[
         str | None,
         typer.Option(
@@ -161,7 +176,12 @@ def agent(
         ),
     ] = None,
     token: Annotated[
-        str | None, typer.Option(envvar="MODELFLEET_AGENT_TOKEN", help="The agent token.")
+        str | None,
+        typer.Option(
+            envvar="MODELFLEET_AGENT_TOKEN",
+            help="With --join: the join token (not needed once joined). With "
+            "--control-plane: the fleet's shared agent token.",
+        ),
     ] = None,
     ca: Annotated[
         Path | None,
@@ -236,7 +256,7 @@ def agent(
     )
     from modelfleet.agent.service import AgentSettings, serve
     from modelfleet.agent.supervisor import SupervisorSettings
-    from modelfleet.pki import PkiError, client_context
+    from modelfleet.pki import client_context, is_loopback
     from modelfleet.serving import configure_logging, run_service_loop
     from modelfleet.statedir import StateDirBusy, StateDirLock
 
@@ -266,29 +286,34 @@ def agent(
         if not sep or not key:
             fail(f"--label {item!r}: write KEY=VALUE")
         labels.append((key, value))
-    verify = None
-    if control_plane.startswith("https://"):
-        if ca is None:
-            fail(
-                f"--control-plane {control_plane} serves TLS: give --ca FILE, the control "
-                "plane's CA certificate (its state dir's pki/ca.crt), to check it against"
-            )
-        try:
-            verify = client_context(ca.read_bytes())
-        except (OSError, PkiError) as exc:
-            fail(f"--ca {ca}: {exc}")
-    if address is None:
-        address = _address_towards(control_plane)
     agent_dir = state_dir or Path(".modelfleet") / "agents" / node
     try:
         lock = StateDirLock(agent_dir, f"the agent of {node}").acquire()
     except (StateDirBusy, OSError) as exc:
         fail(str(exc))
+    url = join or control_plane
+    if url is None or (join and control_plane):
+        fail("give --join URL (with a join token) or --control-plane URL (shared agent token)")
+    if address is None:
+        address = _address_towards(url)
+    verify: ssl.SSLContext | None
+    if join is not None:
+        joined = _joined(join, token, node, address, agent_dir, report_interval)
+        token, verify = joined.credential, client_context(joined.ca.encode())
+        admin_tls = joined.tls_files(agent_dir)
+    else:
+        verify, admin_tls = _ca_context(url, ca), None
+    if admin_port is not None and admin_tls is None and not is_loopback(address):
+        fail(
+            f"the admin API would serve plain HTTP on {address}: plain HTTP stays on loopback. "
+            "Join with --join for a certificate, or leave --admin-port out"
+        )
     settings = AgentSettings(
-        control_plane=control_plane,
+        control_plane=url,
         node=node,
         token=token,
         verify=verify,
+        admin_tls=admin_tls,
         state_dir=agent_dir,
         address=address,
         labels=tuple(labels),
@@ -498,6 +523,52 @@ def engine_sim(
         max_model_len=max_model_len,
     )
     run_fast(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
+
+
+def _ca_context(url: str, ca: Path | None) -> ssl.SSLContext | None:
+    """How an agent on the shared token checks an https:// control plane: against `ca`."""
+    from modelfleet.pki import PkiError, client_context
+
+    if not url.startswith("https://"):
+        return None
+    if ca is None:
+        fail(
+            f"--control-plane {url} serves TLS: give --ca FILE, the control plane's CA "
+            "certificate (its state dir's pki/ca.crt), to check it against"
+        )
+    try:
+        return client_context(ca.read_bytes())
+    except (OSError, PkiError) as exc:
+        fail(f"--ca {ca}: {exc}")
+
+
+def _joined(
+    url: str, token: str | None, node: str, address: str, state_dir: Path, retry_every: float
+) -> Credential:
+    """The credential this agent joined with before, or the one it joins with now."""
+    from modelfleet.agent.credential import JoinFailed, join_until_answered, load
+    from modelfleet.joining import BadJoinToken, JoinToken
+    from modelfleet.pki import PkiError
+
+    try:
+        kept = load(state_dir)
+        if kept is not None:
+            if kept.node != node:
+                fail(
+                    f"{state_dir} holds the credential of node {kept.node}, not {node}: give "
+                    "this node a state dir of its own"
+                )
+            return kept
+        if token is None:
+            fail("--join needs --token, a join token (`modelfleet ctl join-tokens create`)")
+        parsed = JoinToken.parse(token)
+        joined = join_until_answered(url, parsed, node, [address], state_dir, retry_every)
+    except BadJoinToken as exc:
+        fail(f"--token: {exc}")
+    except (JoinFailed, PkiError, OSError) as exc:
+        fail(f"cannot join: {exc}")
+    typer.echo(f"joined the fleet at {url} as node {node}", err=True)
+    return joined
 
 
 def _address_towards(url: str) -> str:

@@ -18,6 +18,9 @@ class Mark(StrEnum):
     NONE = "none"
     CORDONED = "cordoned"  # nothing new lands here
     DRAINING = "draining"  # replicas move away, make-before-break
+    # Its credential was revoked: nothing it sends is taken, and its replicas are replaced
+    # elsewhere as a lost node's are. It comes back only by joining anew.
+    REVOKED = "revoked"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
 _CA_YEARS = 10
-_LEEWAY = datetime.timedelta(minutes=5)  # clocks of the fleet's machines differ a little
+_LEEWAY = datetime.timedelta(minutes=5)
+MAX_NAMES = 16  # hosts one certificate may name  # clocks of the fleet's machines differ a little
 
 
 class PkiError(Exception):
@@ -157,24 +158,77 @@ class CertificateAuthority:
         if not names:
             raise PkiError("a certificate needs at least one name to be reached by")
         key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
+        alt = x509.SubjectAlternativeName([_general_name(n) for n in names])
+        cert = self._builder(subject, key.public_key(), now, days, alt, client)
+        signed = cert.sign(self._key, hashes.SHA256())
+        return Issued(signed.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+    def _builder(
+        self,
+        subject: x509.Name,
+        key: ec.EllipticCurvePublicKey,
+        now: datetime.datetime,
+        days: int,
+        names: x509.SubjectAlternativeName,
+        client: bool,
+    ) -> x509.CertificateBuilder:
+        """A leaf certificate of this CA, for `key` and `names`, not yet signed."""
         usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
-        cert = (
+        return (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+            .subject_name(subject)
             .issuer_name(self.cert.subject)
-            .public_key(key.public_key())
+            .public_key(key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - _LEEWAY)
             .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), False)
+            .add_extension(names, False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), False
             )
-            .sign(self._key, hashes.SHA256())
         )
-        return Issued(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+    def sign(self, csr_pem: bytes, now: datetime.datetime, days: int = 365) -> bytes:
+        """A server certificate (PEM) for the key and the names of a certificate signing
+        request (`request`), valid `days` from `now`. PkiError if the request is unreadable,
+        not signed by its own key, or names nothing (or more than MAX_NAMES)."""
+        try:
+            csr = x509.load_pem_x509_csr(csr_pem)
+        except ValueError as exc:
+            raise PkiError(f"the certificate request is unreadable: {exc}") from exc
+        if not csr.is_signature_valid:
+            raise PkiError("the certificate request is not signed by the key it names")
+        try:
+            names = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except x509.ExtensionNotFound:
+            raise PkiError("the certificate request names no host to be reached by") from None
+        if not 0 < len(names) <= MAX_NAMES:
+            raise PkiError(f"a certificate request may name 1 to {MAX_NAMES} hosts")
+        key = csr.public_key()
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            raise PkiError("the certificate request's key is not an EC key")
+        cert = self._builder(
+            x509.Name(csr.subject), key, now, days, x509.SubjectAlternativeName(names), False
+        )
+        return cert.sign(self._key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def request(names: list[str]) -> tuple[bytes, bytes]:
+    """A new private key and a certificate signing request for a server reached by `names`,
+    both PEM: the key never leaves the machine that made it; the CA signs the request."""
+    if not 0 < len(names) <= MAX_NAMES:
+        raise PkiError(f"a certificate names 1 to {MAX_NAMES} hosts, not {len(names)}")
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+        .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), False)
+        .sign(key, hashes.SHA256())
+    )
+    return _key_pem(key), csr.public_bytes(serialization.Encoding.PEM)
 
 
 def fingerprint(cert: x509.Certificate) -> str:

@@ -117,9 +117,10 @@ def plan(
     stopping holds its GPUs until it exits). `failed` maps the replicas that failed too often
     to why: they are stopped and placed anew, off the nodes `avoid` keeps each model from
     (model -> node -> why). A node silent for longer than `lost_after` is lost: its replicas
-    are replaced elsewhere as a drain would replace them. When every node is silent that
-    long, the fault is the control plane's or its network's, not the nodes': nothing is moved
-    off them (`Plan.frozen` says why) until one reports again.
+    are replaced elsewhere as a drain would replace them, and so are those on a node an
+    operator revoked. When every node (bar revoked ones) is silent that long, the fault is the
+    control plane's or its network's, not the nodes': nothing is moved off them (`Plan.frozen`
+    says why) until one reports again.
 
     With `models`, only those models of the catalog are planned (replicas of models gone from
     it are stopped all the same): the control plane passes the models something changed for,
@@ -150,24 +151,30 @@ def plan(
         else:
             by_model.setdefault(replica.model, []).append(replica)
 
+    revoked = {n.name for n in nodes if n.mark is Mark.REVOKED}
     lost = {
-        n.name: now - n.last_report
+        n.name: f"node lost: no report for {now - n.last_report:.0f}s"
         for n in nodes
-        if lost_after is not None and n.last_report is not None and now - n.last_report > lost_after
+        if lost_after is not None
+        and n.last_report is not None
+        and now - n.last_report > lost_after
+        and n.name not in revoked
     }
     frozen = ""
-    if nodes and len(lost) == len(nodes):
+    if lost and len(lost) + len(revoked) == len(nodes):
         frozen = (
             f"every node has been silent for over {lost_after:.0f}s: the control plane or its "
             "network is at fault, not the nodes; nothing is moved until one reports again"
         )
         lost = {}
+    # A revoked node is cut off on purpose: its replicas go as a lost node's do.
+    lost |= {name: "node revoked by an operator" for name in revoked}
     leaving: dict[str, tuple[str, float | None]] = {}
     for n in nodes:
         if n.mark is Mark.DRAINING:
             leaving[n.name] = ("node draining", n.drain_deadline)
         elif n.name in lost:
-            leaving[n.name] = (f"node lost: no report for {lost[n.name]:.0f}s", None)
+            leaving[n.name] = (lost[n.name], None)
     faulty = {
         (n.name, g.index): f"gpu {g.index} of {n.name} unhealthy: {g.reason or 'no reason given'}"
         for n in nodes

@@ -35,6 +35,13 @@ def bearer_matches(authorization: str | None, token: str | None) -> bool:
     return secrets.compare_digest(authorization.encode(), f"Bearer {token}".encode())
 
 
+def bearer(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header; None for any other header."""
+    if authorization is None or not authorization.startswith("Bearer "):
+        return None
+    return authorization[len("Bearer ") :]
+
+
 async def read_at_most(request: Request, limit: int) -> bytes | None:
     """The request's body, or None as soon as it is known to be longer than `limit` bytes
     (by its Content-Length, or while it streams in): nothing past the limit is read."""

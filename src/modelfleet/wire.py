@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_LOG_TAIL_LINES = 200
+# A node's name as a join gives it: what a host name, a label or a file name may hold.
+NODE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
 
 class _Message(BaseModel):
@@ -150,6 +152,24 @@ class Heartbeat(_Message):
 class HeartbeatAnswer(_Message):
     heartbeat_interval: float = Field(gt=0)
     assignment: NodeAssignment | None = None  # None: the one the agent holds is current
+
+
+class JoinRequest(_Message):
+    """An agent's join: the node it will be, and a certificate request (PEM) for its admin
+    listener, naming the hosts it is reached by. Sent with the join token as its bearer."""
+
+    node: str = Field(pattern=NODE_NAME)
+    csr: str = Field(max_length=8192)
+
+
+class JoinAnswer(_Message):
+    """The node's own credential (every report and heartbeat after carries it), the fleet's
+    CA, and the admin listener's certificate signed by it (all PEM)."""
+
+    node: str
+    credential: str = Field(repr=False)
+    ca: str
+    cert: str
 
 
 Routing = Literal["least_load", "prefix"]

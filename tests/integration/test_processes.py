@@ -25,7 +25,7 @@ from modelfleet.engines import Launch, driver_for
 from modelfleet.network import interface_of
 from modelfleet.processes import ProcessId, stop_groups
 from modelfleet.processes import running as alive
-from modelfleet.wire import NodeAssignment, ShardAssignment, ShardState
+from modelfleet.wire import AgentReport, NodeAssignment, ShardAssignment, ShardState
 
 from .conftest import Procs, until, wait_for, wait_json
 
@@ -197,23 +197,27 @@ def test_control_plane_refuses_an_invalid_catalog_listing_every_problem(tmp_path
     assert "Traceback" not in done.stderr
 
 
-def test_a_control_plane_without_an_agent_token_refuses_to_start(
+def test_a_control_plane_without_an_agent_token_takes_reports_only_with_a_credential(
     procs: Procs, tmp_path: Path
 ) -> None:
-    """Without an agent token any process that reaches the agent API could report as a node
-    and be sent assignments: refused, unless asked for explicitly."""
+    """Without a shared agent token, only nodes that joined (with a credential of their own)
+    may report: a report with no credential is refused, unless the API is left open on
+    purpose with --insecure-agent-api."""
     (tmp_path / "cp.yaml").write_text(
         yaml.safe_dump({"admin_token": "x" * 16, "agent_port": 0, "admin_port": 0})
     )
-    done = control_plane_run(tmp_path / "cp.yaml")
-    assert done.returncode == 2 and "no agent_token" in done.stderr
-    assert "--insecure-agent-api" in done.stderr and "Traceback" not in done.stderr
-    ready = tmp_path / "cp.json"
-    started = procs.start(
-        "control-plane", "--config", str(tmp_path / "cp.yaml"), "--insecure-agent-api",
-        "--ready-file", str(ready), log="cp",
-    )  # fmt: skip
-    assert set(wait_json(ready, started)["urls"]) == {"agent", "admin"}
+    body = AgentReport(node="n", boot_id="b", seq=1, address="127.0.0.1", gpus=[], shards=[])
+    for extra, status in (((), 401), (("--insecure-agent-api",), 200)):
+        ready = tmp_path / f"cp{len(extra)}.json"
+        started = procs.start(
+            "control-plane", "--config", str(tmp_path / "cp.yaml"), *extra,
+            "--ready-file", str(ready), log=f"cp{len(extra)}",
+        )  # fmt: skip
+        agent_url = wait_json(ready, started)["urls"]["agent"]
+        sent = httpx.post(f"{agent_url}/v1/report", content=body.model_dump_json(), timeout=10)
+        assert sent.status_code == status, sent.text
+        stop_groups([started.pid], grace=20)  # both use the same state dir
+        started.wait()
 
 
 LOOPBACK = interface_of("127.0.0.1")  # "lo" on Linux

@@ -4,6 +4,7 @@ against what the document says of it, errors included."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +20,7 @@ from modelfleet.controlplane.config import ControlPlaneConfig, RouterTarget
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.controlplane.usage import UsageCollector
+from modelfleet.pki import CertificateAuthority
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import AgentReport, ShardReport, ShardState
 
@@ -76,6 +78,13 @@ CALLS: list[tuple[str, str, str | None, int]] = [
     ("DELETE", "/v1/keys/alice", None, 404),
     ("GET", "/v1/usage?since=7d&key=alice", None, 200),
     ("GET", "/v1/usage?since=forever", None, 400),
+    ("POST", "/v1/join-tokens", '{"ttl": "2h", "uses": 2}', 200),
+    ("POST", "/v1/join-tokens", '{"ttl": "soon"}', 400),
+    ("POST", "/v1/join-tokens", '{"uses": 0}', 400),
+    ("GET", "/v1/join-tokens", None, 200),
+    ("DELETE", "/v1/join-tokens/nope", None, 404),
+    ("POST", "/v1/nodes/a/revoke", None, 409),  # it reports with the shared agent token
+    ("POST", "/v1/nodes/nope/revoke", None, 404),
 ]
 
 
@@ -84,7 +93,8 @@ def control_plane() -> ControlPlane:
     keeper = CatalogKeeper(SqliteStore(":memory:"))
     keeper.start(0.0)
     keeper.apply(yaml.safe_dump(CATALOG), "api", 0.0)
-    cp = ControlPlane(ControlPlaneConfig(admin_token=TOKEN, settle_for=-1), keeper)
+    ca = CertificateAuthority.create("test CA", datetime.datetime.now(datetime.UTC))
+    cp = ControlPlane(ControlPlaneConfig(admin_token=TOKEN, settle_for=-1), keeper, ca=ca)
     now = time.monotonic()
     gpus = SimulatedGpus("2x80GB", {1: "XID 79"})
     for node in ("a", "b"):
@@ -192,7 +202,7 @@ def test_a_replica_answer_carries_its_log_tail_and_the_list_does_not() -> None:
 
 def test_bad_input_gets_a_clear_4xx_and_changes_nothing() -> None:
     cp = control_plane()
-    cp.config = cp.config.model_copy(update={"max_report_bytes": 1000})
+    cp.config = cp.config.model_copy(update={"max_report_bytes": 1000, "insecure_agent_api": True})
     agent_app, _ = create_apps(cp)
     version = cp.catalogs.current.version
 

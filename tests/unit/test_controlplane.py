@@ -519,6 +519,7 @@ def test_a_slow_preview_and_a_hung_router_hold_up_neither_reports_nor_passes(
 
     config = ControlPlaneConfig(
         admin_token=TOKEN,
+        insecure_agent_api=True,
         settle_for=-1,
         reconcile_interval=0.05,
         push_interval=0.05,

@@ -335,3 +335,27 @@ def test_rebalance_moves_the_newest_of_a_fuller_node_until_the_spread_is_even() 
     assert rebalance(c, even, fleet, set(), NOW, 10) == ()
     cordoned = [fleet[0], dataclasses.replace(fleet[1], mark=Mark.CORDONED)]
     assert rebalance(c, table, cordoned, set(), NOW, 10) == ()
+
+
+def test_replicas_of_a_revoked_node_are_replaced_as_a_lost_nodes_and_it_freezes_nothing() -> None:
+    """A revoked node is cut off on purpose: its replicas are all replaced at once (not held
+    back to max_parallel), each stops once its replacement serves, nothing new lands on it,
+    and it does not count among the silent nodes that freeze the fleet."""
+    c = catalog({"name": "a", "replicas": 2, "max_parallel": 1})
+    digest = c.models[0].engine_digest
+    revoked = dataclasses.replace(nodes(2)[0], mark=Mark.REVOKED)
+    fleet = [revoked, nodes(2)[1]]
+    table = [replica("r0", "a", digest, "n0", 0), replica("r1", "a", digest, "n0", 1)]
+    first = plan(c, table, {"r0", "r1"}, fleet, set(), NOW, 10, lost_after=60)
+    assert not first.stop and [s.node for r in first.new for s in r.shards] == ["n1", "n1"]
+    moved = [Replica(f"m{i}", "a", digest, r.shards, NOW) for i, r in enumerate(first.new)]
+    done = plan(c, table + moved, {"r0", "r1", "m0", "m1"}, fleet, set(), NOW, 10, lost_after=60)
+    assert {(s.replica_id, s.reason) for s in done.stop} == {
+        ("r0", "node revoked by an operator"),
+        ("r1", "node revoked by an operator"),
+    }
+    # The other node silent too: that one is the fleet's fault (frozen), the revoked one not.
+    silent = [revoked, dataclasses.replace(nodes(2)[1], last_report=NOW - 120)]
+    table = [replica("r0", "a", digest, "n0", 0), replica("r1", "a", digest, "n1", 0)]
+    p = plan(c, table, {"r0", "r1"}, silent, set(), NOW, 10, lost_after=60)
+    assert "every node has been silent" in p.frozen and not p.stop

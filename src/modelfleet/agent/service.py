@@ -38,6 +38,7 @@ from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
 from modelfleet.files import write_json_atomic
+from modelfleet.pki import TlsFiles
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import bearer_matches, error_response, json_response
 from modelfleet.wire import (
@@ -59,6 +60,7 @@ class AgentSettings:
     state_dir: Path
     # Checks the control plane's certificate (`pki.client_context`); None: the system's CAs.
     verify: ssl.SSLContext | None = None
+    admin_tls: TlsFiles | None = None  # the admin listener's certificate, once joined
     address: str = "127.0.0.1"
     labels: tuple[tuple[str, str], ...] = ()
     report_interval: float = 2.0
@@ -328,7 +330,8 @@ class Beat(enum.Enum):
 
 
 def create_admin_app(agent: Agent) -> Starlette:
-    """The agent's own small admin API (agent token): simulated GPU faults at run time.
+    """The agent's own small admin API (the agent's token: the node's credential once joined,
+    else the fleet's shared agent token): simulated GPU faults at run time.
 
     `GET /v1/gpus` lists the GPUs as reported; `PUT /v1/gpus/{index}/health` with
     `{"healthy": false, "reason": "XID 79"}` makes a simulated GPU fail (or recover).
@@ -387,7 +390,8 @@ async def serve(
         listeners = []
         if admin_port is not None:
             app = create_admin_app(agent)
-            listeners.append(Listener("admin", app, settings.address, admin_port))
+            admin = Listener("admin", app, settings.address, admin_port, tls=settings.admin_tls)
+            listeners.append(admin)
 
         async def loop() -> None:
             await agent.report_loop(ready_file, {li.name: li.url for li in listeners})

@@ -23,6 +23,7 @@ from modelfleet import admin
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane import keys, views
 from modelfleet.controlplane.catalogs import API_SOURCE
+from modelfleet.controlplane.membership import MembershipRefused, token_info
 from modelfleet.controlplane.plane import ControlPlane, NodeBusy
 from modelfleet.fleet import Mark
 from modelfleet.store import StoreError
@@ -69,7 +70,7 @@ def _body_of(model: type[BaseModel]) -> dict[str, Any]:
 
 
 _MARK_BODY = _body_of(admin.MarkRequest)
-KeyRequest = TypeVar("KeyRequest", admin.KeyCreate, admin.KeyUpdate)
+KeyRequest = TypeVar("KeyRequest", admin.KeyCreate, admin.KeyUpdate, admin.JoinTokenCreate)
 
 
 def _error(
@@ -165,6 +166,10 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         if node not in cp.state.nodes:
             known = ", ".join(sorted(cp.state.nodes)) or "none has reported yet"
             raise Refused.because(404, f"no node {node!r} has reported (nodes: {known})")
+        if cp.state.nodes[node].mark.mark is Mark.REVOKED:
+            raise Refused.because(
+                409, f"node {node} was revoked: it comes back only by joining anew"
+            )
         grace = cp.config.drain_grace if body.grace_s is None else body.grace_s
         was = cp.set_mark(node, Mark(body.mark), grace)
         moves, pending = views.steps(await cp.preview(cp.catalogs.current))
@@ -321,7 +326,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         # Read as JSON whatever its Content-Type says, as a mark request is.
         raw = await read_at_most(request, 16384)
         if raw is None:
-            raise Refused.because(413, "a key request may have at most 16384 bytes")
+            raise Refused.because(413, "a request may have at most 16384 bytes")
         try:
             return model.model_validate_json(raw)
         except ValidationError as exc:
@@ -404,6 +409,58 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             raise Refused.because(exc.status, str(exc)) from None
         cp.wake()
         return keys.info(stored)
+
+    @app.post("/v1/nodes/{node}/revoke", responses=_errors(404, 409, 503))
+    async def revoke_node(node: str) -> admin.NodeRevoked:
+        """Cut a node off at once: its credential is deleted (nothing it sends is taken), and
+        its replicas are replaced elsewhere as a lost node's are. It comes back only by
+        joining anew with a join token."""
+        try:
+            replacing = cp.revoke_node(node)
+        except MembershipRefused as exc:
+            raise Refused.because(exc.status, str(exc)) from None
+        return admin.NodeRevoked(node=node, replacing=replacing)
+
+    @app.get("/v1/join-tokens", responses=_errors())
+    async def join_tokens() -> admin.JoinTokensAnswer:
+        """The join tokens (never their secrets): usable, expired or used up."""
+        now = cp.clock.time()
+        tokens = cp.membership.tokens.values()
+        return admin.JoinTokensAnswer(tokens=[token_info(t, now) for t in tokens])
+
+    @app.post(
+        "/v1/join-tokens",
+        responses=_errors(400, 413, 503),
+        openapi_extra=_body_of(admin.JoinTokenCreate),
+    )
+    async def create_join_token(request: Request) -> admin.JoinTokenCreated:
+        """Make a join token; the answer holds it, shown this once. It carries the fleet CA's
+        fingerprint, for the joining agent to pin."""
+        body = await key_body(request, admin.JoinTokenCreate)
+        ttl: float | None = None
+        if body.ttl != "never":
+            try:
+                ttl = parse_duration(body.ttl)
+            except BadDuration as exc:
+                raise Refused.because(400, f"ttl: {exc}; or 'never'") from None
+            if ttl <= 0:
+                raise Refused.because(400, f"ttl: {body.ttl!r} is no time at all")
+        now = cp.clock.time()
+        try:
+            token, stored = cp.membership.create_token(ttl, body.uses, now)
+        except MembershipRefused as exc:
+            raise Refused.because(exc.status, str(exc)) from None
+        info = token_info(stored, now).model_dump()
+        return admin.JoinTokenCreated(token=str(token), ca_fingerprint=token.ca_fingerprint, **info)
+
+    @app.delete("/v1/join-tokens/{token_id}", responses=_errors(404, 503))
+    async def revoke_join_token(token_id: str) -> admin.JoinTokenInfo:
+        """Delete a join token: no node joins with it after this (those that did stay)."""
+        try:
+            stored = cp.membership.revoke_token(token_id)
+        except MembershipRefused as exc:
+            raise Refused.because(exc.status, str(exc)) from None
+        return token_info(stored, cp.clock.time())
 
     def document() -> dict[str, Any]:
         """FastAPI's document, saying what this API answers to a malformed request: 400 with

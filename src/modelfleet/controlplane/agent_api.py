@@ -13,14 +13,23 @@ loop for a second at a time), as Nomad staggers its heartbeat deadlines. A heart
 control plane cannot place (it restarted, or the agent did) is refused with 409, and the agent
 sends its whole report.
 
-Both are served as bare ASGI, not through Starlette's routing and middleware: every node of
-the fleet holds a heartbeat at all times, and what each one holds (coroutines, request
-objects) is what the garbage collector scans and what a restart of 10,000 nodes pays for
+`GET /v1/join/ca` (open) and `POST /v1/join` (a join token as bearer): a new node fetches the
+fleet's CA, checks it against the fingerprint its join token pins, and exchanges the token for
+a credential of its own (`membership.py`).
+
+Who may send what: a node's credential is taken for that node only; a report or heartbeat
+naming another is refused (403) and logged. The fleet's shared agent token (`agent_token`, the
+mode `up` runs in) may report as any node that has not joined with a credential of its own.
+
+Report and heartbeat are served as bare ASGI, not through Starlette's routing and middleware:
+every node of the fleet holds a heartbeat at all times, and what each one holds (coroutines,
+request objects) is what the garbage collector scans and what a restart of 10,000 nodes pays for
 (bench/controlplane_scale.py). Anything else goes to a Starlette app: 404, 405, lifespan.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -32,12 +41,20 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from modelfleet.controlplane.membership import MembershipRefused
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.records import ReportFirst, StaleReport
-from modelfleet.web import bearer_matches, error_json, header, receive_at_most, send_json
-from modelfleet.wire import AgentReport, Heartbeat, HeartbeatAnswer
+from modelfleet.fleet import Mark
+from modelfleet.joining import CREDENTIAL_PREFIX
+from modelfleet.store import StoreError
+from modelfleet.web import bearer, bearer_matches, error_json, header, receive_at_most, send_json
+from modelfleet.wire import AgentReport, Heartbeat, HeartbeatAnswer, JoinRequest
+
+log = logging.getLogger("modelfleet.controlplane")
 
 MAX_HEARTBEAT_BYTES = 4096
+MAX_JOIN_BYTES = 16384
+ANY_NODE = ""  # who holds the fleet's shared agent token: any node not joined on its own
 HOLD_LEAST = 0.75  # of the interval
 
 Answer = tuple[int, bytes]  # status, JSON body
@@ -45,39 +62,122 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class AgentApi:
-    """The agent API of one control plane, checked with its agent token (none: open)."""
+    """The agent API of one control plane."""
 
     def __init__(self, cp: ControlPlane, spread: Callable[[], float] = random.random) -> None:
         self.cp = cp
         self.spread = spread  # a number in [0, 1): where in its range a heartbeat's hold ends
-        self.paths: dict[str, Callable[[Scope, Receive], Awaitable[Answer]]] = {
+        self.paths: dict[str, Callable[[Scope, Receive, str], Awaitable[Answer]]] = {
             "/v1/report": self.report,
             "/v1/heartbeat": self.heartbeat,
         }
 
-        async def wrong_method(request: Request) -> Response:  # reached by POST never
-            raise AssertionError("POST is served by AgentApi itself")
+        # Joins need no credential: they are how a node gets one.
+        self.joins: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
+            ("GET", "/v1/join/ca"): self.join_ca,
+            ("POST", "/v1/join"): self.join,
+        }
+
+        async def wrong_method(request: Request) -> Response:  # reached by the others never
+            raise AssertionError("served by AgentApi itself")
 
         # Another method on a known path gets 405, an unknown path 404.
-        self.rest = Starlette(routes=[Route(p, wrong_method, methods=["POST"]) for p in self.paths])
+        self.rest = Starlette(
+            routes=[
+                *(Route(p, wrong_method, methods=["POST"]) for p in self.paths),
+                *(Route(p, wrong_method, methods=[m]) for m, p in self.joins),
+            ]
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         serve = self.paths.get(scope.get("path", "")) if scope["type"] == "http" else None
         if serve is None or scope["method"] != "POST":
-            await self.rest(scope, receive, send)
+            joining = self.joins.get((scope.get("method", ""), scope.get("path", "")))
+            await (joining or self.rest)(scope, receive, send)
             return
-        token = self.cp.config.agent_token
-        if token is not None and not bearer_matches(header(scope, b"authorization"), token):
-            await send_json(send, 401, error_json("missing or wrong agent token"))
+        holder = self._holder(scope)
+        if holder is None:
+            await send_json(
+                send,
+                401,
+                error_json(
+                    "missing or wrong agent token, or a node credential not (or no longer) valid"
+                ),
+            )
             return
-        status, body = await serve(scope, receive)
+        status, body = await serve(scope, receive, holder)
         await send_json(send, status, body)
 
-    async def report(self, scope: Scope, receive: Receive) -> Answer:
+    def _holder(self, scope: Scope) -> str | None:
+        """The node whose credential the request carries; ANY_NODE for the fleet's shared
+        agent token (or an API left open); None when it carries neither."""
+        presented = bearer(header(scope, b"authorization"))
+        if presented is not None and presented.startswith(CREDENTIAL_PREFIX):
+            return self.cp.membership.node_of(presented)
+        config = self.cp.config
+        if config.agent_token is not None:
+            matches = bearer_matches(header(scope, b"authorization"), config.agent_token)
+            return ANY_NODE if matches else None
+        return ANY_NODE if config.insecure_agent_api else None
+
+    def _refuse_as(self, holder: str, node: str, scope: Scope) -> Answer | None:
+        """Why a request carrying `holder`'s credential may not speak for `node`, if so."""
+        cp = self.cp
+        if holder == ANY_NODE and cp.membership.has_joined(node):
+            why = f"node {node} has joined with a credential of its own: only it speaks for it"
+        elif holder not in (ANY_NODE, node):
+            why = f"this credential is node {holder}'s: it may not speak for node {node}"
+        else:
+            record = cp.state.nodes.get(node)
+            if record is None or record.mark.mark is not Mark.REVOKED:
+                return None
+            why = f"node {node} was revoked: it comes back only by joining anew"
+        client = scope.get("client") or ("?", 0)
+        log.warning("refused a request from %s naming node %s: %s", client[0], node, why)
+        return 403, error_json(why)
+
+    async def join_ca(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The fleet's CA certificate, for a joining node to check against its token."""
+        ca = self.cp.membership.ca
+        if ca is None:
+            await send_json(send, 503, error_json("this control plane has no CA"))
+            return
+        body = ca.cert_pem
+        headers = [
+            (b"content-type", b"application/x-pem-file"),
+            (b"content-length", b"%d" % len(body)),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def join(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Exchange the join token the request carries for a credential of the node it names."""
+        cp = self.cp
+        request = await _receive(scope, receive, JoinRequest, "join", MAX_JOIN_BYTES)
+        if not isinstance(request, JoinRequest):
+            await send_json(send, *request)
+            return
+        presented = bearer(header(scope, b"authorization")) or ""
+        try:
+            answer = cp.join(presented, request)
+        except MembershipRefused as exc:
+            client = scope.get("client") or ("?", 0)
+            log.warning("refused a join of node %s from %s: %s", request.node, client[0], exc)
+            await send_json(send, exc.status, error_json(str(exc)))
+            return
+        except StoreError as exc:
+            await send_json(send, 503, error_json(str(exc)))
+            return
+        await send_json(send, 200, answer.model_dump_json().encode())
+
+    async def report(self, scope: Scope, receive: Receive, holder: str) -> Answer:
         cp = self.cp
         sent = await _receive(scope, receive, AgentReport, "report", cp.config.max_report_bytes)
         if not isinstance(sent, AgentReport):
             return sent
+        refused = self._refuse_as(holder, sent.node, scope)
+        if refused is not None:
+            return refused
         catalog = cp.catalogs.current
         try:
             changed = cp.state.take_report(sent, catalog, cp.clock.monotonic())
@@ -90,11 +190,14 @@ class AgentApi:
         assignment = cp.assignments.of(sent.node, catalog, timing.interval)
         return 200, assignment.model_dump_json().encode()
 
-    async def heartbeat(self, scope: Scope, receive: Receive) -> Answer:
+    async def heartbeat(self, scope: Scope, receive: Receive, holder: str) -> Answer:
         cp = self.cp
         beat = await _receive(scope, receive, Heartbeat, "heartbeat", MAX_HEARTBEAT_BYTES)
         if not isinstance(beat, Heartbeat):
             return beat
+        refused = self._refuse_as(holder, beat.node, scope)
+        if refused is not None:
+            return refused
         now = cp.clock.monotonic()
         try:
             fresh_again = cp.state.take_heartbeat(beat, now)

@@ -45,8 +45,10 @@ class ControlPlaneConfig(BaseModel):
     agent_port: int = Field(default=7070, ge=0, le=65535)
     admin_port: int = Field(default=7071, ge=0, le=65535)
     admin_token: str = Field(min_length=8)
-    # None is refused at start unless insecure_agent_api: any process that reaches the agent
-    # API could then report as a node and be sent assignments.
+    # Agents join with join tokens (`ctl join-tokens create`) and report with a credential of
+    # their own node. A shared agent token lets whoever holds it report as any node not joined
+    # so: the mode `up` runs in, all on one machine. insecure_agent_api takes reports with no
+    # credential at all (development only).
     agent_token: str | None = Field(default=None, min_length=16)
     insecure_agent_api: bool = False
     routers: list[RouterTarget] = Field(default_factory=list)

@@ -34,6 +34,7 @@ from modelfleet.controlplane.config import (
     Heartbeats,
 )
 from modelfleet.controlplane.keys import KeyBook
+from modelfleet.controlplane.membership import Membership, MembershipRefused
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.records import NodeMark
 from modelfleet.controlplane.routing import RoutingTable
@@ -41,8 +42,10 @@ from modelfleet.controlplane.state import FleetState
 from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.controlplane.watch import AssignmentWatch
 from modelfleet.fleet import Mark
+from modelfleet.pki import CertificateAuthority
 from modelfleet.reconcile import Move, Preview, plan, preview, rebalance, settling
 from modelfleet.store import StoredMark, StoreError
+from modelfleet.wire import JoinAnswer, JoinRequest
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -67,6 +70,7 @@ class ControlPlane:
         catalogs: CatalogKeeper,
         http: httpx.AsyncClient | None = None,  # how it reaches routers; tests pass a mock
         clock: Clock = SYSTEM_CLOCK,
+        ca: CertificateAuthority | None = None,  # the fleet's CA; None: no joins
     ) -> None:
         self.config = config
         self.catalogs = catalogs
@@ -81,6 +85,7 @@ class ControlPlane:
         self._http = http or httpx.AsyncClient(timeout=5)
         self.store = catalogs.store
         self.keys = KeyBook(self.store)
+        self.membership = Membership(self.store, ca)
         self.usage = UsageCollector(
             config.routers, self._http, self.store, config.usage_interval, clock.time
         )
@@ -197,6 +202,41 @@ class ControlPlane:
             "node %s deleted%s", node, f"; replicas retired: {', '.join(held)}" if held else ""
         )
         return held
+
+    def join(self, token: str, request: JoinRequest) -> JoinAnswer:
+        """Give a node its credential for a join token (MembershipRefused if not). A node
+        revoked before, joining anew, is no longer revoked."""
+        answer = self.membership.join(token, request, self.clock.time())
+        node = request.node
+        record = self.state.nodes.get(node)
+        if record is not None and record.mark.mark is Mark.REVOKED:
+            self.set_mark(node, Mark.NONE, 0)
+        log.info("node %s joined", node)
+        return answer
+
+    def revoke_node(self, node: str) -> list[str]:
+        """Cut `node` off: delete its credential, so that nothing it sends is taken, and mark
+        it revoked, so that its replicas are replaced elsewhere as a lost node's are. Returns
+        them. MembershipRefused when the node holds no credential (it reports with the fleet's
+        shared agent token, which cannot be taken from one node)."""
+        if not self.membership.has_joined(node):
+            if node in self.state.nodes:
+                raise MembershipRefused(
+                    409,
+                    f"node {node} reports with the fleet's shared agent token, which cannot be "
+                    "revoked for one node: change agent_token, or join nodes with join tokens",
+                )
+            raise MembershipRefused(404, f"no node {node!r} has joined")
+        self.membership.revoke_node(node)
+        replacing = self.state.holding(node)
+        if node in self.state.nodes:
+            self.set_mark(node, Mark.REVOKED, 0)
+        log.warning(
+            "node %s revoked: its credential is deleted%s",
+            node,
+            f"; its replicas are replaced elsewhere: {', '.join(replacing)}" if replacing else "",
+        )
+        return replacing
 
     def forget_silent(self, now: float) -> None:
         """Forget nodes silent for `node_forget_after` that hold no replica."""

@@ -86,7 +86,7 @@ async def serve(
     `listener_certificate`) when given. Routers' push APIs are checked against `ca`.
     Engines and agents keep running."""
     http = httpx.AsyncClient(timeout=5, verify=client_context(ca.cert_pem))
-    cp = ControlPlane(config, catalogs, http=http)
+    cp = ControlPlane(config, catalogs, http=http, ca=ca)
     agent_app, admin_app = create_apps(cp)
     ca_file = config.state_dir / PKI_DIR / CA_CERT
     ready_extra = {"ca_file": str(ca_file), "ca_fingerprint": ca.fingerprint}

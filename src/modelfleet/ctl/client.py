@@ -146,6 +146,21 @@ class AdminClient:
         path = f"/v1/nodes/{quote(node, safe='')}"
         return self._call(admin.NodeDeleted, "DELETE", path, params=params)
 
+    def revoke_node(self, node: str) -> admin.NodeRevoked:
+        path = f"/v1/nodes/{quote(node, safe='')}/revoke"
+        return self._call(admin.NodeRevoked, "POST", path)
+
+    def join_tokens(self) -> admin.JoinTokensAnswer:
+        return self._call(admin.JoinTokensAnswer, "GET", "/v1/join-tokens")
+
+    def create_join_token(self, request: admin.JoinTokenCreate) -> admin.JoinTokenCreated:
+        body = request.model_dump_json(exclude_none=True).encode()
+        return self._call(admin.JoinTokenCreated, "POST", "/v1/join-tokens", body)
+
+    def revoke_join_token(self, token_id: str) -> admin.JoinTokenInfo:
+        path = "/v1/join-tokens/" + quote(token_id, safe="")
+        return self._call(admin.JoinTokenInfo, "DELETE", path)
+
     def mark(self, node: str, request: admin.MarkRequest) -> admin.MarkAnswer:
         path = f"/v1/nodes/{quote(node, safe='')}/mark"
         body = request.model_dump_json(exclude_none=True).encode()

@@ -120,7 +120,10 @@ catalog_app = typer.Typer(
     help="Show, change and list the fleet's catalog; no restart needed.", no_args_is_help=True
 )
 replicas_app = typer.Typer(help="The replicas, their shards and state, and what is pending.")
-nodes_app = typer.Typer(help="The nodes, their GPUs and health; forget a node.")
+nodes_app = typer.Typer(help="The nodes, their GPUs and health; forget or revoke a node.")
+join_tokens_app = typer.Typer(
+    help="Join tokens: what an agent on a new machine joins the fleet with (--join, --token)."
+)
 keys_app = typer.Typer(
     help="Client API keys: make, list, change and revoke them while the fleet runs.",
     no_args_is_help=True,
@@ -129,6 +132,7 @@ app.add_typer(catalog_app, name="catalog")
 app.add_typer(replicas_app, name="replicas")
 app.add_typer(nodes_app, name="nodes")
 app.add_typer(keys_app, name="keys")
+app.add_typer(join_tokens_app, name="join-tokens")
 
 
 @app.callback()
@@ -204,6 +208,55 @@ def nodes_delete(
     """Forget NODE (one that is gone for good). Refused while replicas run on it, unless
     --force. An agent that reports again comes back as a new node."""
     _ctl(context).show(lambda c: c.delete_node(node, force), _render("print_deleted"))
+
+
+@nodes_app.command("revoke")
+def nodes_revoke(
+    context: typer.Context,
+    node: Annotated[str, typer.Argument(help="The node's name, as `ctl nodes` shows it.")],
+) -> None:
+    """Cut NODE off at once: its credential is deleted, so nothing it sends is taken, and its
+    replicas are replaced elsewhere as a lost node's are. It comes back only by joining anew
+    with a join token."""
+    _ctl(context).show(lambda c: c.revoke_node(node), _render("print_node_revoked"))
+
+
+@join_tokens_app.command("create")
+def join_tokens_create(
+    context: typer.Context,
+    ttl: Annotated[
+        str, typer.Option("--ttl", help="How long it can be used: 90m, 1h, 7d, or never.")
+    ] = "1h",
+    uses: Annotated[
+        int | None,
+        typer.Option("--uses", help="How many nodes may join with it (default: any number)."),
+    ] = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Print the token alone, for scripts.")
+    ] = False,
+) -> None:
+    """Make a join token and print it, with the command an agent joins with. It is shown
+    this once: the fleet keeps only a hash of its secret."""
+    from modelfleet import admin
+
+    request = _key_request(admin.JoinTokenCreate, ttl=ttl, uses=uses)
+    render = "print_join_token_alone" if quiet else "print_join_token_created"
+    _ctl(context).show(lambda c: c.create_join_token(request), _render(render))
+
+
+@join_tokens_app.command("list")
+def join_tokens_list(context: typer.Context) -> None:
+    """Every join token: id, state (usable, expired, used up), uses, created, expires."""
+    _ctl(context).show(lambda c: c.join_tokens(), _render("print_join_tokens"))
+
+
+@join_tokens_app.command("revoke")
+def join_tokens_revoke(
+    context: typer.Context,
+    token_id: Annotated[str, typer.Argument(help="The token's id, as `join-tokens list` shows.")],
+) -> None:
+    """Delete a join token: no node joins with it after this (nodes that joined stay)."""
+    _ctl(context).show(lambda c: c.revoke_join_token(token_id), _render("print_join_token_revoked"))
 
 
 @replicas_app.callback(invoke_without_command=True)

@@ -52,6 +52,52 @@ def print_deleted(data: admin.NodeDeleted, console: Console) -> None:
     console.print(line, highlight=False)
 
 
+def print_node_revoked(data: admin.NodeRevoked, console: Console) -> None:
+    line = f"node {data.node} revoked: nothing it sends is taken"
+    if data.replacing:
+        line += f"; its replicas are replaced elsewhere: {', '.join(data.replacing)}"
+    console.print(line, highlight=False)
+
+
+_JOIN_HEADINGS = ("ID", "STATE", "USED", "USES LEFT", "CREATED", "EXPIRES")
+
+
+def _join_row(t: admin.JoinTokenInfo) -> tuple[str, ...]:
+    left = "any" if t.uses_left is None else str(t.uses_left)
+    expires = "never" if t.expires_at is None else _when(t.expires_at)
+    return (t.id, t.state, str(t.used), left, _when(t.created_at), expires)
+
+
+def print_join_tokens(data: admin.JoinTokensAnswer, console: Console) -> None:
+    if not data.tokens:
+        console.print("no join tokens: make one with `modelfleet ctl join-tokens create`")
+        return
+    table = Table(*_JOIN_HEADINGS)
+    for t in data.tokens:
+        table.add_row(*_join_row(t))
+    console.print(table)
+
+
+def print_join_token_created(data: admin.JoinTokenCreated, console: Console) -> None:
+    table = Table(*_JOIN_HEADINGS)
+    table.add_row(*_join_row(data))
+    console.print(table)
+    console.print(f"token: {data.token}", highlight=False, soft_wrap=True)
+    console.print(
+        f"It pins the fleet's CA ({data.ca_fingerprint}) and is shown this once. On the new "
+        "machine: modelfleet agent --join AGENT_API_URL --token TOKEN --node NAME",
+        highlight=False,
+    )
+
+
+def print_join_token_alone(data: admin.JoinTokenCreated, console: Console) -> None:
+    console.print(data.token, highlight=False, soft_wrap=True)
+
+
+def print_join_token_revoked(data: admin.JoinTokenInfo, console: Console) -> None:
+    console.print(f"join token {data.id} revoked: no node joins with it now", highlight=False)
+
+
 def print_nodes(data: admin.NodesAnswer, console: Console) -> None:
     table = Table(
         "NODE", "STATUS", "MARK", "REPLICAS", "GPUS USED", "MEMORY FREE", "LAST HEARD", "SHARDS"

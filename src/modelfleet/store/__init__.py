@@ -1,5 +1,5 @@
 """The control plane's store of desired state: applied catalogs, the last rejected one, node marks,
-client API keys.
+client API keys, join tokens and node credentials.
 
 `Store` is the seam; `SqliteStore` (in `store/sqlite.py`) is the one implementation, a file in
 the control plane's state dir. Actual state (what runs where) is never stored here: it is learned
@@ -71,6 +71,28 @@ class StoredUsage:
     last_at: float
 
 
+@dataclass(frozen=True)
+class StoredJoinToken:
+    """A join token (`joining.py`): its id and the SHA-256 of its secret, never the secret."""
+
+    id: str
+    sha256: str
+    created_at: float  # wall-clock seconds
+    expires_at: float | None  # wall-clock seconds; None: never
+    uses_left: int | None  # None: any number
+    used: int = 0
+
+
+@dataclass(frozen=True)
+class StoredCredential:
+    """A node's credential: the SHA-256 of it, and the join token it was given for."""
+
+    node: str
+    sha256: str
+    issued_at: float  # wall-clock seconds
+    token_id: str
+
+
 class StoreError(RuntimeError):
     """The store could not be opened or written; the message names the file and the cause.
     A write that fails changes nothing."""
@@ -119,6 +141,27 @@ class Store(Protocol):
 
     def api_keys(self) -> list[StoredKey]:
         """Every key, by name."""
+        ...
+
+    def put_join_token(self, token: StoredJoinToken) -> None:
+        """Record a join token, replacing the one of the same id."""
+        ...
+
+    def delete_join_token(self, token_id: str) -> None: ...
+
+    def join_tokens(self) -> list[StoredJoinToken]:
+        """Every join token, oldest first."""
+        ...
+
+    def record_join(self, token: StoredJoinToken, credential: StoredCredential) -> None:
+        """In one transaction: the token as its use left it, and the node's new credential
+        (replacing one the node had)."""
+        ...
+
+    def delete_credential(self, node: str) -> None: ...
+
+    def credentials(self) -> list[StoredCredential]:
+        """Every node's credential, by node."""
         ...
 
     def add_usage(self, run: str, batch: int, rows: list[StoredUsage], now: float) -> bool:

@@ -13,6 +13,8 @@ from modelfleet.files import PRIVATE, private_dir
 from modelfleet.store import (
     Rejection,
     StoredCatalog,
+    StoredCredential,
+    StoredJoinToken,
     StoredKey,
     StoredMark,
     StoredUsage,
@@ -65,6 +67,20 @@ CREATE TABLE IF NOT EXISTS usage_batches (
     batch INTEGER NOT NULL,
     at    REAL NOT NULL,
     PRIMARY KEY (run, batch)
+);
+CREATE TABLE IF NOT EXISTS join_tokens (
+    id         TEXT PRIMARY KEY,
+    sha256     TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL,
+    uses_left  INTEGER,
+    used       INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS node_credentials (
+    node      TEXT PRIMARY KEY,
+    sha256    TEXT NOT NULL UNIQUE,
+    issued_at REAL NOT NULL,
+    token_id  TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
@@ -196,6 +212,48 @@ class SqliteStore:
             StoredKey(n, s, p, tuple(json.loads(m)) if m is not None else None, *rest)
             for n, s, p, m, *rest in rows
         ]
+
+    def put_join_token(self, token: StoredJoinToken) -> None:
+        with self._write():
+            self._put_join_token(token)
+
+    def _put_join_token(self, t: StoredJoinToken) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO join_tokens (id, sha256, created_at, expires_at, uses_left, "
+            "used) VALUES (?, ?, ?, ?, ?, ?)",
+            (t.id, t.sha256, t.created_at, t.expires_at, t.uses_left, t.used),
+        )
+
+    def delete_join_token(self, token_id: str) -> None:
+        with self._write():
+            self._db.execute("DELETE FROM join_tokens WHERE id = ?", (token_id,))
+
+    def join_tokens(self) -> list[StoredJoinToken]:
+        rows = self._db.execute(
+            "SELECT id, sha256, created_at, expires_at, uses_left, used FROM join_tokens "
+            "ORDER BY created_at, id"
+        ).fetchall()
+        return [StoredJoinToken(*row) for row in rows]
+
+    def record_join(self, token: StoredJoinToken, credential: StoredCredential) -> None:
+        c = credential
+        with self._write():
+            self._put_join_token(token)
+            self._db.execute(
+                "INSERT OR REPLACE INTO node_credentials (node, sha256, issued_at, token_id) "
+                "VALUES (?, ?, ?, ?)",
+                (c.node, c.sha256, c.issued_at, c.token_id),
+            )
+
+    def delete_credential(self, node: str) -> None:
+        with self._write():
+            self._db.execute("DELETE FROM node_credentials WHERE node = ?", (node,))
+
+    def credentials(self) -> list[StoredCredential]:
+        rows = self._db.execute(
+            "SELECT node, sha256, issued_at, token_id FROM node_credentials ORDER BY node"
+        ).fetchall()
+        return [StoredCredential(*row) for row in rows]
 
     def add_usage(self, run: str, batch: int, rows: list[StoredUsage], now: float) -> bool:
         with self._write():

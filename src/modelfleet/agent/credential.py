@@ -1,0 +1,146 @@
+"""The agent's side of joining: a join token exchanged once for a credential of its node.
+
+`join` pins the fleet's CA by the fingerprint the token carries (it fetches the CA's
+certificate over a connection it does not trust yet, and refuses it unless the fingerprint
+matches), then sends the token, over TLS checked against that CA, with a certificate request
+for its own admin listener; the answer is its node's credential and that certificate. All of it
+is kept in one file of the agent's state dir, readable by its owner alone, and every later run
+uses it instead of the token (which may have expired or been used up by then).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from modelfleet.files import write_atomic
+from modelfleet.joining import JoinToken
+from modelfleet.pki import PkiError, TlsFiles, client_context, pinned_ca, request
+from modelfleet.wire import JoinAnswer, JoinRequest
+
+log = logging.getLogger("modelfleet.agent")
+
+CREDENTIAL_FILE = "credential.json"  # in the agent's state dir, 0600
+ADMIN_TLS_STEM = "admin"  # admin.crt and admin.key beside it
+
+
+class JoinFailed(Exception):
+    """A join that cannot succeed as asked (refused, a CA that does not match the token);
+    the message says why and what to do."""
+
+
+class Unreachable(Exception):
+    """The control plane did not answer: worth trying again."""
+
+
+class Credential(BaseModel):
+    """What an agent that joined keeps: its node, its credential, the fleet's CA, and its
+    admin listener's certificate and key (PEM)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    node: str
+    credential: str = Field(repr=False)
+    ca: str
+    cert: str
+    key: str = Field(repr=False)
+
+    def tls_files(self, state_dir: Path) -> TlsFiles:
+        """The admin listener's certificate and key, written as files (0600) for it."""
+        files = TlsFiles(state_dir / f"{ADMIN_TLS_STEM}.crt", state_dir / f"{ADMIN_TLS_STEM}.key")
+        write_atomic(files.key, self.key)
+        write_atomic(files.cert, self.cert)
+        return files
+
+
+def load(state_dir: Path) -> Credential | None:
+    """The credential kept in `state_dir`, or None when this agent has not joined. Raises
+    JoinFailed when the file is there but unreadable."""
+    path = state_dir / CREDENTIAL_FILE
+    try:
+        return Credential.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValidationError) as exc:
+        raise JoinFailed(
+            f"{path} is unreadable ({exc}): restore it, or revoke the node and join it anew"
+        ) from exc
+
+
+def join(url: str, token: JoinToken, node: str, names: list[str], state_dir: Path) -> Credential:
+    """Join the fleet whose agent API is at `url` as `node`, with a certificate for `names`
+    for the admin listener; keep the credential in `state_dir`. Raises Unreachable (try again)
+    or JoinFailed."""
+    ca_pem = _fetch_ca(url, token)
+    key_pem, csr_pem = request(names)
+    body = JoinRequest(node=node, csr=csr_pem.decode()).model_dump_json()
+    try:
+        answered = httpx.post(
+            url.rstrip("/") + "/v1/join",
+            content=body,
+            headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+            verify=client_context(ca_pem),
+            timeout=10,
+        )
+    except httpx.HTTPError as exc:
+        raise Unreachable(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
+    if answered.status_code != 200:
+        raise JoinFailed(f"{url} refused the join ({answered.status_code}): {_error(answered)}")
+    try:
+        answer = JoinAnswer.model_validate_json(answered.content)
+    except ValidationError as exc:
+        raise JoinFailed(f"{url} answered the join with something unreadable: {exc}") from exc
+    kept = Credential(
+        node=answer.node,
+        credential=answer.credential,
+        ca=answer.ca,
+        cert=answer.cert,
+        key=key_pem.decode(),
+    )
+    write_atomic(state_dir / CREDENTIAL_FILE, kept.model_dump_json(indent=2))
+    return kept
+
+
+def join_until_answered(
+    url: str,
+    token: JoinToken,
+    node: str,
+    names: list[str],
+    state_dir: Path,
+    retry_every: float,
+) -> Credential:
+    """`join`, tried again every `retry_every` seconds while the control plane does not
+    answer (it may not be up yet). Raises JoinFailed."""
+    while True:
+        try:
+            return join(url, token, node, names, state_dir)
+        except Unreachable as exc:
+            log.warning("cannot join yet: %s; trying again in %.0fs", exc, retry_every)
+            time.sleep(retry_every)
+
+
+def _fetch_ca(url: str, token: JoinToken) -> bytes:
+    """The fleet CA's certificate, accepted only if the token pins it. It is fetched over a
+    connection not yet checked (there is nothing to check it against yet): the fingerprint is
+    the check."""
+    try:
+        answered = httpx.get(url.rstrip("/") + "/v1/join/ca", verify=False, timeout=10)
+    except httpx.HTTPError as exc:
+        raise Unreachable(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
+    if answered.status_code != 200:
+        raise JoinFailed(f"{url} gave no CA ({answered.status_code}): {_error(answered)}")
+    try:
+        pinned_ca(answered.content, token.ca_fingerprint)
+    except PkiError as exc:
+        raise JoinFailed(f"{url}: {exc}") from exc
+    return answered.content
+
+
+def _error(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:300]

@@ -1,0 +1,144 @@
+"""Who may report as which node: join tokens, and a credential per node.
+
+An operator makes join tokens (`ctl join-tokens create`); an agent exchanges one, once, for a
+credential of its node (`joining.py` says how the agent side goes). From then on the agent API
+takes a report or heartbeat carrying a credential only for the node that credential was given
+to. The store and this book keep SHA-256 digests, never a token's secret or a credential.
+Every refusal is a `MembershipRefused` carrying the HTTP status to answer, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hmac
+
+from modelfleet import admin
+from modelfleet.joining import BadJoinToken, JoinToken, digest, new_credential
+from modelfleet.pki import CertificateAuthority, PkiError
+from modelfleet.store import Store, StoredCredential, StoredJoinToken
+from modelfleet.wire import JoinAnswer, JoinRequest
+
+
+class MembershipRefused(Exception):
+    """A join, or a change of tokens or credentials, refused: what is wrong, and the status
+    the API answers."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def token_state(token: StoredJoinToken, now: float) -> str:
+    """ "usable", "expired" or "used up"."""
+    if token.expires_at is not None and now >= token.expires_at:
+        return "expired"
+    if token.uses_left is not None and token.uses_left <= 0:
+        return "used up"
+    return "usable"
+
+
+def token_info(token: StoredJoinToken, now: float) -> admin.JoinTokenInfo:
+    return admin.JoinTokenInfo(
+        id=token.id,
+        created_at=token.created_at,
+        expires_at=token.expires_at,
+        uses_left=token.uses_left,
+        used=token.used,
+        state=token_state(token, now),
+    )
+
+
+class Membership:
+    """The join tokens and node credentials: the store's, with a copy in memory, so that the
+    check on every report and heartbeat is a dictionary lookup."""
+
+    def __init__(self, store: Store, ca: CertificateAuthority | None) -> None:
+        self.store = store
+        self.ca = ca  # None: joins are refused (a control plane made without its CA, in tests)
+        self.tokens = {t.id: t for t in store.join_tokens()}
+        self.credentials = {c.node: c for c in store.credentials()}
+        self._nodes = {c.sha256: c.node for c in self.credentials.values()}
+
+    def create_token(
+        self, ttl: float | None, uses: int | None, now: float
+    ) -> tuple[JoinToken, StoredJoinToken]:
+        """A new join token (shown once) and what is stored of it."""
+        if self.ca is None:
+            raise MembershipRefused(503, "this control plane has no CA to pin in a join token")
+        token = JoinToken.new(self.ca.fingerprint)
+        stored = StoredJoinToken(
+            id=token.id,
+            sha256=digest(token.secret),
+            created_at=now,
+            expires_at=None if ttl is None else now + ttl,
+            uses_left=uses,
+        )
+        self.store.put_join_token(stored)
+        self.tokens[stored.id] = stored
+        return token, stored
+
+    def revoke_token(self, token_id: str) -> StoredJoinToken:
+        """Delete a join token: nobody joins with it after this (nodes that joined stay)."""
+        token = self.tokens.get(token_id)
+        if token is None:
+            known = ", ".join(self.tokens) or "there are none"
+            raise MembershipRefused(404, f"no join token {token_id!r} (tokens: {known})")
+        self.store.delete_join_token(token_id)
+        del self.tokens[token_id]
+        return token
+
+    def join(self, presented: str, request: JoinRequest, now: float) -> JoinAnswer:
+        """Exchange a join token for a new credential of `request.node`, and sign its admin
+        listener's certificate request."""
+        if self.ca is None:
+            raise MembershipRefused(503, "this control plane has no CA: it takes no joins")
+        try:
+            token = JoinToken.parse(presented)
+        except BadJoinToken as exc:
+            raise MembershipRefused(401, str(exc)) from None
+        stored = self.tokens.get(token.id)
+        if stored is None or not hmac.compare_digest(stored.sha256, digest(token.secret)):
+            raise MembershipRefused(401, "unknown or revoked join token")
+        state = token_state(stored, now)
+        if state != "usable":
+            raise MembershipRefused(401, f"join token {token.id} is {state}: make another")
+        node = request.node
+        if node in self.credentials:
+            raise MembershipRefused(
+                409,
+                f"node {node} has joined already; to join it again (a machine set up anew), "
+                f"revoke it first (`modelfleet ctl nodes revoke {node}`), or pick another name",
+            )
+        try:
+            when = datetime.datetime.fromtimestamp(now, datetime.UTC)
+            cert = self.ca.sign(request.csr.encode(), when)
+        except PkiError as exc:
+            raise MembershipRefused(400, f"csr: {exc}") from None
+        credential = new_credential()
+        uses_left = None if stored.uses_left is None else stored.uses_left - 1
+        used = dataclasses.replace(stored, uses_left=uses_left, used=stored.used + 1)
+        record = StoredCredential(node, digest(credential), now, stored.id)
+        self.store.record_join(used, record)
+        self.tokens[used.id] = used
+        self.credentials[node] = record
+        self._nodes[record.sha256] = node
+        return JoinAnswer(
+            node=node, credential=credential, ca=self.ca.cert_pem.decode(), cert=cert.decode()
+        )
+
+    def node_of(self, credential: str) -> str | None:
+        """The node `credential` was given to; None if it is nobody's (or was revoked)."""
+        return self._nodes.get(digest(credential))
+
+    def has_joined(self, node: str) -> bool:
+        return node in self.credentials
+
+    def revoke_node(self, node: str) -> None:
+        """Delete `node`'s credential: nothing it sends is taken after this."""
+        record = self.credentials.get(node)
+        if record is None:
+            raise MembershipRefused(404, f"node {node} holds no credential")
+        self.store.delete_credential(node)
+        del self.credentials[node]
+        del self._nodes[record.sha256]

@@ -1,0 +1,211 @@
+"""Agents that join with a join token: real processes on 127.0.0.1 (with `tls: on`).
+
+An agent pins the fleet's CA by the fingerprint its token carries, exchanges the token once
+for a credential of its own node, keeps it (0600), and reports only as itself; a node revoked
+by an operator is cut off at once and its replica is replaced on another node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from modelfleet.agent.credential import CREDENTIAL_FILE
+from modelfleet.agent.records import recorded_engine_pids
+from modelfleet.joining import JoinToken
+from modelfleet.pki import client_context
+from modelfleet.processes import stop_groups
+from modelfleet.wire import AgentReport
+
+from .conftest import Procs, wait_for, wait_json
+
+ADMIN_TOKEN = "admin-token-of-the-test"
+
+
+class Fleet:
+    """A control plane on TLS with no shared agent token, and what the test does to it."""
+
+    def __init__(self, procs: Procs, folder: Path) -> None:
+        self.procs, self.folder = procs, folder
+        (folder / "catalog.yaml").write_text(
+            yaml.safe_dump({"models": [{"name": "m", "engine": "sim", "replicas": 1}]})
+        )
+        config = {
+            "catalog": "catalog.yaml", "state_dir": "state", "admin_token": ADMIN_TOKEN,
+            "tls": "on", "agent_port": 0, "admin_port": 0, "heartbeat_interval": 0.5,
+            "settle_for": -1,
+        }  # fmt: skip
+        (folder / "cp.yaml").write_text(yaml.safe_dump(config))
+        ready = folder / "cp.json"
+        self.cp = procs.start(
+            "control-plane", "--config", str(folder / "cp.yaml"), "--ready-file", str(ready),
+            log="cp",
+        )  # fmt: skip
+        found = wait_json(ready, self.cp)
+        self.agent_url, self.admin_url = found["urls"]["agent"], found["urls"]["admin"]
+        self.ca_file = Path(found["ca_file"])
+        self.fingerprint = found["ca_fingerprint"]
+        self.ca = client_context(self.ca_file.read_bytes())
+
+    def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFLEET_")}
+        return subprocess.run(
+            [sys.executable, "-m", "modelfleet", "ctl", "--admin", self.admin_url, "--token",
+             ADMIN_TOKEN, "--ca", str(self.ca_file), *args],
+            capture_output=True, text=True, timeout=30, env=env,
+        )  # fmt: skip
+
+    def ctl_json(self, *args: str) -> Any:
+        done = self.ctl("-o", "json", *args)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    def join_token(self, uses: int) -> str:
+        done = self.ctl("join-tokens", "create", "--uses", str(uses), "--ttl", "10m", "-q")
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    def agent_args(self, node: str, token: str | None) -> list[str]:
+        return [
+            "agent", "--join", self.agent_url, "--node", node, "--simulate-gpus", "1x80GB",
+            "--state-dir", str(self.folder / node), "--admin-port", "0",
+            *(["--token", token] if token else []),
+        ]  # fmt: skip
+
+    def start_agent(self, node: str, token: str | None, run: str) -> dict[str, Any]:
+        ready = self.folder / f"{run}.json"
+        args = [*self.agent_args(node, token), "--ready-file", str(ready)]
+        started = self.procs.start(*args, log=run)
+        found = wait_json(ready, started)
+        found["pid"] = started.pid
+        return found
+
+    def run_agent(self, node: str, token: str) -> subprocess.CompletedProcess[str]:
+        """An agent run that is expected to exit (refused) before it reports."""
+        return subprocess.run(
+            [sys.executable, "-m", "modelfleet", *self.agent_args(node, token)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    def credential(self, node: str) -> str:
+        kept = json.loads((self.folder / node / CREDENTIAL_FILE).read_text())
+        return str(kept["credential"])
+
+    def report(self, credential: str, node: str) -> httpx.Response:
+        body = AgentReport(node=node, boot_id="forged", seq=1, address="127.0.0.1", gpus=[],
+                           shards=[])  # fmt: skip
+        return httpx.post(
+            self.agent_url + "/v1/report",
+            content=body.model_dump_json(),
+            headers={"authorization": f"Bearer {credential}"},
+            verify=self.ca,
+            timeout=10,
+        )
+
+    def replicas(self) -> list[dict[str, Any]]:
+        return list(self.ctl_json("replicas")["replicas"])
+
+
+@pytest.fixture
+def fleet(procs: Procs, tmp_path: Path) -> Any:
+    made = Fleet(procs, tmp_path)
+    yield made
+    # Engines outlive their agents by design: once the agents have stopped (and recorded
+    # them), the engines they started are ended too, by their process groups.
+    procs.stop_all()
+    for node in ("b", "c"):
+        stop_groups(recorded_engine_pids(tmp_path / node), grace=10)
+
+
+def test_an_agent_joins_with_a_token_and_then_speaks_only_as_its_own_node(fleet: Fleet) -> None:
+    token = fleet.join_token(uses=1)
+    parsed = JoinToken.parse(token)
+    assert parsed.ca_fingerprint == fleet.fingerprint
+
+    # A token that pins another CA is refused before its secret is sent anywhere.
+    forged = str(JoinToken(parsed.id, parsed.secret, "sha256:" + "0" * 64))
+    refused = fleet.run_agent("b", forged)
+    assert refused.returncode == 2, refused.stderr
+    assert f"fingerprint {fleet.fingerprint}, not the sha256:{'0' * 64}" in refused.stderr
+    assert not (fleet.folder / "b" / CREDENTIAL_FILE).exists()
+
+    b = fleet.start_agent("b", token, "agent-b")
+    kept = fleet.folder / "b" / CREDENTIAL_FILE
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert parsed.secret not in kept.read_text()  # the token is used once, then never kept
+
+    # The token allowed one join: a second machine is refused with the reason.
+    used_up = fleet.run_agent("c", token)
+    assert used_up.returncode == 2 and "used up" in used_up.stderr, used_up.stderr
+
+    # The agent's admin API serves TLS with a certificate of the fleet's CA, and takes the
+    # node's credential.
+    admin = b["urls"]["admin"]
+    assert admin.startswith("https://127.0.0.1:")
+    credential_b = fleet.credential("b")
+    gpus = httpx.get(
+        admin + "/v1/gpus",
+        headers={"authorization": f"Bearer {credential_b}"},
+        verify=fleet.ca,
+        timeout=10,
+    )
+    assert gpus.status_code == 200 and len(gpus.json()["gpus"]) == 1
+    with pytest.raises(httpx.TransportError):
+        httpx.get(admin.replace("https://", "http://") + "/v1/gpus", timeout=5)
+
+    fleet.start_agent("c", fleet.join_token(uses=1), "agent-c")
+    nodes = {n["name"]: n for n in fleet.ctl_json("nodes")["nodes"]}
+    assert set(nodes) == {"b", "c"}
+
+    # b's credential may speak for b only: a report naming c is refused and logged.
+    impersonation = fleet.report(credential_b, "c")
+    assert impersonation.status_code == 403, impersonation.text
+    assert "node b's: it may not speak for node c" in impersonation.json()["error"]
+    wait_for(
+        "the refusal in the control plane's log",
+        lambda: "may not speak for node c" in fleet.procs.log("cp"),
+    )
+
+    # A restarted agent uses the credential it kept; it needs no token any more.
+    stop_groups([b["pid"]], grace=20)
+    fleet.start_agent("b", None, "agent-b-again")
+    assert fleet.ctl_json("nodes")["nodes"][0]["name"] == "b"
+
+
+def test_a_revoked_node_is_cut_off_at_once_and_its_replica_served_elsewhere(
+    fleet: Fleet,
+) -> None:
+    token = fleet.join_token(uses=2)
+    for node in ("b", "c"):
+        fleet.start_agent(node, token, f"agent-{node}")
+
+    def serving() -> list[dict[str, Any]]:
+        return [r for r in fleet.replicas() if r["state"] == "ready"]
+
+    [first] = wait_for("the replica of m to serve", serving, timeout=60)
+    host = first["shards"][0]["node"]
+    other = "c" if host == "b" else "b"
+
+    revoked = fleet.ctl("nodes", "revoke", host)
+    assert revoked.returncode == 0, revoked.stderr
+    assert f"node {host} revoked" in revoked.stdout and first["id"] in revoked.stdout
+    # Cut off at once: the credential it reports with is refused from now on.
+    assert fleet.report(fleet.credential(host), host).status_code == 401
+    nodes = {n["name"]: n for n in fleet.ctl_json("nodes")["nodes"]}
+    assert nodes[host]["mark"] == "revoked"
+
+    def replaced() -> list[dict[str, Any]]:
+        return [r for r in serving() if r["shards"][0]["node"] == other]
+
+    wait_for(f"the replica of m to serve on {other}", replaced, timeout=60)
+    uncordon = fleet.ctl("uncordon", host)
+    assert uncordon.returncode == 1 and "joining anew" in uncordon.stderr
