@@ -351,6 +351,7 @@ def router(
     from pydantic import ValidationError
 
     from modelfleet.config import ConfigError, load_config
+    from modelfleet.pki import PkiError, server_context
     from modelfleet.router.service import RouterConfig, serve
     from modelfleet.serving import configure_logging, run_fast
 
@@ -366,7 +367,19 @@ def router(
         except ValidationError as exc:
             problems = "; ".join(e["msg"] for e in exc.errors())
             fail(f"--tls-cert/--tls-key: {problems}")
-    warn_if_open(cfg.host, "the client API", bool(cfg.api_keys))
+    for files in (cfg.client_tls, cfg.push_tls):
+        if files is None:
+            continue
+        try:
+            server_context(files)  # a missing or mismatched file: said now, not as a traceback
+        except PkiError as exc:
+            fail(f"{config}: {exc}")
+    if not cfg.api_keys and cfg.push_token is None:
+        typer.echo(
+            f"warning: {config} has no api_keys and no push_token (for keys the control plane "
+            "manages): every request will be refused (401)",
+            err=True,
+        )
     run_fast(serve(cfg, ready_file))
 
 

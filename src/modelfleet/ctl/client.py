@@ -29,6 +29,10 @@ class CtlError(Exception):
     """A failure ctl reports as one line and a non-zero exit."""
 
 
+class Unreachable(CtlError):
+    """The admin API did not answer at all (not started yet, or not reachable from here)."""
+
+
 class CatalogRefused(CtlError):
     """The admin API refused a catalog; `problems` lists every problem it found."""
 
@@ -88,6 +92,8 @@ class AdminClient:
         if target.ca is not None:
             try:
                 self._verify = client_context(target.ca.read_bytes())
+            except FileNotFoundError as exc:
+                raise Unreachable(f"no CA file {target.ca} (yet): {exc}") from exc
             except (OSError, PkiError) as exc:
                 raise CtlError(f"cannot use the CA {target.ca}: {exc}") from exc
 
@@ -117,7 +123,7 @@ class AdminClient:
                 verify=self._verify if self._verify is not None else True,
             )
         except httpx.HTTPError as exc:
-            raise CtlError(f"cannot reach the admin API at {url}: {exc}") from exc
+            raise Unreachable(f"cannot reach the admin API at {url}: {exc}") from exc
         if response.status_code == 401:
             raise CtlError(f"the admin API at {url} refused the token (401)")
         if response.status_code != 200:

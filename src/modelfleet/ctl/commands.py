@@ -75,11 +75,17 @@ class Ctl:
     output: Output
     ca: Path | None = None
 
+    def connect(self) -> AdminClient:
+        """The admin API's client; raises CtlError when the options name none."""
+        from modelfleet.ctl.client import AdminClient, resolve_target
+
+        return AdminClient(resolve_target(self.admin, self.token, self.state_dir, self.ca))
+
     def client(self) -> AdminClient:
-        from modelfleet.ctl.client import AdminClient, CtlError, resolve_target
+        from modelfleet.ctl.client import CtlError
 
         try:
-            return AdminClient(resolve_target(self.admin, self.token, self.state_dir, self.ca))
+            return self.connect()
         except CtlError as exc:
             fail(str(exc), 1)
 
@@ -179,6 +185,30 @@ def _render(name: str) -> Callable[[Any, Console], None]:
 
     printer: Callable[[Any, Console], None] = getattr(render, name)
     return printer
+
+
+@app.command()
+def wait(
+    context: typer.Context,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait at most.")] = 60,
+) -> None:
+    """Wait until the admin API answers: for a script that has just started the control
+    plane. Any answer but "not there yet" (no answer, or no CA file yet: the control plane
+    makes it as it starts) ends the wait at once with that error."""
+    from modelfleet.ctl.client import CtlError, Unreachable
+
+    ctl = _ctl(context)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ctl.connect().status()  # again each time: the CA file may not be there yet
+            return
+        except Unreachable as exc:
+            if time.monotonic() >= deadline:
+                fail(f"{exc} (waited {timeout:.0f}s)", 1)
+        except CtlError as exc:
+            fail(str(exc), 1)
+        time.sleep(0.2)
 
 
 @app.command()
@@ -492,6 +522,9 @@ def keys_create(
     tpm: TpmOpt = None,
     max_concurrent: ConcurrentOpt = None,
     expires: ExpiresOpt = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Print the key alone, for scripts.")
+    ] = False,
 ) -> None:
     """Make a key and print it. It is shown this once: the fleet keeps only its hash."""
     from modelfleet import admin
@@ -505,7 +538,8 @@ def keys_create(
         max_concurrent=max_concurrent,
         expires=expires,
     )
-    _ctl(context).show(lambda c: c.create_key(request), _render("print_key_created"))
+    render = "print_key_alone" if quiet else "print_key_created"
+    _ctl(context).show(lambda c: c.create_key(request), _render(render))
 
 
 @keys_app.command("list")

@@ -348,6 +348,10 @@ def print_key_created(data: admin.KeyCreated, console: Console) -> None:
     console.print("It is shown this once: the fleet keeps only its hash.", highlight=False)
 
 
+def print_key_alone(data: admin.KeyCreated, console: Console) -> None:
+    console.print(data.key, highlight=False, soft_wrap=True)
+
+
 def print_revoked(data: admin.KeyInfo, console: Console) -> None:
     console.print(
         f"key {data.name} ({data.prefix}...) revoked; every router refuses it from its next "

@@ -1,0 +1,187 @@
+"""Hosts for tests of a fleet across machines: network namespaces joined by a bridge.
+
+`Hosts` makes one network namespace per host, each with one address on a private subnet,
+joined by a bridge in a namespace of its own (nothing is added to the machine's own
+namespace), and removes all of it again. `Shell` is a bash session on one host that the test
+types commands into, as an operator would: what the commands start in the background stays
+in the session's process group, which the test ends, by its id, when it is done.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+import psutil
+import pytest
+
+PREFIX_BITS = 24  # the subnet's
+
+
+def netns_unavailable() -> str | None:
+    """Why this machine cannot make network namespaces for a test, or None when it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CI runs as root)"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    probe = f"mfprobe{secrets.token_hex(3)}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` is not allowed here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise AssertionError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+class Hosts:
+    """Network namespaces standing in for hosts: name -> its address on one subnet."""
+
+    def __init__(self, addresses: dict[str, str]) -> None:
+        self.addresses = addresses
+        self.tag = secrets.token_hex(2)
+        self.switch = f"mf{self.tag}sw"
+        self.made: list[str] = []
+
+    def netns(self, host: str) -> str:
+        return f"mf{self.tag}{host}"
+
+    def make(self) -> None:
+        _ip("netns", "add", self.switch)
+        self.made.append(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for host, address in self.addresses.items():
+            ns = self.netns(host)
+            _ip("netns", "add", ns)
+            self.made.append(ns)
+            veth = f"mf{self.tag}{host}"  # the host's end; its peer is plugged into the bridge
+            _ip("link", "add", veth, "netns", ns, "type", "veth", "peer", "name", f"{veth}s",
+                "netns", self.switch)  # fmt: skip
+            _ip("-n", self.switch, "link", "set", f"{veth}s", "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{address}/{PREFIX_BITS}", "dev", veth)
+            _ip("-n", ns, "link", "set", veth, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def link(self, host: str, up: bool) -> None:
+        """Cut `host` off the network (its link down), or plug it back in."""
+        veth = f"mf{self.tag}{host}s"
+        _ip("-n", self.switch, "link", "set", veth, "up" if up else "down")
+
+    def remove(self) -> None:
+        """Remove every namespace made (their links go with them)."""
+        for ns in reversed(self.made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.made.clear()
+
+    def left(self) -> list[str]:
+        """The namespaces of these hosts that still exist."""
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return [line.split()[0] for line in listed.splitlines() if f"mf{self.tag}" in line]
+
+
+@contextmanager
+def hosts(addresses: dict[str, str]) -> Iterator[Hosts]:
+    """`Hosts` made for the block and removed after it, also when it fails; skips the test
+    where network namespaces cannot be made."""
+    why = netns_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    made = Hosts(addresses)
+    try:
+        made.make()
+        yield made
+    finally:
+        made.remove()
+        assert made.left() == [], f"namespaces left behind: {made.left()}"
+
+
+class Shell:
+    """A bash session on one host, in a folder of its own, typed into by the test."""
+
+    def __init__(self, netns: str, folder: Path, env: dict[str, str] | None = None) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.log = folder / "shell.log"
+        self._out: IO[bytes] = self.log.open("ab")
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MODELFLEET_")}
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", netns, "bash", "--norc", "--noprofile"],
+            stdin=subprocess.PIPE,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            cwd=folder,
+            env={**clean, **(env or {})},
+            start_new_session=True,
+        )
+        self._count = 0
+        # A command that fails says so in the log, with the command: the test fails on it.
+        self.type("trap 'echo \"FAILED($?): $BASH_COMMAND\"' ERR", timeout=10)
+
+    def type(self, commands: str, timeout: float) -> str:
+        """Type `commands` and wait (up to `timeout` seconds) until the shell has run them;
+        returns what they printed (and what the session's background services logged to
+        the terminal meanwhile)."""
+        assert self.proc.stdin is not None
+        self._count += 1
+        marker = f"__typed_{self._count}__"
+        start = self.log.stat().st_size
+        self.proc.stdin.write(f"{commands}\necho {marker}\n".encode())
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log.read_bytes()[start:].decode(errors="replace")
+            if f"{marker}\n" in text:
+                return text[: text.index(marker)]
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the shell exited ({self.proc.returncode}): {text[-2000:]}")
+            time.sleep(0.05)
+        raise AssertionError(f"the shell did not finish within {timeout}s: {commands[:200]}")
+
+    def run(self, commands: str, timeout: float = 120) -> str:
+        """`type`, failing if any command failed."""
+        out = self.type(commands, timeout)
+        assert "FAILED(" not in out, f"a command failed:\n{out[-3000:]}"
+        return out
+
+    def members(self) -> list[psutil.Process]:
+        """The processes of the session's group: the shell and what it started in the
+        background (engines start groups of their own)."""
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == self.proc.pid:
+                    found.append(proc)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        return found
+
+    def end(self, grace: float = 20) -> None:
+        """End the session and everything it started: SIGTERM to each process of its group,
+        `grace` seconds, then SIGKILL to what is left."""
+        members = self.members()
+        for proc in members:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                continue
+        _, alive = psutil.wait_procs(members, timeout=grace)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                continue
+        psutil.wait_procs(alive, timeout=10)
+        self.proc.wait(timeout=10)
+        self._out.close()

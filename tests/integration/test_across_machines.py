@@ -1,0 +1,152 @@
+"""The README's "Across machines", run as written on three hosts: network namespaces joined by
+a bridge (`hosts.py`). Host A runs the control plane and a router, B and C an agent each with
+simulated GPUs; the official openai client is served through the router over TLS all along,
+while C is added and B removed. Skipped, saying why, where network namespaces cannot be made
+(not root); CI runs as root.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from modelfleet.agent.records import recorded_engine_pids
+from modelfleet.processes import stop_groups
+
+from .conftest import wait_for
+from .hosts import Hosts, Shell, hosts
+
+README = Path(__file__).parents[2] / "README.md"
+ADDRESSES = {"a": "10.10.0.1", "b": "10.10.0.2", "c": "10.10.0.3"}
+CLIENT = Path(__file__).with_name("openai_client.py")
+ROUTER = "https://10.10.0.1:8080/v1"
+
+
+def readme_blocks() -> list[str]:
+    """The shell blocks of the README's "Across machines", in order."""
+    text = README.read_text()
+    section = text[text.index("## Across machines\n") :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(r"```sh\n(.*?)```", section, flags=re.S)
+
+
+def test_the_readme_names_each_block_for_its_host() -> None:
+    heads = [block.splitlines()[0] for block in readme_blocks()]
+    assert heads == [
+        "# On host A, in a folder of its own:",
+        "# On each GPU host, with NODE its name and TOKEN the join token:",
+        "# On host A:",
+        "# On host A:",
+        "# On host A, with NODE the host to remove:",
+    ]
+
+
+def join_token(printed: str) -> str:
+    found = re.findall(r"token: (mfjoin\.\S+)", printed)
+    assert len(found) == 1, printed[-2000:]
+    return str(found[0])
+
+
+class Fleet:
+    """The shells of the three hosts and what the test reads from them."""
+
+    def __init__(self, net: Hosts, folder: Path) -> None:
+        self.net, self.folder = net, folder
+        self.shells: dict[str, Shell] = {}
+        self.agent_dirs: list[Path] = []
+
+    def shell(self, host: str, **env: str) -> Shell:
+        made = Shell(self.net.netns(host), self.folder / host, env)
+        self.shells[host] = made
+        return made
+
+    def in_host(self, host: str, *args: str, timeout: float = 60) -> str:
+        """A command of the test's own on `host` (not the README's), its output."""
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.net.netns(host), *args],
+            capture_output=True, text=True, timeout=timeout, cwd=self.folder / host,
+        )  # fmt: skip
+        assert done.returncode == 0, f"{args}: {done.stdout[-1000:]} {done.stderr[-2000:]}"
+        return done.stdout
+
+    def replicas(self) -> list[dict[str, Any]]:
+        shown = self.shells["a"].run("modelfleet ctl -o json replicas", timeout=60)
+        return list(json.loads(shown[shown.index("{") :])["replicas"])
+
+    def serving_on(self, node: str) -> int:
+        return sum(
+            1 for r in self.replicas() if r["state"] == "ready" and r["shards"][0]["node"] == node
+        )
+
+    def end(self) -> None:
+        """End every shell (and the services it started), then the engines the agents left
+        running (engines outlive their agents by design)."""
+        for shell in self.shells.values():
+            shell.end()
+        for folder in self.agent_dirs:
+            stop_groups(recorded_engine_pids(folder), grace=10)
+
+
+def test_a_fleet_across_three_hosts_as_the_readme_says(tmp_path: Path) -> None:
+    setup, agent, use, add, remove = readme_blocks()
+    with hosts(ADDRESSES) as net:
+        fleet = Fleet(net, tmp_path)
+        try:
+            run_the_readme(fleet, setup, agent, use, add, remove)
+        finally:
+            fleet.end()
+            left = [p for s in fleet.shells.values() for p in s.members()]
+            assert left == [], f"processes left behind: {left}"
+
+
+def run_the_readme(fleet: Fleet, setup: str, agent: str, use: str, add: str, remove: str) -> None:
+    a = fleet.shell("a")
+    token = join_token(a.run(setup, timeout=120))
+    key = a.run('echo "KEY=$KEY"').strip().splitlines()[-1].removeprefix("KEY=")
+    assert key.startswith("mf-")
+
+    fleet.agent_dirs.append(tmp_agent_dir(fleet, "b", "gpu-1"))
+    fleet.shell("b", NODE="gpu-1", TOKEN=token).run(agent)
+    wait_for("both replicas to serve on gpu-1", lambda: fleet.serving_on("gpu-1") == 2, 90, 0.5)
+    used = a.run(use)
+    assert '"choices"' in used, used[-2000:]
+
+    ca = str(fleet.folder / "a" / "state" / "pki" / "ca.crt")
+    answer = fleet.in_host("a", sys.executable, str(CLIENT), ROUTER, ca, key, "chat", "once")
+    assert answer.strip(), "the openai client got an empty answer"
+
+    # Requests all along while a host is added and another removed: none may fail.
+    stop, out = fleet.folder / "stop-load", fleet.folder / "load.json"
+    load = subprocess.Popen(
+        ["ip", "netns", "exec", fleet.net.netns("a"), sys.executable, str(CLIENT), ROUTER, ca,
+         key, "chat", "load", "10", str(stop), str(out)],
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        second = join_token(a.run(add))
+        fleet.agent_dirs.append(tmp_agent_dir(fleet, "c", "gpu-2"))
+        fleet.shell("c", NODE="gpu-2", TOKEN=second).run(agent)
+        nodes_ready = "modelfleet ctl -o json nodes | grep -c '\"ready\": true'"
+        wait_for("gpu-2 to join", lambda: a.type(nodes_ready, 30).strip().endswith("2"), 60, 0.5)
+
+        a.run("NODE=gpu-1")
+        removed = a.run(remove, timeout=180)
+        assert "node gpu-1 revoked" in removed and "node gpu-1 deleted" in removed, removed
+        fleet.shells["b"].end()
+        assert fleet.serving_on("gpu-2") == 2
+        nodes = a.run("modelfleet ctl -o json nodes")
+        assert '"gpu-1"' not in nodes
+    finally:
+        stop.touch()
+        load.wait(timeout=60)
+    done = json.loads(out.read_text())
+    assert done["requests"] > 20 and done["failed"] == 0, done
+
+
+def tmp_agent_dir(fleet: Fleet, host: str, node: str) -> Path:
+    """Where the README's agent command keeps its state, on `host` in its folder."""
+    return fleet.folder / host / ".modelfleet" / "agents" / node
