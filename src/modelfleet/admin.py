@@ -164,6 +164,11 @@ class ReplicaInfo(_Answer):
     endpoint: str | None  # where routers send its requests, once ready
     shards: list[ShardInfo]
     reason: str = ""  # why it is retiring
+    # A replica of several shards: how many times all its shards were restarted together,
+    # those since it last served, and why the last restart was made (which shard failed).
+    generation: int = 0
+    group_restarts: int = 0
+    last_failure: str = ""
 
 
 class PendingInfo(_Answer):

@@ -60,6 +60,7 @@ class ShardReport(_Message):
     # The key its engine was started with: it answers (health checks aside) only requests
     # that carry it. Goes to the control plane and the routers, never to operators or logs.
     engine_key: str | None = Field(default=None, repr=False)
+    generation: int = Field(default=0, ge=0)  # of the assignment it runs (ShardAssignment's)
 
     @classmethod
     def of(cls, assignment: ShardAssignment, state: ShardState, **seen: Any) -> ShardReport:
@@ -74,6 +75,7 @@ class ShardReport(_Message):
             gpus=a.gpus,
             engine_digest=a.engine_digest,
             state=state,
+            generation=a.generation,
             **seen,
         )
 
@@ -104,6 +106,10 @@ class ShardAssignment(_Message):
     # A replica of several shards: "host:port" where shard 0 expects its peers, once shard 0's
     # agent has reported it (None before; a shard of rank > 0 waits for it to start).
     leader: str | None = None
+    # A replica of several shards is restarted as one: when any shard fails, every shard is
+    # stopped and started again, rank 0 first, with one more generation. An agent restarts
+    # a shard whose generation changed; it never restarts a shard of several on its own.
+    generation: int = Field(default=0, ge=0)
 
     @property
     def key(self) -> str:

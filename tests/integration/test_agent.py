@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from modelfleet.loadgen import SteadyClient
@@ -259,3 +261,40 @@ def test_when_every_agent_goes_silent_nothing_moves_and_ctl_says_why(tmp_path: P
             "a ready twice again", lambda: [r["state"] for r in op.replicas("a")] == ["ready"] * 2
         )
         assert sorted(r["id"] for r in op.replicas("a")) == before
+
+
+def test_a_replica_of_two_shards_is_restarted_as_one_when_a_shard_dies(tmp_path: Path) -> None:
+    """Rank 1's engine killed: the replica leaves every router's table (a table without it
+    confirmed by the router) within 5 s, both shards are started again, rank 0 first, and it
+    serves again; `ctl replicas show` says which shard failed and why."""
+    with fleet_of(tmp_path, [{"name": "wide", "engine": "sim", "shards": 2}]) as fleet:
+        op = Operator(fleet, tmp_path)
+
+        def serving() -> dict[str, Any] | None:
+            found = [r for r in op.replicas("wide") if r["state"] == "ready"]
+            return found[0] if found else None
+
+        before = wait_for("the 2-shard replica to serve", serving)
+        pids = [s["pid"] for s in before["shards"]]
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+
+        def unrouted() -> bool:
+            table = op.get("/v1/routing")
+            gone = not next(m["endpoints"] for m in table["models"] if m["name"] == "wide")
+            return gone and all(v >= table["version"] for v in table["routers"].values())
+
+        wait_for("every router to hold a table without the replica", unrouted, timeout=5)
+        print(f"out of every router's table {time.monotonic() - killed:.2f}s after the kill")
+        after = wait_for(
+            "the replica to serve again with both shards new",
+            lambda: (r := serving()) and all(s["pid"] not in pids for s in r["shards"]) and r,
+            timeout=30,
+        )
+        assert after["id"] == before["id"] and after["generation"] == 1
+        started = [psutil.Process(s["pid"]).create_time() for s in after["shards"]]
+        assert started[0] <= started[1], "rank 1 started before rank 0"
+        assert after["last_failure"].startswith(f"shard 1 on {after['shards'][1]['node']} failed")
+        assert "engine exited" in after["last_failure"]
+        assert not alive(pids[0])  # rank 0 was stopped too, not left alone
+        assert op.serves("wide")

@@ -17,7 +17,7 @@ from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.controlplane.records import ReportFirst
+from modelfleet.controlplane.records import ReplicaRecord, ReportFirst
 from modelfleet.controlplane.state import FleetState
 from modelfleet.controlplane.views import replica_views
 from modelfleet.fleet import Mark
@@ -46,13 +46,22 @@ def seen_from_scratch(state: FleetState) -> dict[str, dict[tuple[str, int], Shar
     return derived
 
 
+def of_generation(state: FleetState, record: ReplicaRecord, rank: int) -> ShardReport | None:
+    """Shard `rank` as its node reported it, if of the replica's generation."""
+    node = state.nodes.get(record.replica.shards[rank].node)
+    seen = node.shard(record.replica.id, rank) if node else None
+    return seen if seen is not None and seen.generation == record.generation else None
+
+
 def serving_from_scratch(state: FleetState) -> set[str]:
     return {
         rid
         for rid, record in state.replicas.items()
         if not record.retiring
         and all(
-            p.node in state.nodes and (rid, rank) in state.nodes[p.node].ready
+            p.node in state.nodes
+            and (rid, rank) in state.nodes[p.node].ready
+            and of_generation(state, record, rank) is not None
             for rank, p in enumerate(record.replica.shards)
         )
     }
@@ -78,6 +87,17 @@ def failing_from_scratch(state: FleetState, max_failures: int) -> dict[str, tupl
         if record.retiring:
             continue
         for rank, placement in enumerate(record.replica.shards):
+            if len(record.replica.shards) > 1:  # restarted together: by restarts in a row
+                seen = of_generation(state, record, rank)
+                if seen is not None and seen.state is ShardState.FAILED:
+                    if record.group_restarts >= max_failures:
+                        why = (
+                            f"shard {rank} failed on {placement.node} after "
+                            f"{record.group_restarts} restarts of all its shards together"
+                        )
+                        failing[rid] = (placement.node, f"{why}: {seen.error}")
+                    break
+                continue
             node = state.nodes.get(placement.node)
             seen = node.shard(rid, rank) if node else None
             if seen is not None and seen.failures >= max_failures:
@@ -200,6 +220,11 @@ class Fleet(RuleBasedStateMachine):
         cp, state = self.cp, self.cp.state
         plans, before = cp.plans, dict(state.replicas)
         retiring = {rid for rid, r in before.items() if r.retiring}
+        if not cp.settling(self.now):
+            # The pass's first step, restarting broken groups, changes what it plans from:
+            # taken first, so that the whole plan is made from the same (the pass finds
+            # nothing more to restart).
+            cp.restart_groups()
         whole = None if cp.settling(self.now) else self.whole_plan()
         cp.reconcile_once(self.now)
         if whole is None:

@@ -150,9 +150,15 @@ class Agent:
         """Make the node's shards match `assignment`: start the missing, stop the extra."""
         wanted: dict[str, ShardAssignment] = {a.key: a for a in assignment.shards}
         for key, shard in list(self.shards.items()):
-            # Same shard, same engine: keep it running, whatever else the answer says.
+            # Same shard, same engine, same generation: keep it running, whatever else the
+            # answer says. A shard of another generation is stopped, and the new one started
+            # once it has (its key is free again).
             want = wanted.get(key)
-            if want is None or want.engine_digest != shard.assignment.engine_digest:
+            held = shard.assignment
+            if want is None or (want.engine_digest, want.generation) != (
+                held.engine_digest,
+                held.generation,
+            ):
                 self._stop(key)
         for key, a in wanted.items():
             if key in self.shards or key in self.stopping:

@@ -213,7 +213,9 @@ class Shard:
     async def supervise(self) -> None:
         """Run the engine (or watch the adopted one), and restart it after a backoff when it
         fails, until cancelled. Whatever goes wrong here, the engine's start included, fails
-        the shard with the reason shown, and is retried after the backoff like a crash."""
+        the shard with the reason shown, and is retried after the backoff like a crash. A
+        shard of a replica of several is not restarted: it stays failed until the control
+        plane restarts all of them together (a new generation)."""
         backoff = self.settings.backoff
         while True:
             try:
@@ -230,6 +232,17 @@ class Shard:
                 ready_since = None
             ready_for = time.monotonic() - ready_since if ready_since is not None else 0.0
             self.failures = backoff.failures(self.failures, ready_for)
+            if self.assignment.num_shards > 1:
+                # One shard of several is never restarted alone: its peers would wait on a
+                # rendezvous that is gone. The control plane restarts them all together.
+                log.warning(
+                    "shard %s failed (%s); the control plane restarts its replica's shards "
+                    "together",
+                    self.assignment.key,
+                    self.error,
+                )
+                self._changed()
+                return
             # Like kubelet: an engine that served and crashed once is started again at once;
             # only a crash loop (or an engine that never got ready) waits.
             served_then_failed = ready_since is not None and self.failures == 1

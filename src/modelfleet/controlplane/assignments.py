@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from modelfleet.catalog import Catalog
 from modelfleet.controlplane.records import ReplicaRecord
 from modelfleet.controlplane.state import FleetState
-from modelfleet.fleet import Replica
 from modelfleet.wire import NodeAssignment, ShardAssignment, assignment_version
 
 
@@ -67,7 +66,7 @@ def _build(
         spec = record.spec or catalog.get(r.model)
         if spec is None:
             continue  # adopted, and its model is gone: nothing to start it from
-        leader = _leader(state, r) if len(r.shards) > 1 else None
+        leader = _leader(state, record) if len(r.shards) > 1 else None
         for rank, placement in enumerate(r.shards):
             if only is not None and placement.node != only:
                 continue
@@ -86,6 +85,7 @@ def _build(
                     engine_digest=r.engine_digest,
                     startup_timeout=spec.startup_timeout,
                     leader=leader,
+                    generation=record.generation,
                 )
             )
     for shards in by_node.values():
@@ -93,10 +93,11 @@ def _build(
     return by_node
 
 
-def _leader(state: FleetState, replica: Replica) -> str | None:
-    """Where shard 0 of `replica` meets its peers, as its agent reported; None until then."""
-    first = state.nodes.get(replica.shards[0].node)
-    seen = first.shard(replica.id, 0) if first else None
-    if first is None or seen is None or seen.dist_port is None:
+def _leader(state: FleetState, record: ReplicaRecord) -> str | None:
+    """Where shard 0 of `record`'s replica meets its peers, as its agent reported for the
+    current generation; None until then (its peers wait)."""
+    seen = state.current(record, 0)
+    if seen is None or seen.dist_port is None:
         return None
+    first = state.nodes[record.replica.shards[0].node]
     return f"{first.report.address}:{seen.dist_port}"

@@ -326,6 +326,7 @@ class ControlPlane:
         # anything a pass leaves for the next (a replacement held back) is not left waiting.
         self._planned, self._planned_at = (s.version, catalog.digest), now
         self._planned_whole, self._planned_stamp = whole, s.stamp
+        self.restart_groups()
         failed = {}
         for rid, (node, why) in s.failing(self.config.max_failures).items():
             s.keep_off(s.replicas[rid].replica.model, node, why, now + self.config.failure_avoid)
@@ -372,6 +373,25 @@ class ControlPlane:
                     p.model,
                 )
         self._due = self._next_due(now, timing)
+
+    def restart_groups(self) -> None:
+        """Restart together every shard of each replica of several shards one shard of which
+        failed (as LeaderWorkerSet recreates a group): it left the routers' table with the
+        report that said so. After `max_failures` restarts in a row that never served, it is
+        left to `failing`: placed anew elsewhere, its model kept off the node."""
+        s = self.state
+        for rid, why in s.broken_groups().items():
+            record = s.replicas[rid]
+            if record.group_restarts >= self.config.max_failures:
+                continue
+            count = s.restart_group(rid, why)
+            log.warning(
+                "replica %s: %s; restarting its %d shards together, rank 0 first (%d in a row)",
+                rid,
+                why,
+                len(record.replica.shards),
+                count,
+            )
 
     def _next_due(self, since: float, timing: Heartbeats) -> float:
         """The time from `since` on at which a pass must plan though nothing new came: a node

@@ -96,3 +96,8 @@ class ReplicaRecord:
     retiring: str = ""
     unrouted_in: int | None = None
     retire_by: float = 0.0
+    # A replica of several shards: the generation its shards run (one more at each restart of
+    # them all together), the restarts since it last served, and why the last one was made.
+    generation: int = 0
+    group_restarts: int = 0
+    last_failure: str = ""

@@ -56,6 +56,8 @@ def _entry(state: FleetState, spec: ModelSpec) -> RoutedModel:
             node = state.nodes.get(placement.node)
             if node is None or (rid, rank) not in node.ready:
                 break
+            if len(shards) > 1 and state.current(record, rank) is None:
+                break  # a shard of an earlier generation, being stopped
         else:
             first = state.nodes[shards[0].node]
             seen = first.shard(rid, 0)

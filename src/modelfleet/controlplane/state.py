@@ -229,6 +229,10 @@ class FleetState:
         )
         self._hear(report.node)
         self._index_report(report.node, before.report if before else None, report)
+        for shard in report.shards:
+            record = self.replicas.get(shard.replica_id)
+            if record is not None and record.group_restarts and self.is_serving(record.replica.id):
+                record.group_restarts = 0  # it serves again: restarts in a row start over
         adopted = self._adopt(report, catalog, now)
         if before is None or adopted:
             self._node_changed(report.node)
@@ -345,7 +349,8 @@ class FleetState:
             if spec is not None and spec.engine_digest != shard.engine_digest:
                 spec = None
             replica = Replica(rid, shard.model, shard.engine_digest, placements, now)
-            self._put(ReplicaRecord(replica, spec, adopted=True))
+            generation = max(s.generation for _, s in found.values())
+            self._put(ReplicaRecord(replica, spec, adopted=True, generation=generation))
             adopted = True
         return adopted
 
@@ -394,6 +399,21 @@ class FleetState:
             record = self.replicas.get(rid)
             if record is None or record.retiring:
                 continue
+            if len(record.replica.shards) > 1:
+                # Restarted together, never shard by shard: failing once the restarts in a
+                # row reach the bound and it failed again.
+                for rank, placement in enumerate(record.replica.shards):
+                    seen = self.current(record, rank)
+                    failed = seen is not None and seen.state is ShardState.FAILED
+                    if failed and record.group_restarts >= max_failures:
+                        assert seen is not None
+                        why = (
+                            f"shard {rank} failed on {placement.node} after "
+                            f"{record.group_restarts} restarts of all its shards together"
+                        )
+                        failing[rid] = (placement.node, f"{why}: {seen.error}")
+                        break
+                continue
             for rank, placement in enumerate(record.replica.shards):
                 node = self.nodes.get(placement.node)
                 seen = node.shard(rid, rank) if node else None
@@ -437,11 +457,53 @@ class FleetState:
         record = self.replicas.get(rid)
         if record is None or record.retiring:
             return False
+        grouped = len(record.replica.shards) > 1
         for rank, placement in enumerate(record.replica.shards):
             node = self.nodes.get(placement.node)
             if node is None or (rid, rank) not in node.ready:
                 return False
+            if grouped and self.current(record, rank) is None:
+                return False
         return True
+
+    def current(self, record: ReplicaRecord, rank: int) -> ShardReport | None:
+        """Shard `rank` of `record` as its node last reported it, if it runs the replica's
+        current generation (a shard of an earlier one is being stopped)."""
+        node = self.nodes.get(record.replica.shards[rank].node)
+        seen = node.shard(record.replica.id, rank) if node else None
+        if seen is None or seen.generation != record.generation:
+            return None
+        return seen
+
+    # -- replicas of several shards, restarted as one ---------------------------------------
+
+    def broken_groups(self) -> dict[str, str]:
+        """Replicas of several shards (not retiring) one shard of which, of the current
+        generation, has failed: replica id -> which shard, where, and why."""
+        broken = {}
+        for rid in sorted(self._faulted):
+            record = self.replicas.get(rid)
+            if record is None or record.retiring or len(record.replica.shards) < 2:
+                continue
+            for rank, placement in enumerate(record.replica.shards):
+                seen = self.current(record, rank)
+                if seen is not None and seen.state is ShardState.FAILED:
+                    broken[rid] = f"shard {rank} on {placement.node} failed: {seen.error}"
+                    break
+        return broken
+
+    def restart_group(self, rid: str, why: str) -> int:
+        """Restart every shard of a replica together, with one more generation: each agent
+        stops its shard and starts it again, rank 0 first (the others wait for where it
+        meets them). Returns the restarts made in a row since the replica last served."""
+        record = self.replicas[rid]
+        record.generation += 1
+        record.group_restarts += 1
+        record.last_failure = why
+        self._reassign(p.node for p in record.replica.shards)
+        self._reroute((record.replica.model,))
+        self._changes += 1
+        return record.group_restarts
 
     @property
     def stamp(self) -> int:

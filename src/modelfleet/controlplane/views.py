@@ -88,8 +88,7 @@ def shard_views(state: FleetState, record: ReplicaRecord) -> list[admin.ShardInf
     """Each shard of a replica as its node last reported it."""
     views = []
     for rank, placement in enumerate(record.replica.shards):
-        node = state.nodes.get(placement.node)
-        seen = node.shard(record.replica.id, rank) if node else None
+        seen = state.current(record, rank)
         views.append(
             admin.ShardInfo(
                 rank=rank,
@@ -137,6 +136,9 @@ def replica_view(state: FleetState, record: ReplicaRecord) -> admin.ReplicaInfo:
         endpoint=endpoint,
         shards=shards,
         reason=record.retiring,
+        generation=record.generation,
+        group_restarts=record.group_restarts,
+        last_failure=record.last_failure,
     )
 
 

@@ -261,6 +261,13 @@ def print_replica(data: admin.ReplicaInfo, console: Console) -> None:
     console.print(head, highlight=False)
     if data.reason:
         console.print(f"retiring: {escape(data.reason)}", highlight=False)
+    if data.generation:
+        console.print(
+            f"its shards were restarted together {data.generation} time(s) "
+            f"({data.group_restarts} since it last served); the last because "
+            f"{escape(data.last_failure)}",
+            highlight=False,
+        )
     table = Table(
         "SHARD",
         "NODE",
