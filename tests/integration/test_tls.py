@@ -96,13 +96,15 @@ def test_a_control_plane_serves_tls_with_a_ca_of_its_own_that_agents_and_ctl_che
     assert _ctl(second["urls"]["admin"], "--ca", str(ca_file), "status").returncode == 0
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_fleet_over_tls_serves_the_openai_client_and_its_pushes_are_checked(
-    procs: Procs, tmp_path: Path
+    procs: Procs, tmp_path: Path, workers: int
 ) -> None:
     """Control plane, agent and router on TLS (on loopback, asked for): the router's
     certificate comes from the fleet's CA (`modelfleet certificate`), the control plane
     pushes its table to the router's push API checking it against that CA, and the official
-    openai client gets a completion through the router, trusting that CA alone."""
+    openai client gets a completion through the router, trusting that CA alone. With two
+    workers, each serves TLS on the client port and the parent the push API."""
     push_token = "push-token-of-the-test"
     port, push_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     (tmp_path / "catalog.yaml").write_text(
@@ -127,7 +129,7 @@ def test_a_fleet_over_tls_serves_the_openai_client_and_its_pushes_are_checked(
         "port": port, "push_port": push_port, "push_token": push_token,
         "tls_cert": str(tmp_path / "tls" / "router.crt"),
         "tls_key": str(tmp_path / "tls" / "router.key"),
-        "api_keys": [{"name": "app", "key": "sk-app-key-of-the-test"}],
+        "api_keys": [{"name": "app", "key": "sk-app-key-of-the-test"}], "workers": workers,
     }  # fmt: skip
     urls = _serve(procs, tmp_path, "router", router_config, "router")["urls"]
     assert urls == {"router": f"https://127.0.0.1:{port}", "push": f"https://127.0.0.1:{push_port}"}
@@ -165,5 +167,9 @@ def _complete_over_tls(router_url: str, ca_file: Path) -> None:
             return done.choices[0].text
 
         assert wait_for("a completion through the router over TLS", answered, timeout=60)
+    # Each on a new connection: with several workers the kernel spreads them over all.
+    verify = client_context(ca_file.read_bytes())
+    for _ in range(10):
+        assert httpx.get(router_url + "/health", verify=verify, timeout=10).status_code == 200
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
         httpx.get(router_url + "/health", timeout=5)  # the system's CAs know it not

@@ -118,6 +118,9 @@ class RouterConfig(BaseModel):
     # the push API stays one, in the parent (router/workers.py).
     workers: int = Field(default=1, ge=1, le=64)
     reuse_port: bool = False  # set by the parent of several workers on each of them
+    # Set too: a worker's push API is its parent's alone, plain HTTP on 127.0.0.1 (the parent
+    # serves the push API to the control plane, with TLS where the router's host needs it).
+    parent_push: bool = False
     # Where keys' rate counters live: None keeps them in this router's memory (right for one
     # router); a Redis URL (redis://host:port/db) shares them with every router naming it.
     limits_store: str | None = None
@@ -135,7 +138,13 @@ class RouterConfig(BaseModel):
         return TlsFiles(self.tls_cert, self.tls_key)
 
     @property
+    def push_host(self) -> str:
+        return "127.0.0.1" if self.parent_push else self.host
+
+    @property
     def push_tls(self) -> TlsFiles | None:
+        if self.parent_push:
+            return None
         if self.push_tls_cert is None or self.push_tls_key is None:
             return self.client_tls
         return TlsFiles(self.push_tls_cert, self.push_tls_key)
@@ -145,14 +154,13 @@ class RouterConfig(BaseModel):
         for cert, key in (("tls_cert", "tls_key"), ("push_tls_cert", "push_tls_key")):
             if (getattr(self, cert) is None) != (getattr(self, key) is None):
                 raise ValueError(f"give both {cert} and {key}, or neither")
-        if not is_loopback(self.host) and (self.client_tls is None or self.push_tls is None):
+        push_open = self.push_tls is None and not is_loopback(self.push_host)
+        if not is_loopback(self.host) and (self.client_tls is None or push_open):
             raise ValueError(
                 f"host is {self.host!r}: beyond loopback the router serves TLS only (API keys "
                 "and the push token would cross the network in clear); give tls_cert and "
                 "tls_key (`modelfleet certificate` issues them from the control plane's CA)"
             )
-        if self.workers > 1 and self.client_tls is not None:
-            raise ValueError("TLS with workers > 1 is not supported yet: use workers: 1")
         return self
 
 
@@ -433,15 +441,7 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
             {**k.model_dump(exclude={"key", "sha256"}), "sha256": k.to_key().sha256}
             for k in config.api_keys
         ]
-        await serve_workers(
-            data,
-            config.host,
-            config.port,
-            config.push_port,
-            config.workers,
-            config.push_token,
-            ready_file,
-        )
+        await serve_workers(data, config, ready_file)
         return
     router = Router(config)
     client, push = create_apps(router)
@@ -464,7 +464,9 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
         ),
         # The push API on the lean server too: uvicorn's server wakes every 0.1 s for
         # housekeeping, a third of an idle router's CPU.
-        Listener("push", push, config.host, config.push_port, server="http1", tls=config.push_tls),
+        Listener(
+            "push", push, config.push_host, config.push_port, server="http1", tls=config.push_tls
+        ),
     ]
     await run_service(
         listeners, ready_file=ready_file, loops=[router.watch_engines], on_stop=router.close

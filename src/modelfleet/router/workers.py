@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import yaml
@@ -30,6 +31,9 @@ from modelfleet.router.push import PushUnavailable, create_push_app
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import JSON
 from modelfleet.wire import RoutingAck, RoutingSnapshot, UsageAck, UsageBatch, UsageReport
+
+if TYPE_CHECKING:
+    from modelfleet.router.service import RouterConfig
 
 log = logging.getLogger("modelfleet.router")
 
@@ -85,6 +89,7 @@ class Workers:
                 "push_port": 0,
                 "workers": 1,
                 "reuse_port": True,
+                "parent_push": True,
                 "table_file": table_file,
             }
             worker.config_file.write_text(yaml.safe_dump(data))
@@ -222,23 +227,21 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 async def serve_workers(
-    config_data: dict[str, object],
-    host: str,
-    port: int,
-    push_port: int,
-    workers: int,
-    token: str | None,
-    ready_file: Path | None,
+    config_data: dict[str, object], config: RouterConfig, ready_file: Path | None
 ) -> None:
-    """Run `workers` router processes on one client port, and the push API in this one."""
-    reserved = reserve_port(host, port)
+    """Run `config.workers` router processes on one client port (each serving TLS with the
+    client certificate where there is one), and the push API in this one."""
+    host, token = config.host, config.push_token
+    reserved = reserve_port(host, config.port)
     port = reserved.getsockname()[1]
-    parent = Workers(config_data, workers, token)
+    parent = Workers(config_data, config.workers, token)
     parent.write_configs(port)
     await parent.start()
-    listener = Listener("push", create_push_app(parent, token), host, push_port)
+    push_app = create_push_app(parent, token)
+    listener = Listener("push", push_app, host, config.push_port, tls=config.push_tls)
     listener.bind()
-    client = Listener("router", None, host, port)  # served by the workers; named for its URL
+    # Served by the workers; named here for its URL.
+    client = Listener("router", None, host, port, tls=config.client_tls)
     try:
         await run_service(
             [listener],
