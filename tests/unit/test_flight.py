@@ -317,3 +317,38 @@ def test_shutdown_waits_for_a_request_carried_by_callbacks(spied: Counter[str]) 
             await router.close()
 
     run(go())
+
+
+def test_requests_waiting_on_an_engine_found_unreachable_go_to_another_at_once(
+    spied: Counter[str],
+) -> None:
+    """A host cut off answers nothing, not even a reset: a request already written to its
+    engine would wait out the first-byte timeout. Once the router's reads of that engine's
+    load go unanswered twice in a row, the engine is ejected and the waiting request goes to
+    another replica at once."""
+
+    async def go() -> None:
+        cut_off = RawEngine("silent")
+        hits: list[int] = []
+        async with cut_off.running() as bad, upstream(200, hits) as good:
+            models = [RoutedModel(name="m", endpoints=[bad, good], first_byte_timeout=60)]
+            router = keyed(models=models)
+            router.balancer.set_engine_load(good, 5)  # the cut-off one is picked first
+            async with lane_server(router) as (_, client):
+                assert (await client.post("/v1/completions", json=COMPLETION)).is_success
+                waiting = asyncio.ensure_future(client.post("/v1/completions", json=COMPLETION))
+                await until(
+                    "the request to wait on the cut-off engine", lambda: cut_off.requests == 2
+                )
+                router._no_answer(bad)
+                assert not waiting.done() and router.balancer.usable(bad)  # once: a hiccup
+                router._no_answer(bad)
+                answered = await asyncio.wait_for(waiting, 5)
+                assert answered.status_code == 200, answered.text
+                assert hits == [200] and spied["timed_out"] == 0
+                assert not router.balancer.usable(bad)
+                assert router.parts.waiting.give_up(bad, "again") == 0  # nothing left behind
+                await until("the engine to see its request abandoned", lambda: cut_off.closed == 1)
+            await router.close()
+
+    run(go())

@@ -153,6 +153,14 @@ class Balancer:
         state.failures += 1
         if state.failures < self.settings.eject_after:
             return False
+        return self.eject(endpoint, now)
+
+    def eject(self, endpoint: str, now: float) -> bool:
+        """Take `endpoint` out now (its engine does not answer at all); returns whether it
+        was in."""
+        state = self._of(endpoint)
+        if state.ejected_until is not None:
+            return False
         s = self.settings
         state.ejected_until = now + min(s.eject_max, s.eject_for * 2**state.ejections)
         state.ejections += 1

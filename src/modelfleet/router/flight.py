@@ -79,6 +79,7 @@ class Parts:
     now: Callable[[], float]  # ejections
     wall: Callable[[], float]  # keys' expiry and limits
     background: set[asyncio.Future[None]]  # settlements under way, awaited at close
+    waiting: Waiting = field(default_factory=lambda: Waiting())  # for their first byte
 
 
 @dataclass
@@ -301,6 +302,12 @@ class Flight:
         """`attempt` got no first byte within the first-byte timeout."""
         self.ex.timeouts += 1
         self._failed(attempt, f"no first byte within {self.first_byte_timeout:g} s")
+        self._next()
+
+    def given_up(self, attempt: Attempt, why: str) -> None:
+        """`attempt`'s engine turned out unreachable before its first byte: the request goes
+        to the next replica as after a timeout, without waiting for one."""
+        self._failed(attempt, why)
         self._next()
 
     def _failed(self, attempt: Attempt, failure: str) -> None:
@@ -718,6 +725,7 @@ class Attempt:
         conn.listener = self._news
         loop = conn.loop
         self.timer = loop.call_at(loop.time() + flight.first_byte_timeout, self._timeout)
+        parts.waiting.add(self)
 
     def stop_waiting(self) -> None:
         """No more news of the connection is awaited; the wait is counted as the engine's."""
@@ -729,7 +737,16 @@ class Attempt:
             self.timer.cancel()
             self.timer = None
         flight = self.flight
+        flight.parts.waiting.discard(self)
         flight.ex.upstream_wait += flight.parts.clock() - self.sent_at
+
+    def give_up(self, why: str) -> None:
+        """Stop waiting for the engine, which does not answer at all (`Waiting.give_up`)."""
+        self.stop_waiting()
+        try:
+            self.flight.given_up(self, why)
+        except Exception:
+            self.flight.failed_in_callback()
 
     def _news(self, conn: Connection) -> None:
         self.stop_waiting()
@@ -764,6 +781,34 @@ class Attempt:
                 upstream.close()
         elif self.conn is not None:
             self.conn.close()
+
+
+class Waiting:
+    """The attempts waiting for their engine's first byte, by endpoint. When the router finds
+    an engine unreachable (its load cannot be read: `Router.watch_once`), those are given up
+    at once and go to other replicas, instead of each waiting out its first-byte timeout
+    (minutes for a long completion): a host cut off takes no request with it but those
+    already answering."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, set[Attempt]] = {}
+
+    def add(self, attempt: Attempt) -> None:
+        self._of.setdefault(attempt.endpoint, set()).add(attempt)
+
+    def discard(self, attempt: Attempt) -> None:
+        attempts = self._of.get(attempt.endpoint)
+        if attempts is not None:
+            attempts.discard(attempt)
+            if not attempts:
+                del self._of[attempt.endpoint]
+
+    def give_up(self, endpoint: str, why: str) -> int:
+        """Give up every attempt waiting on `endpoint`; returns how many."""
+        attempts = list(self._of.pop(endpoint, ()))
+        for attempt in attempts:
+            attempt.give_up(why)
+        return len(attempts)
 
 
 def _why(exc: Exception) -> str:

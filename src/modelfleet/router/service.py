@@ -47,6 +47,7 @@ from modelfleet.web import json_response
 from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot, UsageAck, UsageReport
 
 log = logging.getLogger("modelfleet.router")
+UNREACHABLE_AFTER = 2  # reads of an engine's load in a row with no answer: it is ejected
 
 
 class KeyConfig(BaseModel):
@@ -175,6 +176,7 @@ class Router:
     ) -> None:
         self.config = config
         self.now = now  # the clock of ejections
+        self._unanswered: dict[str, int] = {}  # endpoint -> reads of its load unanswered in a row
         self.wall = wall  # the clock of key expiry
         self._own_keys = [k.to_key() for k in config.api_keys]
         seed = self._restore() or RoutingSnapshot(version=0, models=config.models)
@@ -311,6 +313,8 @@ class Router:
         """Read each engine's queue depth, and probe the ejected engines whose time out is
         up."""
         timeout = aiohttp.ClientTimeout(total=max(self.config.watch_interval, 1.0))
+        for gone in self._unanswered.keys() - set(self.table.endpoints):
+            del self._unanswered[gone]
         probes = self.balancer.probe_due(self.now())
         await asyncio.gather(
             *(self._read_load(e, timeout) for e in self.table.endpoints if e not in probes),
@@ -320,14 +324,31 @@ class Router:
     async def _read_load(self, endpoint: str, timeout: aiohttp.ClientTimeout) -> None:
         try:
             async with self.session.get(endpoint + "/metrics", timeout=timeout) as answer:
+                self._unanswered.pop(endpoint, None)
                 if answer.status != 200:
                     return
                 text = await answer.text()
         except (TimeoutError, aiohttp.ClientError):
-            return  # a failing engine shows in its requests; its load is only a hint
+            self._no_answer(endpoint)
+            return
         load = read_engine_load(text)
         if load is not None:
             self.balancer.set_engine_load(endpoint, load)
+
+    def _no_answer(self, endpoint: str) -> None:
+        """`endpoint` did not answer a read of its load. After UNREACHABLE_AFTER in a row (a
+        host cut off, an engine hung), it is ejected, and the requests waiting for its first
+        byte go to other replicas at once; a probe brings it back once it answers."""
+        missed = self._unanswered.get(endpoint, 0) + 1
+        self._unanswered[endpoint] = missed
+        if missed < UNREACHABLE_AFTER or not self.balancer.eject(endpoint, self.now()):
+            return
+        del self._unanswered[endpoint]
+        self.metrics.ejections.labels(endpoint).inc()
+        why = f"engine unreachable: {missed} reads of its load in a row got no answer"
+        moved = self.parts.waiting.give_up(endpoint, why)
+        log.warning("endpoint %s ejected: %s; %d waiting request(s) sent elsewhere", endpoint,
+                    why, moved)  # fmt: skip
 
     async def _probe(self, endpoint: str, timeout: aiohttp.ClientTimeout) -> None:
         try:
