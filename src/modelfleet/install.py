@@ -22,12 +22,12 @@ from typing import Literal
 Role = Literal["control-plane", "router", "agent"]
 ROLES: tuple[Role, ...] = ("control-plane", "router", "agent")
 
-# What each role's command needs, and the options whose value is a secret (moved to the
-# environment file as the variable the command reads it from).
-_NEEDED: dict[Role, tuple[str, ...]] = {
-    "control-plane": ("--config",),
-    "router": ("--config",),
-    "agent": ("--control-plane", "--node"),
+# What each role's command needs (each entry: one of those options), and the options whose
+# value is a secret (moved to the environment file as the variable the command reads it from).
+_NEEDED: dict[Role, tuple[tuple[str, ...], ...]] = {
+    "control-plane": (("--config",),),
+    "router": (("--config",),),
+    "agent": (("--join", "--control-plane"), ("--node",)),
 }
 _SECRETS: dict[Role, dict[str, str]] = {
     "control-plane": {},
@@ -69,7 +69,11 @@ def systemd_unit(
         raise InstallError(f"no role {role!r}: one of {', '.join(ROLES)}")
     kept, secrets = _split_secrets(role, options)
     given = {option.split("=", 1)[0] for option in kept if option.startswith("--")}
-    missing = [option for option in _NEEDED[role] if option not in given]
+    missing = [
+        " or ".join(one_of) if len(one_of) == 1 else f"({' or '.join(one_of)})"
+        for one_of in _NEEDED[role]
+        if not given & set(one_of)
+    ]
     if missing:
         raise InstallError(
             f"the {role} needs {' and '.join(missing)} among its options (after `--`), as "

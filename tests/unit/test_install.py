@@ -17,7 +17,7 @@ from modelfleet.install import InstallError, Role, systemd_unit, write_unit
 OPTIONS: dict[Role, list[str]] = {
     "control-plane": ["--config", "/etc/modelfleet/control-plane.yaml"],
     "router": ["--config", "/etc/modelfleet/router.yaml", "--tls-cert", "/etc/a b/100%.crt"],
-    "agent": ["--control-plane", "https://10.0.0.1:7070", "--node", "gpu-1", "--token=s3cret"],
+    "agent": ["--join", "https://10.0.0.1:7070", "--node", "gpu-1", "--token=s3cret"],
 }
 
 
@@ -60,5 +60,7 @@ def test_each_role_gets_a_unit_that_systemd_accepts_and_that_restarts_always(
 def test_a_unit_without_what_its_role_needs_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InstallError, match="the agent needs --node"):
         systemd_unit("agent", ["--control-plane", "https://cp:7070"], tmp_path)
+    with pytest.raises(InstallError, match=r"the agent needs \(--join or --control-plane\)"):
+        systemd_unit("agent", ["--node", "gpu-1"], tmp_path)
     with pytest.raises(InstallError, match="--token needs a value"):
         systemd_unit("agent", ["--control-plane", "u", "--node", "n", "--token"], tmp_path)

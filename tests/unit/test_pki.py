@@ -172,5 +172,8 @@ def test_a_router_beyond_loopback_serves_tls_only(tmp_path: Path) -> None:
         host="10.0.0.5", tls_cert=cert, tls_key=key, push_tls_cert=own[0], push_tls_key=own[1]
     )
     assert split.push_tls is not None and split.push_tls.cert == own[0]
-    with pytest.raises(ValidationError, match="workers > 1"):
-        RouterConfig(tls_cert=cert, tls_key=key, workers=2)
+    assert RouterConfig(tls_cert=cert, tls_key=key, workers=2).client_tls is not None
+    # A worker of several: TLS on the client port, its push API its parent's, on loopback.
+    worker = RouterConfig(host="10.0.0.5", tls_cert=cert, tls_key=key, parent_push=True)
+    assert worker.client_tls is not None and worker.push_tls is None
+    assert worker.push_host == "127.0.0.1"

@@ -1,28 +1,33 @@
-"""Hosts for tests of a fleet across machines: network namespaces joined by a bridge.
+"""Several hosts on one machine, to try and test a fleet across machines: network namespaces.
 
 `Hosts` makes one network namespace per host, each with one address on a private subnet,
 joined by a bridge in a namespace of its own (nothing is added to the machine's own
-namespace), and removes all of it again. `Shell` is a bash session on one host that the test
-types commands into, as an operator would: what the commands start in the background stays
-in the session's process group, which the test ends, by its id, when it is done.
+namespace), and removes all of it again. `Shell` is a bash session on one host that commands
+are typed into, as an operator would: what they start in the background stays in the
+session's process group, which is ended, by its id, when done. `shell_blocks` reads the
+commands of a README section. Needs root (`ip netns`): the multi-host test and
+bench/multihost.py use it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import secrets
 import shutil
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from types import TracebackType
+from typing import IO, TypeVar
 
 import psutil
-import pytest
 
 PREFIX_BITS = 24  # the subnet's
+T = TypeVar("T")
 
 
 def netns_unavailable() -> str | None:
@@ -39,10 +44,14 @@ def netns_unavailable() -> str | None:
     return None
 
 
+class HostsFailed(RuntimeError):
+    """An `ip` command, or a shell, did not do what was asked; the message says which."""
+
+
 def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
-        raise AssertionError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+        raise HostsFailed(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
 class Hosts:
@@ -90,25 +99,70 @@ class Hosts:
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         return [line.split()[0] for line in listed.splitlines() if f"mf{self.tag}" in line]
 
+    def __enter__(self) -> Hosts:
+        try:
+            self.make()
+        except BaseException:
+            self.remove()
+            raise
+        return self
 
-@contextmanager
-def hosts(addresses: dict[str, str]) -> Iterator[Hosts]:
-    """`Hosts` made for the block and removed after it, also when it fails; skips the test
-    where network namespaces cannot be made."""
-    why = netns_unavailable()
-    if why is not None:
-        pytest.skip(why)
-    made = Hosts(addresses)
-    try:
-        made.make()
-        yield made
-    finally:
-        made.remove()
-        assert made.left() == [], f"namespaces left behind: {made.left()}"
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+        if self.left():
+            raise RuntimeError(f"network namespaces left behind: {self.left()}")
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def call_in(netns: str, work: Callable[[], T]) -> T:
+    """`work()` run on a thread of its own moved into network namespace `netns`: a network
+    namespace is a thread's own, so the sockets it opens there (an httpx client made inside
+    `work`) are on that host's network, and nothing else of this process moves."""
+    done: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+            try:
+                if _libc().setns(fd, _CLONE_NEWNET) != 0:
+                    errno = ctypes.get_errno()
+                    raise OSError(errno, f"setns into {netns}: {os.strerror(errno)}")
+            finally:
+                os.close(fd)
+            done.append(work())
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name=f"in {netns}")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return done[0]
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def shell_blocks(markdown: str, heading: str) -> list[str]:
+    """The ```sh blocks of the section of `markdown` under `## heading`, in order."""
+    start = markdown.index(f"## {heading}\n")
+    end = markdown.find("\n## ", start + 1)
+    section = markdown[start : end if end >= 0 else len(markdown)]
+    return re.findall(r"```sh\n(.*?)```", section, flags=re.S)
 
 
 class Shell:
-    """A bash session on one host, in a folder of its own, typed into by the test."""
+    """A bash session on one host, in a folder of its own, typed into."""
 
     def __init__(self, netns: str, folder: Path, env: dict[str, str] | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -126,7 +180,7 @@ class Shell:
             start_new_session=True,
         )
         self._count = 0
-        # A command that fails says so in the log, with the command: the test fails on it.
+        # A command that fails says so in the log, with the command: `run` raises on it.
         self.type("trap 'echo \"FAILED($?): $BASH_COMMAND\"' ERR", timeout=10)
 
     def type(self, commands: str, timeout: float) -> str:
@@ -145,14 +199,15 @@ class Shell:
             if f"{marker}\n" in text:
                 return text[: text.index(marker)]
             if self.proc.poll() is not None:
-                raise AssertionError(f"the shell exited ({self.proc.returncode}): {text[-2000:]}")
+                raise HostsFailed(f"the shell exited ({self.proc.returncode}): {text[-2000:]}")
             time.sleep(0.05)
-        raise AssertionError(f"the shell did not finish within {timeout}s: {commands[:200]}")
+        raise HostsFailed(f"the shell did not finish within {timeout}s: {commands[:200]}")
 
     def run(self, commands: str, timeout: float = 120) -> str:
-        """`type`, failing if any command failed."""
+        """`type`; raises HostsFailed if any command failed."""
         out = self.type(commands, timeout)
-        assert "FAILED(" not in out, f"a command failed:\n{out[-3000:]}"
+        if "FAILED(" in out:
+            raise HostsFailed(f"a command failed:\n{out[-3000:]}")
         return out
 
     def members(self) -> list[psutil.Process]:
