@@ -297,4 +297,4 @@ def test_a_replica_of_two_shards_is_restarted_as_one_when_a_shard_dies(tmp_path:
         assert after["last_failure"].startswith(f"shard 1 on {after['shards'][1]['node']} failed")
         assert "engine exited" in after["last_failure"]
         assert not alive(pids[0])  # rank 0 was stopped too, not left alone
-        assert op.serves("wide")
+        wait_for("the router to serve wide again", lambda: op.serves("wide"))
