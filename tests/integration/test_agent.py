@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from modelfleet.loadgen import SteadyClient
 from modelfleet.processes import running as alive
@@ -156,6 +158,32 @@ def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(
         lambda: (r := replica("stuck")) and "startup timed out" in r["shards"][0]["error"] and r,
     )
     assert stuck["shards"][0]["error"] == "startup timed out after 1s"
+
+    # The agents count it all (`GET /metrics` on their admin API), summed over both nodes.
+    scraped: dict[tuple[str, str], float] = {}
+    for url in crashing.agent_admin.values():
+        page = httpx.get(
+            url + "/metrics",
+            headers={"authorization": f"Bearer {crashing.agent_token}"},
+            timeout=10,
+        )
+        assert page.status_code == 200, page.text
+        for family in text_string_to_metric_families(page.text):
+            for sample in family.samples:
+                key = (sample.name, ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())))
+                scraped[key] = scraped.get(key, 0) + sample.value
+    assert scraped[("modelfleet_agent_shard_failures_total", "reason=exited")] >= 3
+    assert scraped[("modelfleet_agent_shard_failures_total", "reason=startup-timeout")] >= 1
+    restarted = sum(
+        v for (n, _), v in scraped.items() if n == "modelfleet_agent_shard_restarts_total"
+    )
+    assert restarted >= 1  # each node restarts a failed engine after its backoff
+    assert scraped[("modelfleet_agent_gpu_memory_total_bytes", "gpu=0")] == 2 * 80 * 10**9
+    assert scraped[("modelfleet_agent_gpu_healthy", "gpu=0")] == 2
+    shards = sum(v for (n, _), v in scraped.items() if n == "modelfleet_agent_shards")
+    assert shards >= 1  # crashy's or stuck's, whatever state each is in just now
+    refused = httpx.get(next(iter(crashing.agent_admin.values())) + "/metrics", timeout=10)
+    assert refused.status_code == 401
 
 
 def test_a_lost_node_is_replaced_make_before_break(tmp_path: Path) -> None:

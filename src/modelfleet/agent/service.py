@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -34,6 +35,7 @@ from starlette.routing import Route
 
 from modelfleet.agent.gpus import BadGpuSpec, GpuSource, SimulatedGpus
 from modelfleet.agent.heartbeat import needs_report, retry_delay
+from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
@@ -91,6 +93,11 @@ class Agent:
             verify=settings.verify if settings.verify is not None else True,
         )
         self._probe = httpx.AsyncClient()
+        self.metrics = AgentMetrics()
+        self.metrics.watch(
+            lambda: [s.state for s in (*self.shards.values(), *self.stopping.values())],
+            self.gpu_source.gpus,
+        )
         self._group = asyncio.TaskGroup()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -180,6 +187,7 @@ class Agent:
             self.settings.supervisor,
             self.changed,
             self._probe,
+            self.metrics,
         )
 
     def _supervise(self, key: str, shard: Shard) -> None:
@@ -341,11 +349,18 @@ def create_admin_app(agent: Agent) -> Starlette:
 
     `GET /v1/gpus` lists the GPUs as reported; `PUT /v1/gpus/{index}/health` with
     `{"healthy": false, "reason": "XID 79"}` makes a simulated GPU fail (or recover).
+    `GET /metrics`: the agent's Prometheus metrics (`agent/metrics.py`).
     """
 
     def authorized(request: Request) -> bool:
         token = agent.settings.token
         return token is None or bearer_matches(request.headers.get("authorization"), token)
+
+    async def metrics(request: Request) -> Response:
+        if not authorized(request):
+            return error_response(401, "missing or wrong agent token")
+        body = generate_latest(agent.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def list_gpus(request: Request) -> Response:
         if not authorized(request):
@@ -376,6 +391,7 @@ def create_admin_app(agent: Agent) -> Starlette:
 
     return Starlette(
         routes=[
+            Route("/metrics", metrics),
             Route("/v1/gpus", list_gpus),
             Route("/v1/gpus/{index:int}/health", set_health, methods=["PUT"]),
         ]

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import httpx
 
+from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import EngineRecord
 from modelfleet.backoff import Backoff
 from modelfleet.engines import EngineDriver, NoDriver
@@ -96,6 +97,7 @@ class Shard:
         settings: SupervisorSettings,
         changed: Callable[[], None],
         http: httpx.AsyncClient,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.assignment = assignment
         self.driver = driver
@@ -103,6 +105,8 @@ class Shard:
         self.log_path = log_dir / f"{assignment.replica_id}-{assignment.rank}.log"
         self._changed = changed
         self._http = http
+        self.metrics = metrics or AgentMetrics()
+        self.failure_kind = "exited"  # why it last failed (`_fail`)
         self.state = ShardState.STARTING
         self.error = ""
         self.port: int | None = None
@@ -203,6 +207,12 @@ class Shard:
             return f"{self.settings.engine_host}:{self.dist_port}"
         return self.assignment.leader
 
+    def _fail(self, kind: str, error: str) -> None:
+        """The engine failed: `kind` (one of `metrics.FAILURE_REASONS`), and why."""
+        self.failure_kind = kind
+        self.metrics.failures.labels(kind).inc()
+        self._set(ShardState.FAILED, error)
+
     def _set(self, state: ShardState, error: str = "") -> None:
         if (state, error) != (self.state, self.error):
             self.state, self.error = state, error
@@ -228,7 +238,7 @@ class Shard:
                 raise
             except Exception as exc:
                 log.exception("shard %s: supervision failed", self.assignment.key)
-                self._set(ShardState.FAILED, f"supervision failed: {type(exc).__name__}: {exc}")
+                self._fail("supervision", f"supervision failed: {type(exc).__name__}: {exc}")
                 ready_since = None
             ready_for = time.monotonic() - ready_since if ready_since is not None else 0.0
             self.failures = backoff.failures(self.failures, ready_for)
@@ -257,6 +267,7 @@ class Shard:
             self._changed()
             await asyncio.sleep(self.backoff_s)
             self.restarts += 1
+            self.metrics.restarts.labels(self.failure_kind).inc()
             self.backoff_s = None
             self._set(ShardState.STARTING)
 
@@ -274,7 +285,7 @@ class Shard:
     def _spawn(self) -> bool:
         """Start the engine; False (with the shard failed and why) when it cannot start."""
         if isinstance(self.driver, NoDriver):
-            self._set(ShardState.FAILED, str(self.driver))
+            self._fail("cannot-start", str(self.driver))
             return False
         host = self.settings.engine_host
         self.port = free_port(host, "engines")
@@ -282,7 +293,7 @@ class Shard:
         try:
             launch = self.driver.launch(self.assignment, host, self.port, self.leader, key)
         except NoDriver as exc:
-            self._set(ShardState.FAILED, str(exc))
+            self._fail("cannot-start", str(exc))
             return False
         self.argv = launch.argv
         self.health_path = launch.health_path
@@ -302,7 +313,7 @@ class Shard:
                 )
         except OSError as exc:
             what = exc.filename or launch.argv[0]
-            self._set(ShardState.FAILED, f"cannot start {launch.argv[0]}: {what}: {exc.strerror}")
+            self._fail("cannot-start", f"cannot start {launch.argv[0]}: {what}: {exc.strerror}")
             return False
         self.proc = proc
         self.engine_key = key
@@ -337,18 +348,19 @@ class Shard:
             code = proc.poll()
             if code is not None:
                 how = "code unknown: an earlier agent run started it" if code == -1 else code
-                self._set(ShardState.FAILED, f"engine exited ({how})")
+                self._fail("exited", f"engine exited ({how})")
                 return ready_since
             now = time.monotonic()
             if self.ready_at is None:  # starting: probe until ready, within the timeout
                 if now > deadline:
                     await self._terminate()
-                    self._set(ShardState.FAILED, f"startup timed out after {timeout:.0f}s")
+                    self._fail("startup-timeout", f"startup timed out after {timeout:.0f}s")
                     return None
                 if self.health_path is None or await self._probe(url):
                     ready_since = time.monotonic()
                     self.ready_at = time.time()
                     self.startup_s = round(ready_since - began, 3)
+                    self.metrics.start_seconds.observe(self.startup_s)
                     self._set(ShardState.READY)
                     next_probe = ready_since + s.liveness_interval
                 await asyncio.sleep(s.probe_interval if self.ready_at is None else s.watch_interval)
@@ -361,9 +373,10 @@ class Shard:
                         self._set(ShardState.READY)
                 else:
                     misses += 1
+                    self.metrics.probe_failures.inc()
                     if misses >= s.liveness_failures:
-                        self._set(
-                            ShardState.FAILED,
+                        self._fail(
+                            "unhealthy",
                             f"health check failed {misses} times in a row; restarting the engine",
                         )
                         await self._terminate()

@@ -14,6 +14,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -113,6 +114,17 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     @app.exception_handler(Refused)
     async def refused(_: Request, exc: Refused) -> Response:
         return _error(exc.status, exc.answer)
+
+    async def metrics(request: Request) -> Response:
+        """The control plane's Prometheus metrics (`controlplane/metrics.py`): the admin token
+        or the metrics token. A plain route, out of the API's document: its answer is text."""
+        given = request.headers.get("authorization")
+        tokens = (cp.config.admin_token, cp.config.metrics_token)
+        if not any(bearer_matches(given, token) for token in tokens):
+            return _error(401, admin.ErrorAnswer(error="missing or wrong admin or metrics token"))
+        return Response(generate_latest(cp.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_route("/metrics", metrics, methods=["GET"])
 
     @app.exception_handler(StoreError)
     async def cannot_write(_: Request, exc: StoreError) -> Response:

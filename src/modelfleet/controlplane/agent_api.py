@@ -97,6 +97,7 @@ class AgentApi:
             return
         holder = self._holder(scope)
         if holder is None:
+            self.cp.metrics.refused.labels("credential").inc()
             await send_json(
                 send,
                 401,
@@ -134,6 +135,7 @@ class AgentApi:
             why = f"node {node} was revoked: it comes back only by joining anew"
         client = scope.get("client") or ("?", 0)
         log.warning("refused a request from %s naming node %s: %s", client[0], node, why)
+        cp.metrics.refused.labels("impersonation").inc()
         return 403, error_json(why)
 
     async def join_ca(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -183,6 +185,7 @@ class AgentApi:
             changed = cp.state.take_report(sent, catalog, cp.clock.monotonic())
         except StaleReport as exc:
             return 409, error_json(str(exc))
+        cp.metrics.reports.inc()
         timing = cp.retime()
         if changed:
             cp.wake()
@@ -203,6 +206,7 @@ class AgentApi:
             fresh_again = cp.state.take_heartbeat(beat, now)
         except (ReportFirst, StaleReport) as exc:
             return 409, error_json(str(exc))
+        cp.metrics.heartbeats.inc()
         if fresh_again:
             cp.wake()
         interval = cp.retime().interval

@@ -45,6 +45,9 @@ class ControlPlaneConfig(BaseModel):
     agent_port: int = Field(default=7070, ge=0, le=65535)
     admin_port: int = Field(default=7071, ge=0, le=65535)
     admin_token: str = Field(min_length=8)
+    # Takes `GET /metrics` on the admin listener besides the admin token, and nothing else:
+    # for a Prometheus that should not hold the admin token.
+    metrics_token: str | None = Field(default=None, min_length=16)
     # Agents join with join tokens (`ctl join-tokens create`) and report with a credential of
     # their own node. A shared agent token lets whoever holds it report as any node not joined
     # so: the mode `up` runs in, all on one machine. insecure_agent_api takes reports with no

@@ -35,6 +35,7 @@ from modelfleet.controlplane.config import (
 )
 from modelfleet.controlplane.keys import KeyBook
 from modelfleet.controlplane.membership import Membership, MembershipRefused
+from modelfleet.controlplane.metrics import ControlPlaneMetrics
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.records import NodeMark
 from modelfleet.controlplane.routing import RoutingTable
@@ -91,7 +92,10 @@ class ControlPlane:
         )
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
-        self.publisher = Publisher(config.routers, self._http, epoch, config.push_interval)
+        self.metrics = ControlPlaneMetrics()
+        self.publisher = Publisher(
+            config.routers, self._http, epoch, config.push_interval, self.metrics
+        )
         self.watch = AssignmentWatch()
         self._file_error = ""
         self.passes = 0  # reconcile passes made (after settling), for operators and tests
@@ -112,6 +116,7 @@ class ControlPlane:
         self.frozen = ""  # the last pass's `Plan.frozen`: why nothing moves off lost nodes
         self._load_marks()
         self.retime()
+        self.metrics.watch(self)
 
     def wake(self) -> None:
         """Run the next reconcile pass now: something it plans from has changed."""
@@ -435,8 +440,10 @@ class ControlPlane:
             took = time.perf_counter() - began
             if self.plans > plans:
                 self.last_plan_s = took
+                self.metrics.pass_seconds.labels("yes").observe(took)
             elif not self.settling(self.clock.monotonic()):
                 self.last_idle_pass_s = took
+                self.metrics.pass_seconds.labels("no").observe(took)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 import httpx
@@ -22,6 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from modelfleet.admin import RoutedInfo, RoutingAnswer
 from modelfleet.controlplane.config import RouterTarget
+from modelfleet.controlplane.metrics import ControlPlaneMetrics
 from modelfleet.wire import RoutedKey, RoutedModel, RoutingAck, RoutingSnapshot
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -36,7 +38,10 @@ class Publisher:
         http: httpx.AsyncClient,
         epoch: int,
         check_interval: float,
+        metrics: ControlPlaneMetrics | None = None,
     ) -> None:
+        self.metrics = metrics or ControlPlaneMetrics()
+        self._published_at = 0.0  # time.monotonic() of the last publication
         self.routers = list(routers)
         self.epoch = epoch
         self.version = 0
@@ -59,6 +64,7 @@ class Publisher:
         if published == self._published:
             return False
         self._published = published
+        self._published_at = time.monotonic()
         self.version += 1
         # The body of a `RoutingSnapshot`, put together from each model's JSON.
         head = RoutingSnapshot(
@@ -123,22 +129,34 @@ class Publisher:
             )
         except httpx.HTTPError as exc:
             log.warning("push to router %s failed: %s", url, exc)
+            self.metrics.pushes.labels(url, "unreachable").inc()
             return
         try:
             ack = RoutingAck.model_validate_json(response.content)
         except ValidationError:
             log.warning("router %s answered the push with %d: %s", url, response.status_code,
                         response.text[:200])  # fmt: skip
+            self.metrics.pushes.labels(url, "refused").inc()
             return
         if response.status_code == 200 and ack.applied and (ack.epoch, ack.version) == version:
-            self._held[url] = version
+            self.metrics.pushes.labels(url, "confirmed").inc()
+            self._confirmed(url, version)
         else:
+            self.metrics.pushes.labels(url, "refused").inc()
             log.warning(
                 "router %s refused routing version %s (it holds %s)",
                 url,
                 version,
                 (ack.epoch, ack.version),
             )
+
+    def _confirmed(self, url: str, version: tuple[int, int]) -> None:
+        """`url` holds `version`; the first time it holds the current one, how long that took
+        since its publication is counted."""
+        if self._held.get(url) != version and version == (self.epoch, self.version):
+            waited = time.monotonic() - self._published_at
+            self.metrics.confirm_seconds.labels(url).observe(waited)
+        self._held[url] = version
 
     async def check(self, router: RouterTarget) -> None:
         """Ask `router` which table it holds; one that lost ours (it restarted) is pushed to."""
@@ -151,7 +169,7 @@ class Publisher:
             return  # unreachable or not a router: the next check asks again
         held = (ack.epoch, ack.version) if ack.applied else (-1, -1)
         if held == (self.epoch, self.version):
-            self._held[router.url] = held
+            self._confirmed(router.url, held)
             return
         if router.url in self._held:
             log.info("router %s now holds %s; pushing the current table", router.url, held)

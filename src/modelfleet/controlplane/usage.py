@@ -41,6 +41,7 @@ class UsageCollector:
         self.interval = interval
         self.wall = wall
         self._failure = ""  # the last store failure logged, to log each only once
+        self.stored = 0  # batches stored (a batch sent again is stored once)
 
     async def run(self) -> None:
         """Collect from every router, every interval, until cancelled."""
@@ -69,7 +70,8 @@ class UsageCollector:
                 for r in batch.rows
             ]  # fmt: skip
             try:
-                self.store.add_usage(batch.run, batch.batch, rows, now)
+                if self.store.add_usage(batch.run, batch.batch, rows, now):
+                    self.stored += 1
             except StoreError as exc:
                 # Not acknowledged: the router keeps the batch and sends it again.
                 if str(exc) != self._failure:

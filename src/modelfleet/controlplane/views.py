@@ -109,21 +109,28 @@ def shard_views(state: FleetState, record: ReplicaRecord) -> list[admin.ShardInf
     return views
 
 
+def replica_state(state: FleetState, record: ReplicaRecord) -> admin.ReplicaState:
+    """A replica's state worked out from its shards' (of its current generation): retiring,
+    ready (every shard), failed (any), starting (any), or assigned (none reported yet)."""
+    if record.retiring:
+        return "retiring"
+    states = set()
+    for rank in range(len(record.replica.shards)):
+        seen = state.current(record, rank)
+        states.add(seen.state if seen is not None else None)
+    if states == {ShardState.READY}:
+        return "ready"
+    if ShardState.FAILED in states:
+        return "failed"
+    if ShardState.STARTING in states:
+        return "starting"
+    return "assigned"
+
+
 def replica_view(state: FleetState, record: ReplicaRecord) -> admin.ReplicaInfo:
     """A replica as `ctl replicas show` shows it: its state worked out from its shards'."""
     shards = shard_views(state, record)
-    states = {s.state for s in shards}
-    shown: admin.ReplicaState
-    if record.retiring:
-        shown = "retiring"
-    elif states == {ShardState.READY.value}:
-        shown = "ready"
-    elif ShardState.FAILED.value in states:
-        shown = "failed"
-    elif ShardState.STARTING.value in states:
-        shown = "starting"
-    else:
-        shown = "assigned"
+    shown = replica_state(state, record)
     endpoint = None
     if shown == "ready":
         leader = state.nodes[shards[0].node].report.address
