@@ -13,6 +13,7 @@ import httpx
 import openai
 import psutil
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Procs, wait_for, wait_json
 from .test_processes import KEY, start_engine, start_router
@@ -174,6 +175,18 @@ def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Pa
     after = [w.cpu_times() for w in workers]
     busy = [a.user + a.system - b.user - b.system for a, b in zip(after, before, strict=True)]
     assert all(b > 0.01 for b in busy), f"CPU seconds per worker: {busy}"
+    # One scrape of the client port (it lands on one worker) counts every worker's requests,
+    # as does the parent's push API.
+    for url, headers in ((f"{router}/metrics", {}), (f"{push}/v1/metrics", admin)):
+        page = httpx.get(url, headers=headers, timeout=20)
+        assert page.status_code == 200, page.text
+        counted = sum(
+            s.value
+            for family in text_string_to_metric_families(page.text)
+            for s in family.samples
+            if s.name == "modelfleet_router_requests_total"
+        )
+        assert counted == 60, (url, counted)
     # Usage is collected from every worker through the parent, and forgotten once acknowledged.
     report = httpx.get(f"{push}/v1/usage", headers=admin, timeout=20).json()
     assert len(report["batches"]) == 2  # one per worker: each served some of the 60

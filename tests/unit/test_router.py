@@ -166,3 +166,37 @@ def test_every_answer_is_openai_style_and_carries_its_request_id() -> None:
         assert seen == ["req-42", made.headers["x-request-id"]]
 
     asyncio.run(go())
+
+
+def test_the_scrapes_of_several_workers_sum_to_one() -> None:
+    """Counts and histogram buckets add up; a `_created` time keeps the earliest."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from modelfleet.router.metrics import summed
+
+    texts = []
+    for requests, latency in ((3, 0.2), (5, 2.0)):
+        registry = CollectorRegistry()
+        counter = Counter("modelfleet_router_requests", "r", ["model"], registry=registry)
+        counter.labels("m").inc(requests)
+        histogram = Histogram("lat", "l", buckets=(1.0,), registry=registry)
+        histogram.observe(latency)
+        texts.append(generate_latest(registry).decode())
+    got = {
+        (s.name, tuple(s.labels.items())): s.value
+        for family in text_string_to_metric_families(summed(texts).decode())
+        for s in family.samples
+    }
+    assert got[("modelfleet_router_requests_total", (("model", "m"),))] == 8
+    assert got[("lat_bucket", (("le", "1.0"),))] == 1
+    assert got[("lat_bucket", (("le", "+Inf"),))] == 2
+    assert got[("lat_sum", ())] == 2.2
+    created = [
+        s.value
+        for text in texts
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "lat_created"
+    ]
+    assert got[("lat_created", ())] == min(created)

@@ -8,16 +8,17 @@ after it). That splits router time from engine time, which no other figure does.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 # From 0.1 ms: the router's own time is counted in tenths of milliseconds.
@@ -163,3 +164,30 @@ class _PerRequest(Collector):
         for endpoint, n in m.in_flight().items():
             in_flight.add_metric([endpoint], n)
         yield in_flight
+
+
+def summed(texts: Iterable[str]) -> bytes:
+    """Several routers' scrapes as one (the workers of one router): every sample summed over
+    them (counts, histogram buckets, requests in flight), but `_created` times, of which the
+    earliest is kept."""
+    families: dict[str, Metric] = {}
+    values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                key = (family.name, sample.name, tuple(sample.labels.items()))
+                if sample.name.endswith("_created"):
+                    values[key] = min(values.get(key, sample.value), sample.value)
+                else:
+                    values[key] = values.get(key, 0.0) + sample.value
+    for (family_name, name, labels), value in values.items():
+        families[family_name].add_sample(name, dict(labels), value)
+
+    class Summed(Collector):
+        def collect(self) -> Iterator[Metric]:
+            yield from families.values()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Summed())
+    return generate_latest(registry)

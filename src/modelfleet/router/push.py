@@ -1,7 +1,8 @@
 """The router's push API, which only the control plane uses (admin token): a routing table
 pushed whole (`PUT /v1/routing`), which table is held (`GET /v1/routing/held`), the table as
-held without engines' keys (`GET /v1/routing`), and the usage counted since the last batch
-collected (`GET /v1/usage`, then `POST /v1/usage/ack`).
+held without engines' keys (`GET /v1/routing`), the usage counted since the last batch
+collected (`GET /v1/usage`, then `POST /v1/usage/ack`), and the process's own metrics
+(`GET /v1/metrics`: how the workers of one router sum theirs).
 
 Written once for both kinds of router process: a router (`Router`) answers from itself, the
 parent of `workers: N` (`workers.py`) by passing each call on to every worker. Each is a
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -36,6 +38,11 @@ class PushTarget(Protocol):
 
     async def held(self) -> RoutingAck:
         """Which table is held; `applied` false while none was pushed to this run."""
+        ...
+
+    async def metrics_text(self) -> bytes:
+        """The Prometheus metrics of this router process (the parent of several workers:
+        their sum)."""
         ...
 
     async def shown_table(self) -> bytes:
@@ -93,6 +100,15 @@ def create_push_app(target: PushTarget, token: str | None) -> Starlette:
         except PushUnavailable as exc:
             return web_error(503, str(exc))
 
+    async def get_metrics(request: Request) -> Response:
+        if (refused := authorized(request)) is not None:
+            return refused
+        try:
+            text = await target.metrics_text()
+        except PushUnavailable as exc:
+            return web_error(503, str(exc))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
     async def get_usage(request: Request) -> Response:
         if (refused := authorized(request)) is not None:
             return refused
@@ -114,6 +130,7 @@ def create_push_app(target: PushTarget, token: str | None) -> Starlette:
             Route("/v1/routing", get_routing, methods=["GET"]),
             Route("/v1/routing/held", get_held, methods=["GET"]),
             Route("/v1/usage", get_usage, methods=["GET"]),
+            Route("/v1/metrics", get_metrics, methods=["GET"]),
             Route("/v1/usage/ack", ack_usage, methods=["POST"]),
         ]
     )

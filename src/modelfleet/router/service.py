@@ -11,7 +11,10 @@ background it reads each engine's queue depth and probes ejected engines (`watch
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +39,7 @@ from modelfleet.router.balancer import Balancer
 from modelfleet.router.engine_load import read_engine_load
 from modelfleet.router.flight import Parts, Settings
 from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
-from modelfleet.router.metrics import RouterMetrics
+from modelfleet.router.metrics import RouterMetrics, summed
 from modelfleet.router.proxy import PROXY_PATHS, Proxy
 from modelfleet.router.push import create_push_app
 from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
@@ -122,6 +125,10 @@ class RouterConfig(BaseModel):
     # Set too: a worker's push API is its parent's alone, plain HTTP on 127.0.0.1 (the parent
     # serves the push API to the control plane, with TLS where the router's host needs it).
     parent_push: bool = False
+    # Set too: the folder of the workers' ready files. A scrape of /metrics on the client port
+    # (which lands on any one worker) answers the sum over every worker, read from each
+    # one's push API.
+    peers_dir: Path | None = None
     # Where keys' rate counters live: None keeps them in this router's memory (right for one
     # router); a Redis URL (redis://host:port/db) shares them with every router naming it.
     limits_store: str | None = None
@@ -298,7 +305,38 @@ class Router:
         return json_response(_card(model))
 
     async def metrics_page(self, _: Request) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        own = generate_latest(self.metrics.registry)
+        if self.config.peers_dir is None:
+            return Response(own, media_type=CONTENT_TYPE_LATEST)
+        texts = [own.decode(), *await self._peers_metrics(self.config.peers_dir)]
+        return Response(summed(texts), media_type=CONTENT_TYPE_LATEST)
+
+    async def metrics_text(self) -> bytes:
+        return generate_latest(self.metrics.registry)
+
+    async def _peers_metrics(self, folder: Path) -> list[str]:
+        """The other workers' own metrics, from their push APIs; one that does not answer
+        within a second is left out of this scrape (and logged)."""
+        urls = []
+        for ready in sorted(folder.glob("worker-*.json")):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                found = json.loads(ready.read_text())
+                if found["pid"] != os.getpid():
+                    urls.append(found["urls"]["push"])
+        headers = {"authorization": f"Bearer {self.config.push_token}"}
+        timeout = aiohttp.ClientTimeout(total=1.0)
+
+        async def one(url: str) -> str | None:
+            try:
+                async with self.session.get(
+                    url + "/v1/metrics", headers=headers, timeout=timeout
+                ) as answer:
+                    return await answer.text() if answer.status == 200 else None
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                log.warning("worker at %s left out of this scrape: %s", url, exc)
+                return None
+
+        return [text for text in await asyncio.gather(*map(one, urls)) if text is not None]
 
     async def watch_engines(self) -> None:
         """Every `watch_interval`, `watch_once`; runs until cancelled."""

@@ -27,6 +27,7 @@ import aiohttp
 import yaml
 
 from modelfleet.files import private_dir
+from modelfleet.router.metrics import summed
 from modelfleet.router.push import PushUnavailable, create_push_app
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import JSON
@@ -90,6 +91,7 @@ class Workers:
                 "workers": 1,
                 "reuse_port": True,
                 "parent_push": True,
+                "peers_dir": str(self.folder),
                 "table_file": table_file,
             }
             worker.config_file.write_text(yaml.safe_dump(data))
@@ -162,6 +164,24 @@ class Workers:
 
     async def held(self) -> RoutingAck:
         return _summary(await self._each("GET", "/v1/routing/held"))
+
+    async def metrics_text(self) -> bytes:
+        """The workers' metrics summed; a worker that does not answer is left out."""
+        headers = {"authorization": f"Bearer {self.token}"}
+
+        async def one(worker: _Worker) -> str | None:
+            if worker.push_url is None:
+                return None
+            try:
+                async with self.session.get(
+                    worker.push_url + "/v1/metrics", headers=headers
+                ) as answer:
+                    return await answer.text() if answer.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError):
+                return None
+
+        texts = await asyncio.gather(*map(one, self.workers))
+        return summed(text for text in texts if text is not None)
 
     async def shown_table(self) -> bytes:
         worker = self.workers[0]
