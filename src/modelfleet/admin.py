@@ -427,6 +427,27 @@ class NodeRevoked(_Answer):
     replacing: list[str]  # its replicas, replaced elsewhere as a lost node's are
 
 
+# -- events --------------------------------------------------------------------------------
+
+
+class EventInfo(_Answer):
+    """Something that happened (`controlplane/events.py`); a repeat counts up."""
+
+    id: int
+    type: Literal["normal", "warning"]
+    reason: str
+    regarding: str  # KIND/NAME: node/gpu-1, replica/chat-1a2b3c, model/chat, key/alice
+    message: str
+    count: int
+    first_at: float  # wall-clock seconds
+    last_at: float
+    source: str
+
+
+class EventsAnswer(_Answer):
+    events: list[EventInfo]
+
+
 # -- usage ---------------------------------------------------------------------------------
 
 

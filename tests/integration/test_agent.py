@@ -326,3 +326,7 @@ def test_a_replica_of_two_shards_is_restarted_as_one_when_a_shard_dies(tmp_path:
         assert "engine exited" in after["last_failure"]
         assert not alive(pids[0])  # rank 0 was stopped too, not left alone
         wait_for("the router to serve wide again", lambda: op.serves("wide"))
+        told = op.get(f"/v1/events?for=replica/{before['id']}")["events"]
+        restarted = [e for e in told if e["reason"] == "ShardsRestarted"]
+        assert len(restarted) == 1 and "shard 1 on" in restarted[0]["message"]
+        assert any(e["reason"] == "ShardFailed" for e in told)

@@ -209,3 +209,8 @@ def test_a_revoked_node_is_cut_off_at_once_and_its_replica_served_elsewhere(
     wait_for(f"the replica of m to serve on {other}", replaced, timeout=60)
     uncordon = fleet.ctl("uncordon", host)
     assert uncordon.returncode == 1 and "joining anew" in uncordon.stderr
+    told = fleet.ctl_json("events", "--for", f"node/{host}")["events"]
+    assert [e["reason"] for e in told if e["reason"] in ("NodeJoined", "NodeRevoked")] == [
+        "NodeJoined",
+        "NodeRevoked",
+    ]

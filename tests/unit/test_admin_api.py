@@ -85,6 +85,8 @@ CALLS: list[tuple[str, str, str | None, int]] = [
     ("DELETE", "/v1/join-tokens/nope", None, 404),
     ("POST", "/v1/nodes/a/revoke", None, 409),  # it reports with the shared agent token
     ("POST", "/v1/nodes/nope/revoke", None, 404),
+    ("GET", "/v1/events?for=node/a&since=1h", None, 200),
+    ("GET", "/v1/events?since=soon", None, 400),
 ]
 
 

@@ -293,7 +293,10 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
                 )
             applied = cp.catalogs.apply(text, API_SOURCE, cp.clock.time())
         except CatalogInvalid as exc:
+            if not dry_run:
+                cp.catalog_refused([str(p) for p in exc.problems], API_SOURCE)
             raise Refused(422, views.refused(exc)) from None
+        cp.catalog_event(applied, API_SOURCE)
         if applied.changed:
             cp.wake()
         # The preview takes the table before anything is awaited: what the next passes do.
@@ -394,6 +397,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             key, stored = cp.keys.create(body, model_names(), cp.clock.time())
         except keys.KeyRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
+        cp.events.normal("KeyCreated", f"key/{stored.name}", f"prefix {stored.prefix}")
         cp.wake()
         return admin.KeyCreated(key=key, **keys.info(stored).model_dump())
 
@@ -409,6 +413,8 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             stored = cp.keys.update(name, body, model_names(), cp.clock.time())
         except keys.KeyRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
+        changed = ", ".join(sorted(body.model_dump(exclude_unset=True))) or "nothing"
+        cp.events.normal("KeyUpdated", f"key/{name}", f"changed: {changed}")
         cp.wake()
         return keys.info(stored)
 
@@ -419,6 +425,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             stored = cp.keys.revoke(name)
         except keys.KeyRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
+        cp.events.normal("KeyRevoked", f"key/{name}", "revoked: every router refuses it next")
         cp.wake()
         return keys.info(stored)
 
@@ -473,6 +480,38 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         except MembershipRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         return token_info(stored, cp.clock.time())
+
+    @app.get("/v1/events", responses=_errors(400))
+    async def events(
+        regarding: Annotated[
+            str | None,
+            Query(
+                alias="for",
+                description="One object (node/NAME, model/NAME, replica/ID, key/NAME) or kind.",
+                max_length=300,
+            ),
+        ] = None,
+        since: str = "1h",
+        after: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    ) -> admin.EventsAnswer:
+        """What happened, oldest first: events last seen from `since` ago (a duration: 10m,
+        1h, 7d) on, with an id above `after` (for a watch), at most `limit` (the newest)."""
+        try:
+            back = parse_duration(since)
+        except BadDuration as exc:
+            raise Refused.because(400, f"since: {exc}") from None
+        rows = cp.store.events(regarding, cp.clock.time() - back, after, limit)
+        return admin.EventsAnswer(
+            events=[
+                admin.EventInfo(
+                    id=e.id, type=e.type, reason=e.reason, regarding=e.regarding,
+                    message=e.message, count=e.count, first_at=e.first_at, last_at=e.last_at,
+                    source=e.source,
+                )
+                for e in rows
+            ]
+        )  # fmt: skip
 
     def document() -> dict[str, Any]:
         """FastAPI's document, saying what this API answers to a malformed request: 400 with

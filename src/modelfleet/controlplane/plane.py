@@ -19,20 +19,21 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import httpx
 
 from modelfleet.catalog import Catalog
 from modelfleet.clock import SYSTEM_CLOCK, Clock
 from modelfleet.controlplane.assignments import Assignments
-from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.catalogs import Applied, CatalogKeeper
 from modelfleet.controlplane.config import (
     DEFAULT_SETTLE_FOR_S,
     ROUTING_EPOCH_KEY,
     ControlPlaneConfig,
     Heartbeats,
 )
+from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.keys import KeyBook
 from modelfleet.controlplane.membership import Membership, MembershipRefused
 from modelfleet.controlplane.metrics import ControlPlaneMetrics
@@ -93,6 +94,8 @@ class ControlPlane:
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
         self.metrics = ControlPlaneMetrics()
+        self.events = EventLog(self.store, clock.time)
+        self._silent: dict[str, set[str]] = {"stale": set(), "lost": set()}
         self.publisher = Publisher(
             config.routers, self._http, epoch, config.push_interval, self.metrics
         )
@@ -168,6 +171,10 @@ class ControlPlane:
         self.wake()
         previous = was.mark if was else Mark.NONE
         log.info("node %s marked %s (was %s)", node, mark.value, previous.value)
+        bound = f", {grace:.0f}s of grace" if bounded else ""
+        self.events.normal(
+            "NodeMarked", f"node/{node}", f"marked {mark.value}{bound} (was {previous.value})"
+        )
         return previous
 
     def rebalance(self, model: str | None, dry_run: bool) -> tuple[Move, ...]:
@@ -203,9 +210,9 @@ class ControlPlane:
         self.state.retire(held, f"node {node} deleted by an operator", self.clock.monotonic())
         self.state.forget(node)
         self.wake()
-        log.info(
-            "node %s deleted%s", node, f"; replicas retired: {', '.join(held)}" if held else ""
-        )
+        retired = f"; replicas retired: {', '.join(held)}" if held else ""
+        log.info("node %s deleted%s", node, retired)
+        self.events.normal("NodeDeleted", f"node/{node}", f"deleted by an operator{retired}")
         return held
 
     def join(self, token: str, request: JoinRequest) -> JoinAnswer:
@@ -217,6 +224,7 @@ class ControlPlane:
         if record is not None and record.mark.mark is Mark.REVOKED:
             self.set_mark(node, Mark.NONE, 0)
         log.info("node %s joined", node)
+        self.events.normal("NodeJoined", f"node/{node}", "joined with a join token")
         return answer
 
     def revoke_node(self, node: str) -> list[str]:
@@ -236,10 +244,12 @@ class ControlPlane:
         replacing = self.state.holding(node)
         if node in self.state.nodes:
             self.set_mark(node, Mark.REVOKED, 0)
+        moved = f"; its replicas are replaced elsewhere: {', '.join(replacing)}"
         log.warning(
-            "node %s revoked: its credential is deleted%s",
-            node,
-            f"; its replicas are replaced elsewhere: {', '.join(replacing)}" if replacing else "",
+            "node %s revoked: its credential is deleted%s", node, moved if replacing else ""
+        )
+        self.events.warning(
+            "NodeRevoked", f"node/{node}", f"credential revoked{moved if replacing else ''}"
         )
         return replacing
 
@@ -250,6 +260,9 @@ class ControlPlane:
                 silent = now - self.state.nodes[name].received
                 log.info(
                     "node %s forgotten: no report for %.0fs and no replica on it", name, silent
+                )
+                self.events.normal(
+                    "NodeForgotten", f"node/{name}", f"no report for {silent:.0f}s, no replica"
                 )
                 self.state.forget(name)
                 try:
@@ -327,6 +340,7 @@ class ControlPlane:
         if models is None:
             self._whole_at = now
         self.forget_silent(now)
+        self.note_silences(now, timing)
         # Taken before the plan is carried out: what it changes is planned from once more, so
         # anything a pass leaves for the next (a replacement held back) is not left waiting.
         self._planned, self._planned_at = (s.version, catalog.digest), now
@@ -334,8 +348,10 @@ class ControlPlane:
         self.restart_groups()
         failed = {}
         for rid, (node, why) in s.failing(self.config.max_failures).items():
-            s.keep_off(s.replicas[rid].replica.model, node, why, now + self.config.failure_avoid)
+            model = s.replicas[rid].replica.model
+            s.keep_off(model, node, why, now + self.config.failure_avoid)
             failed[rid] = why
+            self.events.warning("ModelKeptOff", f"node/{node}", f"{model} kept off: {why}")
         decided = plan(
             catalog,
             s.planned(),
@@ -353,11 +369,14 @@ class ControlPlane:
         if decided.frozen != self.frozen:
             if decided.frozen:
                 log.warning("%s", decided.frozen)
+                self.events.warning("FleetFrozen", "fleet/all", decided.frozen)
             else:
                 log.info("nodes report again: lost nodes are handled as usual")
+                self.events.normal("FleetThawed", "fleet/all", "nodes report again")
             self.frozen = decided.frozen
         for stop in decided.stop:
             log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
+            self.events.normal("ReplicaRetiring", f"replica/{stop.replica_id}", stop.reason)
         before = s.pending
         if models is not None:  # the models not planned keep what they had pending
             kept = tuple(p for p in before if p.model not in models)
@@ -365,6 +384,9 @@ class ControlPlane:
         for replica in s.apply(decided, catalog, now, self.config.retire_timeout):
             where = ", ".join(f"{p.node}{list(p.gpus)}" for p in replica.shards)
             log.info("placed %s (%s) on %s", replica.id, replica.model, where)
+            self.events.normal(
+                "ReplicaPlaced", f"replica/{replica.id}", f"{replica.model} on {where}"
+            )
         # Pending replicas are logged when their count changes, without the explanation: it
         # judges every node, and at 10,000 nodes going silent, working it out for each model at
         # each pass kept the control plane busy for minutes (even with the line not logged).
@@ -376,6 +398,12 @@ class ControlPlane:
                     p.count,
                     p.model,
                     p.model,
+                )
+                self.events.warning(
+                    "ReplicaPending",
+                    f"model/{p.model}",
+                    f"{p.count} replica(s) cannot be placed now: `ctl explain-placement "
+                    f"{p.model}` says why",
                 )
         self._due = self._next_due(now, timing)
 
@@ -397,6 +425,11 @@ class ControlPlane:
                 len(record.replica.shards),
                 count,
             )
+            self.events.warning(
+                "ShardsRestarted",
+                f"replica/{rid}",
+                f"{why}; all shards restarted ({count} in a row)",
+            )
 
     def _next_due(self, since: float, timing: Heartbeats) -> float:
         """The time from `since` on at which a pass must plan though nothing new came: a node
@@ -416,6 +449,52 @@ class ControlPlane:
         """Let go of the retiring replicas every router has stopped routing to."""
         for rid, why in self.state.release(self.publisher.routed_version(), now):
             log.info("replica %s is out of every routing table; stopping it (%s)", rid, why)
+            self.events.normal(
+                "ReplicaStopped", f"replica/{rid}", f"out of every router's table; stopping: {why}"
+            )
+
+    def catalog_event(self, applied: Applied, source: str) -> None:
+        """The event of a catalog applied: its version, from where, what it changes."""
+        if not applied.changed:
+            return
+        new, old = applied.catalog, applied.previous
+        before = {m.name: m for m in old.models}
+        after = {m.name: m for m in new.models}
+        parts = [
+            *(f"+{name}" for name in sorted(after.keys() - before.keys())),
+            *(f"-{name}" for name in sorted(before.keys() - after.keys())),
+            *(
+                f"~{name}"
+                for name in sorted(after.keys() & before.keys())
+                if after[name] != before[name]
+            ),
+        ]
+        changes = " ".join(parts) or "no model changed"
+        self.events.normal("CatalogApplied", f"catalog/{new.version}", f"from {source}: {changes}")
+
+    def catalog_refused(self, problems: Sequence[str], source: str) -> None:
+        shown = "; ".join(problems[:3]) + (
+            f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        )
+        self.events.warning("CatalogRefused", "catalog/refused", f"from {source}: {shown}")
+
+    def note_silences(self, now: float, timing: Heartbeats) -> None:
+        """Event the nodes that went stale or lost since the last look (those heard from
+        again are told by the state, `NodeBack`)."""
+        for kind, span in (("stale", timing.stale_after), ("lost", timing.lost_after)):
+            silent = set(self.state.silent_for(span, now))
+            for node in sorted(silent - self._silent[kind]):
+                quiet = now - self.state.nodes[node].received
+                self.events.warning(
+                    f"Node{kind.capitalize()}", f"node/{node}", f"no word for {quiet:.0f}s"
+                )
+            self._silent[kind] = silent
+
+    def record_news(self) -> None:
+        """Take the events the state noted into the event log."""
+        news, self.state.news = self.state.news, []
+        for kind, reason, regarding, message in news:
+            self.events.record(kind, reason, regarding, message)
 
     def publish(self) -> None:
         """Publish the routing table; the publisher's tasks push it to the routers.
@@ -437,6 +516,7 @@ class ControlPlane:
             self.publish()
             self.release_retired(self.clock.monotonic())
             self.notify_assignments()
+            self.record_news()
             took = time.perf_counter() - began
             if self.plans > plans:
                 self.last_plan_s = took
@@ -451,6 +531,7 @@ class ControlPlane:
         """Apply the catalog file whenever its content changes."""
         while True:
             await asyncio.sleep(self.config.catalog_poll_interval)
+            refused = self.store.last_rejection()
             try:
                 applied = self.catalogs.check_file(self.clock.time())
                 self._file_error = ""
@@ -460,6 +541,11 @@ class ControlPlane:
                     what = "read the catalog file" if isinstance(exc, OSError) else "apply it"
                     log.warning("cannot %s: %s; the current catalog stays", what, exc)
                 continue
+            if applied is not None:
+                self.catalog_event(applied, str(self.config.catalog))
+            rejection = self.store.last_rejection()
+            if rejection is not None and rejection != refused:
+                self.catalog_refused(rejection.problems, rejection.source)
             if applied is not None and applied.changed:
                 self.wake()
 

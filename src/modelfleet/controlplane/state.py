@@ -33,6 +33,7 @@ from modelfleet.reconcile import Pending, Plan
 from modelfleet.wire import AgentReport, Heartbeat, ShardReport, ShardState
 
 T = TypeVar("T")
+MAX_NEWS = 10_000
 
 
 @dataclass
@@ -89,6 +90,9 @@ class FleetState:
     # What every pass asks and only those changes alter (serving replicas, busy slots,
     # failing replicas): worked out again only after one. name -> (_changes then, answer).
     _derived: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    # Events noted and not yet recorded: (type, reason, regarding, message). The control
+    # plane takes them into its event log after each pass (`ControlPlane.record_news`).
+    news: list[tuple[str, str, str, str]] = field(default_factory=list)
 
     @property
     def version(self) -> int:
@@ -229,6 +233,12 @@ class FleetState:
         )
         self._hear(report.node)
         self._index_report(report.node, before.report if before else None, report)
+        self._note(report.node, before.report if before else None, report)
+        if before is not None and now - before.received > self.stale_after:
+            silent = now - before.received
+            self.tell(
+                "normal", "NodeBack", f"node/{report.node}", f"reports again after {silent:.0f}s"
+            )
         for shard in report.shards:
             record = self.replicas.get(shard.replica_id)
             if record is not None and record.group_restarts and self.is_serving(record.replica.id):
@@ -254,6 +264,42 @@ class FleetState:
         self._changes += changed
         return changed
 
+    def tell(self, kind: str, reason: str, regarding: str, message: str) -> None:
+        """Note an event for the control plane to record (`news`); the oldest go past
+        MAX_NEWS not taken."""
+        self.news.append((kind, reason, regarding, message))
+        if len(self.news) > MAX_NEWS:
+            del self.news[: len(self.news) - MAX_NEWS]
+
+    def _note(self, node: str, old: AgentReport | None, new: AgentReport) -> None:
+        """The events of a report: a node's first, its shards' changes of state, its GPUs'
+        changes of health."""
+        if old is None:
+            gpus = len(new.gpus)
+            self.tell("normal", "NodeReported", f"node/{node}", f"{gpus} GPU(s) at {new.address}")
+        was = {(s.replica_id, s.rank): s for s in old.shards} if old is not None else {}
+        for s in new.shards:
+            before = was.get((s.replica_id, s.rank))
+            if before is not None and (before.state, before.generation) == (s.state, s.generation):
+                continue
+            where = f"shard {s.rank} on {node}"
+            if s.state is ShardState.READY:
+                took = f" in {s.startup_s:.1f}s" if s.startup_s is not None else ""
+                self.tell("normal", "ShardReady", f"replica/{s.replica_id}", f"{where} ready{took}")
+            elif s.state is ShardState.FAILED:
+                self.tell(
+                    "warning", "ShardFailed", f"replica/{s.replica_id}", f"{where}: {s.error}"
+                )
+        health = {g.index: g for g in old.gpus} if old is not None else {}
+        for g in new.gpus:
+            known = health.get(g.index)
+            if known is not None and known.healthy == g.healthy:
+                continue
+            if not g.healthy:
+                self.tell("warning", "GpuUnhealthy", f"node/{node}", f"gpu {g.index}: {g.reason}")
+            elif known is not None:
+                self.tell("normal", "GpuHealthy", f"node/{node}", f"gpu {g.index} healthy again")
+
     def take_heartbeat(self, beat: Heartbeat, now: float) -> bool:
         """Note that a node is alive and its report unchanged. Returns whether anything the
         planner looks at changed: the node had been silent long enough to be stale.
@@ -272,6 +318,9 @@ class FleetState:
                 f"heartbeat {beat.seq} from {beat.node} is not newer than {record.seq}"
             )
         fresh_again = now - record.received > self.stale_after
+        if fresh_again:
+            silent = now - record.received
+            self.tell("normal", "NodeBack", f"node/{beat.node}", f"beats again after {silent:.0f}s")
         record.beat(beat.seq, now)
         self._hear(beat.node)
         self._changes += fresh_again

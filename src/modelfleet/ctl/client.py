@@ -220,6 +220,14 @@ class AdminClient:
     def revoke_key(self, name: str) -> admin.KeyInfo:
         return self._call(admin.KeyInfo, "DELETE", "/v1/keys/" + quote(name, safe=""))
 
+    def events(
+        self, regarding: str | None, since: str, after: int = 0, limit: int = 1000
+    ) -> admin.EventsAnswer:
+        params = {"since": since, "after": str(after), "limit": str(limit)}
+        if regarding is not None:
+            params["for"] = regarding
+        return self._call(admin.EventsAnswer, "GET", "/v1/events", params=params)
+
     def usage(self, key: str | None, model: str | None, since: str) -> admin.UsageAnswer:
         params = {"since": since}
         if key is not None:

@@ -587,6 +587,47 @@ def keys_revoke(context: typer.Context, name: KeyNameArg) -> None:
 
 
 @app.command()
+def events(
+    context: typer.Context,
+    regarding: Annotated[
+        str | None,
+        typer.Option(
+            "--for", help="One object (node/NAME, model/NAME, replica/ID, key/NAME) or a kind."
+        ),
+    ] = None,
+    since: Annotated[str, typer.Option("--since", help="From this long ago: 10m, 1h, 7d.")] = "1h",
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Then print each new event as it comes, until ^C.")
+    ] = False,
+) -> None:
+    """What happened, oldest first: changes (catalog applied, marks, replicas placed and
+    stopped, nodes joined) and faults (shards failed, nodes lost, GPUs unhealthy). A repeat
+    of the same event counts up. -o json for tools."""
+    from modelfleet.ctl import render
+    from modelfleet.ctl.client import CtlError
+
+    ctl = _ctl(context)
+    if not watch:
+        ctl.show(lambda c: c.events(regarding, since), render.print_events)
+        return
+    client = ctl.client()
+    last = 0
+    try:
+        while True:
+            try:
+                got = client.events(regarding, since, after=last)
+            except CtlError as exc:
+                fail(str(exc), 1)
+            for e in got.events:
+                shown = e.model_dump_json() if ctl.output is Output.json else render.event_line(e)
+                typer.echo(shown)
+                last = max(last, e.id)
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return
+
+
+@app.command()
 def usage(
     context: typer.Context,
     key: Annotated[str | None, typer.Option("--key", help="One key's usage, by name.")] = None,

@@ -411,3 +411,22 @@ def print_rebalance(data: admin.RebalanceAnswer, console: Console) -> None:
             "each is replaced first and leaves the routers once its replacement serves; "
             "`modelfleet ctl replicas` follows it"
         )
+
+
+def print_events(data: admin.EventsAnswer, console: Console) -> None:
+    if not data.events:
+        console.print("no events in that time", highlight=False)
+        return
+    table = Table("LAST SEEN", "TYPE", "REASON", "OBJECT", "COUNT", "MESSAGE")
+    for e in data.events:
+        table.add_row(
+            _when(e.last_at), e.type, e.reason, escape(e.regarding), str(e.count),
+            escape(e.message),
+        )  # fmt: skip
+    console.print(table)
+
+
+def event_line(e: admin.EventInfo) -> str:
+    """One event as a line, for `ctl events --watch`."""
+    repeat = f" (x{e.count})" if e.count > 1 else ""
+    return f"{_when(e.last_at)}  {e.type:<7}  {e.reason:<16}  {e.regarding}  {e.message}{repeat}"

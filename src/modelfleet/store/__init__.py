@@ -1,5 +1,5 @@
 """The control plane's store of desired state: applied catalogs, the last rejected one, node marks,
-client API keys, join tokens and node credentials.
+client API keys, join tokens and node credentials, and the events of what happened.
 
 `Store` is the seam; `SqliteStore` (in `store/sqlite.py`) is the one implementation, a file in
 the control plane's state dir. Actual state (what runs where) is never stored here: it is learned
@@ -93,6 +93,22 @@ class StoredCredential:
     token_id: str
 
 
+@dataclass(frozen=True)
+class StoredEvent:
+    """Something that happened, shaped like a Kubernetes event: a repeat of the last event
+    about the same object (same reason and message) counts up instead of adding one."""
+
+    id: int
+    type: str  # "normal" or "warning"
+    reason: str  # what happened, in one CamelCase word: CatalogApplied, ShardFailed, ...
+    regarding: str  # what it is about, KIND/NAME: node/gpu-1, replica/chat-1a2b3c, model/chat
+    message: str
+    count: int
+    first_at: float  # wall-clock seconds
+    last_at: float
+    source: str  # the process that saw it: control-plane
+
+
 class StoreError(RuntimeError):
     """The store could not be opened or written; the message names the file and the cause.
     A write that fails changes nothing."""
@@ -162,6 +178,23 @@ class Store(Protocol):
 
     def credentials(self) -> list[StoredCredential]:
         """Every node's credential, by node."""
+        ...
+
+    def add_event(self, event: StoredEvent, keep: int) -> int:
+        """Record a new event (its `id` is ignored); returns its id. The oldest go once more
+        than `keep` are kept."""
+        ...
+
+    def repeat_event(self, event_id: int, count: int, at: float) -> None:
+        """The event `event_id` happened again: its count and last time."""
+        ...
+
+    def events(
+        self, regarding: str | None = None, since: float = 0.0, after: int = 0, limit: int = 1000
+    ) -> list[StoredEvent]:
+        """Events last seen from `since` on with an id above `after`, oldest first, at most
+        `limit` (the newest of them); `regarding` "node/gpu-1" for one object, "node" for a
+        kind."""
         ...
 
     def add_usage(self, run: str, batch: int, rows: list[StoredUsage], now: float) -> bool:

@@ -14,6 +14,7 @@ from modelfleet.store import (
     Rejection,
     StoredCatalog,
     StoredCredential,
+    StoredEvent,
     StoredJoinToken,
     StoredKey,
     StoredMark,
@@ -82,6 +83,18 @@ CREATE TABLE IF NOT EXISTS node_credentials (
     issued_at REAL NOT NULL,
     token_id  TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS events (
+    id        INTEGER PRIMARY KEY AUTOINCREMENT,
+    type      TEXT NOT NULL,
+    reason    TEXT NOT NULL,
+    regarding TEXT NOT NULL,
+    message   TEXT NOT NULL,
+    count     INTEGER NOT NULL,
+    first_at  REAL NOT NULL,
+    last_at   REAL NOT NULL,
+    source    TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_regarding ON events (regarding);
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -254,6 +267,38 @@ class SqliteStore:
             "SELECT node, sha256, issued_at, token_id FROM node_credentials ORDER BY node"
         ).fetchall()
         return [StoredCredential(*row) for row in rows]
+
+    def add_event(self, event: StoredEvent, keep: int) -> int:
+        e = event
+        with self._write():
+            cursor = self._db.execute(
+                "INSERT INTO events (type, reason, regarding, message, count, first_at, "
+                "last_at, source) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (e.type, e.reason, e.regarding, e.message, e.count, e.first_at, e.last_at,
+                 e.source),
+            )  # fmt: skip
+            new = int(cursor.lastrowid or 0)
+            self._db.execute("DELETE FROM events WHERE id <= ?", (new - keep,))
+        return new
+
+    def repeat_event(self, event_id: int, count: int, at: float) -> None:
+        with self._write():
+            self._db.execute(
+                "UPDATE events SET count = ?, last_at = ? WHERE id = ?", (count, at, event_id)
+            )
+
+    def events(
+        self, regarding: str | None = None, since: float = 0.0, after: int = 0, limit: int = 1000
+    ) -> list[StoredEvent]:
+        kind = regarding if regarding is not None and "/" not in regarding else None
+        one = regarding if regarding is not None and "/" in regarding else None
+        rows = self._db.execute(
+            "SELECT id, type, reason, regarding, message, count, first_at, last_at, source "
+            "FROM events WHERE last_at >= ? AND id > ? AND (? IS NULL OR regarding = ?) "
+            "AND (? IS NULL OR regarding LIKE ? || '/%') ORDER BY id DESC LIMIT ?",
+            (since, after, one, one, kind, kind, limit),
+        ).fetchall()
+        return [StoredEvent(*row) for row in reversed(rows)]
 
     def add_usage(self, run: str, batch: int, rows: list[StoredUsage], now: float) -> bool:
         with self._write():

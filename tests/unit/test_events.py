@@ -1,0 +1,85 @@
+"""The fleet's events (`controlplane/events.py`): what the control plane records as it
+happens, and what `GET /v1/events` and `ctl events` answer."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import httpx
+import yaml
+from rich.console import Console
+
+from modelfleet.admin import EventsAnswer
+from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.controlplane.events import EventLog
+from modelfleet.controlplane.service import create_apps
+from modelfleet.ctl.render import print_events
+from modelfleet.fleet import Mark
+from modelfleet.store.sqlite import SqliteStore
+from modelfleet.wire import AgentReport, ShardReport, ShardState
+
+from .test_admin_api import TOKEN, control_plane
+
+
+def test_a_repeat_counts_up_and_the_oldest_go_past_the_bound() -> None:
+    store = SqliteStore(":memory:")
+    clock = iter(range(100, 200))
+    log = EventLog(store, lambda: float(next(clock)), keep=3)
+    log.warning("PushFailed", "router/r1", "unreachable")
+    log.warning("PushFailed", "router/r1", "unreachable")
+    log.normal("PushConfirmed", "router/r1", "version 3")
+    log.warning("PushFailed", "router/r1", "unreachable")  # not the last about r1: new
+    [first, *_] = store.events()
+    assert (first.reason, first.count, first.first_at, first.last_at) == ("PushFailed", 2, 100, 101)
+    log.normal("NodeMarked", "node/a", "cordoned")
+    log.normal("NodeMarked", "node/b", "cordoned")
+    kept = store.events()
+    assert [e.regarding for e in kept] == ["router/r1", "node/a", "node/b"]  # 3 kept
+    assert [e.regarding for e in store.events("node")] == ["node/a", "node/b"]
+    assert [e.regarding for e in store.events("node/b")] == ["node/b"]
+    assert store.events(after=kept[-1].id) == []
+
+
+def test_changes_and_faults_are_events_an_operator_can_read() -> None:
+    cp = control_plane()  # nodes a and b, a replica of small ready on a
+    catalog = cp.catalogs.current
+    cp.set_mark("b", Mark.CORDONED, 0)
+    [(rid, _)] = list(cp.state.nodes["a"].shards)
+    gpus = SimulatedGpus("2x80GB", {1: "XID 79"})
+    assignment = next(a for a in cp.assignments.of("a", catalog).shards if a.replica_id == rid)
+    failed = ShardReport.of(assignment, ShardState.FAILED, error="engine exited (1)", failures=1)
+    report = AgentReport(node="a", boot_id="b", seq=3, address="127.0.0.1", gpus=gpus.gpus(),
+                         shards=[failed])  # fmt: skip
+    cp.state.take_report(report, catalog, cp.clock.monotonic())
+    cp.record_news()
+    applied = cp.catalogs.apply(
+        yaml.safe_dump({"models": [{"name": "small", "engine": "sim", "replicas": 3}]}),
+        "api",
+        cp.clock.time(),
+    )
+    cp.catalog_event(applied, "api")
+    _, admin_app = create_apps(cp)
+
+    async def go() -> EventsAnswer:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=admin_app),
+            base_url="http://cp",
+            headers={"authorization": f"Bearer {TOKEN}"},
+        ) as admin:
+            one = await admin.get("/v1/events", params={"for": f"replica/{rid}"})
+            assert [e["reason"] for e in one.json()["events"]][-1] == "ShardFailed"
+            every = await admin.get("/v1/events")
+            return EventsAnswer.model_validate_json(every.content)
+
+    answer = asyncio.run(go())
+    seen = {(e.reason, e.regarding): e for e in answer.events}
+    assert seen[("NodeMarked", "node/b")].message == "marked cordoned (was none)"
+    assert seen[("ShardFailed", f"replica/{rid}")].message == "shard 0 on a: engine exited (1)"
+    assert seen[("ShardFailed", f"replica/{rid}")].type == "warning"
+    assert ("NodeReported", "node/a") in seen and ("ReplicaPlaced", f"replica/{rid}") in seen
+    applied_event = seen[("CatalogApplied", f"catalog/{applied.catalog.version}")]
+    assert applied_event.message == "from api: -wide ~small"
+    shown = io.StringIO()
+    print_events(answer, Console(file=shown, width=200))
+    assert "ShardFailed" in shown.getvalue() and "engine exited (1)" in shown.getvalue()
