@@ -427,6 +427,20 @@ class NodeRevoked(_Answer):
     replacing: list[str]  # its replicas, replaced elsewhere as a lost node's are
 
 
+# -- logs ----------------------------------------------------------------------------------
+
+
+class LogsAnswer(_Answer):
+    """Part of an engine's output, as its agent read it."""
+
+    replica: str
+    shard: int
+    node: str
+    previous: int  # 0: the current run; K: K runs back
+    lines: list[str]
+    offset: int  # where the log ends now: the `offset` to follow from
+
+
 # -- events --------------------------------------------------------------------------------
 
 

@@ -121,6 +121,25 @@ def shard_key(replica_id: str, rank: int) -> str:
     return f"{replica_id}/{rank}"
 
 
+class LogRequest(_Message):
+    """The control plane asks an agent for part of an engine's log (`ctl logs`), with the
+    answer to a heartbeat; the agent sends it back as a `LogAnswer`."""
+
+    id: str = Field(max_length=64)
+    replica_id: str
+    rank: int = Field(ge=0)
+    previous: int = Field(default=0, ge=0)  # 0: the engine's current run; K: K runs back
+    tail: int = Field(default=200, ge=1, le=100_000)  # lines, when no offset is given
+    offset: int | None = Field(default=None, ge=0)  # bytes: what was written from there on
+
+
+class LogAnswer(_Message):
+    id: str = Field(max_length=64)
+    lines: list[str] = Field(default_factory=list)
+    offset: int = 0  # where the log ends now: the next `offset` of a follow
+    error: str = ""  # no such log, or it could not be read
+
+
 class NodeAssignment(_Message):
     """A node's whole desired shard set, as the answer to its agent's report or heartbeat."""
 
@@ -132,6 +151,8 @@ class NodeAssignment(_Message):
     # Seconds between the agent's heartbeats while nothing changes; the control plane sets it
     # from the fleet's size (`ControlPlaneConfig.heartbeat_interval`).
     heartbeat_interval: float = Field(default=2.0, gt=0)
+    # Engines' logs the control plane asks for (`ctl logs`); not part of the version.
+    log_requests: list[LogRequest] = Field(default_factory=list)
 
 
 def assignment_version(shards: list[ShardAssignment]) -> str:
@@ -158,6 +179,7 @@ class Heartbeat(_Message):
 class HeartbeatAnswer(_Message):
     heartbeat_interval: float = Field(gt=0)
     assignment: NodeAssignment | None = None  # None: the one the agent holds is current
+    log_requests: list[LogRequest] = Field(default_factory=list)
 
 
 class JoinRequest(_Message):

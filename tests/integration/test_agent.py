@@ -135,6 +135,18 @@ def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(
     assert "simulated fault: exit-at-start" in shown  # the engine's own last words
     full = api.get(f"/v1/replicas/{first['id']}").json()
     assert any("exit-at-start" in line for line in full["shards"][0]["log_tail"])
+    # The engine's output on demand, from its node's agent: this run's, and once it has been
+    # restarted, the run before's (each start moves the last run's log aside).
+    logged = op.ctl("logs", first["id"], "--tail", "5")
+    assert "simulated fault: exit-at-start" in logged.stdout, logged.stdout
+    wait_for(
+        "crashy restarted",
+        lambda: (r := replica("crashy")) and r["shards"][0]["restarts"] >= 1,
+    )
+    before = op.ctl("logs", first["id"], "--previous", "1", check=False)
+    assert "simulated fault: exit-at-start" in before.stdout, before.stderr
+    missing = op.ctl("logs", first["id"], "--previous", "9", check=False)
+    assert missing.returncode == 1 and "no log of run -9" in missing.stderr, missing.stderr
 
     # After three failures in a row it is placed on the other node, then kept off both.
     first_node = first["shards"][0]["node"]

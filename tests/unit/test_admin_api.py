@@ -87,6 +87,8 @@ CALLS: list[tuple[str, str, str | None, int]] = [
     ("POST", "/v1/nodes/nope/revoke", None, 404),
     ("GET", "/v1/events?for=node/a&since=1h", None, 200),
     ("GET", "/v1/events?since=soon", None, 400),
+    ("GET", "/v1/logs/nope", None, 404),
+    ("GET", "/v1/logs/{replica}?shard=3", None, 404),
 ]
 
 

@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from modelfleet.agent.gpus import BadGpuSpec, GpuSource, SimulatedGpus
 from modelfleet.agent.heartbeat import needs_report, retry_delay
+from modelfleet.agent.logs import read_log, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
@@ -47,6 +48,7 @@ from modelfleet.wire import (
     AgentReport,
     Heartbeat,
     HeartbeatAnswer,
+    LogRequest,
     NodeAssignment,
     ShardAssignment,
 )
@@ -260,6 +262,19 @@ class Agent:
             log.warning("control plane answered with no assignment: %s", exc)
             return None
 
+    async def send_logs(self, requests: list[LogRequest]) -> None:
+        """Read what the control plane asked of engines' logs, and send it (`ctl logs`)."""
+        folder = self.settings.state_dir / "logs"
+        for request in requests:
+            path = shard_log(folder, request.replica_id, request.rank)
+            answer = await asyncio.to_thread(read_log, path, request)
+            try:
+                await self._cp.post("/v1/logs", content=answer.model_dump_json())
+            except httpx.HTTPError as exc:
+                log.warning(
+                    "log answer to %s failed: %s", self.settings.control_plane, describe(exc)
+                )
+
     async def send_heartbeat(self, seq: int, held: NodeAssignment) -> HeartbeatAnswer | Beat:
         """One heartbeat: its answer, or why there is none. It is given up when something
         changes meanwhile, so that the change is reported at once."""
@@ -315,6 +330,8 @@ class Agent:
                     await self._pause_after_failure()
                     continue
                 taken = report
+                if assignment.log_requests:
+                    self._run(self.send_logs(assignment.log_requests), "logs")
             else:
                 answer = await self.send_heartbeat(report.seq, held)
                 if answer is Beat.CHANGED:
@@ -324,6 +341,8 @@ class Agent:
                     if answer is Beat.FAILED:
                         await self._pause_after_failure()
                     continue
+                if answer.log_requests:
+                    self._run(self.send_logs(answer.log_requests), "logs")
                 assignment = answer.assignment or held.model_copy(
                     update={"heartbeat_interval": answer.heartbeat_interval}
                 )

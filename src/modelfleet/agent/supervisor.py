@@ -21,6 +21,7 @@ from typing import Protocol
 
 import httpx
 
+from modelfleet.agent.logs import rotate, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import EngineRecord
 from modelfleet.backoff import Backoff
@@ -102,7 +103,7 @@ class Shard:
         self.assignment = assignment
         self.driver = driver
         self.settings = settings
-        self.log_path = log_dir / f"{assignment.replica_id}-{assignment.rank}.log"
+        self.log_path = shard_log(log_dir, assignment.replica_id, assignment.rank)
         self._changed = changed
         self._http = http
         self.metrics = metrics or AgentMetrics()
@@ -148,9 +149,16 @@ class Shard:
             backoff_s=self.backoff_s if failed else None,
             startup_s=self.startup_s,
             error=self.error,
-            log_tail=log_tail(self.log_path, MAX_LOG_TAIL_LINES) if tail else [],
+            log_tail=log_tail(self._failed_run_log(), MAX_LOG_TAIL_LINES) if tail else [],
             engine_key=self.engine_key,
         )
+
+    def _failed_run_log(self) -> Path:
+        """The log of the run that failed last: the current one while failed; once the next
+        run has started (its own log begun, the failed run's moved aside), the one before."""
+        if self.state is ShardState.FAILED:
+            return self.log_path
+        return self.log_path.with_name(f"{self.log_path.name}.1")
 
     def record(self) -> EngineRecord:
         """What the agent's state dir keeps of this shard: enough for a later run of the agent
@@ -298,6 +306,7 @@ class Shard:
         self.argv = launch.argv
         self.health_path = launch.health_path
         try:
+            rotate(self.log_path)  # the run before's output is kept for `ctl logs --previous`
             with open_private_log(self.log_path) as out:
                 proc = subprocess.Popen(
                     launch.argv,

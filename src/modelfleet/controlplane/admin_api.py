@@ -24,6 +24,7 @@ from modelfleet import admin
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane import keys, views
 from modelfleet.controlplane.catalogs import API_SOURCE
+from modelfleet.controlplane.logs import LogUnanswered
 from modelfleet.controlplane.membership import MembershipRefused, token_info
 from modelfleet.controlplane.plane import ControlPlane, NodeBusy
 from modelfleet.fleet import Mark
@@ -71,6 +72,7 @@ def _body_of(model: type[BaseModel]) -> dict[str, Any]:
 
 
 _MARK_BODY = _body_of(admin.MarkRequest)
+LOG_WAIT_S = 15.0  # for an agent to answer a log request: its heartbeat is held, or comes
 KeyRequest = TypeVar("KeyRequest", admin.KeyCreate, admin.KeyUpdate, admin.JoinTokenCreate)
 
 
@@ -480,6 +482,39 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         except MembershipRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         return token_info(stored, cp.clock.time())
+
+    @app.get("/v1/logs/{replica}", responses=_errors(404, 504))
+    async def logs(
+        replica: str,
+        shard: Annotated[int, Query(ge=0)] = 0,
+        tail: Annotated[int, Query(ge=1, le=100_000)] = 200,
+        previous: Annotated[int, Query(ge=0, le=100)] = 0,
+        offset: Annotated[int | None, Query(ge=0)] = None,
+    ) -> admin.LogsAnswer:
+        """An engine's output, read by its node's agent on demand: the last `tail` lines, or
+        with `offset` what was written from there on (a follow); `previous`: that many runs
+        back (before restarts). Also of a replica stopped lately (the last 1,000)."""
+        record = cp.state.replicas.get(replica)
+        nodes = (
+            tuple(p.node for p in record.replica.shards)
+            if record is not None
+            else cp.state.dropped.get(replica)  # stopped: its logs stay on its nodes
+        )
+        if nodes is None:
+            raise Refused.because(404, f"no replica {replica!r} (`ctl replicas` lists them)")
+        if shard >= len(nodes):
+            raise Refused.because(404, f"replica {replica} has {len(nodes)} shard(s)")
+        node = nodes[shard]
+        try:
+            got = await cp.logs.ask(node, replica, shard, previous, tail, offset, LOG_WAIT_S)
+        except LogUnanswered as exc:
+            raise Refused.because(504, str(exc)) from None
+        if got.error:
+            raise Refused.because(404, f"{node}: {got.error}")
+        return admin.LogsAnswer(
+            replica=replica, shard=shard, node=node, previous=previous, lines=got.lines,
+            offset=got.offset,
+        )  # fmt: skip
 
     @app.get("/v1/events", responses=_errors(400))
     async def events(

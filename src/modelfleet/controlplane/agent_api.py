@@ -48,12 +48,13 @@ from modelfleet.fleet import Mark
 from modelfleet.joining import CREDENTIAL_PREFIX
 from modelfleet.store import StoreError
 from modelfleet.web import bearer, bearer_matches, error_json, header, receive_at_most, send_json
-from modelfleet.wire import AgentReport, Heartbeat, HeartbeatAnswer, JoinRequest
+from modelfleet.wire import AgentReport, Heartbeat, HeartbeatAnswer, JoinRequest, LogAnswer
 
 log = logging.getLogger("modelfleet.controlplane")
 
 MAX_HEARTBEAT_BYTES = 4096
 MAX_JOIN_BYTES = 16384
+MAX_LOG_ANSWER_BYTES = 4 << 20
 ANY_NODE = ""  # who holds the fleet's shared agent token: any node not joined on its own
 HOLD_LEAST = 0.75  # of the interval
 
@@ -70,6 +71,7 @@ class AgentApi:
         self.paths: dict[str, Callable[[Scope, Receive, str], Awaitable[Answer]]] = {
             "/v1/report": self.report,
             "/v1/heartbeat": self.heartbeat,
+            "/v1/logs": self.log_answer,
         }
 
         # Joins need no credential: they are how a node gets one.
@@ -191,6 +193,9 @@ class AgentApi:
             cp.wake()
             cp.notify_assignments()
         assignment = cp.assignments.of(sent.node, catalog, timing.interval)
+        logs = cp.logs.take(sent.node)
+        if logs:
+            assignment = assignment.model_copy(update={"log_requests": logs})
         return 200, assignment.model_dump_json().encode()
 
     async def heartbeat(self, scope: Scope, receive: Receive, holder: str) -> Answer:
@@ -211,15 +216,38 @@ class AgentApi:
             cp.wake()
         interval = cp.retime().interval
         until = now + interval * (HOLD_LEAST + (1 - HOLD_LEAST) * self.spread())
-        while cp.assignments.version(beat.node, cp.catalogs.current) == beat.assignment:
+        node = beat.node
+        while cp.assignments.version(
+            node, cp.catalogs.current
+        ) == beat.assignment and not cp.logs.pending(node):
             left = until - cp.clock.monotonic()
-            if left <= 0 or not await cp.watch.wait(beat.node, left):
+            if left <= 0 or not await cp.watch.wait(node, left):
                 if cp.watch.closed:  # tell the agent to wait, or it beats again at once
                     return 503, error_json("the control plane is stopping")
                 return 200, HeartbeatAnswer(heartbeat_interval=interval).model_dump_json().encode()
-        assignment = cp.assignments.of(beat.node, cp.catalogs.current, interval)
-        answer = HeartbeatAnswer(heartbeat_interval=interval, assignment=assignment)
+        logs = cp.logs.take(node)
+        assignment = None
+        if cp.assignments.version(node, cp.catalogs.current) != beat.assignment:
+            assignment = cp.assignments.of(node, cp.catalogs.current, interval)
+        answer = HeartbeatAnswer(
+            heartbeat_interval=interval, assignment=assignment, log_requests=logs
+        )
         return 200, answer.model_dump_json().encode()
+
+    async def log_answer(self, scope: Scope, receive: Receive, holder: str) -> Answer:
+        """An agent sends what it read of a log the control plane asked for."""
+        answer = await _receive(scope, receive, LogAnswer, "log answer", MAX_LOG_ANSWER_BYTES)
+        if not isinstance(answer, LogAnswer):
+            return answer
+        # Only the node it was asked of may answer: a credential names its node; the shared
+        # token (any node) answers only what some node was asked.
+        taken = any(
+            self.cp.logs.answered(node, answer)
+            for node in ([holder] if holder != ANY_NODE else list(self.cp.state.nodes))
+        )
+        if not taken:
+            return 404, error_json(f"no log request {answer.id} waits for this node")
+        return 200, b"{}"
 
 
 async def _receive(

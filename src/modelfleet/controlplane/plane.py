@@ -35,6 +35,7 @@ from modelfleet.controlplane.config import (
 )
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.keys import KeyBook
+from modelfleet.controlplane.logs import LogRelay
 from modelfleet.controlplane.membership import Membership, MembershipRefused
 from modelfleet.controlplane.metrics import ControlPlaneMetrics
 from modelfleet.controlplane.publisher import Publisher
@@ -100,6 +101,7 @@ class ControlPlane:
             config.routers, self._http, epoch, config.push_interval, self.metrics
         )
         self.watch = AssignmentWatch()
+        self.logs = LogRelay(self.watch)
         self._file_error = ""
         self.passes = 0  # reconcile passes made (after settling), for operators and tests
         self.plans = 0  # those of them that planned: the others had nothing new to plan from

@@ -34,6 +34,7 @@ from modelfleet.wire import AgentReport, Heartbeat, ShardReport, ShardState
 
 T = TypeVar("T")
 MAX_NEWS = 10_000
+MAX_DROPPED = 1000
 
 
 @dataclass
@@ -93,6 +94,9 @@ class FleetState:
     # Events noted and not yet recorded: (type, reason, regarding, message). The control
     # plane takes them into its event log after each pass (`ControlPlane.record_news`).
     news: list[tuple[str, str, str, str]] = field(default_factory=list)
+    # replica id -> the nodes of its shards, for replicas dropped from the table (the newest
+    # MAX_DROPPED): their engines' logs stay on those nodes, for `ctl logs`.
+    dropped: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def version(self) -> int:
@@ -122,6 +126,9 @@ class FleetState:
         self._changes += 1
         self.moving.pop(rid, None)
         record = self.replicas.pop(rid)
+        self.dropped[rid] = tuple(p.node for p in record.replica.shards)
+        if len(self.dropped) > MAX_DROPPED:
+            del self.dropped[next(iter(self.dropped))]
         self._retiring.discard(rid)
         if rid in self._seen:
             self._strays.add(rid)

@@ -220,6 +220,15 @@ class AdminClient:
     def revoke_key(self, name: str) -> admin.KeyInfo:
         return self._call(admin.KeyInfo, "DELETE", "/v1/keys/" + quote(name, safe=""))
 
+    def logs(
+        self, replica: str, shard: int, tail: int, previous: int, offset: int | None = None
+    ) -> admin.LogsAnswer:
+        params = {"shard": str(shard), "tail": str(tail), "previous": str(previous)}
+        if offset is not None:
+            params["offset"] = str(offset)
+        path = "/v1/logs/" + quote(replica, safe="")
+        return self._call(admin.LogsAnswer, "GET", path, params=params)
+
     def events(
         self, regarding: str | None, since: str, after: int = 0, limit: int = 1000
     ) -> admin.EventsAnswer:

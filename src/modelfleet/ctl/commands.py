@@ -587,6 +587,42 @@ def keys_revoke(context: typer.Context, name: KeyNameArg) -> None:
 
 
 @app.command()
+def logs(
+    context: typer.Context,
+    replica: Annotated[str, typer.Argument(help="The replica's id, as `ctl replicas` shows it.")],
+    shard: Annotated[int, typer.Option("--shard", min=0, help="Which shard (rank).")] = 0,
+    tail: Annotated[int, typer.Option("--tail", min=1, help="Lines from the end.")] = 200,
+    previous: Annotated[
+        int,
+        typer.Option(
+            "--previous", min=0, help="The output of that many runs back (before restarts)."
+        ),
+    ] = 0,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Then print what it writes, until ^C.")
+    ] = False,
+) -> None:
+    """An engine's output, fetched from its node's agent through the control plane: works
+    for a replica on any node, and keeps the runs before a restart (--previous K)."""
+    from modelfleet.ctl.client import CtlError
+
+    client = _ctl(context).client()
+    try:
+        got = client.logs(replica, shard, tail, previous)
+        for line in got.lines:
+            typer.echo(line)
+        while follow:
+            time.sleep(1.0)
+            got = client.logs(replica, shard, tail, previous, offset=got.offset)
+            for line in got.lines:
+                typer.echo(line)
+    except CtlError as exc:
+        fail(str(exc), 1)
+    except KeyboardInterrupt:
+        return
+
+
+@app.command()
 def events(
     context: typer.Context,
     regarding: Annotated[
