@@ -342,3 +342,29 @@ def test_a_replica_of_two_shards_is_restarted_as_one_when_a_shard_dies(tmp_path:
         restarted = [e for e in told if e["reason"] == "ShardsRestarted"]
         assert len(restarted) == 1 and "shard 1 on" in restarted[0]["message"]
         assert any(e["reason"] == "ShardFailed" for e in told)
+
+
+def test_an_agent_republishes_its_engines_metrics_under_one_set_of_names(
+    steady: RunningFleet, tmp_path: Path
+) -> None:
+    """Each agent's /metrics carries what its ready engines say of themselves (the simulator
+    speaks vLLM's names) as modelfleet_engine_*, labelled with model, replica and node."""
+    op = Operator(steady, tmp_path)
+    ready = wait_for(
+        "both replicas of a ready",
+        lambda: len(r := [x for x in op.replicas("a") if x["state"] == "ready"]) == 2 and r,
+    )
+    assert op.serves("a")  # one request, for the prefix cache's counts
+    seen: dict[str, str] = {}
+    for node, url in steady.agent_admin.items():
+        page = httpx.get(
+            url + "/metrics",
+            headers={"authorization": f"Bearer {steady.agent_token}"},
+            timeout=10,
+        ).text
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if sample.name == "modelfleet_engine_requests_running":
+                    assert sample.labels["node"] == node and sample.labels["model"] == "a"
+                    seen[sample.labels["replica"]] = node
+    assert seen == {r["id"]: r["shards"][0]["node"] for r in ready}

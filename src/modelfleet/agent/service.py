@@ -39,6 +39,7 @@ from modelfleet.agent.logs import read_log, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
+from modelfleet.engine_metrics import translate
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
 from modelfleet.files import write_json_atomic
 from modelfleet.pki import TlsFiles
@@ -51,6 +52,7 @@ from modelfleet.wire import (
     LogRequest,
     NodeAssignment,
     ShardAssignment,
+    ShardState,
 )
 
 log = logging.getLogger("modelfleet.agent")
@@ -262,6 +264,32 @@ class Agent:
             log.warning("control plane answered with no assignment: %s", exc)
             return None
 
+    async def engine_metrics(self) -> bytes:
+        """What this node's engines say of themselves, under `modelfleet_engine_*` names
+        (`engine_metrics.py`): each ready shard 0's `/metrics`, read now (one that does not
+        answer within a second is left out of this scrape)."""
+
+        async def page(shard: Shard) -> tuple[dict[str, str], str] | None:
+            a = shard.assignment
+            url = f"http://{self.settings.supervisor.engine_host}:{shard.port}/metrics"
+            headers = {"authorization": f"Bearer {shard.engine_key}"} if shard.engine_key else {}
+            try:
+                answer = await self._probe.get(url, headers=headers, timeout=1.0)
+            except httpx.HTTPError:
+                return None
+            if answer.status_code != 200:
+                return None
+            labels = {"model": a.model, "replica": a.replica_id, "node": self.settings.node}
+            return labels, answer.text
+
+        serving = [
+            s
+            for s in self.shards.values()
+            if s.assignment.rank == 0 and s.state is ShardState.READY and s.port is not None
+        ]
+        pages = await asyncio.gather(*map(page, serving))
+        return await asyncio.to_thread(translate, [p for p in pages if p is not None])
+
     async def send_logs(self, requests: list[LogRequest]) -> None:
         """Read what the control plane asked of engines' logs, and send it (`ctl logs`)."""
         folder = self.settings.state_dir / "logs"
@@ -378,7 +406,7 @@ def create_admin_app(agent: Agent) -> Starlette:
     async def metrics(request: Request) -> Response:
         if not authorized(request):
             return error_response(401, "missing or wrong agent token")
-        body = generate_latest(agent.metrics.registry)
+        body = generate_latest(agent.metrics.registry) + await agent.engine_metrics()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def list_gpus(request: Request) -> Response:

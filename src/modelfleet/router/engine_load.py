@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import math
 
-# Per engine: the gauges of requests running and waiting.
-LOAD_GAUGES: dict[str, tuple[str, ...]] = {
-    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
-    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
-    "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
-}
-_NAMES = frozenset(name for names in LOAD_GAUGES.values() for name in names)
+from modelfleet.engine_metrics import load_sources
+
+# Every engine's gauges of requests running and waiting (the one mapping of engines' names).
+_NAMES = load_sources()
 
 
 def read_engine_load(page: str) -> int | None:
