@@ -12,6 +12,7 @@ from rich.console import Console
 
 from modelfleet.admin import EventsAnswer
 from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.controlplane.config import RouterTarget
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.service import create_apps
 from modelfleet.ctl.render import print_events
@@ -83,3 +84,35 @@ def test_changes_and_faults_are_events_an_operator_can_read() -> None:
     shown = io.StringIO()
     print_events(answer, Console(file=shown, width=200))
     assert "ShardFailed" in shown.getvalue() and "engine exited (1)" in shown.getvalue()
+
+
+def test_a_drain_that_finished_and_pushes_a_router_missed_are_events() -> None:
+    cp = control_plane()
+    empty = AgentReport(node="c", boot_id="b", seq=1, address="127.0.0.1", gpus=[], shards=[])
+    cp.state.take_report(empty, cp.catalogs.current, cp.clock.monotonic())
+    cp.set_mark("c", Mark.DRAINING, 0)
+    cp.reconcile_once(cp.clock.monotonic())
+    cp.replan()
+    cp.reconcile_once(cp.clock.monotonic())  # told once per drain
+    drained = [e for e in cp.store.events("node/c") if e.reason == "NodeDrained"]
+    assert len(drained) == 1 and drained[0].count == 1
+
+    answers = iter([httpx.Response(500, text="down"), httpx.Response(500, text="down")])
+    publisher = cp.publisher
+    router = RouterTarget(url="http://r1", token="t")
+
+    async def go() -> None:
+        def answer(request: httpx.Request) -> httpx.Response:
+            held = {"applied": True, "epoch": publisher.epoch, "version": publisher.version}
+            return next(answers, httpx.Response(200, json=held))
+
+        publisher._http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        publisher.routers = [router]
+        publisher.publish(1, [], [])
+        await publisher._push(router)
+        await publisher._push(router)
+        await publisher._push(router)
+
+    asyncio.run(go())
+    told = cp.store.events("router/http://r1")
+    assert [(e.reason, e.count) for e in told] == [("PushMissed", 2), ("PushConfirmed", 1)]

@@ -97,8 +97,9 @@ class ControlPlane:
         self.metrics = ControlPlaneMetrics()
         self.events = EventLog(self.store, clock.time)
         self._silent: dict[str, set[str]] = {"stale": set(), "lost": set()}
+        self._drained: set[str] = set()  # draining nodes told drained
         self.publisher = Publisher(
-            config.routers, self._http, epoch, config.push_interval, self.metrics
+            config.routers, self._http, epoch, config.push_interval, self.metrics, self.events
         )
         self.watch = AssignmentWatch()
         self.logs = LogRelay(self.watch)
@@ -343,6 +344,7 @@ class ControlPlane:
             self._whole_at = now
         self.forget_silent(now)
         self.note_silences(now, timing)
+        self.note_drains()
         # Taken before the plan is carried out: what it changes is planned from once more, so
         # anything a pass leaves for the next (a replacement held back) is not left waiting.
         self._planned, self._planned_at = (s.version, catalog.digest), now
@@ -491,6 +493,15 @@ class ControlPlane:
                     f"Node{kind.capitalize()}", f"node/{node}", f"no word for {quiet:.0f}s"
                 )
             self._silent[kind] = silent
+
+    def note_drains(self) -> None:
+        """Event each draining node that holds nothing any more, once per drain."""
+        draining = {n for n, m in self.state.marks.items() if m.mark is Mark.DRAINING}
+        self._drained &= draining
+        for node in sorted(draining - self._drained):
+            if not self.state.on_node(node):
+                self._drained.add(node)
+                self.events.normal("NodeDrained", f"node/{node}", "drained: nothing runs there")
 
     def record_news(self) -> None:
         """Take the events the state noted into the event log."""

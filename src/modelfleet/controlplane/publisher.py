@@ -23,6 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from modelfleet.admin import RoutedInfo, RoutingAnswer
 from modelfleet.controlplane.config import RouterTarget
+from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.metrics import ControlPlaneMetrics
 from modelfleet.wire import RoutedKey, RoutedModel, RoutingAck, RoutingSnapshot
 
@@ -39,8 +40,11 @@ class Publisher:
         epoch: int,
         check_interval: float,
         metrics: ControlPlaneMetrics | None = None,
+        events: EventLog | None = None,
     ) -> None:
         self.metrics = metrics or ControlPlaneMetrics()
+        self.events = events
+        self._failing: set[str] = set()  # routers whose last push failed
         self._published_at = 0.0  # time.monotonic() of the last publication
         self.routers = list(routers)
         self.epoch = epoch
@@ -130,6 +134,7 @@ class Publisher:
         except httpx.HTTPError as exc:
             log.warning("push to router %s failed: %s", url, exc)
             self.metrics.pushes.labels(url, "unreachable").inc()
+            self._missed(url, f"unreachable: {type(exc).__name__}")
             return
         try:
             ack = RoutingAck.model_validate_json(response.content)
@@ -137,12 +142,14 @@ class Publisher:
             log.warning("router %s answered the push with %d: %s", url, response.status_code,
                         response.text[:200])  # fmt: skip
             self.metrics.pushes.labels(url, "refused").inc()
+            self._missed(url, f"answered {response.status_code}")
             return
         if response.status_code == 200 and ack.applied and (ack.epoch, ack.version) == version:
             self.metrics.pushes.labels(url, "confirmed").inc()
             self._confirmed(url, version)
         else:
             self.metrics.pushes.labels(url, "refused").inc()
+            self._missed(url, f"refused it, holding {(ack.epoch, ack.version)}")
             log.warning(
                 "router %s refused routing version %s (it holds %s)",
                 url,
@@ -150,9 +157,19 @@ class Publisher:
                 (ack.epoch, ack.version),
             )
 
+    def _missed(self, url: str, why: str) -> None:
+        """An event for a push a router missed (a repeat counts up)."""
+        self._failing.add(url)
+        if self.events is not None:
+            self.events.warning("PushMissed", f"router/{url}", f"routing table not taken: {why}")
+
     def _confirmed(self, url: str, version: tuple[int, int]) -> None:
         """`url` holds `version`; the first time it holds the current one, how long that took
-        since its publication is counted."""
+        since its publication is counted (and a router back after missed pushes is told)."""
+        if url in self._failing:
+            self._failing.discard(url)
+            if self.events is not None:
+                self.events.normal("PushConfirmed", f"router/{url}", f"holds version {version}")
         if self._held.get(url) != version and version == (self.epoch, self.version):
             waited = time.monotonic() - self._published_at
             self.metrics.confirm_seconds.labels(url).observe(waited)
