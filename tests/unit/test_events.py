@@ -116,3 +116,15 @@ def test_a_drain_that_finished_and_pushes_a_router_missed_are_events() -> None:
     asyncio.run(go())
     told = cp.store.events("router/http://r1")
     assert [(e.reason, e.count) for e in told] == [("PushMissed", 2), ("PushConfirmed", 1)]
+
+
+def test_a_control_plane_start_and_an_agent_run_anew_are_events() -> None:
+    cp = control_plane()  # nodes a and b reported by agent run "b"
+    [started] = cp.store.events("control-plane")
+    assert started.reason == "ControlPlaneStarted" and "routing epoch" in started.message
+    again = AgentReport(node="a", boot_id="other-run", seq=1, address="127.0.0.1", gpus=[],
+                        shards=[])  # fmt: skip
+    cp.state.take_report(again, cp.catalogs.current, cp.clock.monotonic())
+    cp.record_news()
+    told = [e for e in cp.store.events("node/a") if e.reason == "AgentRestarted"]
+    assert len(told) == 1 and told[0].message == "a new agent run, 0 shard(s) held"

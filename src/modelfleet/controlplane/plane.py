@@ -123,6 +123,11 @@ class ControlPlane:
         self._load_marks()
         self.retime()
         self.metrics.watch(self)
+        self.events.normal(
+            "ControlPlaneStarted",
+            "control-plane/self",
+            f"routing epoch {epoch}, catalog version {catalogs.current.version}",
+        )
 
     def wake(self) -> None:
         """Run the next reconcile pass now: something it plans from has changed."""

@@ -284,6 +284,11 @@ class FleetState:
         if old is None:
             gpus = len(new.gpus)
             self.tell("normal", "NodeReported", f"node/{node}", f"{gpus} GPU(s) at {new.address}")
+        elif old.boot_id != new.boot_id:
+            held = len(new.shards)
+            self.tell(
+                "normal", "AgentRestarted", f"node/{node}", f"a new agent run, {held} shard(s) held"
+            )
         was = {(s.replica_id, s.rank): s for s in old.shards} if old is not None else {}
         for s in new.shards:
             before = was.get((s.replica_id, s.rank))
