@@ -463,17 +463,14 @@ class FleetState:
             if len(record.replica.shards) > 1:
                 # Restarted together, never shard by shard: failing once the restarts in a
                 # row reach the bound and it failed again.
-                for rank, placement in enumerate(record.replica.shards):
-                    seen = self.current(record, rank)
-                    failed = seen is not None and seen.state is ShardState.FAILED
-                    if failed and record.group_restarts >= max_failures:
-                        assert seen is not None
-                        why = (
-                            f"shard {rank} failed on {placement.node} after "
-                            f"{record.group_restarts} restarts of all its shards together"
-                        )
-                        failing[rid] = (placement.node, f"{why}: {seen.error}")
-                        break
+                failed = self._failed_shard(record)
+                if failed is not None and record.group_restarts >= max_failures:
+                    shard_rank, where, report = failed
+                    why = (
+                        f"shard {shard_rank} failed on {where} after "
+                        f"{record.group_restarts} restarts of all its shards together"
+                    )
+                    failing[rid] = (where, f"{why}: {report.error}")
                 continue
             for rank, placement in enumerate(record.replica.shards):
                 node = self.nodes.get(placement.node)
@@ -546,12 +543,20 @@ class FleetState:
             record = self.replicas.get(rid)
             if record is None or record.retiring or len(record.replica.shards) < 2:
                 continue
-            for rank, placement in enumerate(record.replica.shards):
-                seen = self.current(record, rank)
-                if seen is not None and seen.state is ShardState.FAILED:
-                    broken[rid] = f"shard {rank} on {placement.node} failed: {seen.error}"
-                    break
+            failed = self._failed_shard(record)
+            if failed is not None:
+                rank, node, seen = failed
+                broken[rid] = f"shard {rank} on {node} failed: {seen.error}"
         return broken
+
+    def _failed_shard(self, record: ReplicaRecord) -> tuple[int, str, ShardReport] | None:
+        """The first shard of `record`'s current generation that reports failed: its rank,
+        its node, its report."""
+        for rank, placement in enumerate(record.replica.shards):
+            seen = self.current(record, rank)
+            if seen is not None and seen.state is ShardState.FAILED:
+                return rank, placement.node, seen
+        return None
 
     def restart_group(self, rid: str, why: str) -> int:
         """Restart every shard of a replica together, with one more generation: each agent
