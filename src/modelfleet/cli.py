@@ -503,6 +503,14 @@ def engine_sim(
             "--max-model-len); past it a request gets 400."
         ),
     ] = 8192,
+    otlp_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            envvar="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            help="Send a span per request, the child of its traceparent, to this OTLP/HTTP "
+            "traces URL (as vLLM's --otlp-traces-endpoint).",
+        ),
+    ] = None,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "warning",
 ) -> None:
@@ -534,6 +542,7 @@ def engine_sim(
         api_key=api_key,
         prefix_cache_blocks=prefix_cache_blocks,
         max_model_len=max_model_len,
+        otlp_endpoint=otlp_endpoint,
     )
     run_fast(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
 

@@ -40,11 +40,21 @@ def start_engine(procs: Procs, tmp: Path, name: str, *extra: str) -> tuple[str, 
     return wait_json(ready, proc)["urls"]["engine"], proc.pid
 
 
-def start_router(procs: Procs, tmp: Path, models: list[dict[str, object]]) -> str:
+def start_router(
+    procs: Procs, tmp: Path, models: list[dict[str, object]], **options: object
+) -> str:
+    """A router process with the client key `KEY`, routing `models`; `options`: more of its
+    config."""
     config = tmp / "router.yaml"
     config.write_text(
         yaml.safe_dump(
-            {"port": 0, "push_port": 0, "api_keys": [{"name": "t", "key": KEY}], "models": models}
+            {
+                "port": 0,
+                "push_port": 0,
+                "api_keys": [{"name": "t", "key": KEY}],
+                "models": models,
+                **options,
+            }
         )
     )
     ready = tmp / "router.json"

@@ -33,6 +33,7 @@ from modelfleet.openai_api import error_body
 from modelfleet.router.limits import Refusal as LimitRefusal
 from modelfleet.router.limits import Ticket
 from modelfleet.router.upstream import UpstreamError
+from modelfleet.tracing import AttributeValue, SpanRecord, format_traceparent, new_span_id
 
 if TYPE_CHECKING:
     from modelfleet.router.balancer import Balancer
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from modelfleet.router.table import ApiKey, RoutingTable
     from modelfleet.router.upstream import Answer, Connection, Upstreams
     from modelfleet.router.usage import UsageLedger, UsageScanner
+    from modelfleet.tracing import SpanSink
     from modelfleet.wire import RoutedModel
 
 log = logging.getLogger("modelfleet.router")
@@ -80,6 +82,10 @@ class Parts:
     wall: Callable[[], float]  # keys' expiry and limits
     background: set[asyncio.Future[None]]  # settlements under way, awaited at close
     waiting: Waiting = field(default_factory=lambda: Waiting())  # for their first byte
+    # Where the spans of sampled requests go (`otlp_endpoint`); None: none are built.
+    spans: SpanSink | None = None
+    # Seconds from `clock`'s reading to the epoch, for spans' times.
+    clock_to_epoch: float = 0.0
 
 
 @dataclass
@@ -88,6 +94,11 @@ class Exchange:
 
     request_id: str
     started: float
+    trace_id: str  # the request's trace, taken from its `traceparent` or new
+    span_id: str  # the router's span of the request, the parent of each attempt's
+    caller_span: str | None = None  # the span of the `traceparent` it came with
+    sampled: bool = True  # the caller's say, from its `traceparent`; ours when it made none
+    path: str = ""
     model: str = "-"
     upstream_wait: float = 0.0  # seconds spent waiting for engines
     client_gone: bool = False
@@ -291,6 +302,7 @@ class Flight:
             return
         if conn.status >= 400:
             ex.maybe_used -= 1  # the engine refused it
+        attempt.status = conn.status
         if conn.status in RETRY_STATUSES:
             self._failed(attempt, f"HTTP {conn.status}")
             self._next()
@@ -313,6 +325,7 @@ class Flight:
     def _failed(self, attempt: Attempt, failure: str) -> None:
         """`attempt` gave no answer to relay: noted, and its replica ejected if it keeps
         failing."""
+        attempt.failure = failure
         attempt.over()
         parts, endpoint = self.parts, attempt.endpoint
         self.ex.failures.append(f"{endpoint}: {failure}")
@@ -567,12 +580,17 @@ class Flight:
         assert plan is not None
         return plan.route.first_byte_timeout or self.parts.settings.first_byte_timeout
 
-    def engine_headers(self, endpoint: str) -> list[tuple[str, str]]:
-        """The headers the request is sent to `endpoint` with."""
-        plan = self.plan
+    def engine_headers(self, attempt: Attempt) -> list[tuple[str, str]]:
+        """The headers `attempt` sends the request with: the engine's key, and the request's
+        trace with the attempt's span as the parent."""
+        plan, ex = self.plan, self.ex
         assert plan is not None
-        headers = [("content-type", "application/json"), ("x-request-id", self.ex.request_id)]
-        engine_key = plan.table.keys.get(endpoint)
+        headers = [
+            ("content-type", "application/json"),
+            ("x-request-id", ex.request_id),
+            ("traceparent", format_traceparent(ex.trace_id, attempt.span_id, ex.sampled)),
+        ]
+        engine_key = plan.table.keys.get(attempt.endpoint)
         if engine_key is not None:
             headers.append(("authorization", engine_key))
         return headers
@@ -690,6 +708,44 @@ class Flight:
         if ex.key is not None:
             usage = ex.scanner.usage if ex.scanner is not None else None
             parts.ledger.count(ex.key, ex.model, parts.wall(), usage, ex.status >= 400)
+        if parts.spans is not None and ex.sampled:
+            self._record(parts.spans)
+
+    def _record(self, spans: SpanSink) -> None:
+        """The router's span of the request: model, status, attempts, its own overhead and
+        the time to the first byte."""
+        parts, ex = self.parts, self.ex
+        end = parts.clock()
+        attributes: dict[str, AttributeValue] = {
+            "gen_ai.request.model": ex.model,
+            "http.response.status_code": ex.status,
+            "modelfleet.request_id": ex.request_id,
+            "modelfleet.attempts": len(self.tried),
+            "modelfleet.router_overhead_ms": max(0.0, end - ex.started - ex.upstream_wait) * 1e3,
+        }
+        if ex.key is not None:
+            attributes["modelfleet.key"] = ex.key
+        if ex.first_byte_at is not None:
+            attributes["modelfleet.first_byte_ms"] = (ex.first_byte_at - ex.started) * 1e3
+        error = None
+        if ex.client_gone:
+            error = "the client went away"
+        elif ex.status >= 500:
+            error = "; ".join(ex.failures) or f"HTTP {ex.status}"
+        to_ns = parts.clock_to_epoch
+        spans.record(
+            SpanRecord(
+                name=f"router {ex.path}",
+                trace_id=ex.trace_id,
+                span_id=ex.span_id,
+                parent_id=ex.caller_span,
+                start_ns=int((ex.started + to_ns) * 1e9),
+                end_ns=int((end + to_ns) * 1e9),
+                kind="server",
+                attributes=attributes,
+                error=error,
+            )
+        )
 
 
 class Attempt:
@@ -697,11 +753,27 @@ class Attempt:
     bytes awaited by the connection's callback within the first-byte timeout (counted from
     the write; a new connection has `connect_timeout` of its own)."""
 
-    __slots__ = ("conn", "endpoint", "flight", "is_over", "reused", "sent_at", "timer")
+    __slots__ = (
+        "began",
+        "conn",
+        "endpoint",
+        "failure",
+        "flight",
+        "is_over",
+        "reused",
+        "sent_at",
+        "span_id",
+        "status",
+        "timer",
+    )
 
     def __init__(self, flight: Flight, endpoint: str) -> None:
         self.flight = flight
         self.endpoint = endpoint
+        self.span_id = new_span_id()  # the engine's span is its child
+        self.began = flight.parts.clock()
+        self.failure: str | None = None  # why it gave no answer to relay, for its span
+        self.status = 0  # the engine's answer's status, once it has come
         self.conn: Connection | None = None
         self.reused = False
         self.sent_at = 0.0
@@ -718,9 +790,7 @@ class Attempt:
         self.conn = conn
         self.reused = reused
         flight.ex.maybe_used += 1
-        parts.upstreams.send(
-            self.endpoint, conn, plan.path, plan.raw, flight.engine_headers(self.endpoint)
-        )
+        parts.upstreams.send(self.endpoint, conn, plan.path, plan.raw, flight.engine_headers(self))
         self.sent_at = parts.clock()
         conn.listener = self._news
         loop = conn.loop
@@ -773,7 +843,10 @@ class Attempt:
         flight = self.flight
         if flight.attempt is self:
             flight.attempt = None
-        flight.parts.balancer.end(self.endpoint)
+        parts = flight.parts
+        parts.balancer.end(self.endpoint)
+        if parts.spans is not None and flight.ex.sampled:
+            self._record(parts.spans, upstream)
         if upstream is not None:
             if done:
                 upstream.release()
@@ -781,6 +854,36 @@ class Attempt:
                 upstream.close()
         elif self.conn is not None:
             self.conn.close()
+
+    def _record(self, spans: SpanSink, upstream: Answer | None) -> None:
+        flight = self.flight
+        parts, ex, plan = flight.parts, flight.ex, flight.plan
+        assert plan is not None
+        to_ns = parts.clock_to_epoch
+        attributes: dict[str, AttributeValue] = {
+            "modelfleet.replica": plan.table.replicas.get(self.endpoint, self.endpoint),
+            "server.address": self.endpoint,
+            "modelfleet.attempt": len(flight.tried),
+            "gen_ai.request.model": ex.model,
+        }
+        if self.status:
+            attributes["http.response.status_code"] = self.status
+        error = self.failure
+        if error is None and upstream is None:
+            error = "the client went away" if ex.client_gone else "cut off"
+        spans.record(
+            SpanRecord(
+                name=f"attempt {plan.path}",
+                trace_id=ex.trace_id,
+                span_id=self.span_id,
+                parent_id=ex.span_id,
+                start_ns=int((self.began + to_ns) * 1e9),
+                end_ns=int((parts.clock() + to_ns) * 1e9),
+                kind="client",
+                attributes=attributes,
+                error=error,
+            )
+        )
 
 
 class Waiting:

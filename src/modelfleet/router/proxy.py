@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelfleet.openai_api import BadRequest, check_generation, parse_body, prompt_text
 from modelfleet.router.flight import ClientGone, Exchange, Flight, Parts, Plan, Refusal
 from modelfleet.router.usage import UsageScanner
+from modelfleet.tracing import TRACEPARENT, new_span_id, new_trace_id, parse_traceparent
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -104,7 +105,7 @@ class Proxy:
     def exchange(self, scope: Scope) -> tuple[Exchange, str | None, bytes]:
         """A new exchange for a request, its Authorization header and its Content-Length."""
         started = self.parts.clock()
-        request_id = authorization = None
+        request_id = authorization = parent = None
         declared = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -113,7 +114,17 @@ class Proxy:
                 declared = value
             elif name == b"x-request-id":
                 request_id = value.decode("latin-1")[:200]
-        ex = Exchange(request_id or f"{random.getrandbits(128):032x}", started)
+            elif name == TRACEPARENT:
+                parent = parse_traceparent(value)
+        ex = Exchange(
+            request_id or f"{random.getrandbits(128):032x}",
+            started,
+            trace_id=new_trace_id() if parent is None else parent.trace_id,
+            span_id=new_span_id(),
+            caller_span=None if parent is None else parent.span_id,
+            sampled=True if parent is None else parent.sampled,
+            path=scope["path"],
+        )
         return ex, authorization, declared
 
     def check_key(self, authorization: str | None) -> ApiKey | Refusal:

@@ -46,6 +46,7 @@ from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
 from modelfleet.router.upstream import Upstreams
 from modelfleet.router.usage import UsageLedger
 from modelfleet.serving import Listener, run_service
+from modelfleet.tracing import SpanSink
 from modelfleet.web import json_response
 from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot, UsageAck, UsageReport
 
@@ -138,6 +139,10 @@ class RouterConfig(BaseModel):
     # What a request that names no max_tokens is taken to ask for, for token limits (its
     # real usage settles the count when it ends).
     default_max_tokens: int = Field(default=1024, gt=0)
+    # Where the spans of requests are sent, by OTLP over HTTP: the full traces URL of a
+    # collector (http://collector:4318/v1/traces). None: none are built (the trace context
+    # still goes to each engine, in `traceparent`).
+    otlp_endpoint: str | None = None
 
     @property
     def client_tls(self) -> TlsFiles | None:
@@ -202,6 +207,11 @@ class Router:
         )
         self.background: set[asyncio.Future[None]] = set()  # settlements under way
         self.ledger = UsageLedger()  # what each key used, until the control plane collects it
+        self.spans: SpanSink | None = None
+        if config.otlp_endpoint is not None:
+            from modelfleet.otlp import OtlpSink  # the SDK, loaded only when spans are sent
+
+            self.spans = OtlpSink(config.otlp_endpoint, "modelfleet-router")
         self.parts = Parts(  # what the data path uses of all this
             Settings(
                 max_body_bytes=config.max_body_bytes,
@@ -220,6 +230,8 @@ class Router:
             now=now,
             wall=wall,
             background=self.background,
+            spans=self.spans,
+            clock_to_epoch=time.time() - time.perf_counter(),
         )
         self._session: aiohttp.ClientSession | None = None  # scrapes and probes
 
@@ -252,6 +264,8 @@ class Router:
         if self.background:
             await asyncio.wait(self.background, timeout=2)
         await self.limits.close()
+        if self.spans is not None:
+            await asyncio.to_thread(self.spans.close)  # sends what it still holds
         if self._session is not None:
             await self._session.close()
 

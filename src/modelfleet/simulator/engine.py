@@ -46,6 +46,9 @@ class SimSettings:
     # Prompt and output tokens a request may hold together, as vLLM's --max-model-len: a
     # request past it is refused (400), and one naming no max_tokens gets what is left.
     max_model_len: int = 8192
+    # Where its spans go by OTLP over HTTP (a collector's traces URL): one per request, the
+    # child of the `traceparent` it came with. None: none are recorded.
+    otlp_endpoint: str | None = None
 
 
 def count_prompt_tokens(text: str) -> int:

@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelfleet.openai_api import (
     BadRequest,
@@ -34,6 +34,7 @@ from modelfleet.openai_api import (
 from modelfleet.serving import Listener, run_service
 from modelfleet.simulator.checks import check_request
 from modelfleet.simulator.engine import SimEngine, SimSettings, count_prompt_tokens
+from modelfleet.tracing import TRACEPARENT, SpanRecord, SpanSink, new_span_id, parse_traceparent
 from modelfleet.web import bearer_matches, json_response
 
 
@@ -76,6 +77,52 @@ class _HangAfter:
         if scope["type"] == "http" and time.monotonic() >= self.at:
             await asyncio.Event().wait()
         await self.app(scope, receive, send)
+
+
+class _Traced:
+    """Each request that comes with a `traceparent` gets the engine's span, its child, from
+    the first byte in to the last byte out (a stream's last event included)."""
+
+    def __init__(self, app: ASGIApp, sink: SpanSink, model: str) -> None:
+        self.app = app
+        self.sink = sink
+        self.model = model
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        parent = None
+        if scope["type"] == "http":
+            parent = parse_traceparent(dict(scope["headers"]).get(TRACEPARENT))
+        if parent is None or not parent.sampled:
+            await self.app(scope, receive, send)
+            return
+        began = time.time_ns()
+        status = 0
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self.sink.record(
+                SpanRecord(
+                    name=f"engine {scope['path']}",
+                    trace_id=parent.trace_id,
+                    span_id=new_span_id(),
+                    parent_id=parent.span_id,
+                    start_ns=began,
+                    end_ns=time.time_ns(),
+                    kind="server",
+                    attributes={
+                        "gen_ai.request.model": self.model,
+                        "http.response.status_code": status,
+                    },
+                    error=f"HTTP {status}" if status >= 500 or status == 0 else None,
+                )
+            )
 
 
 class _KeyRequired:
@@ -147,7 +194,21 @@ def create_app(settings: SimSettings) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={404: not_found})
+    sink: SpanSink | None = None
+    if settings.otlp_endpoint is not None:
+        from modelfleet.otlp import OtlpSink  # the SDK, loaded only when spans are sent
+
+        sink = OtlpSink(settings.otlp_endpoint, "modelfleet-engine-sim")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        if sink is not None:
+            await asyncio.to_thread(sink.close)  # sends what it still holds
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found}, lifespan=lifespan)
+    if sink is not None:
+        app.add_middleware(_Traced, sink=sink, model=settings.model)
     if settings.api_key is not None:
         app.add_middleware(_KeyRequired, key=settings.api_key)
     if settings.hang_after is not None:
