@@ -26,7 +26,7 @@ from modelfleet.controlplane import keys, views
 from modelfleet.controlplane.catalogs import API_SOURCE
 from modelfleet.controlplane.logs import LogUnanswered
 from modelfleet.controlplane.membership import MembershipRefused, token_info
-from modelfleet.controlplane.plane import ControlPlane, NodeBusy
+from modelfleet.controlplane.plane import ControlPlane, MarkRefused, NodeBusy
 from modelfleet.fleet import Mark
 from modelfleet.store import StoreError
 from modelfleet.units import BadDuration, parse_duration
@@ -177,15 +177,11 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             body = admin.MarkRequest.model_validate_json(raw)
         except ValidationError as exc:
             raise Refused.because(400, f"malformed request: {_problems(exc.errors())}") from None
-        if node not in cp.state.nodes:
-            known = ", ".join(sorted(cp.state.nodes)) or "none has reported yet"
-            raise Refused.because(404, f"no node {node!r} has reported (nodes: {known})")
-        if cp.state.nodes[node].mark.mark is Mark.REVOKED:
-            raise Refused.because(
-                409, f"node {node} was revoked: it comes back only by joining anew"
-            )
+        try:
+            was = cp.mark_node(node, Mark(body.mark), body.grace_s)
+        except MarkRefused as exc:
+            raise Refused.because(exc.status, str(exc)) from None
         grace = cp.config.drain_grace if body.grace_s is None else body.grace_s
-        was = cp.set_mark(node, Mark(body.mark), grace)
         moves, pending = views.steps(await cp.preview(cp.catalogs.current))
         draining = body.mark == Mark.DRAINING.value and grace > 0
         return admin.MarkAnswer(

@@ -76,6 +76,8 @@ class ControlPlaneConfig(BaseModel):
     push_interval: float = Field(default=1.0, gt=0)
     # How often each router's usage counts are collected: what a router that dies loses.
     usage_interval: float = Field(default=2.0, gt=0)
+    # How often the routers' numbers are read for the dashboard's plots (an hour is kept).
+    series_interval: float = Field(default=10.0, gt=0)
     catalog_poll_interval: float = Field(default=0.25, gt=0)
     # How long a replica taken out of service waits for every router to confirm a routing table
     # without it before its engine is stopped anyway.

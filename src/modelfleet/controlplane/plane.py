@@ -41,6 +41,7 @@ from modelfleet.controlplane.metrics import ControlPlaneMetrics
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.records import NodeMark
 from modelfleet.controlplane.routing import RoutingTable
+from modelfleet.controlplane.series import RouterSeries
 from modelfleet.controlplane.state import FleetState
 from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.controlplane.watch import AssignmentWatch
@@ -51,6 +52,14 @@ from modelfleet.store import StoredMark, StoreError
 from modelfleet.wire import JoinAnswer, JoinRequest
 
 log = logging.getLogger("modelfleet.controlplane")
+
+
+class MarkRefused(RuntimeError):
+    """An operator's mark that cannot be set: the node is unknown (404) or revoked (409)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class NodeBusy(RuntimeError):
@@ -92,6 +101,7 @@ class ControlPlane:
         self.usage = UsageCollector(
             config.routers, self._http, self.store, config.usage_interval, clock.time
         )
+        self.series = RouterSeries(config.routers, self._http, config.series_interval, clock.time)
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
         self.metrics = ControlPlaneMetrics()
@@ -162,6 +172,17 @@ class ControlPlane:
         for m in self.store.marks():
             deadline = None if m.drain_deadline is None else mono + (m.drain_deadline - wall)
             self.state.set_mark(m.node, NodeMark(Mark(m.mark), deadline))
+
+    def mark_node(self, node: str, mark: Mark, grace: float | None) -> Mark:
+        """An operator's cordon, drain (bounded by `grace` seconds, or the configured
+        `drain_grace` when None) or uncordon of `node`; returns the mark it had. Raises
+        MarkRefused for a node that never reported or was revoked."""
+        if node not in self.state.nodes:
+            known = ", ".join(sorted(self.state.nodes)) or "none has reported yet"
+            raise MarkRefused(404, f"no node {node!r} has reported (nodes: {known})")
+        if self.state.nodes[node].mark.mark is Mark.REVOKED:
+            raise MarkRefused(409, f"node {node} was revoked: it comes back only by joining anew")
+        return self.set_mark(node, mark, self.config.drain_grace if grace is None else grace)
 
     def set_mark(self, node: str, mark: Mark, grace: float) -> Mark:
         """Mark `node` (a drain bounded by `grace` seconds; 0: no bound), persist it, and

@@ -21,6 +21,7 @@ from modelfleet.controlplane.admin_api import create_admin_app
 from modelfleet.controlplane.agent_api import AgentApi, create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import PKI_DIR, STORE_FILE, ControlPlaneConfig
+from modelfleet.controlplane.dashboard import Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.pki import CA_CERT, CertificateAuthority, TlsFiles, client_context
 from modelfleet.serving import Listener, run_service
@@ -59,9 +60,12 @@ async def keep_heap(cp: ControlPlane) -> None:
             gc.freeze()
 
 
-def create_apps(cp: ControlPlane) -> tuple[AgentApi, Starlette]:
-    """The agent API app and the admin API app."""
-    return create_agent_app(cp), create_admin_app(cp)
+def create_apps(cp: ControlPlane, dashboard: Dashboard | None = None) -> tuple[AgentApi, Starlette]:
+    """The agent API app and the admin API app, with the `dashboard` at /ui when given."""
+    admin_app = create_admin_app(cp)
+    if dashboard is not None:
+        admin_app.mount("/ui", dashboard.app())
+    return create_agent_app(cp), admin_app
 
 
 def open_catalogs(config: ControlPlaneConfig) -> CatalogKeeper:
@@ -87,7 +91,8 @@ async def serve(
     Engines and agents keep running."""
     http = httpx.AsyncClient(timeout=5, verify=client_context(ca.cert_pem))
     cp = ControlPlane(config, catalogs, http=http, ca=ca)
-    agent_app, admin_app = create_apps(cp)
+    dashboard = Dashboard(cp)
+    agent_app, admin_app = create_apps(cp, dashboard)
     ca_file = config.state_dir / PKI_DIR / CA_CERT
     ready_extra = {"ca_file": str(ca_file), "ca_fingerprint": ca.fingerprint}
     if tls is not None:
@@ -120,7 +125,9 @@ async def serve(
             cp.publisher.run,
             cp.catalog_loop,
             cp.usage.run,
+            cp.series.run,
             cp.watch.run,
+            dashboard.run,
             lambda: keep_heap(cp),
         ],
         on_stop=cp.close,

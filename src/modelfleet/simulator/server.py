@@ -372,10 +372,13 @@ async def serve(
     drain_timeout: float = 30.0,
 ) -> None:
     """Run the simulator until SIGINT/SIGTERM; `startup_delay` stands in for loading weights."""
+    # What an engine's log starts with, as vLLM's does: which model, and where.
+    print(
+        f"engine-sim: loading {settings.model} ({startup_delay:g}s), to serve on {host}", flush=True
+    )
     if startup_delay > 0:
         await asyncio.sleep(startup_delay)
     if settings.fault == "exit-at-start":
-        print(f"loading {settings.model} ...", flush=True)
         print(
             "RuntimeError: CUDA error: out of memory (simulated fault: exit-at-start)", flush=True
         )

@@ -84,6 +84,7 @@ def _print_summary(info: dict[str, Any], catalog: Catalog, state_dir: Path, serv
         f"modelfleet is up  (state: {state_dir})",
         f"  router url:  {info['router_url']}   OpenAI-compatible, send the API key",
         f"  admin url:   {info['admin_url']}   token: {info['admin_token']}",
+        f"  dashboard:   {info['admin_url']}/ui/   sign in with the admin token",
         f"  api key:     {info['api_key']}",
         f"  models:      {models}",
     ]

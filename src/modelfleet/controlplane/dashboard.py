@@ -1,0 +1,457 @@
+"""The web dashboard at `/ui/` on the admin listener: the fleet as pages, kept live.
+
+Server-rendered (Jinja2 templates in `ui/templates`), with htmx and its server-sent-events
+extension and uPlot vendored as files (`ui/static/vendor`, versions in VERSIONS). Each page
+is its HTML, one script, one stylesheet (and the plot library where it plots), and one
+event stream (`/ui/live/PART`) that renders the page's live part again every
+`LIVE_EVERY_S` and sends it only when it changed: a change shows within a second, and an
+idle fleet costs the browser nothing.
+
+Sign-in: the login page takes the admin token and sets a session cookie (HttpOnly,
+SameSite=Strict, Secure over TLS), never a token in a URL. Sessions live in the control
+plane's memory: a restart signs everyone out. Changes (cordon, drain, uncordon) are form
+posts that need the session cookie, which SameSite=Strict keeps off other sites' requests,
+and an Origin, when the browser sends one, that is this listener's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, urlsplit
+
+import jinja2
+from markupsafe import escape
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from modelfleet.controlplane import views
+from modelfleet.controlplane.logs import LogUnanswered
+from modelfleet.controlplane.plane import ControlPlane, MarkRefused
+from modelfleet.fleet import Mark
+from modelfleet.web import bearer_matches, read_at_most
+
+UI = Path(__file__).parent / "ui"
+COOKIE = "modelfleet_ui"
+SESSION_TTL_S = 12 * 3600.0
+LIVE_EVERY_S = 0.5
+LOG_EVERY_S = 1.0
+LOG_WAIT_S = 15.0
+EVENTS_SHOWN = 200
+PARTS = ("overview", "node", "model", "pending", "events", "usage")
+PLOTTED = frozenset({"model", "usage"})  # the pages that load the plot library
+
+# What each bundle is made of, in order: ours last, so that it may use what comes before.
+BUNDLES = {
+    "ui.js": ("text/javascript", ["vendor/htmx.min.js", "vendor/sse.min.js", "ui.js"]),
+    "plot.js": ("text/javascript", ["vendor/uPlot.iife.min.js"]),
+    "ui.css": ("text/css", ["vendor/uPlot.min.css", "ui.css"]),
+}
+
+
+@dataclass
+class Sessions:
+    """Signed-in browsers: session id -> when it ends (the control plane's monotonic clock)."""
+
+    clock: Callable[[], float]
+    ends: dict[str, float] = field(default_factory=dict)
+
+    def new(self) -> str:
+        now = self.clock()
+        self.ends = {k: end for k, end in self.ends.items() if end > now}
+        session = secrets.token_urlsafe(32)
+        self.ends[session] = now + SESSION_TTL_S
+        return session
+
+    def valid(self, session: str | None) -> bool:
+        end = self.ends.get(session or "")
+        return end is not None and end > self.clock()
+
+    def drop(self, session: str | None) -> None:
+        self.ends.pop(session or "", None)
+
+
+def _bundle(name: str) -> tuple[bytes, str, str]:
+    kind, parts = BUNDLES[name]
+    body = b"\n".join((UI / "static" / p).read_bytes() for p in parts)
+    return body, kind, hashlib.sha256(body).hexdigest()[:16]
+
+
+class Dashboard:
+    """The dashboard's pages and streams over one control plane."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.sessions = Sessions(cp.clock.monotonic)
+        self.env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(UI / "templates"),
+            autoescape=jinja2.select_autoescape(["html"]),
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        self.env.filters["gib"] = lambda n: f"{n / 2**30:.1f}"
+        # Times as they were, not "5s ago": a live part changes only when the fleet does.
+        self.env.filters["utc"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+        self.env.filters["q"] = lambda s: quote(str(s), safe="")
+        self.bundles = {name: _bundle(name) for name in BUNDLES}
+        self.closing = asyncio.Event()  # set when the control plane stops: streams end
+        self._nudged = asyncio.Event()  # set, and replaced, when a change is made here
+
+    async def run(self) -> None:
+        """Held while the control plane runs; when it stops, every live stream ends, so that
+        the admin listener's drain does not wait on them."""
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.closing.set()
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/login", self.login_page, methods=["GET"]),
+                Route("/login", self.login, methods=["POST"]),
+                Route("/logout", self.logout, methods=["POST"]),
+                Route("/static/{name}", self.static),
+                Route("/", self.page("overview")),
+                Route("/pending", self.page("pending")),
+                Route("/events", self.page("events")),
+                Route("/usage", self.page("usage")),
+                Route("/nodes/{name}", self.page("node")),
+                Route("/models/{name:path}", self.page("model")),
+                Route("/logs/{name:path}", self.logs_page),
+                Route("/nodes/{name}/mark", self.mark, methods=["POST"]),
+                Route("/live/{part}", self.live),
+                Route("/live/{part}/{name:path}", self.live),
+                Route("/live-logs/{name:path}", self.live_logs),
+            ]
+        )
+
+    # -- sign-in ---------------------------------------------------------------------------
+
+    def _signed_in(self, request: Request) -> bool:
+        return self.sessions.valid(request.cookies.get(COOKIE))
+
+    async def login_page(self, request: Request) -> Response:
+        return self._html("login.html", {"error": ""})
+
+    async def login(self, request: Request) -> Response:
+        form = await _form(request)
+        token = form.get("token", "")
+        if not bearer_matches(f"Bearer {token}", self.cp.config.admin_token):
+            return self._html("login.html", {"error": "That is not the admin token."}, 401)
+        response = RedirectResponse("/ui/", status_code=303)
+        response.set_cookie(
+            COOKIE,
+            self.sessions.new(),
+            max_age=int(SESSION_TTL_S),
+            path="/ui",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        self.sessions.drop(request.cookies.get(COOKIE))
+        response = RedirectResponse("/ui/login", status_code=303)
+        response.delete_cookie(COOKIE, path="/ui")
+        return response
+
+    async def static(self, request: Request) -> Response:
+        got = self.bundles.get(request.path_params["name"])
+        if got is None:
+            return Response("no such file\n", status_code=404)
+        body, kind, tag = got
+        headers = {"etag": f'"{tag}"', "cache-control": "max-age=3600"}
+        if request.headers.get("if-none-match") == f'"{tag}"':
+            return Response(status_code=304, headers=headers)
+        return Response(body, media_type=kind, headers=headers)
+
+    # -- pages -------------------------------------------------------------------------------
+
+    def page(self, part: str) -> Callable[[Request], Any]:
+        async def show(request: Request) -> Response:
+            if not self._signed_in(request):
+                return RedirectResponse("/ui/login", status_code=303)
+            name = request.path_params.get("name", "")
+            context = self.part(part, name)
+            if context is None:
+                return self._html("missing.html", {"what": f"{part} {name}"}, 404)
+            live = f"/ui/live/{part}" + (f"/{quote(name, safe='')}" if name else "")
+            page = {"part": part, "live": live, "name": name, "plots": part in PLOTTED}
+            return self._html("page.html", {**context, **page})
+
+        return show
+
+    async def logs_page(self, request: Request) -> Response:
+        if not self._signed_in(request):
+            return RedirectResponse("/ui/login", status_code=303)
+        name = request.path_params["name"]
+        shard = _int(request.query_params.get("shard"), 0)
+        return self._html("logs.html", {"name": name, "shard": shard})
+
+    def _html(self, template: str, context: dict[str, Any], status: int = 200) -> Response:
+        return HTMLResponse(self.env.get_template(template).render(**context), status)
+
+    # -- changes -----------------------------------------------------------------------------
+
+    async def mark(self, request: Request) -> Response:
+        if not self._signed_in(request):
+            return Response("sign in first\n", status_code=401)
+        origin = request.headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+            return Response("a change must come from this dashboard\n", status_code=403)
+        form = await _form(request)
+        try:
+            mark = Mark(form.get("mark", ""))
+        except ValueError:
+            return Response("mark: one of none, cordoned, draining\n", status_code=400)
+        if mark is Mark.REVOKED:
+            return Response("revoke a node with `ctl nodes revoke`\n", status_code=400)
+        try:
+            self.cp.mark_node(request.path_params["name"], mark, None)
+        except MarkRefused as exc:
+            return Response(f"{exc}\n", status_code=exc.status)
+        self._nudge()  # the live parts show it now, not at their next turn
+        return Response(status_code=204)
+
+    def _nudge(self) -> None:
+        nudged, self._nudged = self._nudged, asyncio.Event()
+        nudged.set()
+
+    # -- live parts ------------------------------------------------------------------------
+
+    def part(self, part: str, name: str = "") -> dict[str, Any] | None:
+        """What a page's live part shows now; None for a node or model there is not."""
+        cp = self.cp
+        if part == "overview":
+            return self._overview()
+        if part == "node":
+            return self._node(name)
+        if part == "model":
+            return self._model(name)
+        if part == "pending":
+            return {"pending": views.replicas(cp.state, cp.catalogs.current).pending}
+        if part == "events":
+            rows = cp.store.events(None, 0.0, 0, EVENTS_SHOWN)
+            return {"events": list(reversed(rows))}
+        if part == "usage":
+            return self._usage()
+        return None
+
+    def render_part(self, part: str, name: str) -> str | None:
+        context = self.part(part, name)
+        if context is None:
+            return None
+        return self.env.get_template(f"_{part}.html").render(**context, name=name)
+
+    async def live(self, request: Request) -> Response:
+        if not self._signed_in(request):
+            return Response("sign in first\n", status_code=401)
+        part, name = request.path_params["part"], request.path_params.get("name", "")
+        if part not in PARTS:
+            return Response("no such part\n", status_code=404)
+
+        async def stream() -> AsyncIterator[bytes]:
+            last = None
+            while not self.closing.is_set():
+                html = self.render_part(part, name)
+                html = html if html is not None else f"<p>{part} {name} is gone.</p>"
+                if html != last:
+                    last = html
+                    yield _event("part", html)
+                await self._pause(LIVE_EVERY_S)
+
+        return _streaming(stream())
+
+    async def live_logs(self, request: Request) -> Response:
+        """The engine's output: its last 200 lines, then what it writes, each second."""
+        if not self._signed_in(request):
+            return Response("sign in first\n", status_code=401)
+        replica = request.path_params["name"]
+        shard = _int(request.query_params.get("shard"), 0)
+        cp = self.cp
+
+        async def stream() -> AsyncIterator[bytes]:
+            offset: int | None = None
+            while not self.closing.is_set():
+                nodes = _nodes_of(cp, replica)
+                if nodes is None or shard >= len(nodes):
+                    yield _event("lines", _log_html([f"(no replica {replica} shard {shard})"]))
+                    return
+                try:
+                    got = await cp.logs.ask(
+                        nodes[shard], replica, shard, 0, 200, offset, LOG_WAIT_S
+                    )
+                except LogUnanswered as exc:
+                    yield _event("lines", _log_html([f"({exc})"]))
+                else:
+                    if got.error:
+                        yield _event("lines", _log_html([f"({nodes[shard]}: {got.error})"]))
+                        return
+                    if got.lines:
+                        yield _event("lines", _log_html(got.lines))
+                    offset = got.offset
+                await self._pause(LOG_EVERY_S)
+
+        return _streaming(stream())
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, or less when the control plane stops or a change is made here."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.closing, self._nudged)]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    # -- what each part shows ----------------------------------------------------------------
+
+    def _overview(self) -> dict[str, Any]:
+        cp = self.cp
+        now = cp.clock.monotonic()
+        nodes = views.nodes(cp.state, now, cp.frozen)
+        replicas = views.replicas(cp.state, cp.catalogs.current)
+        return {
+            "nodes": nodes.nodes,
+            "warning": nodes.warning,
+            "models": _model_rows(cp, replicas),
+            "gpus": [g for n in nodes.nodes for g in n.gpus],
+            "pending": sum(p.count for p in replicas.pending),
+        }
+
+    def _node(self, name: str) -> dict[str, Any] | None:
+        cp = self.cp
+        now = cp.clock.monotonic()
+        node = next((n for n in views.nodes(cp.state, now).nodes if n.name == name), None)
+        if node is None:
+            return None
+        here = [r for r in views.replica_views(cp.state) if any(s.node == name for s in r.shards)]
+        moving = ", ".join(f"{r.id} ({r.model})" for r in here) or "none"
+        events = cp.store.events(f"node/{name}", 0.0, 0, 50)
+        return {
+            "node": node,
+            "replicas": here,
+            "events": list(reversed(events)),
+            "confirm": {
+                "cordoned": f"Cordon {name}? New replicas go elsewhere; its {len(here)} "
+                "replica(s) stay and serve.",
+                "draining": f"Drain {name}? These replicas move elsewhere, each replaced "
+                f"before it stops: {moving}.",
+                "none": f"Uncordon {name}? New replicas may be placed on it again.",
+            },
+        }
+
+    def _model(self, name: str) -> dict[str, Any] | None:
+        cp = self.cp
+        catalog = cp.catalogs.current
+        model = next((m for m in catalog.models if m.name == name), None)
+        if model is None:
+            return None
+        replicas = [r for r in views.replica_views(cp.state) if r.model == name]
+        points = cp.series.series.of(name)
+        plot = {
+            "at": [p.at for p in points],
+            "requests_per_s": [round(p.requests_per_s, 3) for p in points],
+            "errors_per_s": [round(p.errors_per_s, 3) for p in points],
+            "first_byte_ms": [_ms(p.first_byte_s) for p in points],
+            "request_ms": [_ms(p.request_s) for p in points],
+        }
+        pending = [p for p in views.replicas(cp.state, catalog).pending if p.model == name]
+        return {
+            "model": model,
+            "replicas": replicas,
+            "pending": pending,
+            "plot": json.dumps(plot),
+            "interval": cp.series.series.interval,
+        }
+
+    def _usage(self) -> dict[str, Any]:
+        cp = self.cp
+        since = int((cp.clock.time() - 24 * 3600) // 3600) * 3600
+        rows = cp.store.usage(None, None, since)
+        used = cp.store.usage_totals()
+        keys = [(name, k, used.get(name)) for name, k in sorted(cp.keys.keys.items())]
+        hours = sorted({r.hour for r in rows})
+        series: dict[str, list[int | None]] = {}
+        for r in rows:
+            line = series.setdefault(f"{r.key} / {r.model}", [None] * len(hours))
+            line[hours.index(r.hour)] = r.prompt_tokens + r.completion_tokens
+        return {
+            "rows": rows,
+            "keys": keys,
+            "plot": json.dumps({"at": hours, "series": series}),
+        }
+
+
+def _model_rows(cp: ControlPlane, replicas: Any) -> list[dict[str, Any]]:
+    by_state: dict[str, dict[str, int]] = {}
+    for r in replicas.replicas:
+        counts = by_state.setdefault(r.model, {})
+        counts[r.state] = counts.get(r.state, 0) + 1
+    pending = {p.model: p.count for p in replicas.pending}
+    return [
+        {
+            "name": m.name,
+            "engine": m.engine,
+            "desired": m.replicas,
+            "states": by_state.get(m.name, {}),
+            "serving": by_state.get(m.name, {}).get("ready", 0),
+            "pending": pending.get(m.name, 0),
+        }
+        for m in cp.catalogs.current.models
+    ]
+
+
+def _nodes_of(cp: ControlPlane, replica: str) -> tuple[str, ...] | None:
+    record = cp.state.replicas.get(replica)
+    if record is not None:
+        return tuple(p.node for p in record.replica.shards)
+    return cp.state.dropped.get(replica)
+
+
+def _event(name: str, html: str) -> bytes:
+    data = "".join(f"data: {line}\n" for line in html.splitlines() or [""])
+    return f"event: {name}\n{data}\n".encode()
+
+
+def _log_html(lines: list[str]) -> str:
+    return "".join(f"<div>{escape(line)}</div>" for line in lines)
+
+
+def _streaming(events: AsyncIterator[bytes]) -> Response:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """A small url-encoded form (the login, a mark): its fields, the first of each name; none
+    for a body past 4 KiB."""
+    raw = await read_at_most(request, 4096)
+    if raw is None:
+        return {}
+    fields = parse_qs(raw.decode("utf-8", "replace"), keep_blank_values=True)
+    return {name: values[0] for name, values in fields.items()}
+
+
+def _int(text: str | None, default: int) -> int:
+    try:
+        return max(0, int(text)) if text is not None else default
+    except ValueError:
+        return default
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)

@@ -1,0 +1,119 @@
+"""The dashboard in-process: sign-in by cookie (never a token in a URL), every page rendered
+from the control plane's state, a cordon that needs the session and this dashboard's origin,
+and the live part that changes when the fleet does."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+
+from modelfleet.controlplane.dashboard import COOKIE, Dashboard
+from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.service import create_apps
+from modelfleet.fleet import Mark
+
+from .test_admin_api import TOKEN, control_plane
+
+
+def ui_client(cp: ControlPlane) -> tuple[Dashboard, httpx.AsyncClient]:
+    dashboard = Dashboard(cp)
+    _, admin_app = create_apps(cp, dashboard)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=admin_app), base_url="http://cp")
+    return dashboard, client
+
+
+def test_the_dashboard_signs_in_by_cookie_and_shows_the_fleet() -> None:
+    cp = control_plane()
+    _, client = ui_client(cp)
+
+    async def go() -> None:
+        async with client as c:
+            away = await c.get("/ui/")
+            assert away.status_code == 303 and away.headers["location"] == "/ui/login"
+            assert (await c.get("/ui/live/overview")).status_code == 401
+            assert (await c.get("/ui/login")).status_code == 200
+            wrong = await c.post("/ui/login", data={"token": "nope"})
+            assert wrong.status_code == 401 and "not the admin token" in wrong.text
+            assert COOKIE not in c.cookies
+            signed = await c.post("/ui/login", data={"token": TOKEN})
+            assert signed.status_code == 303 and signed.headers["location"] == "/ui/"
+            cookie = signed.headers["set-cookie"]
+            assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/ui" in cookie
+            assert TOKEN not in cookie
+
+            overview = await c.get("/ui/")
+            assert overview.status_code == 200
+            page = overview.text
+            assert 'data-model="small"' in page and 'data-model="wide"' in page
+            assert 'data-node="a"' in page and 'data-node="b"' in page
+            assert "unhealthy: XID 79" in page  # the simulated bad GPU, in its cell's title
+            assert 'sse-connect="/ui/live/overview"' in page
+            # One script, one stylesheet, the stream: and no favicon fetched.
+            assert re.findall(r'(?:src|href)="(/ui/static/[^"]+)"', page) == [
+                "/ui/static/ui.css",
+                "/ui/static/ui.js",
+            ]
+            assert 'rel="icon" href="data:,"' in page
+
+            for path, expect in (
+                ("/ui/nodes/a", "Replicas on it"),
+                ("/ui/models/small", "data-plot"),
+                ("/ui/pending", "wide: 1 pending"),
+                ("/ui/events", "ControlPlaneStarted"),
+                ("/ui/usage", "Keys and usage"),
+            ):
+                got = await c.get(path)
+                assert got.status_code == 200 and expect in got.text, path
+            assert (await c.get("/ui/nodes/nope")).status_code == 404
+            assert (await c.get("/ui/models/nope")).status_code == 404
+            js = await c.get("/ui/static/ui.js")
+            assert js.status_code == 200 and "htmx" in js.text and "uPlot" in js.text
+            again = await c.get("/ui/static/ui.js", headers={"if-none-match": js.headers["etag"]})
+            assert again.status_code == 304
+
+            await c.post("/ui/logout")
+            assert (await c.get("/ui/")).status_code == 303
+
+    asyncio.run(go())
+
+
+def test_a_cordon_from_the_page_needs_the_session_and_this_origin() -> None:
+    cp = control_plane()
+    dashboard, client = ui_client(cp)
+
+    async def go() -> None:
+        async with client as c:
+            mark = {"mark": "cordoned"}
+            assert (await c.post("/ui/nodes/a/mark", data=mark)).status_code == 401
+            await c.post("/ui/login", data={"token": TOKEN})
+            before = dashboard.render_part("overview", "")
+            # Rendered again with nothing changed, every live part is the same: its stream
+            # sends nothing.
+            for part, name in (("overview", ""), ("node", "a"), ("events", ""), ("model", "small")):
+                assert dashboard.render_part(part, name) == dashboard.render_part(part, name)
+            elsewhere = {"origin": "http://evil.example"}
+            refused = await c.post("/ui/nodes/a/mark", data=mark, headers=elsewhere)
+            assert refused.status_code == 403
+            assert cp.state.nodes["a"].mark.mark is Mark.NONE
+            bad = await c.post("/ui/nodes/a/mark", data={"mark": "locked"})
+            assert bad.status_code == 400 and "one of" in bad.text
+            gone = await c.post("/ui/nodes/nope/mark", data=mark)
+            assert gone.status_code == 404 and "no node 'nope'" in gone.text
+            done = await c.post("/ui/nodes/a/mark", data=mark, headers={"origin": "http://cp"})
+            assert done.status_code == 204
+            assert cp.state.nodes["a"].mark.mark is Mark.CORDONED
+            after = dashboard.render_part("overview", "")
+            assert before != after and re.search(r'class="mark">cordoned<', after or "")
+            page = (await c.get("/ui/nodes/a")).text
+            # A drain's confirmation names what moves.
+            [replica] = [
+                r for r in cp.state.replicas if cp.state.replicas[r].replica.shards[0].node == "a"
+            ]
+            assert (
+                f"These replicas move elsewhere, each replaced before it stops: {replica}" in page
+            )
+            assert "Uncordon" in page and ">Cordon<" not in page
+
+    asyncio.run(go())

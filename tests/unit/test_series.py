@@ -1,0 +1,68 @@
+"""The routers' numbers the dashboard plots: counters read from their metrics pages, summed
+over routers, one point per interval; a router that restarted counts from zero again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from modelfleet.controlplane.config import RouterTarget
+from modelfleet.controlplane.series import RouterSeries, read_totals
+
+
+def page(requests_200: int, requests_503: int, first_byte_sum: float, count: int) -> str:
+    return f"""# TYPE modelfleet_router_requests counter
+modelfleet_router_requests_total{{model="m",status="200"}} {requests_200}
+modelfleet_router_requests_total{{model="m",status="503"}} {requests_503}
+# TYPE modelfleet_router_first_byte_seconds histogram
+modelfleet_router_first_byte_seconds_bucket{{model="m",le="+Inf"}} {count}
+modelfleet_router_first_byte_seconds_sum{{model="m"}} {first_byte_sum}
+modelfleet_router_first_byte_seconds_count{{model="m"}} {count}
+# TYPE modelfleet_router_request_seconds histogram
+modelfleet_router_request_seconds_bucket{{model="m",le="+Inf"}} {count}
+modelfleet_router_request_seconds_sum{{model="m"}} {first_byte_sum * 2}
+modelfleet_router_request_seconds_count{{model="m"}} {count}
+"""
+
+
+def test_a_metrics_page_reads_as_counters_per_model() -> None:
+    [(model, t)] = read_totals(page(10, 2, 1.5, 12)).items()
+    assert model == "m" and (t.requests, t.errors) == (12, 2)
+    assert (t.first_byte_sum, t.first_byte_count, t.request_sum) == (1.5, 12, 3.0)
+
+
+def test_points_sum_the_routers_and_a_restarted_router_counts_from_zero() -> None:
+    pages = {"a": [page(0, 0, 0, 0), page(10, 0, 1.0, 10), page(3, 1, 0.4, 4)],
+             "b": [page(5, 0, 0.5, 5), page(15, 0, 1.5, 15), page(25, 0, 2.5, 25)]}  # fmt: skip
+    turn = {"a": 0, "b": 0}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        router = request.url.host
+        text = pages[router][turn[router]]
+        turn[router] += 1
+        return httpx.Response(200, text=text)
+
+    clock = [100.0]
+    http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    routers = [
+        RouterTarget(url="http://a", token="t" * 16),
+        RouterTarget(url="http://b", token="t" * 16),
+    ]
+    series = RouterSeries(routers, http, 10.0, lambda: clock[0])
+
+    async def go() -> None:
+        await series.sample()  # the first reading: nothing to count from
+        assert series.series.of("m") == []
+        clock[0] += 10
+        await series.sample()
+        clock[0] += 10
+        await series.sample()
+
+    asyncio.run(go())
+    first, second = series.series.of("m")
+    assert first.requests_per_s == 2.0  # 10 + 10 in 10 s
+    assert first.first_byte_s == 0.1 and first.request_s == 0.2
+    # Router a restarted: its 4 since count whole; b counted 10 more.
+    assert second.requests_per_s == 1.4 and second.errors_per_s == 0.1
+    assert second.at == 120.0
