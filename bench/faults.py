@@ -8,7 +8,9 @@ fleet has recovered from it: a drain, five cordon/uncordon rounds, a catalog rol
 kill -9 of the control plane, of an agent and of the router, kill -9 of one engine of `a` (of
 two) and of the only engine of `b`, a hung engine (a model `h` whose engine stops answering
 after a few seconds), and a GPU fault under `b`'s replica. For each it prints the requests
-that ended while it lasted and how many of them failed, and it ends with one JSON line.
+that ended while it lasted, how many of them failed, and the events it left that name its
+cause (CAUSES); it ends with one JSON line, `events_per_fault` true when every fault left
+them all.
 
     python bench/faults.py [--rate 20]
 
@@ -200,6 +202,35 @@ def scenarios(f: Fleet, load: Callable[[str], None]) -> list[tuple[str, Callable
     ]
 
 
+# The event each fault must leave, naming its cause (`ctl events`).
+CAUSES = {
+    "drain": ("NodeMarked", "NodeDrained"),
+    "cordon_x5": ("NodeMarked",),
+    "catalog_roll": ("CatalogApplied",),
+    "kill_control_plane": ("ControlPlaneStarted",),
+    "kill_agent": ("AgentRestarted",),
+    "kill_router": ("PushMissed",),
+    "kill_one_engine_of_two": ("ShardRestarted",),
+    "kill_only_engine": ("ShardRestarted",),
+    "hung_engine": ("ShardFailed",),
+    "gpu_fault": ("GpuUnhealthy",),
+}
+
+
+def causes_recorded(f: Fleet, name: str, since: float) -> list[str]:
+    """Which of the events `name` must leave were recorded from `since` (wall clock) on,
+    waiting up to 15 s for the last of them."""
+    wanted = CAUSES[name]
+    deadline = time.monotonic() + 15
+    while True:
+        events = f.admin.get("/v1/events", params={"since": "1h"}).json()["events"]
+        seen = {e["reason"] for e in events if e["last_at"] >= since}
+        found = [r for r in wanted if r in seen]
+        if len(found) == len(wanted) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 def run(rate: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "state"
@@ -225,17 +256,25 @@ def run(rate: float) -> dict[str, Any]:
             load("b")
             results: dict[str, Any] = {}
             for name, fault in scenarios(f, load):
-                began = time.monotonic()
+                began, began_wall = time.monotonic(), time.time()
                 fault()
                 ended = time.monotonic()
+                recorded = causes_recorded(f, name, began_wall - 1)
                 sent = failed = 0
                 for c in clients:
                     inside = [o for o in c.outcomes if began <= o.ended < ended]
                     sent += len(inside)
                     failed += sum(1 for o in inside if o.error)
-                results[name] = {"sent": sent, "failed": failed, "seconds": round(ended - began, 1)}
+                results[name] = {
+                    "sent": sent,
+                    "failed": failed,
+                    "seconds": round(ended - began, 1),
+                    "events": recorded,
+                    "events_missing": [r for r in CAUSES[name] if r not in recorded],
+                }
                 print(
-                    f"{name:24} {sent:6} requests, {failed:5} failed, {ended - began:5.1f}s",
+                    f"{name:24} {sent:6} requests, {failed:5} failed, {ended - began:5.1f}s, "
+                    f"events {', '.join(recorded) or 'NONE'}",
                     flush=True,
                 )
         finally:
@@ -250,7 +289,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=20.0, help="requests/s over a and b")
     args = parser.parse_args()
     results = run(args.rate)
-    print(json.dumps({"bench": "faults", "rate": args.rate, "scenarios": results}))
+    every = all(not r["events_missing"] for r in results.values())
+    print(json.dumps({"bench": "faults", "rate": args.rate, "scenarios": results,
+                      "events_per_fault": every}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -189,14 +189,23 @@ LIMITED_KEYS = [f"sk-bench-limited-{i:04d}-0123456789abcdef" for i in range(1000
 
 
 def start_modelfleet(
-    procs: Processes, engines: list[str], routing: str = "least_load", limits_store: str = ""
+    procs: Processes,
+    engines: list[str],
+    routing: str = "least_load",
+    limits_store: str = "",
+    name: str = "modelfleet",
+    env: dict[str, str] | None = None,
+    **config_extra: Any,
 ) -> Target:
+    """A modelfleet router in front of `engines`, known as `name`; `env` for its process
+    (another modelfleet on PYTHONPATH, say), `config_extra` more of its config."""
     port, push = free_port("127.0.0.1"), free_port("127.0.0.1")
     config: dict[str, Any] = {
         "port": port,
         "push_port": push,
         "api_keys": [{"name": "bench", "key": KEY}],
         "models": [{"name": MODEL, "endpoints": engines, "routing": routing}],
+        **config_extra,
     }
     if limits_store:
         config["limits_store"] = limits_store
@@ -207,15 +216,16 @@ def start_modelfleet(
     path = procs.tmp / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     pid = procs.start(
-        f"modelfleet-{port}",
+        f"{name}-{port}",
         [sys.executable, "-m", "modelfleet", "router", "--config", str(path),
          "--log-level", "warning"],
+        env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_ready(procs, "the modelfleet router", url + "/health")
     if limits_store:
         return Target("limits", [url], [pid], LIMITED_KEYS)
-    return Target("modelfleet", [url], [pid])
+    return Target(name, [url], [pid])
 
 
 def start_vllm_router(procs: Processes, engines: list[str], policy: str) -> Target | None:

@@ -56,6 +56,9 @@ class ShardReport(_Message):
     backoff_s: float | None = None  # while failed: the wait before the next start
     startup_s: float | None = None  # seconds from the engine's start to its first ready probe
     error: str = ""
+    # Why its engine last failed (its kind and error), kept after the agent restarted it:
+    # a restart the control plane did not see as a failed state is still told why.
+    last_failure: str = Field(default="", max_length=1000)
     log_tail: list[str] = Field(default_factory=list, max_length=MAX_LOG_TAIL_LINES)
     # The key its engine was started with: it answers (health checks aside) only requests
     # that carry it. Goes to the control plane and the routers, never to operators or logs.

@@ -49,7 +49,7 @@ def test_the_dashboard_signs_in_by_cookie_and_shows_the_fleet() -> None:
             assert 'data-model="small"' in page and 'data-model="wide"' in page
             assert 'data-node="a"' in page and 'data-node="b"' in page
             assert "unhealthy: XID 79" in page  # the simulated bad GPU, in its cell's title
-            assert 'sse-connect="/ui/live/overview"' in page
+            assert 'sse-connect="/ui/live/overview?had=' in page
             # One script, one stylesheet, the stream: and no favicon fetched.
             assert re.findall(r'(?:src|href)="(/ui/static/[^"]+)"', page) == [
                 "/ui/static/ui.css",

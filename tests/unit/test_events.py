@@ -117,6 +117,26 @@ def test_a_drain_that_finished_and_pushes_a_router_missed_are_events() -> None:
     told = cp.store.events("router/http://r1")
     assert [(e.reason, e.count) for e in told] == [("PushMissed", 2), ("PushConfirmed", 1)]
 
+    # A router found unreachable by a check (killed, say) is told once per spell.
+    down = [True, True]
+
+    async def checks() -> None:
+        def answer(request: httpx.Request) -> httpx.Response:
+            if down and down.pop():
+                raise httpx.ConnectError("refused", request=request)
+            held = {"applied": True, "epoch": publisher.epoch, "version": publisher.version}
+            return httpx.Response(200, json=held)
+
+        publisher._http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        r2 = RouterTarget(url="http://r2", token="t")
+        for _ in range(3):
+            await publisher.check(r2)
+
+    asyncio.run(checks())
+    told = cp.store.events("router/http://r2")
+    assert [(e.reason, e.count) for e in told] == [("PushMissed", 1), ("PushConfirmed", 1)]
+    assert "unreachable: ConnectError" in told[0].message
+
 
 def test_a_control_plane_start_and_an_agent_run_anew_are_events() -> None:
     cp = control_plane()  # nodes a and b reported by agent run "b"
@@ -128,3 +148,25 @@ def test_a_control_plane_start_and_an_agent_run_anew_are_events() -> None:
     cp.record_news()
     told = [e for e in cp.store.events("node/a") if e.reason == "AgentRestarted"]
     assert len(told) == 1 and told[0].message == "a new agent run, 0 shard(s) held"
+
+
+def test_an_engine_restarted_between_two_reports_is_an_event_with_its_cause() -> None:
+    """The agent restarted the engine so fast that no report said failed: the restart count
+    tells the control plane, and the report keeps why."""
+    cp = control_plane()  # a replica of small ready on a
+    catalog = cp.catalogs.current
+    [(rid, _)] = list(cp.state.nodes["a"].shards)
+    assignment = next(a for a in cp.assignments.of("a", catalog).shards if a.replica_id == rid)
+    gpus = SimulatedGpus("2x80GB", {1: "XID 79"}).gpus()
+    again = ShardReport.of(
+        assignment, ShardState.READY, port=9000, restarts=1, last_failure="exited: exit code -9"
+    )
+    report = AgentReport(node="a", boot_id="b", seq=3, address="127.0.0.1", gpus=gpus,
+                         shards=[again])  # fmt: skip
+    cp.state.take_report(report, catalog, cp.clock.monotonic())
+    cp.record_news()
+    [restarted] = [e for e in cp.store.events(f"replica/{rid}") if e.reason == "ShardRestarted"]
+    assert restarted.type == "warning"
+    assert restarted.message == (
+        "shard 0 on a started again by its agent (1 restart(s)): exited: exit code -9"
+    )

@@ -108,6 +108,7 @@ class Shard:
         self._http = http
         self.metrics = metrics or AgentMetrics()
         self.failure_kind = "exited"  # why it last failed (`_fail`)
+        self.last_failure = ""  # and in words, kept after a restart
         self.state = ShardState.STARTING
         self.error = ""
         self.port: int | None = None
@@ -149,6 +150,7 @@ class Shard:
             backoff_s=self.backoff_s if failed else None,
             startup_s=self.startup_s,
             error=self.error,
+            last_failure=self.last_failure,
             log_tail=log_tail(self._failed_run_log(), MAX_LOG_TAIL_LINES) if tail else [],
             engine_key=self.engine_key,
         )
@@ -218,6 +220,7 @@ class Shard:
     def _fail(self, kind: str, error: str) -> None:
         """The engine failed: `kind` (one of `metrics.FAILURE_REASONS`), and why."""
         self.failure_kind = kind
+        self.last_failure = f"{kind}: {error}"[:1000]
         self.metrics.failures.labels(kind).inc()
         self._set(ShardState.FAILED, error)
 

@@ -182,8 +182,11 @@ class Publisher:
                 f"{router.url}/v1/routing/held", headers=self._headers(router)
             )
             ack = RoutingAck.model_validate_json(response.content)
-        except (httpx.HTTPError, ValidationError):
-            return  # unreachable or not a router: the next check asks again
+        except (httpx.HTTPError, ValidationError) as exc:
+            # Unreachable or not a router: the next check asks again. Told once per spell.
+            if router.url not in self._failing:
+                self._missed(router.url, f"unreachable: {type(exc).__name__}")
+            return
         held = (ack.epoch, ack.version) if ack.applied else (-1, -1)
         if held == (self.epoch, self.version):
             self._confirmed(router.url, held)

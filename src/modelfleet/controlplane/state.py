@@ -292,9 +292,18 @@ class FleetState:
         was = {(s.replica_id, s.rank): s for s in old.shards} if old is not None else {}
         for s in new.shards:
             before = was.get((s.replica_id, s.rank))
+            where = f"shard {s.rank} on {node}"
+            if before is not None and s.restarts > before.restarts:
+                # Said even when the failure came and went between two reports.
+                why = f": {s.last_failure}" if s.last_failure else ""
+                self.tell(
+                    "warning",
+                    "ShardRestarted",
+                    f"replica/{s.replica_id}",
+                    f"{where} started again by its agent ({s.restarts} restart(s)){why}",
+                )
             if before is not None and (before.state, before.generation) == (s.state, s.generation):
                 continue
-            where = f"shard {s.rank} on {node}"
             if s.state is ShardState.READY:
                 took = f" in {s.startup_s:.1f}s" if s.startup_s is not None else ""
                 self.tell("normal", "ShardReady", f"replica/{s.replica_id}", f"{where} ready{took}")

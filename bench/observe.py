@@ -1,0 +1,421 @@
+"""What an operator can see of the fleet, measured in one run on this machine.
+
+- Traces: two engine simulators and a dead replica behind a router, all sending spans by
+  OTLP to a collector of the bench's own (`modelfleet.otlp.SpanCollector`); `--requests`
+  requests through the `openai` client, half streamed, some meeting the dead replica first
+  and retried: `trace_complete_ratio` is the share of the router's request spans whose tree
+  is whole (`tracing.incomplete_traces`: every attempt, and under each attempt an engine
+  answered, that engine's span, one trace id). Target 1.0.
+- The cost of tracing on the router's hot path: zero-latency simulators reached directly,
+  through the router as it was before tracing (`--baseline`, a commit, run from a copy of
+  its `src` made by `git archive`), through today's router with no exporter, and with an
+  OTLP exporter, in turns (bench/router.py's open loop, non-streamed, `--rate` requests/s).
+  `router_overhead_added_p50_ms_with_tracing`: today's p50 minus the baseline's, no
+  exporter (target <= 0.05 ms); `..._exporter`: with an exporter minus without.
+- `events_per_fault`: every fault of bench/faults.py leaves the events naming its cause
+  (run here unless `--skip-faults`; about three minutes).
+- `previous_logs_kept`: a fleet as `up` starts one; an engine killed six times (each time
+  its agent starts it again); `GET /v1/logs/REPLICA?previous=K` for K = 1..5 each answers
+  that run's output (its first line). Target 5; K = 6 is gone (`previous_logs_sixth_gone`).
+- The dashboard, in Debian's Chromium through Playwright: `ui_requests_per_load` (requests a
+  page load makes besides its event stream; target <= 5), `ui_change_visible_s` (a cordon
+  made through the admin API until the open overview shows it, worst of 5; target <= 1),
+  and `ui_overview_ms_1000_nodes` (a control plane in this process with 1,000 nodes of 8
+  GPUs and 2,000 replicas, in a process of its own: sign-in done, navigation to the
+  overview until its load event with every node's row there, median of 3; target <= 1000),
+  with the server's own render time of the overview's part, from nothing rendered before
+  (`ui_overview_render_ms`; the dashboard keeps what it rendered while nothing changes).
+
+It ends with one JSON line.
+
+    python bench/observe.py [--requests 200] [--rate 200] [--duration 20] [--skip-faults]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import router as bench_router
+import uvicorn
+import yaml
+from playwright.sync_api import Browser, sync_playwright
+
+from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.config import ControlPlaneConfig
+from modelfleet.controlplane.dashboard import Dashboard
+from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.service import create_apps
+from modelfleet.otlp import SpanCollector
+from modelfleet.pki import CertificateAuthority
+from modelfleet.serving import Listener
+from modelfleet.store.sqlite import SqliteStore
+from modelfleet.tracing import incomplete_traces
+from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+from modelfleet.wire import AgentReport
+
+HERE = Path(__file__).resolve().parent
+BASELINE = "f4fabd5"  # the last commit before the router carried trace context
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]  # fmt: skip
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def wait(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+# -- traces and their cost ----------------------------------------------------------------
+
+
+def traces(tmp: Path, requests: int) -> dict[str, Any]:
+    procs = bench_router.Processes(tmp)
+    collector = SpanCollector()
+    url = collector.start()
+    try:
+        engines = bench_router.start_sims(procs, 2, "--otlp-endpoint", url, "--itl", "0.001")
+        target = bench_router.start_modelfleet(
+            procs, [*engines, closed_port()], name="traced", otlp_endpoint=url, retries=2
+        )
+        client = openai.OpenAI(
+            base_url=f"{target.urls[0]}/v1", api_key=bench_router.KEY, max_retries=0
+        )
+        for i in range(requests):
+            if i % 2:
+                stream = client.chat.completions.create(
+                    model=bench_router.MODEL, messages=[{"role": "user", "content": f"hi {i}"}],
+                    max_tokens=4, stream=True,
+                )  # fmt: skip
+                for _ in stream:
+                    pass
+            else:
+                client.completions.create(model=bench_router.MODEL, prompt=f"x {i}", max_tokens=4)
+
+        def request_spans() -> list[Any] | None:
+            got = [s for s in collector.taken() if "modelfleet.attempts" in s.attributes]
+            return got if len(got) >= requests else None
+
+        wait(f"the router's spans of {requests} requests", request_spans, 30)
+        time.sleep(2)  # the engines' batches, sent each second
+        spans = collector.taken()
+        routed = [s for s in spans if "modelfleet.attempts" in s.attributes]
+        broken = incomplete_traces(spans)
+        retried = sum(1 for s in routed if int(s.attributes["modelfleet.attempts"]) > 1)
+        for why in list(broken.values())[:5]:
+            say(f"  incomplete: {why}")
+        return {
+            "trace_complete_ratio": round(1 - len(broken) / len(routed), 4),
+            "traced_requests": len(routed),
+            "traced_retried": retried,
+        }
+    finally:
+        procs.stop_all()
+        collector.stop()
+
+
+def baseline_src(tmp: Path, rev: str) -> Path | None:
+    """A copy of `rev`'s src, from git; None when this is no git checkout of it."""
+    out = tmp / "baseline"
+    out.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(HERE.parent), "archive", rev, "src"], capture_output=True, check=False
+    )
+    if archive.returncode != 0:
+        say(f"  no baseline: git archive {rev}: {archive.stderr.decode().strip()}")
+        return None
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out / "src"
+
+
+def tracing_cost(tmp: Path, rev: str, rate: float, duration: float) -> dict[str, Any]:
+    procs = bench_router.Processes(tmp)
+    collector = SpanCollector()
+    url = collector.start()
+    try:
+        engines = bench_router.start_sims(procs, 2)
+        targets = [bench_router.Target("direct", engines)]
+        src = baseline_src(tmp, rev)
+        if src is not None:
+            env = {"PYTHONPATH": str(src)}
+            targets.append(bench_router.start_modelfleet(procs, engines, name="before", env=env))
+        targets.append(bench_router.start_modelfleet(procs, engines, name="now"))
+        targets.append(
+            bench_router.start_modelfleet(procs, engines, name="exporter", otlp_endpoint=url)
+        )
+        got = bench_router.open_loop_interleaved(targets, rate, duration, False, rounds=10)
+        for name, figures in got.items():
+            bench_router._say(name, f"open_{rate:g}", figures)
+        p50 = {name: figures["p50_ms"] for name, figures in got.items()}
+        out: dict[str, Any] = {
+            "router_overhead_added_p50_ms_exporter": round(p50["exporter"] - p50["now"], 4),
+            "router_added_p50_ms_now": round(p50["now"] - p50["direct"], 4),
+        }
+        if "before" in p50:
+            out["router_overhead_added_p50_ms_with_tracing"] = round(p50["now"] - p50["before"], 4)
+        return out
+    finally:
+        procs.stop_all()
+        collector.stop()
+
+
+# -- a fleet: logs of runs before, and the dashboard --------------------------------------
+
+
+@contextmanager
+def fleet(tmp: Path) -> Iterator[RunningFleet]:
+    # Restarts after 0.2 s, and a replica kept on its node through the bench's six kills
+    # in a row (by default it would be placed anew elsewhere after three).
+    options = FleetOptions(
+        report_interval=0.5,
+        agent_args=("--backoff-base", "0.2", "--backoff-max", "1"),
+        control_plane={"max_failures": 10},
+    )
+    running = start_fleet(tmp / "state", options)
+    try:
+        yield running
+    finally:
+        running.fleet.stop()
+
+
+def admin(running: RunningFleet) -> httpx.Client:
+    return httpx.Client(
+        base_url=running.admin_url,
+        headers={"authorization": f"Bearer {running.admin_token}"},
+        timeout=20,
+    )
+
+
+def previous_logs(running: RunningFleet) -> dict[str, Any]:
+    with admin(running) as api:
+
+        def ready_replica() -> dict[str, Any] | None:
+            reps = api.get("/v1/replicas").json()["replicas"]
+            ready = [r for r in reps if r["model"] == "sim-chat" and r["state"] == "ready"]
+            return ready[0] if ready else None
+
+        replica = wait("a sim-chat replica ready", ready_replica)
+        rid = replica["id"]
+        for _ in range(6):
+            pid = replica["shards"][0]["pid"]
+            os.killpg(pid, signal.SIGKILL)
+
+            def again(pid: int = pid) -> dict[str, Any] | None:
+                r = api.get(f"/v1/replicas/{rid}").json()
+                if "state" not in r:
+                    raise RuntimeError(f"replica {rid} is gone: {r}")
+                fresh = r["state"] == "ready" and r["shards"][0]["pid"] not in (None, pid)
+                return r if fresh else None
+
+            replica = wait("the engine started again", again, 120)
+        kept = 0
+        for k in range(1, 6):
+            got = api.get(f"/v1/logs/{rid}", params={"previous": k, "tail": 50})
+            if got.status_code == 200 and any(
+                "engine-sim: loading" in x for x in got.json()["lines"]
+            ):
+                kept += 1
+        sixth = api.get(f"/v1/logs/{rid}", params={"previous": 6})
+        return {"previous_logs_kept": kept, "previous_logs_sixth_gone": sixth.status_code == 404}
+
+
+def launch(p: Any) -> Browser:
+    return p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+def sign_in(browser: Browser, admin_url: str, token: str) -> Any:
+    page = browser.new_page()
+    page.set_default_timeout(30_000)
+    page.goto(f"{admin_url}/ui/login")
+    page.fill("#token", token)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{admin_url}/ui/")
+    return page
+
+
+def dashboard_live(running: RunningFleet) -> dict[str, Any]:
+    with sync_playwright() as p:
+        browser = launch(p)
+        try:
+            page = sign_in(browser, running.admin_url, running.admin_token)
+            asked: list[str] = []
+            page.on("request", lambda r: asked.append(r.url))
+            page.reload()
+            page.locator("tr[data-node]").first.wait_for()
+            wait("the stream opened", lambda: any("/ui/live/" in u for u in asked), 10)
+            per_load = len([u for u in asked if "/ui/live/" not in u])
+            seen: list[float] = []
+            with admin(running) as api:
+                for _ in range(5):
+                    for mark, shown in (("cordoned", "cordoned"), ("none", "")):
+                        began = time.monotonic()
+                        api.post("/v1/nodes/node-2/mark", json={"mark": mark}).raise_for_status()
+                        page.wait_for_function(
+                            "shown => document.querySelector('tr[data-node=\"node-2\"] .mark')"
+                            "?.textContent.trim() === shown",
+                            arg=shown,
+                            polling="raf",
+                        )
+                        seen.append(time.monotonic() - began)
+            return {"ui_requests_per_load": per_load, "ui_change_visible_s": round(max(seen), 3)}
+        finally:
+            browser.close()
+
+
+def big_control_plane(nodes: int, replicas: int) -> ControlPlane:
+    """A control plane in this process that has heard from `nodes` nodes of 8 GPUs and
+    placed `replicas` replicas over 20 models."""
+    keeper = CatalogKeeper(SqliteStore(":memory:"))
+    keeper.start(0.0)
+    models = [
+        {
+            "name": f"model-{i:02d}",
+            "engine": "sim",
+            "replicas": replicas // 20,
+            "gpu_memory": "20GiB",
+        }
+        for i in range(20)
+    ]
+    keeper.apply(yaml.safe_dump({"models": models}), "api", 0.0)
+    ca = CertificateAuthority.create("bench CA", datetime.datetime.now(datetime.UTC))
+    config = ControlPlaneConfig(admin_token="bench-admin-token", settle_for=-1)
+    cp = ControlPlane(config, keeper, ca=ca)
+    now = time.monotonic()
+    gpus = SimulatedGpus("8x80GB", {}).gpus()
+    for n in range(nodes):
+        report = AgentReport(
+            node=f"gpu-{n:04d}", boot_id="b", seq=1, address="10.0.0.1", gpus=gpus, shards=[]
+        )
+        cp.state.take_report(report, keeper.current, now)
+    cp.reconcile_once(now)
+    return cp
+
+
+def serve_big(ready: Any, stop: Any) -> None:
+    """In a process of its own, as a control plane runs: a 1,000-node control plane's admin
+    listener. Puts (its URL, the server's render times of the overview) on `ready`."""
+    cp = big_control_plane(1000, 2000)
+    renders = []
+    for _ in range(5):
+        began = time.perf_counter()
+        html = Dashboard(cp).render_part("overview", "")  # a new one: nothing rendered yet
+        renders.append(time.perf_counter() - began)
+    assert html is not None and html.count("data-node=") == 1000
+    _, app = create_apps(cp, Dashboard(cp))
+    listener = Listener("admin", app)
+    sock = listener.bind()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        ready.put((listener.url, renders))
+        await asyncio.to_thread(stop.wait)
+        server.should_exit = True
+        await task
+
+    asyncio.run(run())
+
+
+def dashboard_at_scale() -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    ready, stop = context.Queue(), context.Event()
+    proc = context.Process(target=serve_big, args=(ready, stop))
+    proc.start()
+    try:
+        url, renders = ready.get(timeout=120)
+        with sync_playwright() as p:
+            browser = launch(p)
+            try:
+                page = sign_in(browser, url, "bench-admin-token")
+                loads = []
+                for _ in range(3):
+                    began = time.monotonic()
+                    page.goto(f"{url}/ui/", wait_until="load")
+                    assert page.locator("tr[data-node]").count() == 1000
+                    loads.append(time.monotonic() - began)
+            finally:
+                browser.close()
+    finally:
+        stop.set()
+        proc.join(30)
+    return {
+        "ui_overview_ms_1000_nodes": round(statistics.median(loads) * 1000, 1),
+        "ui_overview_render_ms": round(statistics.median(renders) * 1000, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=200.0)
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--baseline", default=BASELINE)
+    parser.add_argument("--skip-faults", action="store_true")
+    args = parser.parse_args()
+    out: dict[str, Any] = {"bench": "observe"}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        say("traces ...")
+        (root / "traces").mkdir()
+        out.update(traces(root / "traces", args.requests))
+        say(f"  {out}")
+        say("the cost of tracing ...")
+        (root / "cost").mkdir()
+        out.update(tracing_cost(root / "cost", args.baseline, args.rate, args.duration))
+        say("previous logs and the live dashboard ...")
+        (root / "fleet").mkdir()
+        with fleet(root / "fleet") as running:
+            out.update(previous_logs(running))
+            out.update(dashboard_live(running))
+        say("the dashboard at 1,000 nodes ...")
+        out.update(dashboard_at_scale())
+    if not args.skip_faults:
+        say("faults ...")
+        import faults
+
+        results = faults.run(20.0)
+        out["events_per_fault"] = all(not r["events_missing"] for r in results.values())
+        out["events_missing"] = {
+            k: r["events_missing"] for k, r in results.items() if r["events_missing"]
+        }
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
