@@ -76,6 +76,13 @@ def up(
             help="Run Debian's redis-server in the state dir for the router's limits; kept.",
         ),
     ] = None,
+    gpus: Annotated[
+        str,
+        typer.Option(
+            help="Each node's simulated GPUs (COUNTxMEMORY), or `nvml`: this machine's own "
+            "GPUs, read through NVML, as one node.",
+        ),
+    ] = "4x80GB",
 ) -> None:
     """Run a whole fleet on this machine: control plane, router, two agents, simulated engines."""
     from modelfleet.catalog import CatalogInvalid
@@ -85,7 +92,13 @@ def up(
 
     try:
         raise typer.Exit(
-            run_up(state_dir, router_port=router_port, limits_store=limits_store, redis=redis)
+            run_up(
+                state_dir,
+                router_port=router_port,
+                limits_store=limits_store,
+                redis=redis,
+                gpus=gpus,
+            )
         )
     except (UpError, CatalogInvalid, StateDirBusy) as exc:
         fail(str(exc), 1)

@@ -337,3 +337,30 @@ def test_up_gives_its_router_a_redis_and_keeps_the_choice(procs: Procs, tmp_path
     third, info = run_up("--limits-store", "", log="up-memory")
     assert limits_store() is None and "redis" not in info["pids"]
     stop(third)
+
+
+def test_up_on_real_gpus_without_nvml_says_so_and_leaves_nothing(tmp_path: Path) -> None:
+    """`up --gpus nvml` reads the machine's GPUs through NVML; where NVML cannot be loaded
+    (this machine has no NVIDIA driver) it stops with the reason and starts nothing else.
+    bench/gpu_check.py runs it where there are GPUs."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("this machine has NVML: bench/gpu_check.py checks `up --gpus nvml` here")
+    state = tmp_path / "state"
+    done = subprocess.run(
+        [sys.executable, "-m", "modelfleet", "up", "--gpus", "nvml", "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode != 0, said
+    assert "no GPUs to report: NVML" in said, said
+    left = stop_leftovers(state)  # what an `up` left running, if anything
+    assert left.stopped == [], left.stopped

@@ -13,7 +13,7 @@ from modelfleet.catalog import Catalog
 from modelfleet.files import write_json_atomic
 from modelfleet.statedir import StateDirLock
 from modelfleet.up.children import stop_leftovers
-from modelfleet.up.configs import FleetOptions
+from modelfleet.up.configs import GPUS_PER_NODE, NODES, REAL_GPUS, FleetOptions
 from modelfleet.up.fleet import start_fleet, wait_serving
 from modelfleet.up.restarts import Restarts
 
@@ -24,8 +24,10 @@ def up(
     serve_timeout: float = 15.0,
     limits_store: str | None = None,
     redis: bool | None = None,
+    gpus: str = GPUS_PER_NODE,
 ) -> int:
-    """Bring the fleet up, print how to use it, and stop it all on SIGINT/SIGTERM."""
+    """Bring the fleet up, print how to use it, and stop it all on SIGINT/SIGTERM. `gpus`:
+    each node's simulated GPUs, or REAL_GPUS for this machine's own, as one node."""
     state_dir = state_dir.resolve()
     lock = StateDirLock(state_dir, "modelfleet up").acquire()  # StateDirBusy names the holder
     left = stop_leftovers(state_dir)
@@ -49,7 +51,10 @@ def up(
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    options = FleetOptions(router_port=router_port, limits_store=limits_store, redis=redis)
+    shape: dict[str, Any] = {"gpus": gpus}
+    if gpus == REAL_GPUS:
+        shape["nodes"] = NODES[:1]  # one machine's GPUs are one node's
+    options = FleetOptions(router_port=router_port, limits_store=limits_store, redis=redis, **shape)
     fleet = start_fleet(state_dir, options, left)
     try:
         catalog = Catalog.from_yaml(catalog_file.read_text(), source=str(catalog_file))

@@ -7,6 +7,7 @@ from typing import Any
 
 NODES = ("node-1", "node-2")
 GPUS_PER_NODE = "4x80GB"
+REAL_GPUS = "nvml"  # the machine's own GPUs, read through NVML, on one node
 
 DEFAULT_CATALOG = """\
 # The catalog `modelfleet up` serves. Edit it while the fleet runs: a valid change applies
@@ -32,7 +33,7 @@ class FleetOptions:
     """The shape of a fleet `up` starts. The defaults are what `modelfleet up` runs."""
 
     nodes: tuple[str, ...] = NODES
-    gpus: str = GPUS_PER_NODE  # every node's simulated GPUs
+    gpus: str = GPUS_PER_NODE  # every node's simulated GPUs, or REAL_GPUS
     router_port: int = 0
     report_interval: float = 1.0
     reconcile_interval: float = 0.5

@@ -18,7 +18,7 @@ from modelfleet.catalog import Catalog
 from modelfleet.files import private_dir, write_atomic
 from modelfleet.processes import ProcessId, stop_groups
 from modelfleet.up.children import Fleet, Leftovers, UpError, agent_state_dir
-from modelfleet.up.configs import DEFAULT_CATALOG, FleetOptions
+from modelfleet.up.configs import DEFAULT_CATALOG, REAL_GPUS, FleetOptions
 from modelfleet.up.kept import HOST, Kept, load_or_make
 from modelfleet.wire import RoutingSnapshot
 
@@ -136,8 +136,7 @@ def start_fleet(
                 cp_urls["agent"],
                 "--node",
                 node,
-                "--simulate-gpus",
-                opts.gpus,
+                *(["--simulate-gpus", opts.gpus] if opts.gpus != REAL_GPUS else []),
                 "--state-dir",
                 str(agent_state_dir(state_dir, node)),
                 "--report-interval",
