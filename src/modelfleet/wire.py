@@ -134,6 +134,9 @@ class LogRequest(_Message):
     previous: int = Field(default=0, ge=0)  # 0: the engine's current run; K: K runs back
     tail: int = Field(default=200, ge=1, le=100_000)  # lines, when no offset is given
     offset: int | None = Field(default=None, ge=0)  # bytes: what was written from there on
+    # Without an offset: only what was written in the last `since_s` seconds, by the node's
+    # own clock (the tail still applies).
+    since_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class LogAnswer(_Message):

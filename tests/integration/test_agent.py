@@ -147,6 +147,11 @@ def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(
     assert "simulated fault: exit-at-start" in before.stdout, before.stderr
     missing = op.ctl("logs", first["id"], "--previous", "9", check=False)
     assert missing.returncode == 1 and "no log of run -9" in missing.stderr, missing.stderr
+    # What was written in the last hour (the agent's marks of its logs say where that began).
+    recent = op.ctl("logs", first["id"], "--previous", "1", "--since", "1h", check=False)
+    assert "simulated fault: exit-at-start" in recent.stdout, recent.stderr
+    bad = op.ctl("logs", first["id"], "--since", "lately", check=False)
+    assert bad.returncode == 1 and "since:" in bad.stderr, bad.stderr
 
     # After three failures in a row it is placed on the other node, then kept off both.
     first_node = first["shards"][0]["node"]

@@ -8,15 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from modelfleet.agent.logs import KEEP_RUNS, read_log, rotate, shard_log
+from modelfleet.agent import logs
+from modelfleet.agent.logs import KEEP_RUNS, LogMarks, marks_of, read_log, rotate, shard_log
 from modelfleet.controlplane.logs import RESEND_AFTER_S, LogRelay, LogUnanswered
 from modelfleet.controlplane.watch import AssignmentWatch
 from modelfleet.wire import LogAnswer, LogRequest
 
+NOW = 1_800_000_000.0
 
-def ask(previous: int = 0, tail: int = 200, offset: int | None = None) -> LogRequest:
+
+def ask(
+    previous: int = 0, tail: int = 200, offset: int | None = None, since_s: float | None = None
+) -> LogRequest:
     return LogRequest(id="r", replica_id="m-1", rank=0, previous=previous, tail=tail,
-                      offset=offset)  # fmt: skip
+                      offset=offset, since_s=since_s)  # fmt: skip
 
 
 def test_each_start_keeps_the_runs_before_and_a_follow_reads_what_came_since(
@@ -26,17 +31,17 @@ def test_each_start_keeps_the_runs_before_and_a_follow_reads_what_came_since(
     for run in range(KEEP_RUNS + 2):  # seven runs: the current and the five before are kept
         rotate(path)
         path.write_text("".join(f"run {run} line {i}\n" for i in range(3)))
-    assert read_log(path, ask(tail=2)).lines == ["run 6 line 1", "run 6 line 2"]
-    assert read_log(path, ask(previous=1, tail=1)).lines == ["run 5 line 2"]
-    assert read_log(path, ask(previous=KEEP_RUNS, tail=1)).lines == ["run 1 line 2"]
-    gone = read_log(path, ask(previous=KEEP_RUNS + 1))
+    assert read_log(path, ask(tail=2), NOW).lines == ["run 6 line 1", "run 6 line 2"]
+    assert read_log(path, ask(previous=1, tail=1), NOW).lines == ["run 5 line 2"]
+    assert read_log(path, ask(previous=KEEP_RUNS, tail=1), NOW).lines == ["run 1 line 2"]
+    gone = read_log(path, ask(previous=KEEP_RUNS + 1), NOW)
     assert gone.error == f"no log of run -{KEEP_RUNS + 1} on this node" and gone.lines == []
-    first = read_log(path, ask(tail=1))
+    first = read_log(path, ask(tail=1), NOW)
     with path.open("a") as out:
         out.write("more\n")
-    followed = read_log(path, ask(offset=first.offset))
+    followed = read_log(path, ask(offset=first.offset), NOW)
     assert followed.lines == ["more"] and followed.offset == path.stat().st_size
-    assert read_log(path, ask(offset=followed.offset)).lines == []
+    assert read_log(path, ask(offset=followed.offset), NOW).lines == []
 
 
 def test_a_request_is_handed_to_its_node_again_until_answered() -> None:
@@ -67,3 +72,36 @@ def test_an_agent_that_does_not_answer_times_the_request_out() -> None:
         assert not relay.pending("n1")  # nothing left behind
 
     asyncio.run(go())
+
+
+def test_since_reads_from_where_the_log_stood_then_also_in_runs_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent marks the log's size as it grows (at most once a second); --since starts at
+    the last mark at or before then. Marks move with their run, and follow a run's cut."""
+    path = shard_log(tmp_path, "m-1", 0)
+    marks = LogMarks(path)
+    t = NOW - 600  # ten minutes ago
+    for minute in range(10):
+        with path.open("a") as out:
+            out.write(f"minute {minute}\n")
+        marks.note(t + minute * 60)
+        marks.note(t + minute * 60 + 0.5)  # within the second: not marked again
+    assert len(marks_of(path).read_text().splitlines()) == 10
+    # The last 3 minutes: written after the mark of 7 minutes ago (minute 3's).
+    got = read_log(path, ask(since_s=7 * 60 - 1), NOW)
+    assert got.lines == [f"minute {m}" for m in range(4, 10)]
+    assert read_log(path, ask(since_s=7 * 60 - 1, tail=2), NOW).lines == ["minute 8", "minute 9"]
+    assert read_log(path, ask(since_s=3600), NOW).lines[0] == "minute 0"  # older than any mark
+    assert read_log(path, ask(since_s=0), NOW).lines == []  # nothing written since now
+
+    # A restart moves the log and its marks aside together; the new run marks anew.
+    monkeypatch.setattr(logs, "MAX_RUN_BYTES", 30)  # the run moved aside keeps its last 30 B
+    rotate(path)
+    marks.restart()
+    assert not marks_of(path).exists() and marks_of(path.with_name(path.name + ".1")).exists()
+    path.write_text("new run\n")
+    marks.note(NOW)
+    before = read_log(path, ask(previous=1, since_s=3 * 60 - 1), NOW)
+    assert before.lines == ["minute 8", "minute 9"]  # offsets moved back by what the cut took
+    assert read_log(path, ask(since_s=10), NOW).lines == ["new run"]

@@ -4,10 +4,16 @@ Each start of an engine moves its shard's log aside (`rotate`: the run before be
 `.1`, the one before that `.2`, up to KEEP_RUNS), so the output of the run that crashed
 is still there after the restart. `read_log` answers the control plane's `LogRequest`s for
 `ctl logs`.
+
+An engine's output carries no times the agent could rely on, so the agent notes beside each
+log where it stood when (`LogMarks`: wall time and size, at most once a second while it
+grows, in `<log>.marks`). `ctl logs --since 10m` starts from the last mark at or before then:
+never later than asked, at most about a second earlier.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from pathlib import Path
@@ -17,6 +23,8 @@ from modelfleet.wire import LogAnswer, LogRequest
 KEEP_RUNS = 5
 MAX_RUN_BYTES = 10 << 20  # a run's log moved aside is cut to its last 10 MiB
 MAX_ANSWER_BYTES = 1 << 20  # what one answer reads at most
+MARK_EVERY_S = 1.0
+MAX_MARKS_BYTES = 1 << 20  # past this the oldest half of a log's marks go
 
 
 def shard_log(folder: Path, replica_id: str, rank: int) -> Path:
@@ -24,27 +32,77 @@ def shard_log(folder: Path, replica_id: str, rank: int) -> Path:
     return folder / f"{replica_id}-{rank}.log"
 
 
+def marks_of(path: Path) -> Path:
+    return path.with_name(f"{path.name}.marks")
+
+
+class LogMarks:
+    """Notes where the log of `path` stood when, while it grows (see the module's docstring).
+    `note` is called by the shard's watch, often; it writes at most once a second."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._size = -1
+        self._at = -math.inf
+
+    def note(self, now: float) -> None:
+        """Mark the log's size at wall time `now`, if it grew and a second has passed."""
+        if now - self._at < MARK_EVERY_S:
+            return
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return
+        if size == self._size:
+            return
+        self._size, self._at = size, now
+        marks = marks_of(self.path)
+        try:
+            with marks.open("a") as f:
+                f.write(f"{now:.3f} {size}\n")
+            if marks.stat().st_size > MAX_MARKS_BYTES:
+                _cut(marks, MAX_MARKS_BYTES // 2)
+        except OSError:
+            return  # a full disk: --since reads from further back meanwhile
+
+    def restart(self) -> None:
+        """The log was moved aside (a new run begins): the next note marks again."""
+        self._size = -1
+        self._at = -math.inf
+
+
 def rotate(path: Path, keep: int = KEEP_RUNS) -> None:
     """Move `path` (the run before's log) to `path.1`, `.1` to `.2`, ..., dropping what is
-    past `keep`; the run moved aside keeps its last MAX_RUN_BYTES."""
+    past `keep`, each run's marks with it; the run moved aside keeps its last
+    MAX_RUN_BYTES."""
     if not path.exists() or path.stat().st_size == 0:
+        marks_of(path).unlink(missing_ok=True)
         return
-    for k in range(keep - 1, 0, -1):
-        older = _run(path, k)
+    for k in range(keep, 0, -1):
+        older, newer = (_run(path, k - 1) if k > 1 else path), _run(path, k)
         if older.exists():
-            os.replace(older, _run(path, k + 1))
-    os.replace(path, _run(path, 1))
-    _cut(_run(path, 1), MAX_RUN_BYTES)
+            os.replace(older, newer)
+        if marks_of(older).exists():
+            os.replace(marks_of(older), marks_of(newer))
+        else:
+            marks_of(newer).unlink(missing_ok=True)  # a run with no marks takes no other's
+    dropped = _cut(_run(path, 1), MAX_RUN_BYTES)
+    if dropped:
+        _shift_marks(marks_of(_run(path, 1)), dropped)
 
 
-def read_log(path: Path, request: LogRequest) -> LogAnswer:
-    """The part of the log of `path` (or of a run before it) that `request` asks for."""
+def read_log(path: Path, request: LogRequest, now: float) -> LogAnswer:
+    """The part of the log of `path` (or of a run before it) that `request` asks for; `now`
+    is the wall clock, for `since_s`."""
     target = path if request.previous == 0 else _run(path, request.previous)
     try:
         with target.open("rb") as f:
             end = f.seek(0, os.SEEK_END)
             if request.offset is None:
-                f.seek(max(0, end - MAX_ANSWER_BYTES))
+                start = max(0, end - MAX_ANSWER_BYTES)
+                if request.since_s is not None:
+                    start = max(start, _offset_at(marks_of(target), now - request.since_s))
+                f.seek(min(start, end))
                 text = f.read().decode(errors="replace")
                 return LogAnswer(
                     id=request.id,
@@ -69,12 +127,49 @@ def _run(path: Path, k: int) -> Path:
     return path.with_name(f"{path.name}.{k}")
 
 
-def _cut(path: Path, keep: int) -> None:
+def _offset_at(marks: Path, when: float) -> int:
+    """Where the log stood at its last mark at or before `when`: what was written after it
+    came at `when` or later (or up to a mark's interval before). 0 when no mark is that old."""
+    offset = 0
+    try:
+        text = marks.read_text(errors="replace")
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        at, _, size = line.partition(" ")
+        try:
+            if float(at) > when:
+                break
+            offset = int(size)
+        except ValueError:
+            continue  # the partial line a cut left
+    return offset
+
+
+def _shift_marks(marks: Path, dropped: int) -> None:
+    """The log's first `dropped` bytes were cut away: its marks move back as much."""
+    try:
+        lines = marks.read_text(errors="replace").splitlines()
+    except OSError:
+        return
+    kept = []
+    for line in lines:
+        at, _, size = line.partition(" ")
+        try:
+            kept.append(f"{at} {max(0, int(size) - dropped)}")
+        except ValueError:
+            continue
+    marks.write_text("".join(f"{k}\n" for k in kept))
+
+
+def _cut(path: Path, keep: int) -> int:
+    """Keep the last `keep` bytes of `path`; returns how many went."""
     size = path.stat().st_size
     if size <= keep:
-        return
+        return 0
     with path.open("rb") as f:
         f.seek(size - keep)
         tail = f.read()
     with path.open("wb") as f:
         f.write(tail)
+    return size - keep

@@ -19,6 +19,7 @@ import os
 import random
 import secrets
 import ssl
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,7 +296,7 @@ class Agent:
         folder = self.settings.state_dir / "logs"
         for request in requests:
             path = shard_log(folder, request.replica_id, request.rank)
-            answer = await asyncio.to_thread(read_log, path, request)
+            answer = await asyncio.to_thread(read_log, path, request, time.time())
             try:
                 await self._cp.post("/v1/logs", content=answer.model_dump_json())
             except httpx.HTTPError as exc:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import httpx
 
-from modelfleet.agent.logs import rotate, shard_log
+from modelfleet.agent.logs import LogMarks, rotate, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import EngineRecord
 from modelfleet.backoff import Backoff
@@ -104,6 +104,7 @@ class Shard:
         self.driver = driver
         self.settings = settings
         self.log_path = shard_log(log_dir, assignment.replica_id, assignment.rank)
+        self.log_marks = LogMarks(self.log_path)  # where its log stood when, for --since
         self._changed = changed
         self._http = http
         self.metrics = metrics or AgentMetrics()
@@ -310,6 +311,7 @@ class Shard:
         self.health_path = launch.health_path
         try:
             rotate(self.log_path)  # the run before's output is kept for `ctl logs --previous`
+            self.log_marks.restart()
             with open_private_log(self.log_path) as out:
                 proc = subprocess.Popen(
                     launch.argv,
@@ -357,6 +359,7 @@ class Shard:
         next_probe = time.monotonic() + s.liveness_interval
         misses = 0
         while True:
+            self.log_marks.note(time.time())
             code = proc.poll()
             if code is not None:
                 how = "code unknown: an earlier agent run started it" if code == -1 else code

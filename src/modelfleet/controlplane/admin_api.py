@@ -486,10 +486,18 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         tail: Annotated[int, Query(ge=1, le=100_000)] = 200,
         previous: Annotated[int, Query(ge=0, le=100)] = 0,
         offset: Annotated[int | None, Query(ge=0)] = None,
+        since: str | None = None,
     ) -> admin.LogsAnswer:
-        """An engine's output, read by its node's agent on demand: the last `tail` lines, or
-        with `offset` what was written from there on (a follow); `previous`: that many runs
-        back (before restarts). Also of a replica stopped lately (the last 1,000)."""
+        """An engine's output, read by its node's agent on demand: the last `tail` lines
+        (of those written in the last `since`, a duration: 10m, 1h), or with `offset` what
+        was written from there on (a follow); `previous`: that many runs back (before
+        restarts). Also of a replica stopped lately (the last 1,000)."""
+        since_s = None
+        if since is not None:
+            try:
+                since_s = parse_duration(since)
+            except BadDuration as exc:
+                raise Refused.because(400, f"since: {exc}") from None
         record = cp.state.replicas.get(replica)
         nodes = (
             tuple(p.node for p in record.replica.shards)
@@ -502,7 +510,9 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             raise Refused.because(404, f"replica {replica} has {len(nodes)} shard(s)")
         node = nodes[shard]
         try:
-            got = await cp.logs.ask(node, replica, shard, previous, tail, offset, LOG_WAIT_S)
+            got = await cp.logs.ask(
+                node, replica, shard, previous, tail, offset, LOG_WAIT_S, since_s
+            )
         except LogUnanswered as exc:
             raise Refused.because(504, str(exc)) from None
         if got.error:

@@ -62,6 +62,7 @@ class LogRelay:
         tail: int,
         offset: int | None,
         timeout: float,
+        since_s: float | None = None,
     ) -> LogAnswer:
         """What the agent of `node` reads of the log; LogUnanswered after `timeout` s."""
         request = LogRequest(
@@ -71,6 +72,7 @@ class LogRelay:
             previous=previous,
             tail=tail,
             offset=offset,
+            since_s=since_s,
         )
         answer: asyncio.Future[LogAnswer] = asyncio.get_running_loop().create_future()
         self._waiting[request.id] = (node, answer)

@@ -221,11 +221,19 @@ class AdminClient:
         return self._call(admin.KeyInfo, "DELETE", "/v1/keys/" + quote(name, safe=""))
 
     def logs(
-        self, replica: str, shard: int, tail: int, previous: int, offset: int | None = None
+        self,
+        replica: str,
+        shard: int,
+        tail: int,
+        previous: int,
+        offset: int | None = None,
+        since: str | None = None,
     ) -> admin.LogsAnswer:
         params = {"shard": str(shard), "tail": str(tail), "previous": str(previous)}
         if offset is not None:
             params["offset"] = str(offset)
+        elif since is not None:
+            params["since"] = since
         path = "/v1/logs/" + quote(replica, safe="")
         return self._call(admin.LogsAnswer, "GET", path, params=params)
 

@@ -601,6 +601,10 @@ def logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Then print what it writes, until ^C.")
     ] = False,
+    since: Annotated[
+        str | None,
+        typer.Option("--since", help="Only what it wrote in the last 10m, 1h, ... (with --tail)."),
+    ] = None,
 ) -> None:
     """An engine's output, fetched from its node's agent through the control plane: works
     for a replica on any node, and keeps the runs before a restart (--previous K)."""
@@ -608,7 +612,7 @@ def logs(
 
     client = _ctl(context).client()
     try:
-        got = client.logs(replica, shard, tail, previous)
+        got = client.logs(replica, shard, tail, previous, since=since)
         for line in got.lines:
             typer.echo(line)
         while follow:
