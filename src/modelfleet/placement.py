@@ -171,6 +171,13 @@ _GpuKey = tuple[str | None, int]  # (gpu model asked for, lower-cased; memory as
 _HeapKey = tuple[str, _GpuKey, tuple[tuple[str, str], ...], int, str]
 
 
+# Why a replica goes where it does, as FreeGpus.claim chooses, in words for operators.
+RULES = {
+    "spread": "the node with the fewest of its replicas, then the most free GPUs",
+    "pack": "the node with the fewest free GPUs that fit",
+}
+
+
 @dataclass
 class FreeGpus:
     """The fleet's free GPUs during one planning pass, indexed so a placement does not judge

@@ -18,7 +18,7 @@ from typing import Literal
 
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.fleet import Mark, Node, Replica, ShardPlacement
-from modelfleet.placement import FreeGpus, Placed, Unplaceable, place
+from modelfleet.placement import RULES, FreeGpus, Placed, Unplaceable, place
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class NewReplica:
     model: str
     engine_digest: str
     shards: tuple[ShardPlacement, ...]
+    reason: str = ""  # why it is made: what it replaces, or the count it fills
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,7 @@ def _plan_model(
     serving_outdated = sorted((r for r in outdated if r.id in serving), key=lambda r: r.created)
     going = [(r, why, lost) for r, why, lost in evicted]
     going += [(r, "engine or arguments changed", False) for r in serving_outdated]
+    replaced = [f"replaces {r.id} ({why})" for r, why, _ in going]
     serving_current = sum(1 for r in current if r.id in serving)
     while going and serving_current + len(going) > spec.replicas:
         replica, why, _ = going.pop(0)
@@ -321,7 +323,12 @@ def _plan_model(
                 ),
             )
             break
-        new.append(NewReplica(spec.name, spec.engine_digest, shards))
+        if placed_so_far < len(replaced):
+            reason = replaced[placed_so_far]
+        else:
+            reason = f"{spec.replicas} wanted, {len(current) + placed_so_far} up to date"
+        reason += f"; {spec.placement}: {RULES[spec.placement]}"
+        new.append(NewReplica(spec.name, spec.engine_digest, shards, reason))
         on_node.update(s.node for s in shards)
     return stops, new, pending
 

@@ -78,7 +78,12 @@ def test_changes_and_faults_are_events_an_operator_can_read() -> None:
     assert seen[("NodeMarked", "node/b")].message == "marked cordoned (was none)"
     assert seen[("ShardFailed", f"replica/{rid}")].message == "shard 0 on a: engine exited (1)"
     assert seen[("ShardFailed", f"replica/{rid}")].type == "warning"
-    assert ("NodeReported", "node/a") in seen and ("ReplicaPlaced", f"replica/{rid}") in seen
+    assert ("NodeReported", "node/a") in seen
+    # Where it went, and why: the count it fills and the placement rule that chose the node.
+    assert seen[("ReplicaPlaced", f"replica/{rid}")].message == (
+        "small on a[0]: 2 wanted, 0 up to date; "
+        "spread: the node with the fewest of its replicas, then the most free GPUs"
+    )
     applied_event = seen[("CatalogApplied", f"catalog/{applied.catalog.version}")]
     assert applied_event.message == "from api: -wide ~small"
     shown = io.StringIO()

@@ -167,6 +167,7 @@ def test_drain_replaces_before_it_stops() -> None:
     assert not first.stop  # r0 serves until its replacement does
     [new] = first.new
     assert new.shards[0].node == "n1"  # never onto the draining node
+    assert new.reason.startswith("replaces r0 (node draining); spread: the node with")
     moved = Replica("r2", "a", d, new.shards, NOW)
     starting = plan(c, [*table, moved], {"r0", "r1"}, fleet, set(), NOW, 10)
     assert not starting.changes

@@ -411,11 +411,14 @@ class ControlPlane:
         if models is not None:  # the models not planned keep what they had pending
             kept = tuple(p for p in before if p.model not in models)
             decided = dataclasses.replace(decided, pending=kept + decided.pending)
-        for replica in s.apply(decided, catalog, now, self.config.retire_timeout):
+        created = s.apply(decided, catalog, now, self.config.retire_timeout)
+        for replica, planned in zip(created, decided.new, strict=True):
             where = ", ".join(f"{p.node}{list(p.gpus)}" for p in replica.shards)
             log.info("placed %s (%s) on %s", replica.id, replica.model, where)
             self.events.normal(
-                "ReplicaPlaced", f"replica/{replica.id}", f"{replica.model} on {where}"
+                "ReplicaPlaced",
+                f"replica/{replica.id}",
+                f"{replica.model} on {where}: {planned.reason}",
             )
         # Pending replicas are logged when their count changes, without the explanation: it
         # judges every node, and at 10,000 nodes going silent, working it out for each model at

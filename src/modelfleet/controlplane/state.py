@@ -304,7 +304,10 @@ class FleetState:
                 )
             if before is not None and (before.state, before.generation) == (s.state, s.generation):
                 continue
-            if s.state is ShardState.READY:
+            if s.state is ShardState.STARTING:
+                pid = f" (pid {s.pid})" if s.pid is not None else ""
+                self.tell("normal", "ShardStarted", f"replica/{s.replica_id}", f"{where}{pid}")
+            elif s.state is ShardState.READY:
                 took = f" in {s.startup_s:.1f}s" if s.startup_s is not None else ""
                 self.tell("normal", "ShardReady", f"replica/{s.replica_id}", f"{where} ready{took}")
             elif s.state is ShardState.FAILED:

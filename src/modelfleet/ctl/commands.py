@@ -651,18 +651,25 @@ def events(
         ctl.show(lambda c: c.events(regarding, since), render.print_events)
         return
     client = ctl.client()
-    last = 0
+    # A repeat counts up an event already shown: asked again by when events were last seen
+    # (not by id, which a repeat keeps), each shown again when its count has grown.
+    shown_counts: dict[int, int] = {}
+    window = since
     try:
         while True:
+            asked_at = time.monotonic()
             try:
-                got = client.events(regarding, since, after=last)
+                got = client.events(regarding, window)
             except CtlError as exc:
                 fail(str(exc), 1)
             for e in got.events:
-                shown = e.model_dump_json() if ctl.output is Output.json else render.event_line(e)
-                typer.echo(shown)
-                last = max(last, e.id)
+                if shown_counts.get(e.id) != e.count:
+                    json_out = ctl.output is Output.json
+                    typer.echo(e.model_dump_json() if json_out else render.event_line(e))
+            # What left the window and comes back has counted up: it is shown again then.
+            shown_counts = {e.id: e.count for e in got.events}
             time.sleep(1.0)
+            window = f"{int(time.monotonic() - asked_at) + 10}s"  # the last poll's, and more
     except KeyboardInterrupt:
         return
 

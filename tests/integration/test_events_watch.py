@@ -1,0 +1,58 @@
+"""`ctl events --watch` against a running fleet: new events as they come, and a repeat shown
+again as it counts up (a repeat keeps its event's id, so a watch by id alone missed it)."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from .conftest import ctl_target, fleet_of, wait_for
+
+
+def test_a_watch_shows_new_events_and_repeats_counting_up(tmp_path: Path) -> None:
+    with fleet_of(tmp_path, [{"name": "m", "engine": "sim"}]) as fleet:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "modelfleet", "ctl", *ctl_target(fleet),
+             "events", "--watch", "--for", "node/node-2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        lines: queue.Queue[str] = queue.Queue()
+        seen: list[str] = []
+
+        def read() -> None:
+            assert watch.stdout is not None
+            for line in watch.stdout:
+                lines.put(line.rstrip("\n"))
+
+        threading.Thread(target=read, daemon=True).start()
+
+        def saw(text: str) -> bool:
+            while not lines.empty():
+                seen.append(lines.get())
+            return any(text in line for line in seen)
+
+        try:
+            wait_for("the node's first event in the watch", lambda: saw("NodeReported"))
+            for _ in range(3):  # the second and third are the same event: it counts up
+                done = subprocess.run(
+                    [sys.executable, "-m", "modelfleet", "ctl", *ctl_target(fleet),
+                     "cordon", "node-2"],
+                    capture_output=True, text=True, timeout=30,
+                )  # fmt: skip
+                assert done.returncode == 0, done.stderr
+            wait_for("the repeat counted up in the watch", lambda: saw("(x2)"))
+        finally:
+            watch.send_signal(signal.SIGINT)
+            try:
+                watch.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                watch.kill()
+                watch.wait()
+        marked = [line for line in seen if "NodeMarked" in line]
+        assert len(marked) == 3, seen
+        assert "marked cordoned (was none)" in marked[0]
+        assert "marked cordoned (was cordoned)" in marked[1] and "(x2)" in marked[2]
