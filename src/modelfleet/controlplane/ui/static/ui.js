@@ -27,11 +27,12 @@
         var series = [{}].concat(got.names.map(function (n, i) {
           return { label: n, stroke: COLORS[i % COLORS.length], width: 1.5 };
         }));
-        new uPlot(
-          { width: Math.max(300, el.clientWidth || 600), height: 180, series: series },
-          [got.xs].concat(got.ys),
-          el
-        );
+        var opts = { width: Math.max(300, el.clientWidth || 600), height: 180, series: series };
+        if (got.xs.length === 1) {
+          // One point: an hour either side, instead of uPlot's guess of years.
+          opts.scales = { x: { time: true, range: [got.xs[0] - 3600, got.xs[0] + 3600] } };
+        }
+        new uPlot(opts, [got.xs].concat(got.ys), el);
       });
     });
   }
