@@ -53,6 +53,7 @@ class CatalogKeeper:
         self.store = store
         self.file = file
         self._file_stat: tuple[int, int, int] | None = None
+        self.started: Applied | None = None  # the version `start` applied, if it made one
         latest = store.latest_catalog()
         self._current = _restore(latest) if latest else None
 
@@ -84,10 +85,10 @@ class CatalogKeeper:
             return
         if self._current is None:
             text = self.file.read_text()  # OSError: the caller reports it
-            self._apply_file_text(text, now, strict=True)
+            self.started = self._apply_file_text(text, now, strict=True)
         else:
             try:
-                self.check_file(now)
+                self.started = self.check_file(now)
             except OSError as exc:
                 log.warning(
                     "catalog file %s unreadable (%s); starting from the store", self.file, exc
@@ -154,7 +155,7 @@ class CatalogKeeper:
             except StoreError as failed:  # the refusal stands; only its record is missing
                 log.warning("cannot record the rejected catalog: %s", failed)
             raise
-        previous = self._current.catalog if self._current else candidate
+        previous = self._current.catalog if self._current else Catalog.new([])
         if self._current is not None and candidate.digest == self._current.catalog.digest:
             return Applied(self._current.catalog, False, previous)
         catalog = self._swap(candidate, source, now)

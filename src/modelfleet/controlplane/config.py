@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from modelfleet.pki import is_loopback, is_wildcard
 
@@ -34,6 +34,10 @@ class ControlPlaneConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     catalog: Path | None = None  # the watched catalog file; None: the catalog comes by API only
     state_dir: Path = Path("control-plane-state")  # holds the store, store.sqlite
+    # The store of desired state: None, SQLite in state_dir; or a PostgreSQL database, as a
+    # libpq conninfo (postgresql://user:password@host:port/db; several hosts and
+    # target_session_attrs=read-write as libpq documents them).
+    store: str | None = None
     host: str = "127.0.0.1"
     # TLS on the agent and admin APIs, with a certificate of the control plane's own CA (made
     # in `state_dir`/pki at its first start): "auto" serves TLS unless `host` is a loopback
@@ -99,6 +103,16 @@ class ControlPlaneConfig(BaseModel):
         wildcard, and this machine's loopback names."""
         names = [*self.tls_names, *([] if is_wildcard(self.host) else [self.host])]
         return list(dict.fromkeys([*names, "127.0.0.1", "localhost"]))
+
+    @field_validator("store")
+    @classmethod
+    def _store_is_postgres(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError(
+                "store: give a PostgreSQL URL (postgresql://user:password@host:port/db), or "
+                "leave it out for SQLite in state_dir"
+            )
+        return value
 
     @model_validator(mode="after")
     def _tls_beyond_loopback(self) -> ControlPlaneConfig:

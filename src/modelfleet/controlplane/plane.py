@@ -138,6 +138,8 @@ class ControlPlane:
             "control-plane/self",
             f"routing epoch {epoch}, catalog version {catalogs.current.version}",
         )
+        if catalogs.started is not None:  # the catalog file, read anew at this start
+            self.catalog_event(catalogs.started, catalogs.current_info.source)
 
     def wake(self) -> None:
         """Run the next reconcile pass now: something it plans from has changed."""

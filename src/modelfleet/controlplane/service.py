@@ -25,6 +25,8 @@ from modelfleet.controlplane.dashboard import Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.pki import CA_CERT, CertificateAuthority, TlsFiles, client_context
 from modelfleet.serving import Listener, run_service
+from modelfleet.store import Store
+from modelfleet.store.postgres import PostgresStore
 from modelfleet.store.sqlite import SqliteStore
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -73,7 +75,11 @@ def open_catalogs(config: ControlPlaneConfig) -> CatalogKeeper:
 
     Raises CatalogInvalid, StoreError or OSError when there is no catalog to start from.
     """
-    store = SqliteStore(config.state_dir / STORE_FILE)
+    store: Store
+    if config.store is not None:
+        store = PostgresStore(config.store)
+    else:
+        store = SqliteStore(config.state_dir / STORE_FILE)
     keeper = CatalogKeeper(store, config.catalog)
     keeper.start(SYSTEM_CLOCK.time())
     return keeper

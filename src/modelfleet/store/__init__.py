@@ -1,15 +1,25 @@
 """The control plane's store of desired state: applied catalogs, the last rejected one, node marks,
 client API keys, join tokens and node credentials, and the events of what happened.
 
-`Store` is the seam; `SqliteStore` (in `store/sqlite.py`) is the one implementation, a file in
-the control plane's state dir. Actual state (what runs where) is never stored here: it is learned
-from agents' reports.
+`Store` is the seam, with two implementations that one test suite holds to it:
+`SqliteStore` (`store/sqlite.py`), a file in the control plane's state dir, the embedded
+default; and `PostgresStore` (`store/postgres.py`), a PostgreSQL database, which outlives any
+one machine and can be shared by several control planes. Actual state (what runs where) is
+never stored here: it is learned from agents' reports.
+
+Each keeps a schema version (SCHEMA_VERSION) and brings an older schema up to it at open; a
+store whose schema is newer than this modelfleet knows is refused (`check_schema`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+# The schema this modelfleet writes. One more with every change to the tables; each
+# implementation has one migration per version.
+SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,45 @@ class StoredEvent:
 class StoreError(RuntimeError):
     """The store could not be opened or written; the message names the file and the cause.
     A write that fails changes nothing."""
+
+
+def check_schema(found: int, where: str) -> None:
+    """Refuse a store whose schema is newer than this modelfleet knows (a newer control plane
+    has written it): reading it could misread, writing it could break the newer one."""
+    if found > SCHEMA_VERSION:
+        raise StoreError(
+            f"the store {where} has schema version {found}, newer than this modelfleet knows "
+            f"(up to {SCHEMA_VERSION}): run the newer modelfleet, or a store of its own"
+        )
+
+
+class WriteHealth:
+    """Whether the store's writes work: the failures in a row, since when, and the last
+    error, for `Store.write_problem`."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self._failed = 0
+        self._since = 0.0
+        self._error = ""
+
+    def wrote(self, error: Exception | None) -> None:
+        if error is None:
+            self._failed = 0
+            return
+        if not self._failed:
+            self._since = time.time()
+        self._failed += 1
+        self._error = str(error).strip()
+
+    def problem(self) -> str | None:
+        if not self._failed:
+            return None
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._since))
+        return (
+            f"the store {self.where} cannot write: {self._error} "
+            f"({self._failed} write(s) failed since {since}; retried, nothing lost)"
+        )
 
 
 class Store(Protocol):

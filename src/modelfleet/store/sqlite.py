@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
 from modelfleet.files import PRIVATE, private_dir
 from modelfleet.store import (
+    SCHEMA_VERSION,
     Rejection,
     StoredCatalog,
     StoredCredential,
@@ -20,6 +20,8 @@ from modelfleet.store import (
     StoredMark,
     StoredUsage,
     StoreError,
+    WriteHealth,
+    check_schema,
 )
 
 __all__ = ["SqliteStore", "StoreError"]
@@ -125,31 +127,34 @@ class SqliteStore:
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(_SCHEMA)
+            self._migrate()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
-        # The writes that failed in a row, the first one's wall-clock time, the last's error.
-        self._failed_writes = 0
-        self._failing_since = 0.0
-        self._failure = ""
+        self.health = WriteHealth(self.path)
+
+    def _migrate(self) -> None:
+        """Bring the schema to SCHEMA_VERSION, under SQLite's write lock (BEGIN IMMEDIATE):
+        version 1 is the tables as they were before versions were kept, which created them
+        if missing, so a store made then is version 0 and takes version 1 as it is."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            found = self._db.execute("PRAGMA user_version").fetchone()[0]
+            check_schema(found, self.path)
+            if found < 1:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
 
     def write_problem(self) -> str | None:
-        if not self._failed_writes:
-            return None
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._failing_since))
-        return (
-            f"the store {self.path} cannot write: {self._failure} "
-            f"({self._failed_writes} write(s) failed since {since}; retried, nothing lost)"
-        )
+        return self.health.problem()
 
     def _wrote(self, error: sqlite3.Error | None) -> None:
-        if error is None:
-            self._failed_writes = 0
-            return
-        if not self._failed_writes:
-            self._failing_since = time.time()
-        self._failed_writes += 1
-        self._failure = str(error)
+        self.health.wrote(error)
 
     def add_catalog(self, digest: str, applied_at: float, source: str, body: dict[str, Any]) -> int:
         with self._write():

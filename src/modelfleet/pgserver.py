@@ -1,0 +1,130 @@
+"""A PostgreSQL server of modelfleet's own, in a folder: Debian's PostgreSQL (`initdb`,
+`pg_ctl`), listening on 127.0.0.1 only, with a database and a password of its own. The tests
+start one for the PostgreSQL store; `up --store postgres` will run one in its state dir.
+
+PostgreSQL refuses to run as root: run as root, the server runs as the `postgres` user
+(`runuser`), and its folder is handed to that user, which must be able to reach it (a folder
+under a private one, such as pytest's temporary folders, it cannot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from modelfleet.processes import free_port
+
+DATABASE = "modelfleet"
+USER = "modelfleet"
+RUN_AS = "postgres"  # the user the server runs as when we are root
+
+
+class PgServerError(RuntimeError):
+    """No PostgreSQL server could be made or started here; says why and what to install."""
+
+
+def bin_dir() -> Path:
+    """Where Debian's PostgreSQL programs are (the newest version installed)."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if found:
+        return found[-1].parent
+    on_path = shutil.which("initdb")
+    if on_path:
+        return Path(on_path).parent
+    raise PgServerError(
+        "PostgreSQL's initdb is not installed: apt-get install postgresql (Debian's), or "
+        "give the control plane a store of your own (store: postgresql://...)"
+    )
+
+
+@dataclass
+class PgServer:
+    """A server whose data lives in `folder`; `start` makes it on first use."""
+
+    folder: Path
+    port: int = 0
+
+    @property
+    def data(self) -> Path:
+        return self.folder / "data"
+
+    @property
+    def password_file(self) -> Path:
+        return self.folder / "password"
+
+    def conninfo(self) -> str:
+        password = self.password_file.read_text().strip()
+        return f"postgresql://{USER}:{password}@127.0.0.1:{self.port}/{DATABASE}"
+
+    def _run(self, *argv: str, what: str) -> str:
+        command = list(argv)
+        if os.geteuid() == 0:
+            command = ["runuser", "-u", RUN_AS, "--", *command]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        if done.returncode != 0:
+            raise PgServerError(f"{what} failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+        return done.stdout
+
+    def start(self) -> str:
+        """Make the server if its folder has none, start it, and return its conninfo."""
+        bins = bin_dir()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            shutil.chown(self.folder, RUN_AS, RUN_AS)
+        fresh = not (self.data / "PG_VERSION").exists()
+        if fresh:
+            password = secrets.token_urlsafe(24)
+            pwfile = self.folder / "initdb-password"
+            pwfile.write_text(password + "\n")
+            if os.geteuid() == 0:
+                shutil.chown(pwfile, RUN_AS, RUN_AS)
+            os.chmod(pwfile, 0o600)
+            try:
+                self._run(
+                    str(bins / "initdb"), "-D", str(self.data), "-U", USER, "--pwfile",
+                    str(pwfile), "-A", "scram-sha-256", "-E", "UTF8", "--no-instructions",
+                    what="initdb",
+                )  # fmt: skip
+            finally:
+                pwfile.unlink(missing_ok=True)
+            self.password_file.write_text(password + "\n")
+            os.chmod(self.password_file, 0o600)
+        self.port = self.port or free_port("127.0.0.1")
+        options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.data}"
+        self._run(
+            str(bins / "pg_ctl"), "-D", str(self.data), "-l", str(self.data / "server.log"),
+            "-o", options, "-w", "-t", "60", "start",
+            what="pg_ctl start",
+        )  # fmt: skip
+        if fresh:
+            self._createdb(bins)
+        return self.conninfo()
+
+    def _createdb(self, bins: Path) -> None:
+        env = {**os.environ, "PGPASSWORD": self.password_file.read_text().strip()}
+        deadline = time.monotonic() + 30
+        while True:
+            done = subprocess.run(
+                [str(bins / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", USER,
+                 DATABASE],
+                capture_output=True, text=True, timeout=60, env=env, check=False,
+            )  # fmt: skip
+            if done.returncode == 0 or "already exists" in done.stderr:
+                return
+            if time.monotonic() > deadline:
+                raise PgServerError(f"createdb failed: {done.stderr.strip()[-800:]}")
+            time.sleep(0.2)
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server (`mode`: smart, fast or immediate, as pg_ctl says)."""
+        with contextlib.suppress(PgServerError, FileNotFoundError):
+            self._run(
+                str(bin_dir() / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop",
+                what="pg_ctl stop",
+            )  # fmt: skip

@@ -1,0 +1,280 @@
+"""The store's contract, held by both implementations: SQLite in a file, and PostgreSQL on a
+real server (Debian's PostgreSQL, started here with initdb/pg_ctl in a temporary folder;
+each test gets a database of its own). Every test runs against both."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from modelfleet.pgserver import PgServer
+from modelfleet.store import (
+    SCHEMA_VERSION,
+    Rejection,
+    Store,
+    StoredCredential,
+    StoredEvent,
+    StoredJoinToken,
+    StoredKey,
+    StoredMark,
+    StoredUsage,
+    StoreError,
+)
+from modelfleet.store.postgres import PostgresStore
+from modelfleet.store.sqlite import SqliteStore
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PgServer]:
+    # Not under pytest's temporary folders: run as root, the server runs as `postgres`,
+    # which cannot reach into those (they are private to root).
+    folder = Path(tempfile.mkdtemp(prefix="modelfleet-pg-"))
+    server = PgServer(folder)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop("immediate")
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_databases = iter(range(1, 1_000_000))
+
+
+def fresh_database(pg: PgServer) -> str:
+    """A new, empty database on `pg`: its conninfo."""
+    name = f"t{next(_databases)}"
+    with psycopg.connect(pg.conninfo(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return pg.conninfo().rsplit("/", 1)[0] + f"/{name}"
+
+
+class Opened:
+    """How a test opens (and opens again) the store it is given."""
+
+    def __init__(self, kind: str, where: str) -> None:
+        self.kind = kind
+        self.where = where
+
+    def open(self) -> Store:
+        if self.kind == "sqlite":
+            return SqliteStore(self.where)
+        return PostgresStore(self.where)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def opened(request: pytest.FixtureRequest, tmp_path: Path) -> Opened:
+    if request.param == "sqlite":
+        return Opened("sqlite", str(tmp_path / "store.sqlite"))
+    return Opened("postgres", fresh_database(request.getfixturevalue("pg")))
+
+
+@pytest.fixture
+def store(opened: Opened) -> Iterator[Store]:
+    s = opened.open()
+    yield s
+    s.close()
+
+
+def test_catalogs_are_versioned_one_after_another_and_kept(store: Store, opened: Opened) -> None:
+    assert store.latest_catalog() is None and store.catalog_history(5) == []
+    body = {"models": [{"name": "m", "engine": "sim", "replicas": 2}]}
+    assert store.add_catalog("d1", 10.0, "api", body) == 1
+    assert store.add_catalog("d2", 20.0, "/etc/catalog.yaml", {"models": []}) == 2
+    latest = store.latest_catalog()
+    assert latest is not None and (latest.version, latest.digest, latest.source) == (
+        2,
+        "d2",
+        "/etc/catalog.yaml",
+    )
+    assert [c.version for c in store.catalog_history(5)] == [2, 1]
+    assert store.catalog_history(1)[0].body == {"models": []}
+    assert store.catalog_history(5)[1].body == body
+    assert store.last_rejection() is None
+    store.set_rejection(Rejection(30.0, "api", ("models[0].engine: unknown", "second")))
+    assert store.last_rejection() == Rejection(30.0, "api", ("models[0].engine: unknown", "second"))
+    store.close()
+    again = opened.open()  # what was written is there after a new open
+    assert [c.digest for c in again.catalog_history(5)] == ["d2", "d1"]
+    again.close()
+
+
+def test_marks_and_meta_replace_and_clear(store: Store) -> None:
+    store.set_mark(StoredMark("b", "cordoned", 1.0, None))
+    store.set_mark(StoredMark("a", "draining", 2.0, 302.0))
+    store.set_mark(StoredMark("b", "draining", 3.0, None))  # replaces b's
+    assert store.marks() == [
+        StoredMark("a", "draining", 2.0, 302.0),
+        StoredMark("b", "draining", 3.0, None),
+    ]
+    store.clear_mark("a")
+    store.clear_mark("nobody")
+    assert [m.node for m in store.marks()] == ["b"]
+    assert store.get_meta("epoch") is None
+    store.set_meta("epoch", "1")
+    store.set_meta("epoch", "2")
+    assert store.get_meta("epoch") == "2"
+
+
+def test_keys_tokens_and_credentials(store: Store) -> None:
+    key = StoredKey("team-a", "a" * 64, "sk-abc", ("m1", "m2"), 60, None, 4, 1.0, None)
+    store.put_key(key)
+    store.put_key(StoredKey("all", "b" * 64, "sk-def", None, None, 1000, None, 2.0, 99.0))
+    assert store.api_keys() == [
+        StoredKey("all", "b" * 64, "sk-def", None, None, 1000, None, 2.0, 99.0),
+        key,
+    ]
+    store.put_key(StoredKey("team-a", "c" * 64, "sk-ghi", (), 1, 2, 3, 1.0, 5.0))  # replaced
+    assert store.api_keys()[1] == StoredKey("team-a", "c" * 64, "sk-ghi", (), 1, 2, 3, 1.0, 5.0)
+    store.delete_key("all")
+    assert [k.name for k in store.api_keys()] == ["team-a"]
+
+    token = StoredJoinToken("t1", "d" * 64, 10.0, 3610.0, 2)
+    store.put_join_token(token)
+    store.put_join_token(StoredJoinToken("t0", "e" * 64, 5.0, None, None))
+    assert [t.id for t in store.join_tokens()] == ["t0", "t1"]  # oldest first
+    used = StoredJoinToken("t1", "d" * 64, 10.0, 3610.0, 1, used=1)
+    store.record_join(used, StoredCredential("gpu-1", "f" * 64, 11.0, "t1"))
+    assert store.join_tokens()[1] == used
+    store.record_join(used, StoredCredential("gpu-1", "0" * 64, 12.0, "t1"))  # a new one
+    assert store.credentials() == [StoredCredential("gpu-1", "0" * 64, 12.0, "t1")]
+    store.delete_credential("gpu-1")
+    store.delete_join_token("t0")
+    assert store.credentials() == [] and [t.id for t in store.join_tokens()] == ["t1"]
+
+
+def event(reason: str, regarding: str, at: float) -> StoredEvent:
+    return StoredEvent(0, "normal", reason, regarding, f"{reason} {regarding}", 1, at, at, "cp")
+
+
+def test_events_are_kept_by_count_and_read_by_object_kind_time_and_id(store: Store) -> None:
+    ids = [
+        store.add_event(event("NodeMarked", "node/a", 10.0), keep=4),
+        store.add_event(event("NodeMarked", "node/b", 20.0), keep=4),
+        store.add_event(event("ReplicaPlaced", "replica/m-1", 30.0), keep=4),
+        store.add_event(event("NodeMarked", "node/ab", 40.0), keep=4),
+    ]
+    assert ids == sorted(ids) and len(set(ids)) == 4
+    store.repeat_event(ids[0], 3, 50.0)
+    [first] = store.events("node/a")
+    assert (first.count, first.first_at, first.last_at) == (3, 10.0, 50.0)
+    assert [e.regarding for e in store.events("node")] == ["node/a", "node/b", "node/ab"]
+    assert [e.regarding for e in store.events("replica")] == ["replica/m-1"]
+    assert [e.id for e in store.events(since=25.0)] == [ids[0], ids[2], ids[3]]
+    assert [e.id for e in store.events(after=ids[1])] == ids[2:]
+    assert [e.id for e in store.events(limit=2)] == ids[2:]  # the newest, oldest first
+    store.add_event(event("NodeMarked", "node/c", 60.0), keep=4)  # the oldest goes
+    assert [e.regarding for e in store.events()] == ["node/b", "replica/m-1", "node/ab", "node/c"]
+
+
+def test_usage_is_added_once_per_batch_and_summed(store: Store) -> None:
+    hour = 3600 * 100
+    rows = [StoredUsage("k", "m", hour, 2, 10, 20, 0, hour + 5.0)]
+    assert store.add_usage("run-1", 1, rows, now=hour + 10.0)
+    assert not store.add_usage("run-1", 1, rows, now=hour + 11.0)  # sent again: once
+    more = [
+        StoredUsage("k", "m", hour, 1, 1, 2, 1, hour + 9.0),
+        StoredUsage("k", "other", hour + 3600, 5, 5, 5, 0, hour + 3700.0),
+        StoredUsage("j", "m", hour, 1, 1, 1, 0, hour + 1.0),
+    ]
+    assert store.add_usage("run-2", 1, more, now=hour + 20.0)
+    assert store.usage(key="k", model="m") == [
+        StoredUsage("k", "m", hour, 3, 11, 22, 1, hour + 9.0)
+    ]
+    assert [(u.key, u.model) for u in store.usage()] == [("j", "m"), ("k", "m"), ("k", "other")]
+    assert [u.model for u in store.usage(since=hour + 1)] == ["other"]
+    assert store.usage_totals() == {"k": (8, 43, hour + 3700.0), "j": (1, 2, hour + 1.0)}
+
+
+def test_a_schema_newer_than_this_modelfleet_is_refused_naming_both(opened: Opened) -> None:
+    opened.open().close()
+    if opened.kind == "sqlite":
+        with sqlite3.connect(opened.where) as db:
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    else:
+        with psycopg.connect(opened.where, autocommit=True) as conn:
+            conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION + 1,))
+    with pytest.raises(StoreError) as refused:
+        opened.open()
+    said = str(refused.value)
+    assert f"schema version {SCHEMA_VERSION + 1}" in said
+    assert f"up to {SCHEMA_VERSION}" in said
+
+
+def test_control_planes_opening_a_new_postgres_store_together_migrate_it_once(
+    pg: PgServer,
+) -> None:
+    where = fresh_database(pg)
+    opened: list[Store] = []
+    failed: list[BaseException] = []
+
+    def open_one() -> None:
+        try:
+            opened.append(PostgresStore(where))
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert failed == [] and len(opened) == 4
+    with psycopg.connect(where) as conn:
+        versions = conn.execute("SELECT version FROM schema_version ORDER BY version").fetchall()
+    assert versions == [(v,) for v in range(1, SCHEMA_VERSION + 1)]
+    for s in opened:
+        s.close()
+
+
+def test_a_postgres_store_whose_server_stops_refuses_writes_then_recovers(pg: PgServer) -> None:
+    """A write while the server is down changes nothing and says so (without the password);
+    once it is back the pool connects anew and writing works, the problem cleared."""
+    store = PostgresStore(fresh_database(pg), timeout=2)
+    store.set_meta("before", "1")
+    pg.stop("immediate")
+    try:
+        with pytest.raises(StoreError) as refused:
+            store.set_meta("during", "1")
+        said = str(refused.value)
+        assert "cannot write the store postgresql://modelfleet:***@127.0.0.1" in said, said
+        assert pg.password_file.read_text().strip() not in said
+        problem = store.write_problem()
+        assert problem is not None and "1 write(s) failed" in problem
+    finally:
+        pg.start()
+    store.set_meta("after", "1")
+    assert store.write_problem() is None
+    assert (store.get_meta("before"), store.get_meta("during"), store.get_meta("after")) == (
+        "1",
+        None,
+        "1",
+    )
+    store.close()
+
+
+def test_a_fleet_keeps_its_desired_state_in_postgres(pg: PgServer, tmp_path: Path) -> None:
+    """A control plane given `store: postgresql://...` keeps its catalogs, marks and events
+    there, not in its state dir: a new control plane on another state dir finds them."""
+    from .conftest import Operator, fleet_of, wait_for
+
+    where = fresh_database(pg)
+    model = {"name": "m", "engine": "sim"}
+    with fleet_of(tmp_path, [model], control_plane={"store": where}) as fleet:
+        op = Operator(fleet, tmp_path)
+        wait_for("m serving", lambda: op.serves("m"))
+        op.ctl("cordon", "node-2")
+        assert not list((tmp_path / "state").rglob("store.sqlite"))
+    with psycopg.connect(where) as conn:
+        catalogs = conn.execute("SELECT version, source FROM catalogs").fetchall()
+        marks = conn.execute("SELECT node, mark FROM node_marks").fetchall()
+        reasons = {r for (r,) in conn.execute("SELECT reason FROM events").fetchall()}
+    assert len(catalogs) == 1 and marks == [("node-2", "cordoned")]
+    assert {"ControlPlaneStarted", "CatalogApplied", "NodeMarked", "ShardReady"} <= reasons
