@@ -30,6 +30,8 @@ from modelfleet.store import (
 from modelfleet.store.postgres import PostgresStore
 from modelfleet.store.sqlite import SqliteStore
 
+from .conftest import wait_for
+
 
 @pytest.fixture(scope="module")
 def pg() -> Iterator[PgServer]:
@@ -236,7 +238,8 @@ def test_control_planes_opening_a_new_postgres_store_together_migrate_it_once(
 
 def test_a_postgres_store_whose_server_stops_refuses_writes_then_recovers(pg: PgServer) -> None:
     """A write while the server is down changes nothing and says so (without the password);
-    once it is back the pool connects anew and writing works, the problem cleared."""
+    once it is back the pool connects anew (after its reconnect backoff) and writing works,
+    the problem cleared."""
     store = PostgresStore(fresh_database(pg), timeout=2)
     store.set_meta("before", "1")
     pg.stop("immediate")
@@ -250,7 +253,15 @@ def test_a_postgres_store_whose_server_stops_refuses_writes_then_recovers(pg: Pg
         assert problem is not None and "1 write(s) failed" in problem
     finally:
         pg.start()
-    store.set_meta("after", "1")
+
+    def written() -> bool:
+        try:
+            store.set_meta("after", "1")
+        except StoreError:
+            return False  # the pool's reconnect is still backing off
+        return True
+
+    wait_for("a write to go through once the server is back", written, timeout=30)
     assert store.write_problem() is None
     assert (store.get_meta("before"), store.get_meta("during"), store.get_meta("after")) == (
         "1",
@@ -263,7 +274,7 @@ def test_a_postgres_store_whose_server_stops_refuses_writes_then_recovers(pg: Pg
 def test_a_fleet_keeps_its_desired_state_in_postgres(pg: PgServer, tmp_path: Path) -> None:
     """A control plane given `store: postgresql://...` keeps its catalogs, marks and events
     there, not in its state dir: a new control plane on another state dir finds them."""
-    from .conftest import Operator, fleet_of, wait_for
+    from .conftest import Operator, fleet_of
 
     where = fresh_database(pg)
     model = {"name": "m", "engine": "sim"}
@@ -278,3 +289,55 @@ def test_a_fleet_keeps_its_desired_state_in_postgres(pg: PgServer, tmp_path: Pat
         reasons = {r for (r,) in conn.execute("SELECT reason FROM events").fetchall()}
     assert len(catalogs) == 1 and marks == [("node-2", "cordoned")]
     assert {"ControlPlaneStarted", "CatalogApplied", "NodeMarked", "ShardReady"} <= reasons
+
+
+def test_the_lease_is_taken_renewed_run_out_and_fences_the_holder_before(
+    store: Store, opened: Opened
+) -> None:
+    """By the store's own clock: taken when free, renewed by its holder, left to its holder
+    while it runs; once it ran out another takes it under the next epoch, and every write
+    of the one before, fenced to its epoch, is refused."""
+    from modelfleet.store import Fenced
+
+    a = store.take_lease("cp-a", 0.5)
+    assert (a.holder, a.epoch) == ("cp-a", 1) and 0.3 < a.remaining_s <= 0.5
+    other = opened.open()  # a second control plane on the same store
+    try:
+        assert other.take_lease("cp-b", 0.5).holder == "cp-a"  # held: left as it is
+        renewed = store.take_lease("cp-a", 0.5)
+        assert (renewed.holder, renewed.epoch) == ("cp-a", 1)
+        store.fence(1)
+        store.set_meta("written-by", "cp-a")
+        wait_for("the lease to run out", lambda: other.lease().remaining_s <= 0, timeout=5)
+        b = other.take_lease("cp-b", 5.0)
+        assert (b.holder, b.epoch) == ("cp-b", 2)
+        other.fence(2)
+        with pytest.raises(Fenced) as refused:
+            store.set_meta("written-by", "cp-a, late")
+        assert "epoch 1" in str(refused.value) and "epoch 2, held by cp-b" in str(refused.value)
+        other.set_meta("written-by", "cp-b")
+        assert store.get_meta("written-by") == "cp-b"
+        store.release_lease("cp-a")  # not its holder: nothing happens
+        assert other.lease().holder == "cp-b" and other.lease().remaining_s > 1
+        other.release_lease("cp-b")  # an orderly stop: the next may take it at once
+        c = store.take_lease("cp-a", 5.0)
+        assert (c.holder, c.epoch) == ("cp-a", 3)
+    finally:
+        other.close()
+
+
+def test_a_store_of_schema_1_takes_the_lease_table_at_open(opened: Opened) -> None:
+    opened.open().close()
+    if opened.kind == "sqlite":
+        with sqlite3.connect(opened.where) as db:
+            db.execute("DROP TABLE lease")
+            db.execute("PRAGMA user_version = 1")
+    else:
+        with psycopg.connect(opened.where, autocommit=True) as conn:
+            conn.execute("DROP TABLE lease")
+            conn.execute("DELETE FROM schema_version WHERE version = 2")
+    store = opened.open()
+    try:
+        assert store.lease().holder == "" and store.take_lease("cp", 1.0).epoch == 1
+    finally:
+        store.close()

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 # The schema this modelfleet writes. One more with every change to the tables; each
 # implementation has one migration per version.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -119,9 +119,26 @@ class StoredEvent:
     source: str  # the process that saw it: control-plane
 
 
+@dataclass(frozen=True)
+class Lease:
+    """The control planes' lease: who leads, under which epoch, for how much longer.
+
+    Times are the store's own (the database server's clock), never a control plane's: two
+    hosts' clocks need not agree for one to take the lease only once the other's ran out."""
+
+    holder: str  # "" when nobody has held it yet
+    epoch: int  # one more at every change of holder: the fencing token
+    remaining_s: float  # until it runs out, by the store's clock; <= 0: it has run out
+
+
 class StoreError(RuntimeError):
     """The store could not be opened or written; the message names the file and the cause.
     A write that fails changes nothing."""
+
+
+class Fenced(StoreError):
+    """A write refused because this control plane's lease epoch is no longer the store's:
+    another took the lease, and this one must stop acting."""
 
 
 def check_schema(found: int, where: str) -> None:
@@ -132,6 +149,13 @@ def check_schema(found: int, where: str) -> None:
             f"the store {where} has schema version {found}, newer than this modelfleet knows "
             f"(up to {SCHEMA_VERSION}): run the newer modelfleet, or a store of its own"
         )
+
+
+def fenced_message(mine: int, current: int, holder: str) -> str:
+    return (
+        f"write refused: this control plane leads under epoch {mine}, but the store's lease "
+        f"is at epoch {current}, held by {holder or 'nobody'}; it has stopped leading"
+    )
 
 
 class WriteHealth:
@@ -258,6 +282,23 @@ class Store(Protocol):
 
     def usage_totals(self) -> dict[str, tuple[int, int, float]]:
         """Every key's usage so far: key -> (requests, tokens, when it was last used)."""
+        ...
+
+    def take_lease(self, holder: str, ttl_s: float) -> Lease:
+        """Take the lease for `holder` when nobody holds it or it has run out (the epoch one
+        more when the holder changes), or renew it when `holder` holds it, for `ttl_s` by the
+        store's clock; otherwise leave it. Returns the lease as it is now."""
+        ...
+
+    def release_lease(self, holder: str) -> None:
+        """Let the lease run out now, if `holder` holds it (an orderly stop)."""
+        ...
+
+    def lease(self) -> Lease: ...
+
+    def fence(self, epoch: int | None) -> None:
+        """From now on every write checks, in its own transaction, that the lease's epoch is
+        still `epoch` (None: no check), and is refused with Fenced when it is not."""
         ...
 
     def close(self) -> None: ...

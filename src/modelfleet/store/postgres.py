@@ -23,6 +23,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from modelfleet.store import (
     SCHEMA_VERSION,
+    Fenced,
+    Lease,
     Rejection,
     StoredCatalog,
     StoredCredential,
@@ -34,6 +36,7 @@ from modelfleet.store import (
     StoreError,
     WriteHealth,
     check_schema,
+    fenced_message,
 )
 
 __all__ = ["PostgresStore"]
@@ -118,7 +121,18 @@ CREATE TABLE meta (
     value TEXT NOT NULL
 );
 """,
+    2: """
+CREATE TABLE lease (
+    id         INTEGER PRIMARY KEY CHECK (id = 1),
+    holder     TEXT NOT NULL,
+    epoch      BIGINT NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL
+);
+INSERT INTO lease (id, holder, epoch, expires_at) VALUES (1, '', 0, 0);
+""",
 }
+# The store's clock: the database server's, in seconds since the epoch.
+_NOW = "extract(epoch from clock_timestamp())::double precision"
 
 
 def redacted(conninfo: str) -> str:
@@ -138,6 +152,7 @@ class PostgresStore:
     def __init__(self, conninfo: str, pool_size: int = 4, timeout: float = 10.0) -> None:
         self.where = redacted(conninfo)
         self.health = WriteHealth(self.where)
+        self.fenced_epoch: int | None = None  # see `fence`
         try:
             self._pool = ConnectionPool(
                 conninfo,
@@ -167,10 +182,21 @@ class PostgresStore:
     # -- the seam ---------------------------------------------------------------------------
 
     @contextmanager
-    def _write(self) -> Iterator[psycopg.Connection[Any]]:
-        """One transaction that writes; any failure is a StoreError and changed nothing."""
+    def _write(self, fenced: bool = True) -> Iterator[psycopg.Connection[Any]]:
+        """One transaction that writes; any failure is a StoreError and changed nothing.
+        Fenced (`fence`), it first checks the lease's epoch, holding the lease row shared
+        until it commits: a new leader's take waits for it, and every write after the take
+        is refused."""
+        epoch = self.fenced_epoch if fenced else None
         try:
             with self._pool.connection() as conn, conn.transaction():
+                if epoch is not None:
+                    row = conn.execute(
+                        "SELECT holder, epoch FROM lease WHERE id = 1 FOR SHARE"
+                    ).fetchone()
+                    assert row is not None
+                    if int(row[1]) != epoch:
+                        raise Fenced(fenced_message(epoch, int(row[1]), row[0]))
                 yield conn
         except (psycopg.Error, PoolTimeout) as exc:
             self.health.wrote(exc)
@@ -189,6 +215,38 @@ class PostgresStore:
 
     def close(self) -> None:
         self._pool.close()
+
+    # -- the lease -------------------------------------------------------------------------
+
+    def take_lease(self, holder: str, ttl_s: float) -> Lease:
+        with self._write(fenced=False) as conn:
+            row = conn.execute(
+                f"SELECT holder, epoch, expires_at, {_NOW} FROM lease WHERE id = 1 FOR UPDATE"
+            ).fetchone()
+            assert row is not None
+            held, epoch, expires_at, now = row[0], int(row[1]), row[2], row[3]
+            if held == holder or expires_at <= now:
+                epoch = epoch if held == holder else epoch + 1
+                held, expires_at = holder, now + ttl_s
+                conn.execute(
+                    "UPDATE lease SET holder = %s, epoch = %s, expires_at = %s WHERE id = 1",
+                    (held, epoch, expires_at),
+                )
+        return Lease(held, epoch, expires_at - now)
+
+    def release_lease(self, holder: str) -> None:
+        with self._write(fenced=False) as conn:
+            conn.execute(
+                f"UPDATE lease SET expires_at = {_NOW} WHERE id = 1 AND holder = %s", (holder,)
+            )
+
+    def lease(self) -> Lease:
+        rows = self._read(f"SELECT holder, epoch, expires_at, {_NOW} FROM lease WHERE id = 1")
+        held, epoch, expires_at, now = rows[0]
+        return Lease(held, int(epoch), expires_at - now)
+
+    def fence(self, epoch: int | None) -> None:
+        self.fenced_epoch = epoch
 
     # -- catalogs, marks, meta --------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from typing import Any
 from modelfleet.files import PRIVATE, private_dir
 from modelfleet.store import (
     SCHEMA_VERSION,
+    Fenced,
+    Lease,
     Rejection,
     StoredCatalog,
     StoredCredential,
@@ -22,6 +24,7 @@ from modelfleet.store import (
     StoreError,
     WriteHealth,
     check_schema,
+    fenced_message,
 )
 
 __all__ = ["SqliteStore", "StoreError"]
@@ -103,6 +106,19 @@ CREATE TABLE IF NOT EXISTS meta (
 );
 """
 
+# Version 2: the control planes' lease (one row).
+_LEASE = """
+CREATE TABLE IF NOT EXISTS lease (
+    id         INTEGER PRIMARY KEY CHECK (id = 1),
+    holder     TEXT NOT NULL,
+    epoch      INTEGER NOT NULL,
+    expires_at REAL NOT NULL
+);
+INSERT OR IGNORE INTO lease (id, holder, epoch, expires_at) VALUES (1, '', 0, 0);
+"""
+# The store's clock, in seconds since the epoch: SQLite's own (the host's, since it runs here).
+_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
 
 def _make_private(path: Path) -> None:
     """Make the store's file readable by its owner alone before SQLite opens it: SQLite makes
@@ -131,6 +147,7 @@ class SqliteStore:
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
         self.health = WriteHealth(self.path)
+        self.fenced_epoch: int | None = None  # see `fence`
 
     def _migrate(self) -> None:
         """Bring the schema to SCHEMA_VERSION, under SQLite's write lock (BEGIN IMMEDIATE):
@@ -140,10 +157,11 @@ class SqliteStore:
         try:
             found = self._db.execute("PRAGMA user_version").fetchone()[0]
             check_schema(found, self.path)
-            if found < 1:
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        self._db.execute(statement)
+            for version, script in ((1, _SCHEMA), (2, _LEASE)):
+                if found < version:
+                    for statement in script.split(";"):
+                        if statement.strip():
+                            self._db.execute(statement)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._db.execute("COMMIT")
         except BaseException:
@@ -358,20 +376,51 @@ class SqliteStore:
                 (key, value),
             )
 
+    def take_lease(self, holder: str, ttl_s: float) -> Lease:
+        with self._write(fenced=False):
+            held, epoch, expires_at, now = self._db.execute(
+                f"SELECT holder, epoch, expires_at, {_NOW} FROM lease WHERE id = 1"
+            ).fetchone()
+            if held == holder or expires_at <= now:
+                epoch = epoch if held == holder else epoch + 1
+                held, expires_at = holder, now + ttl_s
+                self._db.execute(
+                    "UPDATE lease SET holder = ?, epoch = ?, expires_at = ? WHERE id = 1",
+                    (held, epoch, expires_at),
+                )
+        return Lease(held, int(epoch), expires_at - now)
+
+    def release_lease(self, holder: str) -> None:
+        with self._write(fenced=False):
+            self._db.execute(
+                f"UPDATE lease SET expires_at = {_NOW} WHERE id = 1 AND holder = ?", (holder,)
+            )
+
+    def lease(self) -> Lease:
+        held, epoch, expires_at, now = self._db.execute(
+            f"SELECT holder, epoch, expires_at, {_NOW} FROM lease WHERE id = 1"
+        ).fetchone()
+        return Lease(held, int(epoch), expires_at - now)
+
+    def fence(self, epoch: int | None) -> None:
+        self.fenced_epoch = epoch
+
     def close(self) -> None:
         self._db.close()
 
-    def _write(self) -> _Transaction:
-        return _Transaction(self)
+    def _write(self, fenced: bool = True) -> _Transaction:
+        return _Transaction(self, self.fenced_epoch if fenced else None)
 
 
 class _Transaction:
     """BEGIN IMMEDIATE ... COMMIT, rolled back on an error, which becomes a StoreError. A
-    COMMIT that fails (the disk is full) is rolled back too: the write changed nothing."""
+    COMMIT that fails (the disk is full) is rolled back too: the write changed nothing. With
+    an `epoch`, the lease's is checked first, under the same write lock (Fenced)."""
 
-    def __init__(self, store: SqliteStore) -> None:
+    def __init__(self, store: SqliteStore, epoch: int | None) -> None:
         self._store = store
         self._db = store._db
+        self._epoch = epoch
 
     def __enter__(self) -> None:
         try:
@@ -379,6 +428,13 @@ class _Transaction:
         except sqlite3.Error as exc:
             self._store._wrote(exc)
             raise StoreError(f"cannot write the store {self._store.path}: {exc}") from exc
+        if self._epoch is not None:
+            held, epoch = self._db.execute(
+                "SELECT holder, epoch FROM lease WHERE id = 1"
+            ).fetchone()
+            if epoch != self._epoch:
+                self._db.execute("ROLLBACK")
+                raise Fenced(fenced_message(self._epoch, epoch, held))
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, _tb: Any
