@@ -305,6 +305,11 @@ class StatusAnswer(_Answer):
     # Why the store cannot write (a full disk, a read-only file), or "": changes are refused
     # with 503 and collected usage waits at the routers until it can again.
     store_problem: str = ""
+    # The store (its place, never its password), and the lease of the control planes on it.
+    store: str = ""
+    leading: bool = True  # this control plane leads (a follower plans nothing)
+    leader: str = ""  # who holds the lease, as last seen
+    lease_epoch: int = 0
 
 
 # -- routing -------------------------------------------------------------------------------

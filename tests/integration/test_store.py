@@ -30,7 +30,7 @@ from modelfleet.store import (
 from modelfleet.store.postgres import PostgresStore
 from modelfleet.store.sqlite import SqliteStore
 
-from .conftest import wait_for
+from .conftest import Procs, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -341,3 +341,70 @@ def test_a_store_of_schema_1_takes_the_lease_table_at_open(opened: Opened) -> No
         assert store.lease().holder == "" and store.take_lease("cp", 1.0).epoch == 1
     finally:
         store.close()
+
+
+def test_two_control_planes_on_one_store_one_leads_and_the_other_takes_over(
+    pg: PgServer, procs: Procs, tmp_path: Path
+) -> None:
+    """A second control plane on the fleet's PostgreSQL store follows: it plans nothing and
+    refuses agents and changes, naming the leader. Killed -9, the leader's lease runs out and
+    the follower takes it under the next epoch, within the TTL and a renewal; the router
+    keeps serving from the table it holds meanwhile (the new leader, having heard from no
+    node, publishes none)."""
+    import os
+    import signal
+    import time
+
+    import httpx
+    import yaml
+
+    from .conftest import Operator, fleet_of, wait_json
+
+    where = fresh_database(pg)
+    cp = {"store": where, "lease_ttl": 1.5}
+    with fleet_of(tmp_path, [{"name": "m", "engine": "sim"}], control_plane=cp) as fleet:
+        op = Operator(fleet, tmp_path)
+        wait_for("m serving", lambda: op.serves("m"))
+        config = tmp_path / "cp-b.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {"state_dir": str(tmp_path / "cp-b"), "agent_port": 0, "admin_port": 0,
+                 "admin_token": fleet.admin_token, "agent_token": fleet.agent_token, **cp}
+            )
+        )  # fmt: skip
+        ready = tmp_path / "cp-b.json"
+        proc = procs.start("control-plane", "--config", str(config), "--ready-file", str(ready),
+                           log="cp-b")  # fmt: skip
+        urls = wait_json(ready, proc)["urls"]
+        b = httpx.Client(
+            base_url=urls["admin"],
+            headers={"authorization": f"Bearer {fleet.admin_token}"},
+            timeout=10,
+        )
+        status = b.get("/v1/status").json()
+        assert not status["leading"] and status["lease_epoch"] == 1
+        assert status["leader"] and status["store"].startswith("postgresql://modelfleet:***@")
+        refused = b.post("/v1/nodes/node-1/mark", json={"mark": "cordoned"})
+        assert refused.status_code == 503 and "this control plane follows" in refused.text
+        report = httpx.post(
+            f"{urls['agent']}/v1/report",
+            headers={"authorization": f"Bearer {fleet.agent_token}"},
+            content=b"{}",
+            timeout=10,
+        )
+        assert report.status_code == 503 and "follows" in report.text
+        assert b.get("/v1/status").json()["reconcile_passes"] == 0
+
+        [leader] = [c for c in fleet.fleet.children if c.role == "control-plane"]
+        os.kill(leader.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        leader.proc.wait()
+        wait_for("the follower leading", lambda: b.get("/v1/status").json()["leading"], 15)
+        took = time.monotonic() - killed
+        print(f"took over {took:.2f}s after the kill (lease TTL 1.5 s)")
+        status = b.get("/v1/status").json()
+        assert status["lease_epoch"] == 2
+        events = b.get("/v1/events", params={"for": "control-plane"}).json()["events"]
+        elected = [e for e in events if e["reason"] == "LeaderElected"]
+        assert elected and "ran out" in elected[-1]["message"], events
+        assert op.serves("m")  # the router serves from the table it holds

@@ -145,8 +145,11 @@ def test_a_drain_that_finished_and_pushes_a_router_missed_are_events() -> None:
 
 def test_a_control_plane_start_and_an_agent_run_anew_are_events() -> None:
     cp = control_plane()  # nodes a and b reported by agent run "b"
-    [started] = cp.store.events("control-plane")
-    assert started.reason == "ControlPlaneStarted" and "routing epoch" in started.message
+    elected, started = cp.store.events("control-plane")
+    assert elected.reason == "LeaderElected"
+    assert elected.message == "leads under epoch 1: the first to lead on this store"
+    assert started.reason == "ControlPlaneStarted"
+    assert started.message.startswith("leading, routing epoch 1, catalog version")
     again = AgentReport(node="a", boot_id="other-run", seq=1, address="127.0.0.1", gpus=[],
                         shards=[])  # fmt: skip
     cp.state.take_report(again, cp.catalogs.current, cp.clock.monotonic())

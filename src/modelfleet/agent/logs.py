@@ -18,6 +18,7 @@ import os
 from collections import deque
 from pathlib import Path
 
+from modelfleet.files import PRIVATE
 from modelfleet.wire import LogAnswer, LogRequest
 
 KEEP_RUNS = 5
@@ -58,7 +59,8 @@ class LogMarks:
         self._size, self._at = size, now
         marks = marks_of(self.path)
         try:
-            with marks.open("a") as f:
+            fd = os.open(marks, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE)
+            with os.fdopen(fd, "a") as f:
                 f.write(f"{now:.3f} {size}\n")
             if marks.stat().st_size > MAX_MARKS_BYTES:
                 _cut(marks, MAX_MARKS_BYTES // 2)

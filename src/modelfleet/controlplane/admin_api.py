@@ -117,6 +117,20 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     async def refused(_: Request, exc: Refused) -> Response:
         return _error(exc.status, exc.answer)
 
+    @app.middleware("http")
+    async def only_the_leader_writes(request: Request, call_next: Any) -> Response:
+        """A change made through a follower would race the leader's: refused, naming it."""
+        signing = request.url.path in ("/ui/login", "/ui/logout")
+        if request.method not in READ_METHODS and not signing and not cp.acting():
+            leader = cp.leadership.leader or "none yet"
+            answer = admin.ErrorAnswer(
+                error=f"this control plane follows (the leader is {leader}); send changes "
+                "to the leader"
+            )
+            return _error(503, answer, {"retry-after": "1"})
+        response: Response = await call_next(request)
+        return response
+
     async def metrics(request: Request) -> Response:
         """The control plane's Prometheus metrics (`controlplane/metrics.py`): the admin token
         or the metrics token. A plain route, out of the API's document: its answer is text."""
@@ -327,7 +341,11 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             replicas=len(state.replicas),
             pending=sum(p.count for p in state.pending),
             frozen=cp.frozen,
-            store_problem=cp.store.write_problem() or "",
+            store_problem=cp.store.write_problem() or cp.leadership.problem,
+            store=cp.store.where,
+            leading=cp.acting(),
+            leader=cp.leadership.leader,
+            lease_epoch=cp.leadership.epoch,
         )
 
     @app.get("/v1/routing", responses=_errors())
@@ -582,6 +600,9 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
 
     app.openapi = document  # type: ignore[method-assign]
     return app
+
+
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -97,6 +97,13 @@ class AgentApi:
             joining = self.joins.get((scope.get("method", ""), scope.get("path", "")))
             await (joining or self.rest)(scope, receive, send)
             return
+        if not self.cp.acting():
+            # Its answer would assign nothing: the agent keeps its engines and asks again.
+            leader = self.cp.leadership.leader or "none yet"
+            await send_json(
+                send, 503, error_json(f"this control plane follows; the leader is {leader}")
+            )
+            return
         holder = self._holder(scope)
         if holder is None:
             self.cp.metrics.refused.labels("credential").inc()

@@ -80,6 +80,9 @@ class ControlPlaneConfig(BaseModel):
     push_interval: float = Field(default=1.0, gt=0)
     # How often each router's usage counts are collected: what a router that dies loses.
     usage_interval: float = Field(default=2.0, gt=0)
+    # Seconds the leader's lease lasts past each renewal (renewed every third of it), by the
+    # store's clock: how long control planes sharing a store wait for a leader that died.
+    lease_ttl: float = Field(default=3.0, gt=0)
     # How often the routers' numbers are read for the dashboard's plots (an hour is kept).
     series_interval: float = Field(default=10.0, gt=0)
     catalog_poll_interval: float = Field(default=0.25, gt=0)

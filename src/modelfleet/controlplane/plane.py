@@ -35,6 +35,7 @@ from modelfleet.controlplane.config import (
 )
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.keys import KeyBook
+from modelfleet.controlplane.leadership import Leadership, holder_name
 from modelfleet.controlplane.logs import LogRelay
 from modelfleet.controlplane.membership import Membership, MembershipRefused
 from modelfleet.controlplane.metrics import ControlPlaneMetrics
@@ -102,15 +103,30 @@ class ControlPlane:
             config.routers, self._http, self.store, config.usage_interval, clock.time
         )
         self.series = RouterSeries(config.routers, self._http, config.series_interval, clock.time)
-        epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
-        self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
         self.metrics = ControlPlaneMetrics()
         self.events = EventLog(self.store, clock.time)
         self._silent: dict[str, set[str]] = {"stale": set(), "lost": set()}
         self._drained: set[str] = set()  # draining nodes told drained
         self.publisher = Publisher(
-            config.routers, self._http, epoch, config.push_interval, self.metrics, self.events
+            config.routers,
+            self._http,
+            0,  # the routing epoch of the term this one leads: set when elected
+            config.push_interval,
+            self.metrics,
+            self.events,
+            acting=self.acting,
         )
+        self.usage.acting = self.acting
+        self.leadership = Leadership(
+            self.store,
+            holder_name(config.state_dir),
+            config.lease_ttl,
+            clock.monotonic,
+            self.events,
+            on_elected=self._elected,
+        )
+        # Took the lease from another control plane, and has heard from no node since.
+        self._took_over = False
         self.watch = AssignmentWatch()
         self.logs = LogRelay(self.watch)
         self._file_error = ""
@@ -133,13 +149,44 @@ class ControlPlane:
         self._load_marks()
         self.retime()
         self.metrics.watch(self)
+        self.leadership.renew()  # leads from the start, unless another control plane does
+        role = (
+            f"leading, routing epoch {self.publisher.epoch}"
+            if self.leadership.leading_epoch is not None
+            else f"following {self.leadership.leader}"
+        )
         self.events.normal(
             "ControlPlaneStarted",
             "control-plane/self",
-            f"routing epoch {epoch}, catalog version {catalogs.current.version}",
+            f"{role}, catalog version {catalogs.current.version}",
         )
         if catalogs.started is not None:  # the catalog file, read anew at this start
             self.catalog_event(catalogs.started, catalogs.current_info.source)
+
+    def acting(self) -> bool:
+        """Whether this control plane leads now: only then does it reconcile, push tables,
+        apply catalogs, collect usage, answer agents and take writes."""
+        return self.leadership.acting()
+
+    def _elected(self, lease_epoch: int) -> None:
+        """A new term begins with this control plane leading: a routing epoch newer than any
+        a router holds, and a settling window (it adopts what agents report before it
+        plans)."""
+        epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
+        self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
+        self.publisher.new_term(epoch)
+        self.started_at = self.clock.monotonic()
+        self._settled = False
+        self._took_over = self.leadership.took_over
+
+    async def lease_loop(self) -> None:
+        """Take or renew the lease every third of its TTL."""
+        while True:
+            await asyncio.sleep(self.leadership.interval)
+            was = self.acting()
+            self.leadership.renew()
+            if self.acting() and not was:
+                self.wake()
 
     def wake(self) -> None:
         """Run the next reconcile pass now: something it plans from has changed."""
@@ -548,12 +595,21 @@ class ControlPlane:
         """
         if self.settling(self.clock.monotonic()):
             return
+        if self._took_over and not self.state.nodes:
+            # It took the lease from another and no node has reported to it yet: a table now
+            # would be empty of every replica; each router keeps serving from the one it holds.
+            return
         catalog = self.catalogs.current
         self.publisher.publish(catalog.version, self.routing.models(catalog), self.keys.routed())
         self.state.mark_unrouted(self.publisher.version)
 
     async def reconcile_loop(self) -> None:
         while True:
+            if not self.acting():  # a follower plans nothing
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval)
+                self._wake.clear()
+                continue
             self._wake.clear()
             began, plans = time.perf_counter(), self.plans
             self.reconcile_once(self.clock.monotonic())
@@ -575,6 +631,8 @@ class ControlPlane:
         """Apply the catalog file whenever its content changes."""
         while True:
             await asyncio.sleep(self.config.catalog_poll_interval)
+            if not self.acting():
+                continue
             refused = self.store.last_rejection()
             try:
                 applied = self.catalogs.check_file(self.clock.time())
@@ -594,5 +652,6 @@ class ControlPlane:
                 self.wake()
 
     async def close(self) -> None:
+        self.leadership.release()
         await self._http.aclose()
         self.catalogs.store.close()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
@@ -41,7 +41,9 @@ class Publisher:
         check_interval: float,
         metrics: ControlPlaneMetrics | None = None,
         events: EventLog | None = None,
+        acting: Callable[[], bool] = lambda: True,
     ) -> None:
+        self.acting = acting  # only a leading control plane pushes or asks
         self.metrics = metrics or ControlPlaneMetrics()
         self.events = events
         self._failing: set[str] = set()  # routers whose last push failed
@@ -58,6 +60,14 @@ class Publisher:
         self._json: dict[int, tuple[RoutedModel, str]] = {}
         self._held: dict[str, tuple[int, int]] = {}  # router url -> (epoch, version) it took
         self._wake = {r.url: asyncio.Event() for r in self.routers}
+
+    def new_term(self, epoch: int) -> None:
+        """This control plane leads anew under routing `epoch`: nothing published in it yet,
+        and what routers were seen to hold is of an older epoch."""
+        self.epoch = epoch
+        self.version = 0
+        self._published = None
+        self._held.clear()
 
     def publish(
         self, catalog_version: int, models: list[RoutedModel], keys: list[RoutedKey]
@@ -112,6 +122,9 @@ class Publisher:
     async def _serve(self, router: RouterTarget) -> None:
         wake = self._wake[router.url]
         while True:
+            if not self.acting():
+                await asyncio.sleep(self.check_interval)
+                continue
             if self._published is not None and not self.current(router):
                 await self._push(router)
             try:

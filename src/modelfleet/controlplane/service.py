@@ -127,6 +127,7 @@ async def serve(
         # The watch is a loop so that stopping the loops answers every held heartbeat before
         # the listeners wait for their requests to finish.
         loops=[
+            cp.lease_loop,
             cp.reconcile_loop,
             cp.publisher.run,
             cp.catalog_loop,

@@ -41,13 +41,15 @@ class UsageCollector:
         self.interval = interval
         self.wall = wall
         self._failure = ""  # the last store failure logged, to log each only once
+        self.acting: Callable[[], bool] = lambda: True  # only a leading control plane collects
         self.stored = 0  # batches stored (a batch sent again is stored once)
 
     async def run(self) -> None:
         """Collect from every router, every interval, until cancelled."""
         while True:
             await asyncio.sleep(self.interval)
-            await self.collect()
+            if self.acting():
+                await self.collect()
 
     async def collect(self) -> None:
         await asyncio.gather(*(self._collect(r) for r in self.routers))

@@ -30,6 +30,12 @@ def print_status(data: admin.StatusAnswer, console: Console) -> None:
         f"{data.nodes} node(s), {data.replicas} replica(s), {data.pending} pending",
         highlight=False,
     )
+    if data.store:
+        role = "leads" if data.leading else f"follows {data.leader or '(no leader yet)'}"
+        console.print(
+            f"store {data.store}; this control plane {role} (lease epoch {data.lease_epoch})",
+            highlight=False,
+        )
     if data.frozen:
         console.print(f"warning: {data.frozen}", highlight=False)
     if data.store_problem:

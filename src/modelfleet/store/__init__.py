@@ -191,6 +191,8 @@ class Store(Protocol):
     """Durable desired state. Every call is a small, synchronous, committed transaction;
     a write that fails raises StoreError and changes nothing."""
 
+    where: str  # the store, for messages: a file, or a database without its password
+
     def write_problem(self) -> str | None:
         """Why the last write failed, while no write has succeeded since (a full disk, a
         file made read-only), with how many failed and since when; None while writes work."""

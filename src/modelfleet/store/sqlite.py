@@ -135,6 +135,7 @@ class SqliteStore:
 
     def __init__(self, path: Path | str) -> None:
         self.path = str(path)
+        self.where = self.path
         if self.path != ":memory:":
             try:
                 _make_private(Path(self.path))

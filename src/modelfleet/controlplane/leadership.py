@@ -1,0 +1,133 @@
+"""Which of the control planes on one store leads: the lease in the store (`Store.take_lease`).
+
+Every control plane tries to take the lease at start and every `ttl / RENEWALS` seconds
+after; the one that holds it leads. Only the leader reconciles, places, starts and stops,
+pushes routing tables, applies catalogs and collects usage; a follower does none of that and
+answers agents and writes with 503, naming the leader.
+
+The lease runs out by the store's clock `ttl` after its last renewal. A leader acts only
+until `ACT_SHARE * ttl` after it *asked* for that renewal (by its own monotonic clock, which
+only has to run at the store's rate, not agree with it): it stops acting before the lease can
+run out and another take it. Its writes are fenced besides (`Store.fence`): one that lands
+after another leader took the lease is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from modelfleet.controlplane.events import EventLog
+from modelfleet.store import Lease, Store, StoreError
+
+log = logging.getLogger("modelfleet.controlplane")
+
+RENEWALS = 3  # per TTL
+ACT_SHARE = 5 / 6  # of the TTL after asking for a renewal, the leader may act
+
+
+def holder_name(state_dir: Path) -> str:
+    """This control plane's name in the lease: its host and state dir. The same after a
+    restart (one process per state dir: its lock), so a restarted leader takes its own lease
+    back at once, under the same epoch."""
+    return f"{socket.gethostname()}:{os.path.abspath(state_dir)}"
+
+
+class Leadership:
+    """The lease as this control plane sees it, and whether it may act now."""
+
+    def __init__(
+        self,
+        store: Store,
+        holder: str,
+        ttl: float,
+        monotonic: Callable[[], float],
+        events: EventLog | None = None,
+        on_elected: Callable[[int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.holder = holder
+        self.ttl = ttl
+        self.monotonic = monotonic
+        self.events = events
+        self.on_elected = on_elected  # called with the epoch of each new term this one leads
+        self.epoch = 0  # of the lease, as last seen
+        self.leader = ""  # who holds it, as last seen
+        self.leading_epoch: int | None = None  # the epoch of the term this one leads, if any
+        self.problem = ""  # why the last renewal failed, while it does
+        self.took_over = False  # the term this one leads began when another's lease ran out
+        self._act_until = -math.inf
+
+    @property
+    def interval(self) -> float:
+        return self.ttl / RENEWALS
+
+    def acting(self) -> bool:
+        """Whether this control plane leads now and may act."""
+        return self.monotonic() < self._act_until
+
+    def renew(self) -> bool:
+        """Take or renew the lease once; returns whether this control plane leads."""
+        asked = self.monotonic()
+        try:
+            before = self.store.lease() if self.leading_epoch is None else None
+            lease = self.store.take_lease(self.holder, self.ttl)
+        except StoreError as exc:
+            if str(exc) != self.problem:
+                log.warning("cannot renew the lease: %s; acting stops when it runs out", exc)
+            self.problem = str(exc)
+            return self.acting()
+        self.problem = ""
+        self.leader, self.epoch = lease.holder, lease.epoch
+        if lease.holder != self.holder:
+            if self.leading_epoch is not None:
+                self.leading_epoch = None
+                self._act_until = -math.inf
+                log.warning("lost the lease to %s (epoch %d): stopped acting", lease.holder,
+                            lease.epoch)  # fmt: skip
+                if self.events is not None:
+                    self.events.warning(
+                        "LeadershipLost",
+                        f"control-plane/{self.holder}",
+                        f"{lease.holder} leads now, epoch {lease.epoch}",
+                    )
+            return False
+        self._act_until = asked + ACT_SHARE * self.ttl
+        if self.leading_epoch != lease.epoch:
+            self.leading_epoch = lease.epoch
+            self.store.fence(lease.epoch)
+            why = _why_taken(before, self.holder)
+            self.took_over = before is not None and before.holder not in ("", self.holder)
+            log.info("leading under epoch %d (%s)", lease.epoch, why)
+            if self.events is not None:
+                self.events.normal(
+                    "LeaderElected",
+                    f"control-plane/{self.holder}",
+                    f"leads under epoch {lease.epoch}: {why}",
+                )
+            if self.on_elected is not None:
+                self.on_elected(lease.epoch)
+        return True
+
+    def release(self) -> None:
+        """Let the lease run out now, if this one holds it (an orderly stop)."""
+        if self.leading_epoch is None:
+            return
+        self._act_until = -math.inf
+        self.leading_epoch = None
+        try:
+            self.store.release_lease(self.holder)
+        except StoreError as exc:
+            log.warning("cannot release the lease (it runs out by itself): %s", exc)
+
+
+def _why_taken(before: Lease | None, holder: str) -> str:
+    if before is None or before.holder == "":
+        return "the first to lead on this store"
+    if before.holder == holder:
+        return "its own lease, taken again after a restart"
+    return f"the lease of {before.holder} ran out"
