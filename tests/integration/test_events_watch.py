@@ -52,7 +52,10 @@ def test_a_watch_shows_new_events_and_repeats_counting_up(tmp_path: Path) -> Non
             except subprocess.TimeoutExpired:
                 watch.kill()
                 watch.wait()
+        # The watch shows what it finds at each poll (a second apart): the repeat's first
+        # time may fall in the same poll as its second, and is then shown once, counted up.
         marked = [line for line in seen if "NodeMarked" in line]
-        assert len(marked) == 3, seen
+        assert 2 <= len(marked) <= 3, seen
         assert "marked cordoned (was none)" in marked[0]
-        assert "marked cordoned (was cordoned)" in marked[1] and "(x2)" in marked[2]
+        assert "marked cordoned (was cordoned) (x2)" in marked[-1]
+        assert all("(was cordoned)" in line for line in marked[1:])

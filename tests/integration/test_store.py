@@ -395,6 +395,15 @@ def test_two_control_planes_on_one_store_one_leads_and_the_other_takes_over(
         assert report.status_code == 503 and "follows" in report.text
         assert b.get("/v1/status").json()["reconcile_passes"] == 0
 
+        # Changes the leader makes after the follower read the store: the follower reads them
+        # again when it takes over.
+        made = op.admin.post("/v1/keys", json={"name": "late"})
+        assert made.status_code == 200, made.text
+        models = {"models": [{"name": "m", "engine": "sim"}, {"name": "n", "engine": "sim"}]}
+        applied = op.admin.put("/v1/catalog", content=yaml.safe_dump(models))
+        assert applied.status_code == 200, applied.text
+        version = applied.json()["version"]
+
         [leader] = [c for c in fleet.fleet.children if c.role == "control-plane"]
         os.kill(leader.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -408,3 +417,5 @@ def test_two_control_planes_on_one_store_one_leads_and_the_other_takes_over(
         elected = [e for e in events if e["reason"] == "LeaderElected"]
         assert elected and "ran out" in elected[-1]["message"], events
         assert op.serves("m")  # the router serves from the table it holds
+        assert [k["name"] for k in b.get("/v1/keys").json()["keys"]] == ["late"]
+        assert b.get("/v1/catalog").json()["version"] == version

@@ -57,6 +57,13 @@ class CatalogKeeper:
         latest = store.latest_catalog()
         self._current = _restore(latest) if latest else None
 
+    def reload(self) -> None:
+        """Take the store's latest catalog as current: another control plane, leading
+        before this one, may have applied a newer one."""
+        latest = self.store.latest_catalog()
+        if latest is not None:
+            self._current = _restore(latest)
+
     @property
     def current(self) -> Catalog:
         """The current catalog. Take it once per operation."""

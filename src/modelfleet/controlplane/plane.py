@@ -98,6 +98,7 @@ class ControlPlane:
         self._http = http or httpx.AsyncClient(timeout=5)
         self.store = catalogs.store
         self.keys = KeyBook(self.store)
+        self.ca = ca
         self.membership = Membership(self.store, ca)
         self.usage = UsageCollector(
             config.routers, self._http, self.store, config.usage_interval, clock.time
@@ -172,6 +173,8 @@ class ControlPlane:
         """A new term begins with this control plane leading: a routing epoch newer than any
         a router holds, and a settling window (it adopts what agents report before it
         plans)."""
+        if self.leadership.took_over:
+            self._reload_desired()
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
         self.publisher.new_term(epoch)
@@ -214,6 +217,16 @@ class ControlPlane:
         self.watch.notify(self.state.changed_assignments(self.catalogs.current))
 
     # -- marks -----------------------------------------------------------------------------
+
+    def _reload_desired(self) -> None:
+        """Read again what the leader before may have changed since this control plane read
+        the store: keys, join tokens and credentials, marks, the current catalog."""
+        self.keys = KeyBook(self.store)
+        self.membership = Membership(self.store, self.ca)
+        for node in list(self.state.marks):
+            self.state.set_mark(node, NodeMark(Mark.NONE, None))
+        self._load_marks()
+        self.catalogs.reload()
 
     def _load_marks(self) -> None:
         """Marks persist: take them from the store, deadlines moved onto the monotonic clock."""
