@@ -178,7 +178,8 @@ def agent(
         str | None,
         typer.Option(
             help="The control plane's agent API URL, for the fleet's shared agent token "
-            "(the mode `up` runs in); other fleets use --join."
+            "(the mode `up` runs in); other fleets use --join. Several control planes on one "
+            "store: URL1,URL2,... (it reports to the one that leads)."
         ),
     ] = None,
     simulate_gpus: Annotated[
@@ -304,7 +305,8 @@ def agent(
         lock = StateDirLock(agent_dir, f"the agent of {node}").acquire()
     except (StateDirBusy, OSError) as exc:
         fail(str(exc))
-    url = join or control_plane
+    urls = [u.strip() for u in control_plane.split(",") if u.strip()] if control_plane else []
+    url = join or (urls[0] if urls else None)
     if url is None or (join and control_plane):
         fail("give --join URL (with a join token) or --control-plane URL (shared agent token)")
     if address is None:
@@ -323,6 +325,7 @@ def agent(
         )
     settings = AgentSettings(
         control_plane=url,
+        control_planes=tuple(urls),
         node=node,
         token=token,
         verify=verify,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
+import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -419,3 +420,78 @@ def test_two_control_planes_on_one_store_one_leads_and_the_other_takes_over(
         assert op.serves("m")  # the router serves from the table it holds
         assert [k["name"] for k in b.get("/v1/keys").json()["keys"]] == ["late"]
         assert b.get("/v1/catalog").json()["version"] == version
+
+
+def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_failover(
+    pg: PgServer, procs: Procs, tmp_path: Path
+) -> None:
+    """Two control planes on one PostgreSQL store, and an agent given both URLs. It reports
+    to the leader (the follower answers 503 and it moves on). The leader killed -9, the other
+    takes the lease; the agent finds it, and the new leader adopts the running engine (same
+    pid: nothing restarted) and acts on a catalog change."""
+    import os
+    import signal
+
+    import httpx
+    import yaml
+
+    from modelfleet.agent.records import recorded_engine_pids
+    from modelfleet.processes import free_port, stop_groups
+
+    from .conftest import wait_json
+
+    where = fresh_database(pg)
+    token, agent_token = "admin-token-of-the-test", "agent-token-of-the-test"
+    catalog = tmp_path / "catalog.yaml"
+    catalog.write_text(yaml.safe_dump({"models": [{"name": "m", "engine": "sim"}]}))
+    admins: dict[str, httpx.Client] = {}
+    agent_urls: list[str] = []
+    started: dict[str, subprocess.Popen[bytes]] = {}
+    for name in ("a", "b"):
+        port = free_port("127.0.0.1")
+        config = {
+            "state_dir": str(tmp_path / f"cp-{name}"), "agent_port": port, "admin_port": 0,
+            "admin_token": token, "agent_token": agent_token, "store": where,
+            "lease_ttl": 1.5, "settle_for": 2,
+            **({"catalog": str(catalog)} if name == "a" else {}),
+        }  # fmt: skip
+        (tmp_path / f"cp-{name}.yaml").write_text(yaml.safe_dump(config))
+        ready = tmp_path / f"cp-{name}.json"
+        proc = procs.start("control-plane", "--config", str(tmp_path / f"cp-{name}.yaml"),
+                           "--ready-file", str(ready), log=f"cp-{name}")  # fmt: skip
+        urls = wait_json(ready, proc)["urls"]
+        started[name] = proc
+        agent_urls.append(urls["agent"])
+        admins[name] = httpx.Client(
+            base_url=urls["admin"], headers={"authorization": f"Bearer {token}"}, timeout=10
+        )
+    a, b = admins["a"], admins["b"]
+    assert a.get("/v1/status").json()["leading"] and not b.get("/v1/status").json()["leading"]
+    agent_dir = tmp_path / "agent"
+    # B first: the agent is refused by the follower, and goes on to the leader.
+    procs.start(
+        "agent", "--control-plane", f"{agent_urls[1]},{agent_urls[0]}", "--node", "n1",
+        "--simulate-gpus", "2x80GB", "--token", agent_token, "--state-dir", str(agent_dir),
+        "--report-interval", "0.5", log="agent",
+    )  # fmt: skip
+    try:
+
+        def ready_on(client: httpx.Client, count: int) -> list[dict[str, object]] | None:
+            reps = client.get("/v1/replicas").json()["replicas"]
+            ready = [r for r in reps if r["state"] == "ready"]
+            return ready if len(ready) == count else None
+
+        [before] = wait_for("m ready on the leader", lambda: ready_on(a, 1), 60)
+        leader = started["a"]
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.wait()
+        wait_for("b leading", lambda: b.get("/v1/status").json()["leading"], 15)
+        [after] = wait_for("m adopted by the new leader", lambda: ready_on(b, 1), 60)
+        assert after["id"] == before["id"]
+        assert after["shards"][0]["pid"] == before["shards"][0]["pid"]  # nothing restarted
+        scaled = {"models": [{"name": "m", "engine": "sim", "replicas": 2}]}
+        assert b.put("/v1/catalog", content=yaml.safe_dump(scaled)).status_code == 200
+        wait_for("a second replica placed by the new leader", lambda: ready_on(b, 2), 60)
+    finally:
+        procs.stop_all()
+        stop_groups(recorded_engine_pids(agent_dir), grace=10)

@@ -72,6 +72,9 @@ class AgentSettings:
     labels: tuple[tuple[str, str], ...] = ()
     report_interval: float = 2.0
     supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
+    # Every control plane of the fleet, `control_plane` first, when several share a store:
+    # the agent reports to one, and goes to the next when it fails or follows (503).
+    control_planes: tuple[str, ...] = ()
 
 
 class Agent:
@@ -91,6 +94,8 @@ class Agent:
         self.boot_id = secrets.token_hex(8)
         self._changed = asyncio.Event()
         headers = {"authorization": f"Bearer {settings.token}"} if settings.token else {}
+        self._urls = settings.control_planes or (settings.control_plane,)
+        self._at = 0  # the control plane it talks to now, in `_urls`
         self._cp = httpx.AsyncClient(
             base_url=settings.control_plane,
             headers=headers,
@@ -249,15 +254,32 @@ class Agent:
         records = {key: s.record() for key, s in (*self.shards.items(), *self.stopping.items())}
         write_records(self.settings.state_dir, records)
 
+    @property
+    def control_plane(self) -> str:
+        """The control plane this agent talks to now."""
+        return self._urls[self._at]
+
+    def _next_control_plane(self) -> None:
+        """The one it talks to failed, or follows another: try the next (a new one asks for
+        the whole report, by its answer to a heartbeat)."""
+        if len(self._urls) < 2:
+            return
+        self._at = (self._at + 1) % len(self._urls)
+        self._cp.base_url = httpx.URL(self._urls[self._at])
+        log.info("talking to the control plane at %s now", self._urls[self._at])
+
     async def send_report(self, report: AgentReport) -> NodeAssignment | None:
         """One exchange with the control plane; None when it failed (logged, retried later)."""
         try:
             response = await self._cp.post("/v1/report", content=report.model_dump_json())
         except httpx.HTTPError as exc:
-            log.warning("report to %s failed: %s", self.settings.control_plane, describe(exc))
+            log.warning("report to %s failed: %s", self.control_plane, describe(exc))
+            self._next_control_plane()
             return None
         if response.status_code != 200:
             log.warning("control plane refused report %d: %s", report.seq, response.text[:300])
+            if response.status_code == 503:
+                self._next_control_plane()
             return None
         try:
             return NodeAssignment.model_validate_json(response.content)
@@ -300,9 +322,7 @@ class Agent:
             try:
                 await self._cp.post("/v1/logs", content=answer.model_dump_json())
             except httpx.HTTPError as exc:
-                log.warning(
-                    "log answer to %s failed: %s", self.settings.control_plane, describe(exc)
-                )
+                log.warning("log answer to %s failed: %s", self.control_plane, describe(exc))
 
     async def send_heartbeat(self, seq: int, held: NodeAssignment) -> HeartbeatAnswer | Beat:
         """One heartbeat: its answer, or why there is none. It is given up when something
@@ -327,13 +347,16 @@ class Agent:
         try:
             response = sent.result()
         except httpx.HTTPError as exc:
-            log.warning("heartbeat to %s failed: %s", self.settings.control_plane, describe(exc))
+            log.warning("heartbeat to %s failed: %s", self.control_plane, describe(exc))
+            self._next_control_plane()
             return Beat.FAILED
         if response.status_code == 409:  # it holds no report of this run: send one
             log.info("control plane asks for the whole report: %s", response.text[:300])
             return Beat.REPORT
         if response.status_code != 200:
             log.warning("control plane refused heartbeat %d: %s", seq, response.text[:300])
+            if response.status_code == 503:
+                self._next_control_plane()
             return Beat.FAILED
         try:
             return HeartbeatAnswer.model_validate_json(response.content)
