@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import sqlite3
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -395,6 +396,19 @@ def test_two_control_planes_on_one_store_one_leads_and_the_other_takes_over(
         )
         assert report.status_code == 503 and "follows" in report.text
         assert b.get("/v1/status").json()["reconcile_passes"] == 0
+        # ctl given every admin API (one not even there): it reaches one that answers, and a
+        # change refused by the follower goes on to the leader.
+        every = f"http://127.0.0.1:9,{urls['admin']},{fleet.admin_url}"
+        ctl = [sys.executable, "-m", "modelfleet", "ctl", "--admin", every,
+               "--token", fleet.admin_token]  # fmt: skip
+        shown = subprocess.run([*ctl, "status"], capture_output=True, text=True, timeout=30)
+        assert shown.returncode == 0 and "follows" in shown.stdout, shown.stderr
+        cordoned = subprocess.run(
+            [*ctl, "cordon", "node-2"], capture_output=True, text=True, timeout=30
+        )
+        assert cordoned.returncode == 0, cordoned.stderr
+        marks = {n["name"]: n["mark"] for n in op.get("/v1/nodes")["nodes"]}
+        assert marks["node-2"] == "cordoned"
 
         # Changes the leader makes after the follower read the store: the follower reads them
         # again when it takes over.

@@ -4,6 +4,9 @@ Where to find the admin API, in order: `--admin URL --token T`, then the variabl
 `MODELFLEET_ADMIN_URL` / `MODELFLEET_ADMIN_TOKEN`, then `<state-dir>/up.json` written by
 `modelfleet up`. An https:// admin API is checked against the control plane's own CA:
 `--ca FILE`, then `MODELFLEET_CA`, then up.json's `ca_file`.
+
+Several control planes on one store: `--admin URL1,URL2,...`. ctl uses any that answers, and
+sends a change on to the next when the one it reached follows (it answers 503 for changes).
 """
 
 from __future__ import annotations
@@ -43,9 +46,13 @@ class CatalogRefused(CtlError):
 
 @dataclass(frozen=True)
 class AdminTarget:
-    url: str
+    url: str  # one admin API, or several, comma-separated
     token: str
     ca: Path | None = None  # the control plane's CA, for an https:// URL
+
+    @property
+    def urls(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.url.split(",") if u.strip()]
 
 
 def resolve_target(
@@ -74,7 +81,7 @@ def resolve_target(
             raise CtlError(f"{up_file} has no admin_url / admin_token")
         if ca is None and up.get("ca_file"):
             ca = Path(up["ca_file"])
-    if admin_url.startswith("https://") and ca is None:
+    if any(u.strip().startswith("https://") for u in admin_url.split(",")) and ca is None:
         raise CtlError(
             f"{admin_url} serves TLS: give ctl the control plane's CA to check it against "
             "(--ca FILE or MODELFLEET_CA; the control plane keeps it in its state dir, "
@@ -88,6 +95,7 @@ class AdminClient:
 
     def __init__(self, target: AdminTarget) -> None:
         self.target = target
+        self._at = 0  # the admin API that answered last, in target.urls
         self._verify: ssl.SSLContext | None = None
         if target.ca is not None:
             try:
@@ -107,23 +115,42 @@ class AdminClient:
         content_type: str = "application/json",
     ) -> Answer:
         """Call the admin API; every failure becomes a one-line CtlError (CatalogRefused when
-        a catalog was refused)."""
-        url = self.target.url
-        try:
-            response = httpx.request(
-                method,
-                url + path,
-                content=content,
-                params=params,
-                headers={
-                    "authorization": f"Bearer {self.target.token}",
-                    "content-type": content_type,
-                },
-                timeout=10,
-                verify=self._verify if self._verify is not None else True,
-            )
-        except httpx.HTTPError as exc:
-            raise Unreachable(f"cannot reach the admin API at {url}: {exc}") from exc
+        a catalog was refused). With several admin APIs, the next is tried when one does not
+        answer, or follows and so refuses a change."""
+        urls = self.target.urls
+        failed: CtlError = Unreachable("no admin API given")
+        for turn in range(len(urls)):
+            url = urls[(self._at + turn) % len(urls)]
+            try:
+                response = httpx.request(
+                    method,
+                    url + path,
+                    content=content,
+                    params=params,
+                    headers={
+                        "authorization": f"Bearer {self.target.token}",
+                        "content-type": content_type,
+                    },
+                    timeout=10,
+                    verify=self._verify if self._verify is not None else True,
+                )
+            except httpx.HTTPError as exc:
+                failed = Unreachable(f"cannot reach the admin API at {url}: {exc}")
+                failed.__cause__ = exc
+                continue
+            if response.status_code == 503 and b"this control plane follows" in response.content:
+                try:
+                    self._answer(answer, url, path, response)
+                except CtlError as refused:
+                    failed = refused
+                continue
+            self._at = (self._at + turn) % len(urls)
+            return self._answer(answer, url, path, response)
+        raise failed
+
+    def _answer(
+        self, answer: type[Answer], url: str, path: str, response: httpx.Response
+    ) -> Answer:
         if response.status_code == 401:
             raise CtlError(f"the admin API at {url} refused the token (401)")
         if response.status_code != 200:
