@@ -285,6 +285,17 @@ class MarkAnswer(_Answer):
 # -- the control plane itself -----------------------------------------------------------
 
 
+class ControlPlaneInfo(_Answer):
+    """A control plane on the store, as it last said it was alive."""
+
+    name: str  # host:state-dir, its name in the lease
+    agent_url: str
+    admin_url: str
+    seen_ago_s: float  # by the store's clock
+    leads: bool  # holds the lease
+    answering: bool  # the one that answered this status
+
+
 class StatusAnswer(_Answer):
     """What the control plane is doing: settling after its start, or reconciling."""
 
@@ -310,6 +321,7 @@ class StatusAnswer(_Answer):
     leading: bool = True  # this control plane leads (a follower plans nothing)
     leader: str = ""  # who holds the lease, as last seen
     lease_epoch: int = 0
+    control_planes: list[ControlPlaneInfo] = Field(default_factory=list)
 
 
 # -- routing -------------------------------------------------------------------------------

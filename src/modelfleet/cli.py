@@ -83,6 +83,22 @@ def up(
             "GPUs, read through NVML, as one node.",
         ),
     ] = "4x80GB",
+    control_planes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=9,
+            help="Control planes on one store: one leads, the others take over when it stops "
+            "(needs --store postgres or a PostgreSQL URL).",
+        ),
+    ] = 1,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            help="The control planes' store: sqlite, postgres (Debian's PostgreSQL, run in the "
+            "state dir) or a PostgreSQL URL; kept for the next `up`.",
+        ),
+    ] = None,
 ) -> None:
     """Run a whole fleet on this machine: control plane, router, two agents, simulated engines."""
     from modelfleet.catalog import CatalogInvalid
@@ -98,6 +114,8 @@ def up(
                 limits_store=limits_store,
                 redis=redis,
                 gpus=gpus,
+                control_planes=control_planes,
+                store=store,
             )
         )
     except (UpError, CatalogInvalid, StateDirBusy) as exc:

@@ -1,6 +1,7 @@
 """A PostgreSQL server of modelfleet's own, in a folder: Debian's PostgreSQL (`initdb`,
 `pg_ctl`), listening on 127.0.0.1 only, with a database and a password of its own. The tests
-start one for the PostgreSQL store; `up --store postgres` will run one in its state dir.
+start one for the PostgreSQL store (`start`, through pg_ctl); `up --store postgres` runs one in
+its state dir as a process of its fleet (`init`, `server_command`, `create_database`).
 
 PostgreSQL refuses to run as root: run as root, the server runs as the `postgres` user
 (`runuser`), and its folder is handed to that user, which must be able to reach it (a folder
@@ -17,6 +18,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from modelfleet.processes import free_port
 
@@ -74,7 +76,33 @@ class PgServer:
     def start(self) -> str:
         """Make the server if its folder has none, start it, and return its conninfo."""
         bins = bin_dir()
+        fresh = self.init()
+        self.port = self.port or free_port("127.0.0.1")
+        self._run(
+            str(bins / "pg_ctl"), "-D", str(self.data), "-l", str(self.data / "server.log"),
+            "-o", " ".join(self._options()), "-w", "-t", "60", "start",
+            what="pg_ctl start",
+        )  # fmt: skip
+        if fresh:
+            self.create_database()
+        return self.conninfo()
+
+    def _options(self) -> list[str]:
+        return ["-c", "listen_addresses=127.0.0.1", "-p", str(self.port), "-k", str(self.data)]
+
+    def server_command(self) -> list[str]:
+        """The server in the foreground (as the `postgres` user when we are root), on
+        `port`: for a process manager to run, stop (SIGTERM: once its clients are gone) and
+        restart."""
+        command = [str(bin_dir() / "postgres"), "-D", str(self.data), *self._options()]
+        return ["runuser", "-u", RUN_AS, "--", *command] if os.geteuid() == 0 else command
+
+    def init(self) -> bool:
+        """Make the server's files if its folder has none; returns whether it made them (then
+        `create_database` once it runs)."""
+        bins = bin_dir()
         self.folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.folder, 0o700)
         if os.geteuid() == 0:
             shutil.chown(self.folder, RUN_AS, RUN_AS)
         fresh = not (self.data / "PG_VERSION").exists()
@@ -95,18 +123,11 @@ class PgServer:
                 pwfile.unlink(missing_ok=True)
             self.password_file.write_text(password + "\n")
             os.chmod(self.password_file, 0o600)
-        self.port = self.port or free_port("127.0.0.1")
-        options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.data}"
-        self._run(
-            str(bins / "pg_ctl"), "-D", str(self.data), "-l", str(self.data / "server.log"),
-            "-o", options, "-w", "-t", "60", "start",
-            what="pg_ctl start",
-        )  # fmt: skip
-        if fresh:
-            self._createdb(bins)
-        return self.conninfo()
+        return fresh
 
-    def _createdb(self, bins: Path) -> None:
+    def create_database(self) -> None:
+        """The database of modelfleet in the running server (there already: nothing)."""
+        bins = bin_dir()
         env = {**os.environ, "PGPASSWORD": self.password_file.read_text().strip()}
         deadline = time.monotonic() + 30
         while True:
@@ -128,3 +149,14 @@ class PgServer:
                 str(bin_dir() / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop",
                 what="pg_ctl stop",
             )  # fmt: skip
+
+
+def redacted(conninfo: str) -> str:
+    """`conninfo` without its password, for messages and logs."""
+    if "://" not in conninfo:
+        return " ".join(p for p in conninfo.split() if not p.startswith("password="))
+    parts = urlsplit(conninfo)
+    if parts.password is None:
+        return conninfo
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return parts._replace(netloc=netloc).geturl()

@@ -82,9 +82,12 @@ async def receive_at_most(scope: Scope, receive: Receive, limit: int) -> bytes |
             return bytes(body)
 
 
-async def send_json(send: Send, status: int, body: bytes) -> None:
-    """Answer an ASGI request with the JSON `body`."""
+async def send_json(
+    send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """Answer an ASGI request with the JSON `body` (and `extra` headers)."""
     headers = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
+    headers += extra or []
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

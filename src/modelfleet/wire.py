@@ -159,6 +159,9 @@ class NodeAssignment(_Message):
     heartbeat_interval: float = Field(default=2.0, gt=0)
     # Engines' logs the control plane asks for (`ctl logs`); not part of the version.
     log_requests: list[LogRequest] = Field(default_factory=list)
+    # The lease epoch of the leader that made it (0: a control plane alone on its store before
+    # epochs were sent); an agent refuses one lower than it has seen. Not part of the version.
+    epoch: int = Field(default=0, ge=0)
 
 
 def assignment_version(shards: list[ShardAssignment]) -> str:
@@ -186,6 +189,7 @@ class HeartbeatAnswer(_Message):
     heartbeat_interval: float = Field(gt=0)
     assignment: NodeAssignment | None = None  # None: the one the agent holds is current
     log_requests: list[LogRequest] = Field(default_factory=list)
+    epoch: int = Field(default=0, ge=0)  # as `NodeAssignment.epoch`
 
 
 class JoinRequest(_Message):

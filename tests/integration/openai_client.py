@@ -31,7 +31,8 @@ MAX_IN_FLIGHT = 64
 
 
 def client(base_url: str, ca_file: str, key: str) -> openai.OpenAI:
-    http = httpx.Client(verify=client_context(Path(ca_file).read_bytes()), timeout=30)
+    verify = True if ca_file == "-" else client_context(Path(ca_file).read_bytes())  # -: http
+    http = httpx.Client(verify=verify, timeout=30)
     return openai.OpenAI(base_url=base_url, api_key=key, http_client=http, max_retries=0)
 
 

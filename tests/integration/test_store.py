@@ -4,6 +4,7 @@ each test gets a database of its own). Every test runs against both."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sqlite3
 import subprocess
@@ -12,6 +13,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -328,28 +330,54 @@ def test_the_lease_is_taken_renewed_run_out_and_fences_the_holder_before(
         other.close()
 
 
-def test_a_store_of_schema_1_takes_the_lease_table_at_open(opened: Opened) -> None:
+def test_a_store_of_schema_1_takes_the_tables_of_later_versions_at_open(opened: Opened) -> None:
     opened.open().close()
     if opened.kind == "sqlite":
         with sqlite3.connect(opened.where) as db:
             db.execute("DROP TABLE lease")
+            db.execute("DROP TABLE control_planes")
             db.execute("PRAGMA user_version = 1")
     else:
         with psycopg.connect(opened.where, autocommit=True) as conn:
             conn.execute("DROP TABLE lease")
-            conn.execute("DELETE FROM schema_version WHERE version = 2")
+            conn.execute("DROP TABLE control_planes")
+            conn.execute("DELETE FROM schema_version WHERE version > 1")
     store = opened.open()
     try:
         assert store.lease().holder == "" and store.take_lease("cp", 1.0).epoch == 1
+        assert store.control_planes() == []
     finally:
         store.close()
+
+
+def test_control_planes_say_where_they_are_and_when_they_were_seen(
+    store: Store, opened: Opened
+) -> None:
+    """By the store's clock, whoever leads: a fenced store (a leader that lost its lease)
+    still says it is alive."""
+    store.see_control_plane("cp-a", "https://a:7070", "https://a:7071")
+    other = opened.open()
+    try:
+        other.see_control_plane("cp-b", "https://b:7070", "https://b:7071")
+        store.take_lease("cp-a", 5.0)
+        store.fence(7)  # not the lease's epoch: every fenced write is refused
+        store.see_control_plane("cp-a", "https://a2:7070", "https://a2:7071")
+        seen = other.control_planes()
+        assert [(p.name, p.agent_url, p.admin_url) for p in seen] == [
+            ("cp-a", "https://a2:7070", "https://a2:7071"),
+            ("cp-b", "https://b:7070", "https://b:7071"),
+        ]
+        assert all(0 <= p.seen_ago_s < 5 for p in seen), seen
+    finally:
+        other.close()
 
 
 def test_two_control_planes_on_one_store_one_leads_and_the_other_takes_over(
     pg: PgServer, procs: Procs, tmp_path: Path
 ) -> None:
     """A second control plane on the fleet's PostgreSQL store follows: it plans nothing and
-    refuses agents and changes, naming the leader. Killed -9, the leader's lease runs out and
+    redirects agents and changes to the leader (307), and its status lists both control
+    planes. Killed -9, the leader's lease runs out and
     the follower takes it under the next epoch, within the TTL and a renewal; the router
     keeps serving from the table it holds meanwhile (the new leader, having heard from no
     node, publishes none)."""
@@ -386,23 +414,30 @@ def test_two_control_planes_on_one_store_one_leads_and_the_other_takes_over(
         status = b.get("/v1/status").json()
         assert not status["leading"] and status["lease_epoch"] == 1
         assert status["leader"] and status["store"].startswith("postgresql://modelfleet:***@")
-        refused = b.post("/v1/nodes/node-1/mark", json={"mark": "cordoned"})
-        assert refused.status_code == 503 and "this control plane follows" in refused.text
+        planes = {p["admin_url"]: p for p in status["control_planes"]}
+        assert set(planes) == {urls["admin"], fleet.admin_url}, planes
+        assert planes[fleet.admin_url]["leads"] and planes[urls["admin"]]["answering"]
+        assert all(p["seen_ago_s"] < 5 for p in planes.values()), planes
+        redirected = b.post("/v1/nodes/node-1/mark?x=1", json={"mark": "cordoned"})
+        assert redirected.status_code == 307 and "follows" in redirected.text
+        assert redirected.headers["location"] == f"{fleet.admin_url}/v1/nodes/node-1/mark?x=1"
         report = httpx.post(
             f"{urls['agent']}/v1/report",
             headers={"authorization": f"Bearer {fleet.agent_token}"},
             content=b"{}",
             timeout=10,
         )
-        assert report.status_code == 503 and "follows" in report.text
+        assert report.status_code == 307 and "follows" in report.text
+        assert report.headers["location"] == f"{fleet.agent_urls[0]}/v1/report"
         assert b.get("/v1/status").json()["reconcile_passes"] == 0
         # ctl given every admin API (one not even there): it reaches one that answers, and a
-        # change refused by the follower goes on to the leader.
-        every = f"http://127.0.0.1:9,{urls['admin']},{fleet.admin_url}"
+        # change the follower redirects goes to the leader.
+        every = f"http://127.0.0.1:9,{urls['admin']}"
         ctl = [sys.executable, "-m", "modelfleet", "ctl", "--admin", every,
                "--token", fleet.admin_token]  # fmt: skip
         shown = subprocess.run([*ctl, "status"], capture_output=True, text=True, timeout=30)
         assert shown.returncode == 0 and "follows" in shown.stdout, shown.stderr
+        assert "CONTROL PLANE" in shown.stdout and "(this one)" in shown.stdout, shown.stdout
         cordoned = subprocess.run(
             [*ctl, "cordon", "node-2"], capture_output=True, text=True, timeout=30
         )
@@ -442,7 +477,8 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
     """Two control planes on one PostgreSQL store, and an agent given both URLs. It reports
     to the leader (the follower answers 503 and it moves on). The leader killed -9, the other
     takes the lease; the agent finds it, and the new leader adopts the running engine (same
-    pid: nothing restarted) and acts on a catalog change."""
+    pid: nothing restarted) and acts on a catalog change. The agent took answers of epoch 1,
+    then 2."""
     import os
     import signal
 
@@ -482,7 +518,7 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
     a, b = admins["a"], admins["b"]
     assert a.get("/v1/status").json()["leading"] and not b.get("/v1/status").json()["leading"]
     agent_dir = tmp_path / "agent"
-    # B first: the agent is refused by the follower, and goes on to the leader.
+    # B first: the follower redirects the agent to the leader.
     procs.start(
         "agent", "--control-plane", f"{agent_urls[1]},{agent_urls[0]}", "--node", "n1",
         "--simulate-gpus", "2x80GB", "--token", agent_token, "--state-dir", str(agent_dir),
@@ -496,6 +532,9 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
             return ready if len(ready) == count else None
 
         [before] = wait_for("m ready on the leader", lambda: ready_on(a, 1), 60)
+        said = procs.log("agent")
+        assert f"follows; talking to the leader at {agent_urls[0]} now" in said, said[-2000:]
+        assert "answers under epoch 1" in said
         leader = started["a"]
         os.kill(leader.pid, signal.SIGKILL)
         leader.wait()
@@ -506,6 +545,66 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
         scaled = {"models": [{"name": "m", "engine": "sim", "replicas": 2}]}
         assert b.put("/v1/catalog", content=yaml.safe_dump(scaled)).status_code == 200
         wait_for("a second replica placed by the new leader", lambda: ready_on(b, 2), 60)
+        said = procs.log("agent")
+        assert f"the leader at {agent_urls[1]} answers under epoch 2" in said, said[-2000:]
+        assert "refused an assignment" not in said
     finally:
         procs.stop_all()
         stop_groups(recorded_engine_pids(agent_dir), grace=10)
+
+
+def test_up_runs_three_control_planes_on_a_postgresql_of_its_own() -> None:
+    """`up --control-planes 3 --store postgres`: a PostgreSQL in the state dir, three control
+    planes on it, agents told every one. One leads; killed -9, another takes over, a change
+    sent through ctl given every admin API lands, and stopping the fleet stops the server."""
+    import os
+    import signal
+
+    from .conftest import fleet_of
+
+    folder = Path(tempfile.mkdtemp(prefix="modelfleet-up-pg-"))
+    os.chmod(folder, 0o711)  # run as root, the server runs as `postgres`, which must enter
+    try:
+        with fleet_of(
+            folder,
+            [{"name": "m", "engine": "sim"}],
+            control_planes=3,
+            store="postgres",
+            control_plane={"lease_ttl": 1.5},
+        ) as fleet:
+            assert len(fleet.admin_urls) == 3 and fleet.store.startswith("postgresql://")
+            ctl = [sys.executable, "-m", "modelfleet", "ctl", "--admin",
+                   ",".join(fleet.admin_urls), "--token", fleet.admin_token]  # fmt: skip
+
+            def status() -> dict[str, Any]:
+                done = subprocess.run([*ctl, "-o", "json", "status"], capture_output=True,
+                                      text=True, timeout=30)  # fmt: skip
+                assert done.returncode == 0, done.stderr
+                answer: dict[str, Any] = json.loads(done.stdout)
+                return answer
+
+            first = status()
+            assert len(first["control_planes"]) == 3
+            [leader] = [p for p in first["control_planes"] if p["leads"]]
+            assert leader["admin_url"] == fleet.admin_urls[0]
+            agent_args = fleet.fleet.children[-1].args
+            assert ",".join(fleet.agent_urls) in agent_args, agent_args
+            killed = next(c for c in fleet.fleet.children if c.label == "control-plane")
+            os.kill(killed.proc.pid, signal.SIGKILL)
+            killed.proc.wait()
+            wait_for(
+                "another control plane leading",
+                lambda: status()["lease_epoch"] == first["lease_epoch"] + 1,
+                30,
+            )
+            cordoned = subprocess.run([*ctl, "cordon", "node-2"], capture_output=True,
+                                      text=True, timeout=30)  # fmt: skip
+            assert cordoned.returncode == 0, cordoned.stderr
+            nodes = subprocess.run([*ctl, "-o", "json", "nodes"], capture_output=True,
+                                   text=True, timeout=30)  # fmt: skip
+            marks = {n["name"]: n["mark"] for n in json.loads(nodes.stdout)["nodes"]}
+            assert marks["node-2"] == "cordoned"
+            server = next(c for c in fleet.fleet.children if c.role == "postgres")
+        assert server.proc.poll() is not None  # stopped with the fleet
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -77,16 +77,23 @@ def join(url: str, token: JoinToken, node: str, names: list[str], state_dir: Pat
     ca_pem = _fetch_ca(url, token)
     key_pem, csr_pem = request(names)
     body = JoinRequest(node=node, csr=csr_pem.decode()).model_dump_json()
-    try:
-        answered = httpx.post(
-            url.rstrip("/") + "/v1/join",
-            content=body,
-            headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
-            verify=client_context(ca_pem),
-            timeout=10,
-        )
-    except httpx.HTTPError as exc:
-        raise Unreachable(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
+    target = url.rstrip("/") + "/v1/join"
+    for _ in range(2):  # a follower redirects the join to the leader, which keeps credentials
+        try:
+            answered = httpx.post(
+                target,
+                content=body,
+                headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+                verify=client_context(ca_pem),
+                timeout=10,
+            )
+        except httpx.HTTPError as exc:
+            raise Unreachable(f"cannot reach {target}: {type(exc).__name__}: {exc}") from exc
+        if answered.status_code != 307 or "location" not in answered.headers:
+            break
+        target = answered.headers["location"]
+    if answered.status_code == 503:  # no leader known yet, or it is stopping
+        raise Unreachable(f"{target} cannot take a join now: {_error(answered)}")
     if answered.status_code != 200:
         raise JoinFailed(f"{url} refused the join ({answered.status_code}): {_error(answered)}")
     try:

@@ -6,6 +6,11 @@ and stops what is no longer assigned. While nothing changes it sends heartbeats,
 control plane holds until the node's assignment changes or the heartbeat interval (set by the
 control plane) is up (`controlplane/agent_api.py`). The agent records
 each engine it started in its state dir (`agent/records.py`), for a later run to adopt.
+
+Given several control planes, it talks to one: a follower redirects it (307) to the leader,
+and it goes on to the next when its own stops answering, keeping its engines meanwhile. Every
+answer carries the leader's lease epoch; an answer of an epoch lower than one the agent has
+seen comes from a leader that lost its lease without knowing yet, and is refused.
 """
 
 from __future__ import annotations
@@ -73,8 +78,11 @@ class AgentSettings:
     report_interval: float = 2.0
     supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
     # Every control plane of the fleet, `control_plane` first, when several share a store:
-    # the agent reports to one, and goes to the next when it fails or follows (503).
+    # the agent reports to one, follows a follower's redirect to the leader, and goes to the
+    # next when it fails.
     control_planes: tuple[str, ...] = ()
+    # How it reaches the control plane; None: the network (tests pass httpx.MockTransport).
+    transport: httpx.AsyncBaseTransport | None = None
 
 
 class Agent:
@@ -96,11 +104,13 @@ class Agent:
         headers = {"authorization": f"Bearer {settings.token}"} if settings.token else {}
         self._urls = settings.control_planes or (settings.control_plane,)
         self._at = 0  # the control plane it talks to now, in `_urls`
+        self.epoch = 0  # the highest lease epoch of a leader it has taken an answer from
         self._cp = httpx.AsyncClient(
             base_url=settings.control_plane,
             headers=headers,
             timeout=10,
             verify=settings.verify if settings.verify is not None else True,
+            transport=settings.transport,
         )
         self._probe = httpx.AsyncClient()
         self.metrics = AgentMetrics()
@@ -268,24 +278,62 @@ class Agent:
         self._cp.base_url = httpx.URL(self._urls[self._at])
         log.info("talking to the control plane at %s now", self._urls[self._at])
 
-    async def send_report(self, report: AgentReport) -> NodeAssignment | None:
-        """One exchange with the control plane; None when it failed (logged, retried later)."""
-        try:
-            response = await self._cp.post("/v1/report", content=report.model_dump_json())
-        except httpx.HTTPError as exc:
-            log.warning("report to %s failed: %s", self.control_plane, describe(exc))
+    def _follow(self, response: httpx.Response) -> bool:
+        """A follower's 307 names the leader: talk to it from now on. False when the answer
+        names no location."""
+        location = response.headers.get("location")
+        if not location:
+            return False
+        target = httpx.URL(location)
+        base = str(target.copy_with(path="/", query=None, fragment=None)).rstrip("/")
+        if base not in self._urls:  # a leader not on the command line: kept, after them
+            self._urls = (*self._urls, base)
+        self._at = self._urls.index(base)
+        self._cp.base_url = httpx.URL(base)
+        log.info("%s follows; talking to the leader at %s now", response.url.host, base)
+        return True
+
+    def took_epoch(self, epoch: int) -> bool:
+        """Whether an answer of a leader under lease `epoch` may be taken: not when the agent
+        has seen a newer leader (this one lost its lease and does not know yet)."""
+        if epoch < self.epoch:
+            log.warning(
+                "refused an assignment of epoch %d from %s: a leader of epoch %d has answered "
+                "before",
+                epoch,
+                self.control_plane,
+                self.epoch,
+            )
             self._next_control_plane()
-            return None
+            return False
+        if epoch > self.epoch:
+            log.info("the leader at %s answers under epoch %d", self.control_plane, epoch)
+            self.epoch = epoch
+        return True
+
+    async def send_report(self, report: AgentReport) -> NodeAssignment | None:
+        """One exchange with the control plane; None when it failed (logged, retried later).
+        Sent again at once to the leader a follower names."""
+        for _ in range(len(self._urls) + 1):
+            try:
+                response = await self._cp.post("/v1/report", content=report.model_dump_json())
+            except httpx.HTTPError as exc:
+                log.warning("report to %s failed: %s", self.control_plane, describe(exc))
+                self._next_control_plane()
+                return None
+            if response.status_code != 307 or not self._follow(response):
+                break
         if response.status_code != 200:
             log.warning("control plane refused report %d: %s", report.seq, response.text[:300])
             if response.status_code == 503:
                 self._next_control_plane()
             return None
         try:
-            return NodeAssignment.model_validate_json(response.content)
+            assignment = NodeAssignment.model_validate_json(response.content)
         except ValidationError as exc:
             log.warning("control plane answered with no assignment: %s", exc)
             return None
+        return assignment if self.took_epoch(assignment.epoch) else None
 
     async def engine_metrics(self) -> bytes:
         """What this node's engines say of themselves, under `modelfleet_engine_*` names
@@ -353,16 +401,19 @@ class Agent:
         if response.status_code == 409:  # it holds no report of this run: send one
             log.info("control plane asks for the whole report: %s", response.text[:300])
             return Beat.REPORT
+        if response.status_code == 307 and self._follow(response):
+            return Beat.REPORT  # to the leader, at once
         if response.status_code != 200:
             log.warning("control plane refused heartbeat %d: %s", seq, response.text[:300])
             if response.status_code == 503:
                 self._next_control_plane()
             return Beat.FAILED
         try:
-            return HeartbeatAnswer.model_validate_json(response.content)
+            answer = HeartbeatAnswer.model_validate_json(response.content)
         except ValidationError as exc:
             log.warning("control plane answered a heartbeat with nonsense: %s", exc)
             return Beat.FAILED
+        return answer if self.took_epoch(answer.epoch) else Beat.FAILED
 
     async def report_loop(self, ready_file: Path | None, urls: dict[str, str]) -> None:
         """Adopt what an earlier run left running; then report (or beat while nothing
@@ -396,7 +447,15 @@ class Agent:
                 if answer.log_requests:
                     self._run(self.send_logs(answer.log_requests), "logs")
                 assignment = answer.assignment or held.model_copy(
-                    update={"heartbeat_interval": answer.heartbeat_interval}
+                    update={"heartbeat_interval": answer.heartbeat_interval, "epoch": answer.epoch}
+                )
+            if held is None or held.version != assignment.version:
+                log.info(
+                    "assignment %s of epoch %d from %s: %d shard(s)",
+                    assignment.version,
+                    assignment.epoch,
+                    self.control_plane,
+                    len(assignment.shards),
                 )
             held = assignment
             self.apply(assignment)

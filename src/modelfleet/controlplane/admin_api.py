@@ -46,6 +46,11 @@ class Refused(Exception):
         return cls(status, admin.ErrorAnswer(error=message))
 
 
+# Reads of what runs, which only the leader learns (from agents' reports): a follower
+# redirects them to the leader. Everything else is read from the store, by any control plane.
+LIVE_STATE = ("/v1/nodes", "/v1/replicas", "/v1/explain/", "/v1/routing", "/v1/logs/")
+
+
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": admin.ErrorAnswer} for status in (401, *statuses)}
 
@@ -119,13 +124,32 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
 
     @app.middleware("http")
     async def only_the_leader_writes(request: Request, call_next: Any) -> Response:
-        """A change made through a follower would race the leader's: refused, naming it."""
-        signing = request.url.path in ("/ui/login", "/ui/logout")
+        """A change made through a follower would race the leader's: redirected to the leader
+        (307, the same method and body), or refused naming it while it has not said where it
+        is reached, and for the dashboard (its sign-in cookie is this origin's). Reads of
+        what runs (LIVE_STATE) are redirected to the leader too."""
+        path = request.url.path
+        signing = path in ("/ui/login", "/ui/logout")
+        live = request.method in READ_METHODS and path.startswith(LIVE_STATE)
+        if live and not cp.acting() and cp.leadership.leader_url("admin") is not None:
+            location = str(cp.leadership.leader_url("admin")).rstrip("/") + path
+            if request.url.query:
+                location += "?" + request.url.query
+            said = admin.ErrorAnswer(error="this control plane follows; what runs is the leader's")
+            return _error(307, said, {"location": location})
         if request.method not in READ_METHODS and not signing and not cp.acting():
             leader = cp.leadership.leader or "none yet"
+            url = cp.leadership.leader_url("admin")
+            if url is not None and not path.startswith("/ui/"):
+                location = url.rstrip("/") + path
+                if request.url.query:
+                    location += "?" + request.url.query
+                said = admin.ErrorAnswer(error=f"this control plane follows; the leader is {url}")
+                return _error(307, said, {"location": location})
             answer = admin.ErrorAnswer(
-                error=f"this control plane follows (the leader is {leader}); send changes "
-                "to the leader"
+                error=f"this control plane follows (the leader is {leader}"
+                + (f" at {url}" if url else "")
+                + "); send changes to the leader"
             )
             return _error(503, answer, {"retry-after": "1"})
         response: Response = await call_next(request)
@@ -346,6 +370,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             leading=cp.acting(),
             leader=cp.leadership.leader,
             lease_epoch=cp.leadership.epoch,
+            control_planes=_control_planes(cp),
         )
 
     @app.get("/v1/routing", responses=_errors())
@@ -607,3 +632,23 @@ READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
+
+
+def _control_planes(cp: ControlPlane) -> list[admin.ControlPlaneInfo]:
+    """Every control plane on the store, read now (as last read when the store cannot be)."""
+    leadership = cp.leadership
+    try:
+        planes = cp.store.control_planes()
+    except StoreError:
+        planes = leadership.planes
+    return [
+        admin.ControlPlaneInfo(
+            name=p.name,
+            agent_url=p.agent_url,
+            admin_url=p.admin_url,
+            seen_ago_s=round(max(0.0, p.seen_ago_s), 3),
+            leads=p.name == leadership.leader,
+            answering=p.name == leadership.holder,
+        )
+        for p in planes
+    ]

@@ -95,14 +95,13 @@ class AgentApi:
         serve = self.paths.get(scope.get("path", "")) if scope["type"] == "http" else None
         if serve is None or scope["method"] != "POST":
             joining = self.joins.get((scope.get("method", ""), scope.get("path", "")))
+            if joining == self.join and not self.cp.acting():
+                await self._to_leader(scope, send)  # the leader keeps the credentials
+                return
             await (joining or self.rest)(scope, receive, send)
             return
         if not self.cp.acting():
-            # Its answer would assign nothing: the agent keeps its engines and asks again.
-            leader = self.cp.leadership.leader or "none yet"
-            await send_json(
-                send, 503, error_json(f"this control plane follows; the leader is {leader}")
-            )
+            await self._to_leader(scope, send)
             return
         holder = self._holder(scope)
         if holder is None:
@@ -116,7 +115,25 @@ class AgentApi:
             )
             return
         status, body = await serve(scope, receive, holder)
+        if not self.cp.acting():  # it stopped leading while the answer was made (a long poll)
+            await self._to_leader(scope, send)
+            return
         await send_json(send, status, body)
+
+    async def _to_leader(self, scope: Scope, send: Send) -> None:
+        """A follower's answer: 307 to the same path on the leader, which the agent sends its
+        request to at once; 503 while the leader is not known or has not said where it is.
+        Either way the agent keeps its engines."""
+        leadership = self.cp.leadership
+        leader = leadership.leader or "none yet"
+        url = leadership.leader_url("agent")
+        if url is None:
+            message = f"this control plane follows; the leader is {leader}, not reachable yet"
+            await send_json(send, 503, error_json(message))
+            return
+        location = url.rstrip("/") + scope.get("path", "")
+        message = f"this control plane follows; the leader is {leader} at {url}"
+        await send_json(send, 307, error_json(message), [(b"location", location.encode())])
 
     def _holder(self, scope: Scope) -> str | None:
         """The node whose credential the request carries; ANY_NODE for the fleet's shared
@@ -201,9 +218,8 @@ class AgentApi:
             cp.notify_assignments()
         assignment = cp.assignments.of(sent.node, catalog, timing.interval)
         logs = cp.logs.take(sent.node)
-        if logs:
-            assignment = assignment.model_copy(update={"log_requests": logs})
-        return 200, assignment.model_dump_json().encode()
+        update = {"epoch": cp.leadership.leading_epoch or 0, "log_requests": logs}
+        return 200, assignment.model_copy(update=update).model_dump_json().encode()
 
     async def heartbeat(self, scope: Scope, receive: Receive, holder: str) -> Answer:
         cp = self.cp
@@ -222,6 +238,7 @@ class AgentApi:
         if fresh_again:
             cp.wake()
         interval = cp.retime().interval
+        epoch = cp.leadership.leading_epoch or 0
         until = now + interval * (HOLD_LEAST + (1 - HOLD_LEAST) * self.spread())
         node = beat.node
         while cp.assignments.version(
@@ -231,13 +248,15 @@ class AgentApi:
             if left <= 0 or not await cp.watch.wait(node, left):
                 if cp.watch.closed:  # tell the agent to wait, or it beats again at once
                     return 503, error_json("the control plane is stopping")
-                return 200, HeartbeatAnswer(heartbeat_interval=interval).model_dump_json().encode()
+                answer = HeartbeatAnswer(heartbeat_interval=interval, epoch=epoch)
+                return 200, answer.model_dump_json().encode()
         logs = cp.logs.take(node)
         assignment = None
         if cp.assignments.version(node, cp.catalogs.current) != beat.assignment:
-            assignment = cp.assignments.of(node, cp.catalogs.current, interval)
+            made = cp.assignments.of(node, cp.catalogs.current, interval)
+            assignment = made.model_copy(update={"epoch": epoch})
         answer = HeartbeatAnswer(
-            heartbeat_interval=interval, assignment=assignment, log_requests=logs
+            heartbeat_interval=interval, assignment=assignment, log_requests=logs, epoch=epoch
         )
         return 200, answer.model_dump_json().encode()
 

@@ -25,10 +25,13 @@ SOURCE = "control-plane"
 class EventLog:
     """Records events into a store; `now` is the wall clock."""
 
-    def __init__(self, store: Store, now: Callable[[], float], keep: int = KEEP) -> None:
+    def __init__(
+        self, store: Store, now: Callable[[], float], keep: int = KEEP, source: str = SOURCE
+    ) -> None:
         self.store = store
         self.now = now
         self.keep = keep
+        self.source = source  # which process saw it: with several control planes, which one
         self._last: dict[str, StoredEvent] = {}  # regarding -> the last event about it
 
     def normal(self, reason: str, regarding: str, message: str) -> None:
@@ -52,7 +55,7 @@ class EventLog:
                 self.store.repeat_event(last.id, again.count, at)
                 self._last[regarding] = again
                 return
-            event = StoredEvent(0, kind, reason, regarding, message, 1, at, at, SOURCE)
+            event = StoredEvent(0, kind, reason, regarding, message, 1, at, at, self.source)
             event_id = self.store.add_event(event, self.keep)
         except StoreError as exc:
             log.warning("event %s of %s not kept: %s", reason, regarding, exc)

@@ -2,14 +2,21 @@
 
 Every control plane tries to take the lease at start and every `ttl / RENEWALS` seconds
 after; the one that holds it leads. Only the leader reconciles, places, starts and stops,
-pushes routing tables, applies catalogs and collects usage; a follower does none of that and
-answers agents and writes with 503, naming the leader.
+pushes routing tables, applies catalogs and collects usage; a follower does none of that,
+serves reads from the store, and redirects agents and writes to the leader (307; 503 naming
+it while it has not said where it is reached).
 
 The lease runs out by the store's clock `ttl` after its last renewal. A leader acts only
 until `ACT_SHARE * ttl` after it *asked* for that renewal (by its own monotonic clock, which
 only has to run at the store's rate, not agree with it): it stops acting before the lease can
 run out and another take it. Its writes are fenced besides (`Store.fence`): one that lands
-after another leader took the lease is refused.
+after another leader took the lease is refused. What it sends agents carries the lease's
+epoch, and agents refuse an epoch lower than one they have seen; routers order tables by a
+routing epoch that only a leader's fenced write can raise (`ControlPlane._elected`).
+
+At every renewal each control plane also says where it is reached (`Store.see_control_plane`),
+so a follower can redirect agents and operators to the leader (307), and `ctl status` can list
+every control plane with when it was last seen.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from modelfleet.controlplane.events import EventLog
-from modelfleet.store import Lease, Store, StoreError
+from modelfleet.store import Lease, SeenControlPlane, Store, StoreError
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -60,6 +67,10 @@ class Leadership:
         self.leading_epoch: int | None = None  # the epoch of the term this one leads, if any
         self.problem = ""  # why the last renewal failed, while it does
         self.took_over = False  # the term this one leads began when another's lease ran out
+        # Where this one is reached (agent API, admin API), once it listens: said to the store
+        # at every renewal, so that followers can send agents and operators to the leader.
+        self.urls: tuple[str, str] | None = None
+        self.planes: list[SeenControlPlane] = []  # every control plane on the store, as read
         self._act_until = -math.inf
 
     @property
@@ -70,12 +81,32 @@ class Leadership:
         """Whether this control plane leads now and may act."""
         return self.monotonic() < self._act_until
 
+    def leader_url(self, api: str) -> str | None:
+        """Where the leader, as last seen, serves `api` ("agent" or "admin"); None when there
+        is none, it is this one, or it never said where it is."""
+        for plane in self.planes:
+            if plane.name == self.leader and plane.name != self.holder:
+                return plane.agent_url if api == "agent" else plane.admin_url
+        return None
+
+    def say_where(self, agent_url: str, admin_url: str) -> None:
+        """Where this one is reached, once it listens: said now and at every renewal."""
+        self.urls = (agent_url, admin_url)
+        try:
+            self.store.see_control_plane(self.holder, agent_url, admin_url)
+            self.planes = self.store.control_planes()
+        except StoreError as exc:
+            log.warning("cannot say where this control plane is reached (tried again): %s", exc)
+
     def renew(self) -> bool:
         """Take or renew the lease once; returns whether this control plane leads."""
         asked = self.monotonic()
         try:
             before = self.store.lease() if self.leading_epoch is None else None
             lease = self.store.take_lease(self.holder, self.ttl)
+            if self.urls is not None:
+                self.store.see_control_plane(self.holder, *self.urls)
+            self.planes = self.store.control_planes()
         except StoreError as exc:
             if str(exc) != self.problem:
                 log.warning("cannot renew the lease: %s; acting stops when it runs out", exc)
@@ -85,16 +116,22 @@ class Leadership:
         self.leader, self.epoch = lease.holder, lease.epoch
         if lease.holder != self.holder:
             if self.leading_epoch is not None:
-                self.leading_epoch = None
+                lost, self.leading_epoch = self.leading_epoch, None
                 self._act_until = -math.inf
                 log.warning("lost the lease to %s (epoch %d): stopped acting", lease.holder,
                             lease.epoch)  # fmt: skip
                 if self.events is not None:
-                    self.events.warning(
-                        "LeadershipLost",
-                        f"control-plane/{self.holder}",
-                        f"{lease.holder} leads now, epoch {lease.epoch}",
-                    )
+                    # Its own event, once it knows: the one write not fenced to the epoch it
+                    # lost (everything it may still have under way stays fenced).
+                    self.store.fence(None)
+                    try:
+                        self.events.warning(
+                            "LeadershipLost",
+                            f"control-plane/{self.holder}",
+                            f"{lease.holder} leads now, epoch {lease.epoch}",
+                        )
+                    finally:
+                        self.store.fence(lost)
             return False
         self._act_until = asked + ACT_SHARE * self.ttl
         if self.leading_epoch != lease.epoch:

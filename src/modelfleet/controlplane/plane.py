@@ -105,7 +105,9 @@ class ControlPlane:
         )
         self.series = RouterSeries(config.routers, self._http, config.series_interval, clock.time)
         self.metrics = ControlPlaneMetrics()
-        self.events = EventLog(self.store, clock.time)
+        self.events = EventLog(
+            self.store, clock.time, source=f"control-plane {holder_name(config.state_dir)}"
+        )
         self._silent: dict[str, set[str]] = {"stale": set(), "lost": set()}
         self._drained: set[str] = set()  # draining nodes told drained
         self.publisher = Publisher(

@@ -10,6 +10,7 @@ import asyncio
 import datetime
 import gc
 import logging
+import socket
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import PKI_DIR, STORE_FILE, ControlPlaneConfig
 from modelfleet.controlplane.dashboard import Dashboard
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.pki import CA_CERT, CertificateAuthority, TlsFiles, client_context
+from modelfleet.pki import CA_CERT, CertificateAuthority, TlsFiles, client_context, is_wildcard
 from modelfleet.serving import Listener, run_service
 from modelfleet.store import Store
 from modelfleet.store.postgres import PostgresStore
@@ -121,9 +122,17 @@ async def serve(
         total,
         cp.settle_for,
     )
+
+    async def say_where() -> None:
+        """Now that it listens: where agents and operators reach it, for the other control
+        planes on the store to send them here when this one leads."""
+        agent, admin = (advertised(config, li.url) for li in listeners)
+        cp.leadership.say_where(agent, admin)
+
     await run_service(
         listeners,
         ready_file=ready_file,
+        on_ready=say_where,
         # The watch is a loop so that stopping the loops answers every held heartbeat before
         # the listeners wait for their requests to finish.
         loops=[
@@ -140,6 +149,18 @@ async def serve(
         on_stop=cp.close,
         ready_extra=ready_extra,
     )
+
+
+def advertised(config: ControlPlaneConfig, url: str) -> str:
+    """A listener's URL as others reach it: a wildcard host is replaced by the first name of
+    the control plane's certificate (which the config requires when it serves TLS)."""
+    if not is_wildcard(config.host):
+        return url
+    names = config.certificate_names()
+    name = names[0] if names else socket.gethostname()
+    port = url.rsplit(":", 1)[1]
+    scheme = url.split("://", 1)[0]
+    return f"{scheme}://{f'[{name}]' if ':' in name else name}:{port}"
 
 
 def fleet_ca(config: ControlPlaneConfig) -> CertificateAuthority:

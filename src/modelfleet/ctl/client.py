@@ -5,8 +5,9 @@ Where to find the admin API, in order: `--admin URL --token T`, then the variabl
 `modelfleet up`. An https:// admin API is checked against the control plane's own CA:
 `--ca FILE`, then `MODELFLEET_CA`, then up.json's `ca_file`.
 
-Several control planes on one store: `--admin URL1,URL2,...`. ctl uses any that answers, and
-sends a change on to the next when the one it reached follows (it answers 503 for changes).
+Several control planes on one store: `--admin URL1,URL2,...`. ctl uses any that answers. A
+follower redirects a change to the leader (307), and ctl sends it there; one that does not know
+where the leader is answers 503, and ctl sends the change on to the next URL.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def resolve_target(
             ) from None
         except (OSError, ValueError) as exc:
             raise CtlError(f"cannot read {up_file}: {exc}") from exc
-        admin_url = admin_url or up.get("admin_url")
+        admin_url = admin_url or ",".join(up.get("admin_urls") or [up.get("admin_url", "")])
         token = token or up.get("admin_token")
         if not admin_url or not token:
             raise CtlError(f"{up_file} has no admin_url / admin_token")
@@ -119,21 +120,22 @@ class AdminClient:
         answer, or follows and so refuses a change."""
         urls = self.target.urls
         failed: CtlError = Unreachable("no admin API given")
+        headers = {"authorization": f"Bearer {self.target.token}", "content-type": content_type}
+        verify = self._verify if self._verify is not None else True
         for turn in range(len(urls)):
             url = urls[(self._at + turn) % len(urls)]
             try:
                 response = httpx.request(
-                    method,
-                    url + path,
-                    content=content,
-                    params=params,
-                    headers={
-                        "authorization": f"Bearer {self.target.token}",
-                        "content-type": content_type,
-                    },
-                    timeout=10,
-                    verify=self._verify if self._verify is not None else True,
-                )
+                    method, url + path, content=content, params=params, headers=headers,
+                    timeout=10, verify=verify,
+                )  # fmt: skip
+                location = response.headers.get("location")
+                if response.status_code == 307 and location:  # a follower names the leader
+                    url = location.removesuffix(path)
+                    response = httpx.request(
+                        method, location, content=content, params=params, headers=headers,
+                        timeout=10, verify=verify,
+                    )  # fmt: skip
             except httpx.HTTPError as exc:
                 failed = Unreachable(f"cannot reach the admin API at {url}: {exc}")
                 failed.__cause__ = exc

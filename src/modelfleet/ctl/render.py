@@ -36,6 +36,17 @@ def print_status(data: admin.StatusAnswer, console: Console) -> None:
             f"store {data.store}; this control plane {role} (lease epoch {data.lease_epoch})",
             highlight=False,
         )
+    if len(data.control_planes) > 1:
+        table = Table("CONTROL PLANE", "ROLE", "ADMIN API", "LAST SEEN")
+        for plane in data.control_planes:
+            role = "leader" if plane.leads else "follower"
+            table.add_row(
+                escape(plane.name) + (" (this one)" if plane.answering else ""),
+                role,
+                escape(plane.admin_url),
+                f"{plane.seen_ago_s:.1f}s ago",
+            )
+        console.print(table)
     if data.frozen:
         console.print(f"warning: {data.frozen}", highlight=False)
     if data.store_problem:

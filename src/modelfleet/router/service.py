@@ -274,7 +274,17 @@ class Router:
         table of a newer control-plane epoch is always taken. Returns whether it was."""
         held = (self.snapshot.epoch, self.snapshot.version)
         if (self.pushed or self.restored) and (snapshot.epoch, snapshot.version) < held:
+            log.warning(
+                "refused a table of routing epoch %d version %d: holds epoch %d version %d "
+                "(a control plane that stopped leading sent it)",
+                snapshot.epoch,
+                snapshot.version,
+                *held,
+            )
             return False
+        if snapshot.epoch != held[0] or not self.pushed:
+            log.info("took a table of routing epoch %d, version %d", snapshot.epoch,
+                     snapshot.version)  # fmt: skip
         self.snapshot = snapshot
         self.table = RoutingTable.from_snapshot(snapshot)
         self.keys = self._key_ring(snapshot)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 # The schema this modelfleet writes. One more with every change to the tables; each
 # implementation has one migration per version.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,17 @@ class Lease:
     holder: str  # "" when nobody has held it yet
     epoch: int  # one more at every change of holder: the fencing token
     remaining_s: float  # until it runs out, by the store's clock; <= 0: it has run out
+
+
+@dataclass(frozen=True)
+class SeenControlPlane:
+    """A control plane on this store, as it last said it was alive (`Store.see_control_plane`).
+    `seen_ago_s` is by the store's clock, like the lease's times."""
+
+    name: str  # its holder name in the lease
+    agent_url: str  # where agents reach it
+    admin_url: str  # where operators (ctl, the dashboard) reach it
+    seen_ago_s: float
 
 
 class StoreError(RuntimeError):
@@ -297,6 +308,15 @@ class Store(Protocol):
         ...
 
     def lease(self) -> Lease: ...
+
+    def see_control_plane(self, name: str, agent_url: str, admin_url: str) -> None:
+        """`name` is alive now and reached at these URLs (every control plane says so at each
+        lease renewal, leader or not; never fenced)."""
+        ...
+
+    def control_planes(self) -> list[SeenControlPlane]:
+        """Every control plane that ever said it was alive on this store, by name."""
+        ...
 
     def fence(self, epoch: int | None) -> None:
         """From now on every write checks, in its own transaction, that the lease's epoch is

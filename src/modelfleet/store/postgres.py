@@ -16,16 +16,17 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from modelfleet.pgserver import redacted
 from modelfleet.store import (
     SCHEMA_VERSION,
     Fenced,
     Lease,
     Rejection,
+    SeenControlPlane,
     StoredCatalog,
     StoredCredential,
     StoredEvent,
@@ -130,20 +131,17 @@ CREATE TABLE lease (
 );
 INSERT INTO lease (id, holder, epoch, expires_at) VALUES (1, '', 0, 0);
 """,
+    3: """
+CREATE TABLE control_planes (
+    name      TEXT PRIMARY KEY,
+    agent_url TEXT NOT NULL,
+    admin_url TEXT NOT NULL,
+    seen_at   DOUBLE PRECISION NOT NULL
+);
+""",
 }
 # The store's clock: the database server's, in seconds since the epoch.
 _NOW = "extract(epoch from clock_timestamp())::double precision"
-
-
-def redacted(conninfo: str) -> str:
-    """`conninfo` without its password, for messages and logs."""
-    if "://" not in conninfo:
-        return " ".join(p for p in conninfo.split() if not p.startswith("password="))
-    parts = urlsplit(conninfo)
-    if parts.password is None:
-        return conninfo
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return parts._replace(netloc=netloc).geturl()
 
 
 class PostgresStore:
@@ -244,6 +242,22 @@ class PostgresStore:
         rows = self._read(f"SELECT holder, epoch, expires_at, {_NOW} FROM lease WHERE id = 1")
         held, epoch, expires_at, now = rows[0]
         return Lease(held, int(epoch), expires_at - now)
+
+    def see_control_plane(self, name: str, agent_url: str, admin_url: str) -> None:
+        with self._write(fenced=False) as conn:
+            conn.execute(
+                "INSERT INTO control_planes (name, agent_url, admin_url, seen_at) "
+                f"VALUES (%s, %s, %s, {_NOW}) ON CONFLICT (name) DO UPDATE SET "
+                "agent_url = excluded.agent_url, admin_url = excluded.admin_url, "
+                "seen_at = excluded.seen_at",
+                (name, agent_url, admin_url),
+            )
+
+    def control_planes(self) -> list[SeenControlPlane]:
+        rows = self._read(
+            f"SELECT name, agent_url, admin_url, {_NOW} - seen_at FROM control_planes ORDER BY name"
+        )
+        return [SeenControlPlane(*row) for row in rows]
 
     def fence(self, epoch: int | None) -> None:
         self.fenced_epoch = epoch

@@ -14,6 +14,7 @@ from modelfleet.store import (
     Fenced,
     Lease,
     Rejection,
+    SeenControlPlane,
     StoredCatalog,
     StoredCredential,
     StoredEvent,
@@ -116,6 +117,15 @@ CREATE TABLE IF NOT EXISTS lease (
 );
 INSERT OR IGNORE INTO lease (id, holder, epoch, expires_at) VALUES (1, '', 0, 0);
 """
+# Version 3: the control planes that said they were alive, and where they are reached.
+_PLANES = """
+CREATE TABLE IF NOT EXISTS control_planes (
+    name      TEXT PRIMARY KEY,
+    agent_url TEXT NOT NULL,
+    admin_url TEXT NOT NULL,
+    seen_at   REAL NOT NULL
+);
+"""
 # The store's clock, in seconds since the epoch: SQLite's own (the host's, since it runs here).
 _NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 
@@ -158,7 +168,7 @@ class SqliteStore:
         try:
             found = self._db.execute("PRAGMA user_version").fetchone()[0]
             check_schema(found, self.path)
-            for version, script in ((1, _SCHEMA), (2, _LEASE)):
+            for version, script in ((1, _SCHEMA), (2, _LEASE), (3, _PLANES)):
                 if found < version:
                     for statement in script.split(";"):
                         if statement.strip():
@@ -402,6 +412,22 @@ class SqliteStore:
             f"SELECT holder, epoch, expires_at, {_NOW} FROM lease WHERE id = 1"
         ).fetchone()
         return Lease(held, int(epoch), expires_at - now)
+
+    def see_control_plane(self, name: str, agent_url: str, admin_url: str) -> None:
+        with self._write(fenced=False):
+            self._db.execute(
+                "INSERT INTO control_planes (name, agent_url, admin_url, seen_at) "
+                f"VALUES (?, ?, ?, {_NOW}) ON CONFLICT (name) DO UPDATE SET "
+                "agent_url = excluded.agent_url, admin_url = excluded.admin_url, "
+                "seen_at = excluded.seen_at",
+                (name, agent_url, admin_url),
+            )
+
+    def control_planes(self) -> list[SeenControlPlane]:
+        rows = self._db.execute(
+            f"SELECT name, agent_url, admin_url, {_NOW} - seen_at FROM control_planes ORDER BY name"
+        ).fetchall()
+        return [SeenControlPlane(*row) for row in rows]
 
     def fence(self, epoch: int | None) -> None:
         self.fenced_epoch = epoch

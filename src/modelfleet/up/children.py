@@ -23,7 +23,7 @@ CHILDREN_FILE = "fleet.json"
 # The order in which a fleet's own processes are stopped: nothing is placed or published once
 # the control plane is gone, the agents leave their engines running, the router goes after
 # them, and the Redis its limits count in (`up --redis`) last.
-STOP_ORDER = ("control-plane", "agent", "router", "redis")
+STOP_ORDER = ("control-plane", "agent", "router", "redis", "postgres")
 # What a later `up` takes over from one that was killed, when it still runs as it should,
 # instead of stopping it: the router (so that no client is refused meanwhile) and its Redis.
 ADOPTABLE = ("router", "redis")
@@ -77,6 +77,7 @@ class Child:
     # For a child without a ready file: its ready answer once it serves, else None.
     ready_check: Callable[[], dict[str, Any] | None] | None = None
     proc: subprocess.Popen[bytes] | Adopted = field(init=False)
+    label: str = field(init=False, default="")  # the role, or which of its kind it is
     started_at: float = field(init=False, default=0.0)  # monotonic, at the last launch
 
     def launch(self) -> None:
@@ -113,14 +114,17 @@ class Fleet:
         command: list[str] | None = None,
         ready_check: Callable[[], dict[str, Any] | None] | None = None,
         adopt: ProcessId | None = None,
+        label: str | None = None,
     ) -> Child:
         """Start `modelfleet ARGS` (or `command`) as a child of the fleet; with `adopt`,
-        take that running process as the child instead of starting one."""
-        name = f"{role}-{node}" if node else role
+        take that running process as the child instead of starting one. `label` names one
+        of several children of one role that run on no node (its log, its key in `pids`)."""
+        name = f"{role}-{node}" if node else label or role
         if ready_file is not None:
             args = [*args, "--ready-file", str(ready_file)]
         log = self.state_dir / "logs" / f"{name}.log"
         child = Child(role, node, args, env or {}, log, ready_file, command, ready_check)
+        child.label = name
         if adopt is not None:
             child.proc = Adopted(adopt)
             child.started_at = time.monotonic()
@@ -176,7 +180,7 @@ class Fleet:
             if c.node:
                 pids[c.role][c.node] = c.proc.pid
             else:
-                pids[c.role] = c.proc.pid
+                pids[c.label or c.role] = c.proc.pid
         return pids
 
     def stop(self) -> None:

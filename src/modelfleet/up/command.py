@@ -25,6 +25,8 @@ def up(
     limits_store: str | None = None,
     redis: bool | None = None,
     gpus: str = GPUS_PER_NODE,
+    control_planes: int = 1,
+    store: str | None = None,
 ) -> int:
     """Bring the fleet up, print how to use it, and stop it all on SIGINT/SIGTERM. `gpus`:
     each node's simulated GPUs, or REAL_GPUS for this machine's own, as one node."""
@@ -54,7 +56,14 @@ def up(
     shape: dict[str, Any] = {"gpus": gpus}
     if gpus == REAL_GPUS:
         shape["nodes"] = NODES[:1]  # one machine's GPUs are one node's
-    options = FleetOptions(router_port=router_port, limits_store=limits_store, redis=redis, **shape)
+    options = FleetOptions(
+        router_port=router_port,
+        limits_store=limits_store,
+        redis=redis,
+        control_planes=control_planes,
+        store=store,
+        **shape,
+    )
     fleet = start_fleet(state_dir, options, left)
     try:
         catalog = Catalog.from_yaml(catalog_file.read_text(), source=str(catalog_file))
@@ -93,6 +102,10 @@ def _print_summary(info: dict[str, Any], catalog: Catalog, state_dir: Path, serv
         f"  api key:     {info['api_key']}",
         f"  models:      {models}",
     ]
+    if len(info.get("admin_urls", [])) > 1:
+        lines.insert(
+            3, f"  control planes: {', '.join(info['admin_urls'])}  store: {info['store']}"
+        )
     # The ctl commands printed work as printed, from this folder, whatever the state dir.
     ctl = "modelfleet ctl"
     if state_dir != Path(".modelfleet"):

@@ -46,3 +46,8 @@ class FleetOptions:
     # memory), or `redis` True to run Debian's redis-server in the state dir. None: as before.
     limits_store: str | None = None
     redis: bool | None = None
+    # Control planes on one store (the first leads at start; the others follow and take over
+    # when it stops), and the store: "sqlite", "postgres" (one `up` runs in the state dir) or
+    # a PostgreSQL URL; None: as before (SQLite the first time). Several need PostgreSQL.
+    control_planes: int = 1
+    store: str | None = None

@@ -6,18 +6,20 @@ import os
 import shutil
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import yaml
 
 from modelfleet.apikeys import hash_key
 from modelfleet.catalog import Catalog
 from modelfleet.files import private_dir, write_atomic
-from modelfleet.processes import ProcessId, stop_groups
-from modelfleet.up.children import Fleet, Leftovers, UpError, agent_state_dir
+from modelfleet.pgserver import PgServer, PgServerError, redacted
+from modelfleet.processes import ProcessId, log_tail, stop_groups
+from modelfleet.up.children import Child, Fleet, Leftovers, UpError, agent_state_dir
 from modelfleet.up.configs import DEFAULT_CATALOG, REAL_GPUS, FleetOptions
 from modelfleet.up.kept import HOST, Kept, load_or_make
 from modelfleet.wire import RoutingSnapshot
@@ -31,17 +33,23 @@ class RunningFleet:
     catalog_file: Path
     router_url: str
     push_url: str
-    admin_url: str
+    admin_url: str  # the first control plane's; every one's in `admin_urls`
     admin_token: str
     api_key: str
     agent_token: str
     agent_admin: dict[str, str]  # node -> its agent's admin API (simulated GPU faults)
     notes: list[str]  # what moved since the last `up` on this state dir
+    admin_urls: list[str] = field(default_factory=list)  # of every control plane
+    agent_urls: list[str] = field(default_factory=list)  # of every control plane
+    store: str = ""  # the control planes' store, password left out
 
     def info(self) -> dict[str, Any]:
         return {
             "router_url": self.router_url,
             "admin_url": self.admin_url,
+            "admin_urls": self.admin_urls,
+            "agent_urls": self.agent_urls,
+            "store": self.store,
             "admin_token": self.admin_token,
             "api_key": self.api_key,
             "agent_admin": self.agent_admin,
@@ -74,7 +82,15 @@ def start_fleet(
         catalog_file.write_text(DEFAULT_CATALOG)
 
     held = frozenset({"router_port", "push_port"} if "router" in adoptable else ())
-    loaded = load_or_make(state_dir, opts.router_port, opts.limits_store, opts.redis, held)
+    loaded = load_or_make(
+        state_dir,
+        opts.router_port,
+        opts.limits_store,
+        opts.redis,
+        held,
+        store=opts.store,
+        control_planes=opts.control_planes,
+    )
     kept = loaded.kept
     notes = list(loaded.notes)
     admin_token, agent_token, api_key = kept.admin_token, kept.agent_token, kept.api_key
@@ -104,36 +120,46 @@ def start_fleet(
             stop_groups([process.pid], 10.0)
             notes.append(f"stopped the {role} an earlier `up` left running (pid {process.pid})")
 
-        cp_cfg = {
-            "catalog": str(catalog_file),
-            "state_dir": str(state_dir / "control-plane"),
-            "agent_port": kept.agent_port,
-            "admin_port": kept.admin_port,
-            "admin_token": admin_token,
-            "agent_token": agent_token,
-            "routers": [
-                {"url": router_urls["push"], "token": admin_token},
-                *({"url": url, "token": admin_token} for url in opts.extra_routers),
-            ],
-            "known_nodes": list(opts.nodes),
-            "reconcile_interval": opts.reconcile_interval,
-            "heartbeat_interval": opts.report_interval,
-            **opts.control_plane,
-        }
-        write_atomic(state_dir / "control-plane.yaml", yaml.safe_dump(cp_cfg))
-        cp = fleet.spawn(
-            "control-plane",
-            ["control-plane", "--config", str(state_dir / "control-plane.yaml")],
-            ready_file=run_dir / "control-plane.json",
-        )
-        cp_urls = fleet.wait_ready(cp, 15)["urls"]
+        if opts.control_planes > 1 and kept.store is None:
+            raise UpError(
+                f"{opts.control_planes} control planes share one store, which SQLite cannot "
+                "be: add --store postgres (`up` runs one in the state dir) or a PostgreSQL URL"
+            )
+        store_url = kept.store
+        if kept.store == "postgres":
+            assert kept.postgres_port is not None
+            store_url = _start_postgres(fleet, state_dir, kept.postgres_port)
+        ports = [(kept.agent_port, kept.admin_port), *kept.more_control_planes]
+        common = {
+                "catalog": str(catalog_file),
+                "admin_token": admin_token,
+                "agent_token": agent_token,
+                "routers": [
+                    {"url": router_urls["push"], "token": admin_token},
+                    *({"url": url, "token": admin_token} for url in opts.extra_routers),
+                ],
+                "known_nodes": list(opts.nodes),
+                "reconcile_interval": opts.reconcile_interval,
+                "heartbeat_interval": opts.report_interval,
+                **({"store": store_url} if store_url else {}),
+                **opts.control_plane,
+        }  # fmt: skip
+        # The first leads (the others start once it does), then the others follow it.
+        first = _start_control_plane(fleet, state_dir, 1, ports[0], common)
+        every_cp = [fleet.wait_ready(first, 15)["urls"]]
+        more = [
+            _start_control_plane(fleet, state_dir, i + 1, ports[i], common)
+            for i in range(1, opts.control_planes)
+        ]
+        every_cp += [fleet.wait_ready(cp, 15)["urls"] for cp in more]
+        cp_urls = every_cp[0]
 
         agents = []
         for node in opts.nodes:
             args = [
                 "agent",
                 "--control-plane",
-                cp_urls["agent"],
+                ",".join(u["agent"] for u in every_cp),
                 "--node",
                 node,
                 *(["--simulate-gpus", opts.gpus] if opts.gpus != REAL_GPUS else []),
@@ -168,7 +194,64 @@ def start_fleet(
         agent_token,
         agent_admin,
         notes,
+        admin_urls=[u["admin"] for u in every_cp],
+        agent_urls=[u["agent"] for u in every_cp],
+        store=redacted(store_url) if store_url else "SQLite",
     )
+
+
+def _start_control_plane(
+    fleet: Fleet, state_dir: Path, number: int, ports: tuple[int, int], common: dict[str, Any]
+) -> Child:
+    """Start control plane `number` (1, 2, ...) with its kept ports; the first keeps the
+    names it always had (control-plane/, control-plane.yaml)."""
+    name = "control-plane" if number == 1 else f"control-plane-{number}"
+    config = {
+        "state_dir": str(state_dir / name),
+        "agent_port": ports[0],
+        "admin_port": ports[1],
+        **common,
+    }
+    write_atomic(state_dir / f"{name}.yaml", yaml.safe_dump(config))
+    return fleet.spawn(
+        "control-plane",
+        ["control-plane", "--config", str(state_dir / f"{name}.yaml")],
+        ready_file=state_dir / "run" / f"{name}.json",
+        label=name,
+    )
+
+
+def _start_postgres(fleet: Fleet, state_dir: Path, port: int) -> str:
+    """Run Debian's PostgreSQL in `<state_dir>/postgres` on its kept port, as a process of the
+    fleet (made on the first `up --store postgres`); returns its conninfo. Run as root, the
+    server runs as the `postgres` user, which must reach its folder: the state dir is made
+    enterable (not readable) by others; everything in it stays its owner's alone."""
+    server = PgServer(state_dir / "postgres", port)
+    try:
+        if os.geteuid() == 0:
+            os.chmod(state_dir, 0o711)
+        server.init()
+        conninfo = server.conninfo()
+    except (PgServerError, OSError) as exc:
+        raise UpError(f"cannot make the PostgreSQL of --store postgres: {exc}") from exc
+
+    def answers() -> dict[str, Any] | None:
+        try:
+            with psycopg.connect(conninfo, connect_timeout=1):
+                return {"url": redacted(conninfo)}
+        except psycopg.Error:
+            return None
+
+    child = fleet.spawn(
+        "postgres", [], command=server.server_command(), ready_check=answers, label="postgres"
+    )
+    try:
+        server.create_database()  # tried until the server takes it (there already: nothing)
+    except PgServerError as exc:
+        tail = "\n".join(log_tail(child.log, 20))
+        raise UpError(f"{exc}\nthe server's log ({child.log}):\n{tail}") from exc
+    fleet.wait_ready(child, 30)
+    return conninfo
 
 
 def _reads(path: Path) -> Any:

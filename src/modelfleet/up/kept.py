@@ -43,6 +43,12 @@ class Kept(BaseModel):
     admin_port: int = Field(gt=0, lt=65536)
     limits_store: str | None = None  # a Redis URL the router counts keys' limits in
     redis_port: int | None = Field(default=None, gt=0, lt=65536)  # set: `up` runs Redis there
+    # The control planes' store: None, SQLite in the control plane's state dir; "postgres",
+    # a PostgreSQL `up` runs in the state dir on `postgres_port`; or a PostgreSQL URL.
+    store: str | None = None
+    postgres_port: int | None = Field(default=None, gt=0, lt=65536)
+    # The agent and admin ports of the control planes after the first, kept like its own.
+    more_control_planes: list[tuple[int, int]] = Field(default_factory=list)
 
     @property
     def limits_url(self) -> str | None:
@@ -77,12 +83,15 @@ def load_or_make(
     limits_store: str | None = None,
     redis: bool | None = None,
     held: frozenset[str] = frozenset(),
+    store: str | None = None,
+    control_planes: int = 1,
 ) -> Loaded:
     """The kept credentials and ports of `state_dir`, made and saved on the first `up`.
 
     `router_port`, when given, is where the router listens from now on. `limits_store` (a
     Redis URL; "" for none) and `redis` (run one), when given, are where the router counts
-    keys' limits from now on; left out, the last `up`'s choice stands. Raises KeptError when
+    keys' limits from now on; left out, the last `up`'s choice stands; so does `store` ("sqlite",
+    "postgres" or a PostgreSQL URL). `control_planes` have ports kept. Raises KeptError when
     the file exists but cannot be read: making new credentials over it would lock out every
     client of the old ones without a word. Ports named in `held` are held by a process of
     the last `up` that this one may adopt: they are kept even though they are taken.
@@ -133,5 +142,34 @@ def load_or_make(
         kept = kept.model_copy(update={"redis_port": port})
         if redis:
             kept = kept.model_copy(update={"limits_store": None})
+    if store is not None:
+        if store not in ("sqlite", "postgres") and not store.startswith(
+            ("postgresql://", "postgres://")
+        ):
+            raise KeptError(
+                f"--store {store!r}: give sqlite, postgres (one `up` runs in the state dir) or "
+                "a PostgreSQL URL (postgresql://user:password@host:port/db)"
+            )
+        chosen = None if store == "sqlite" else store
+        if kept.store != chosen and path.exists():
+            notes.append(
+                f"the control planes' store is {_store_words(chosen)} now (it was "
+                f"{_store_words(kept.store)}): keys, marks and catalog history start anew there"
+            )
+        kept = kept.model_copy(update={"store": chosen})
+    if kept.store == "postgres" and kept.postgres_port is None:
+        kept = kept.model_copy(update={"postgres_port": free_port(HOST, "services")})
+    more = [tuple(p) for p in kept.more_control_planes[: max(0, control_planes - 1)]]
+    while len(more) < control_planes - 1:
+        more.append((free_port(HOST, "services"), free_port(HOST, "services")))
+    kept = kept.model_copy(update={"more_control_planes": more})
     write_atomic(path, kept.model_dump_json(indent=2))
     return Loaded(kept, notes)
+
+
+def _store_words(store: str | None) -> str:
+    if store is None:
+        return "SQLite in the control plane's state dir"
+    if store == "postgres":
+        return "the PostgreSQL `up` runs in the state dir"
+    return "a PostgreSQL of your own"

@@ -1,0 +1,60 @@
+"""An agent among several control planes: it follows a follower's redirect to the leader at
+once, and refuses an answer of a lease epoch lower than one it has taken (a leader that lost
+its lease and does not know yet)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+
+from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.agent.service import Agent, AgentSettings
+from modelfleet.wire import AgentReport, NodeAssignment
+
+
+def test_a_redirect_is_followed_at_once_and_an_older_epoch_is_refused(tmp_path: Path) -> None:
+    seen: list[str] = []
+    leader = ["http://b:7070"]
+    epochs = {"http://b:7070": [3, 2], "http://c:7070": [4]}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        seen.append(base)
+        assert request.headers["authorization"] == "Bearer t"
+        if base == "http://a:7070":  # a follower: the leader is b
+            return httpx.Response(
+                307, json={"error": "follows"}, headers={"location": f"{leader[0]}/v1/report"}
+            )
+        epoch = epochs[base].pop(0)
+        made = NodeAssignment(node="n1", shards=[], version="v", epoch=epoch)
+        return httpx.Response(200, content=made.model_dump_json())
+
+    settings = AgentSettings(
+        control_plane="http://a:7070",
+        node="n1",
+        token="t",
+        state_dir=tmp_path,
+        control_planes=("http://a:7070", "http://c:7070"),
+        transport=httpx.MockTransport(answer),
+    )
+
+    async def exchange() -> None:
+        async with Agent(settings, SimulatedGpus("1x80GB")) as agent:
+            report = agent.report()
+            assert isinstance(report, AgentReport)
+            first = await agent.send_report(report)
+            assert first is not None and first.epoch == 3
+            assert seen == ["http://a:7070", "http://b:7070"]  # redirected, sent again at once
+            assert agent.control_plane == "http://b:7070" and agent.epoch == 3
+            # b answers again under epoch 2, older than the 3 taken: refused, and the agent
+            # goes on to the next control plane, which names the leader now, c.
+            assert await agent.send_report(agent.report()) is None
+            assert agent.epoch == 3 and agent.control_plane == "http://a:7070"
+            leader[0] = "http://c:7070"
+            later = await agent.send_report(agent.report())
+            assert later is not None and later.epoch == 4 and agent.epoch == 4
+            assert seen[-3:] == ["http://b:7070", "http://a:7070", "http://c:7070"]
+
+    asyncio.run(exchange())
