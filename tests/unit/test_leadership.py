@@ -1,0 +1,39 @@
+"""The lease as one control plane sees it, on a real SQLite store shared with another, by an
+injected monotonic clock: it acts only while it may, and when another took the lease it
+stops and records LeadershipLost (a write its fence would otherwise refuse)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from modelfleet.controlplane.events import EventLog
+from modelfleet.controlplane.leadership import ACT_SHARE, Leadership
+from modelfleet.store import Fenced
+from modelfleet.store.sqlite import SqliteStore
+
+
+def test_a_leader_whose_lease_was_taken_stops_acting_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "store.sqlite"
+    mine, theirs = SqliteStore(path), SqliteStore(path)
+    clock = [100.0]
+    ttl = 0.3
+    a = Leadership(mine, "cp-a", ttl, lambda: clock[0], EventLog(mine, time.time, source="a"))
+    assert a.renew() and a.acting() and a.leading_epoch == 1
+    clock[0] += ACT_SHARE * ttl  # no renewal since: it stops acting before the lease runs out
+    assert not a.acting()
+    deadline = time.monotonic() + 5
+    while theirs.lease().remaining_s > 0:  # the lease runs out by the store's clock
+        assert time.monotonic() < deadline, "the lease never ran out"
+        time.sleep(0.02)
+    b = Leadership(theirs, "cp-b", ttl, time.monotonic)
+    assert b.renew() and b.leading_epoch == 2
+    assert not a.renew() and a.leading_epoch is None and a.leader == "cp-b"
+    lost = [e for e in theirs.events() if e.reason == "LeadershipLost"]
+    assert [(e.regarding, e.message, e.source) for e in lost] == [
+        ("control-plane/cp-a", "cp-b leads now, epoch 2", "a")
+    ]
+    with pytest.raises(Fenced):  # anything else it still had under way stays fenced
+        mine.set_meta("late", "write")
