@@ -7,13 +7,16 @@ keys in `bench/router.py`), so a key whose every rate limit (`rpm`, `tpm`) is at
 limit at a time (or what the request needs, when that is more), and asks again in the
 background once half of it is used: a key in steady use never waits for its lease.
 
-The store counts a grant as used at the moment it grants it, in that moment's slice. What a
-router admits from a grant counts no later than it happens, so no 60 s window ever holds
-more than the limit: a grant can be used for `WINDOW` seconds after it was made and not one
-more, after which what is left of it lapses (its slice stops counting at the same time). What
-routers hold unused can refuse a request early, by up to a share and a half per router; it
-never lets one more through. Unused tokens of an ended request go back to the grant they came
-from; tokens used beyond a reservation are counted in the store when they are found.
+The store counts a grant as used at the moment it grants it, in that moment's slice, and a
+slice counts in every window it overlaps. So a grant can be used only until its slice ends: a
+request admitted from it then lies in the slice, and every 60 s window that holds the request
+holds the slice too, so no window ever holds more than the limit. What is left of a grant
+when its slice ends goes back to the store. (Grants were usable for `WINDOW` seconds once: a
+request admitted late in one lay in windows that no longer counted its slice, and a property
+test found 232 admitted against an rpm of 231.) What routers hold unused can refuse a request
+early, by up to a share and a half per router; it never lets one more through. Unused tokens
+of an ended request go back to the grant they came from; tokens used beyond a reservation are
+counted in the store when they are found.
 
 Requests in flight are leased as slots: a router keeps at most one share of unused slots
 (none under 100 requests at once, which is then exact) and gives the rest back as requests
@@ -38,7 +41,7 @@ from modelfleet.router.limits.base import Ticket
 from modelfleet.router.limits.exact import SLOT_TTL, slices_of
 from modelfleet.router.limits.memory import settlement
 from modelfleet.router.limits.store import LimitsStore, StoreUnavailable
-from modelfleet.router.limits.window import WINDOW, Refusal, check, slice_of
+from modelfleet.router.limits.window import SLICE, WINDOW, Refusal, check, slice_of
 
 if TYPE_CHECKING:
     from modelfleet.router.table import ApiKey
@@ -91,9 +94,12 @@ class _Lease:
     fetching: asyncio.Future[Refusal | None] | None = None  # a grant asked for, unanswered
     used_at: float = -math.inf
 
-    def prune(self, now: float) -> None:
+    def prune(self, now: float) -> list[Grant]:
+        """Drop the grants whose slice has ended; returns them."""
+        lapsed = []
         while self.grants and self.grants[0].expires <= now:
-            self.grants.popleft()
+            lapsed.append(self.grants.popleft())
+        return lapsed
 
     def left(self) -> tuple[int, int]:
         """Requests and tokens it can still admit."""
@@ -155,7 +161,7 @@ class Leases:
     ) -> Ticket | tuple[int, int, int]:
         """Admit from what `lease` holds, or say what it is short of: requests, tokens,
         slots."""
-        lease.prune(now)
+        self._lapse(key.name, lease, now)
         need_r = 1 if key.rpm is not None else 0
         need_t = tokens if key.tpm is not None else 0
         have_r, have_t = lease.left()
@@ -233,7 +239,8 @@ class Leases:
             allowed = {"rpm": key.rpm, "tpm": key.tpm}.get(limit, key.max_concurrent)
             return Refusal(limit, allowed or 0, 1.0)
         if granted_r or granted_t:
-            lease.grants.append(Grant(slice_of(now), now + WINDOW, granted_r, granted_t))
+            here = slice_of(now)
+            lease.grants.append(Grant(here, (here + 1) * SLICE, granted_r, granted_t))
         lease.slots += granted_s
         return None
 
@@ -259,6 +266,13 @@ class Leases:
         if lease.slots > keep:
             self._give(ticket.key, slice_of(now), 0, 0, lease.slots - keep)
             lease.slots = keep
+
+    def _lapse(self, name: str, lease: _Lease, now: float) -> None:
+        """Drop the grants whose slice has ended; what they hold unused goes back to the
+        store, which stops counting it."""
+        for grant in lease.prune(now):
+            if grant.requests or grant.tokens:
+                self._give(name, grant.slice, grant.requests, grant.tokens, 0)
 
     def _drop(self, name: str, lease: _Lease) -> None:
         """Give back what is left of every grant, and the slots of no request in flight."""
@@ -300,7 +314,7 @@ class Leases:
         Raises StoreUnavailable."""
         renewing: list[tuple[str, _Lease]] = []
         for name, lease in list(self._leases.items()):
-            lease.prune(now)
+            self._lapse(name, lease, now)
             idle = lease.in_flight == 0 and lease.fetching is None
             if idle and lease.used_at < now - WINDOW:
                 if lease.slots:
