@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -276,6 +277,7 @@ def main() -> None:
         if load is not None:
             load.wait(60)
         running.fleet.stop()
+    shutil.rmtree(folder)  # kept when the run failed: its logs say why
     print(json.dumps(results))
 
 

@@ -173,9 +173,9 @@ def control_plane(
     except OSError as exc:
         fail(f"cannot read the catalog file {cfg.catalog}: {exc}")
     try:
-        ca = fleet_ca(cfg)
+        ca = fleet_ca(cfg, catalogs.store)
         tls = listener_certificate(cfg, ca) if cfg.serves_tls else None
-    except (PkiError, OSError) as exc:
+    except (PkiError, OSError, StoreError) as exc:
         fail(f"cannot make the control plane's CA or its listeners' certificate: {exc}")
     run_fast(serve(cfg, catalogs, ready_file, ca, tls))
     lock.release()

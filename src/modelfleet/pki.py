@@ -122,21 +122,35 @@ class CertificateAuthority:
         if cert_file.exists():
             return cls.load(cert_file, key_file)
         ca = cls.create(name, now)
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _write_private(key_file, ca.key_pem)
-        _write_private(cert_file, ca.cert_pem)
+        ca.write(folder)
         return ca
 
     @classmethod
     def load(cls, cert_file: Path, key_file: Path) -> CertificateAuthority:
         try:
-            cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
-            key = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
-        except (OSError, ValueError) as exc:
+            return cls.from_pem(cert_file.read_bytes(), key_file.read_bytes())
+        except OSError as exc:
             raise PkiError(f"cannot read the CA from {cert_file} and {key_file}: {exc}") from exc
+        except PkiError as exc:
+            raise PkiError(f"{cert_file}, {key_file}: {exc}") from exc
+
+    @classmethod
+    def from_pem(cls, cert_pem: bytes, key_pem: bytes) -> CertificateAuthority:
+        """The CA of a certificate and its EC private key, as PEM. Raises PkiError."""
+        try:
+            cert = x509.load_pem_x509_certificate(cert_pem)
+            key = serialization.load_pem_private_key(key_pem, password=None)
+        except ValueError as exc:
+            raise PkiError(f"not a CA certificate and key: {exc}") from exc
         if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise PkiError(f"{key_file} holds no EC private key")
+            raise PkiError("the CA's key is no EC private key")
         return cls(cert, key)
+
+    def write(self, folder: Path) -> None:
+        """Keep the CA in `folder` (`ca.crt`, `ca.key`), replacing what is there."""
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _write_private(folder / CA_KEY, self.key_pem)
+        _write_private(folder / CA_CERT, self.cert_pem)
 
     @property
     def cert_pem(self) -> bytes:

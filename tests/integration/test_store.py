@@ -129,6 +129,19 @@ def test_marks_and_meta_replace_and_clear(store: Store) -> None:
     assert store.get_meta("epoch") == "2"
 
 
+def test_a_meta_value_put_once_keeps_the_first(store: Store, opened: Opened) -> None:
+    """How control planes on one store agree on one fleet CA: the first put wins, fenced or
+    not, and every later one gets it back."""
+    assert store.put_meta_once("fleet_ca", "first") == "first"
+    other = opened.open()
+    try:
+        other.fence(5)  # not the lease's epoch: fenced writes would be refused
+        assert other.put_meta_once("fleet_ca", "second") == "first"
+    finally:
+        other.close()
+    assert store.get_meta("fleet_ca") == "first"
+
+
 def test_keys_tokens_and_credentials(store: Store) -> None:
     key = StoredKey("team-a", "a" * 64, "sk-abc", ("m1", "m2"), 60, None, 4, 1.0, None)
     store.put_key(key)
@@ -608,3 +621,70 @@ def test_up_runs_three_control_planes_on_a_postgresql_of_its_own() -> None:
         assert server.proc.poll() is not None  # stopped with the fleet
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_control_planes_with_tls_on_one_store_share_the_fleet_ca(
+    pg: PgServer, procs: Procs, tmp_path: Path
+) -> None:
+    """The first control plane on a store puts its CA there; the next takes it, so a client
+    that trusts the CA it was given checks either, and a change redirected by the follower
+    reaches the leader over TLS. A state dir that holds another CA is refused, naming both."""
+    import httpx
+    import yaml
+
+    from modelfleet.pki import client_context
+
+    from .conftest import wait_json
+
+    where = fresh_database(pg)
+    token = "admin-token-of-the-test"
+
+    def config(name: str) -> Path:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({
+            "state_dir": str(tmp_path / name), "admin_token": token, "agent_token": "a" * 20,
+            "tls": "on", "agent_port": 0, "admin_port": 0, "store": where, "lease_ttl": 1.5,
+        }))  # fmt: skip
+        return path
+
+    ready: dict[str, dict[str, Any]] = {}
+    for name in ("cp-a", "cp-b"):
+        proc = procs.start("control-plane", "--config", str(config(name)), "--ready-file",
+                           str(tmp_path / f"{name}.json"), log=name)  # fmt: skip
+        ready[name] = wait_json(tmp_path / f"{name}.json", proc)
+    assert ready["cp-a"]["ca_fingerprint"] == ready["cp-b"]["ca_fingerprint"]
+    trusted = client_context(Path(ready["cp-a"]["ca_file"]).read_bytes())
+    b = httpx.Client(
+        base_url=ready["cp-b"]["urls"]["admin"],
+        headers={"authorization": f"Bearer {token}"},
+        verify=trusted,
+        timeout=10,
+    )
+    assert not b.get("/v1/status").json()["leading"]
+    made = b.post("/v1/keys", json={"name": "through-b"})
+    assert made.status_code == 307, made.text
+    assert made.headers["location"].startswith(ready["cp-a"]["urls"]["admin"])
+    ctl = subprocess.run(
+        [sys.executable, "-m", "modelfleet", "ctl", "--admin", ready["cp-b"]["urls"]["admin"],
+         "--token", token, "--ca", ready["cp-a"]["ca_file"], "keys", "create", "through-b"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert ctl.returncode == 0, ctl.stderr
+
+    # A control plane whose state dir made a CA of its own, before it was given this store.
+    alone = tmp_path / "cp-c.yaml"
+    alone.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "cp-c"), "admin_token": token,
+                                     "agent_token": "a" * 20, "agent_port": 0,
+                                     "admin_port": 0}))  # fmt: skip
+    first = procs.start("control-plane", "--config", str(alone), "--ready-file",
+                        str(tmp_path / "cp-c.json"), log="cp-c-alone")  # fmt: skip
+    own = wait_json(tmp_path / "cp-c.json", first)["ca_fingerprint"]
+    first.terminate()
+    first.wait(30)
+    refused = subprocess.run(
+        [sys.executable, "-m", "modelfleet", "control-plane", "--config", str(config("cp-c"))],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    said = refused.stderr
+    assert own in said and ready["cp-a"]["ca_fingerprint"] in said and "move" in said, said

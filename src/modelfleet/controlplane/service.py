@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import gc
+import json
 import logging
 import socket
 import time
@@ -21,10 +22,18 @@ from modelfleet.clock import SYSTEM_CLOCK
 from modelfleet.controlplane.admin_api import create_admin_app
 from modelfleet.controlplane.agent_api import AgentApi, create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
-from modelfleet.controlplane.config import PKI_DIR, STORE_FILE, ControlPlaneConfig
+from modelfleet.controlplane.config import FLEET_CA_KEY, PKI_DIR, STORE_FILE, ControlPlaneConfig
 from modelfleet.controlplane.dashboard import Dashboard
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.pki import CA_CERT, CertificateAuthority, TlsFiles, client_context, is_wildcard
+from modelfleet.pki import (
+    CA_CERT,
+    CA_KEY,
+    CertificateAuthority,
+    PkiError,
+    TlsFiles,
+    client_context,
+    is_wildcard,
+)
 from modelfleet.serving import Listener, run_service
 from modelfleet.store import Store
 from modelfleet.store.postgres import PostgresStore
@@ -163,13 +172,34 @@ def advertised(config: ControlPlaneConfig, url: str) -> str:
     return f"{scheme}://{f'[{name}]' if ':' in name else name}:{port}"
 
 
-def fleet_ca(config: ControlPlaneConfig) -> CertificateAuthority:
-    """The fleet's CA, in the state dir: made at the first start, kept after. Raises
-    PkiError (half a CA in the state dir) or OSError."""
-    now = datetime.datetime.now(datetime.UTC)
-    return CertificateAuthority.load_or_create(
-        config.state_dir / PKI_DIR, "modelfleet control plane CA", now
+def fleet_ca(config: ControlPlaneConfig, store: Store) -> CertificateAuthority:
+    """The fleet's CA: kept in the store, so that every control plane on it signs and is
+    trusted alike, and in the state dir (`pki/`, whose `ca.crt` clients are given). The first
+    control plane on a store puts its own there (made at its first start, or the one an older
+    state dir holds); the others take it. A state dir whose CA is another than the store's is
+    refused: machines trusting one would be cut off by the other. Raises PkiError,
+    StoreError or OSError."""
+    folder = config.state_dir / PKI_DIR
+    had = (folder / CA_CERT).exists() or (folder / CA_KEY).exists()
+    local = CertificateAuthority.load_or_create(
+        folder, "modelfleet control plane CA", datetime.datetime.now(datetime.UTC)
     )
+    offered = json.dumps({"cert": local.cert_pem.decode(), "key": local.key_pem.decode()})
+    kept = json.loads(store.put_meta_once(FLEET_CA_KEY, offered))
+    shared = CertificateAuthority.from_pem(kept["cert"].encode(), kept["key"].encode())
+    if shared.fingerprint == local.fingerprint:
+        return local
+    if had:
+        raise PkiError(
+            f"the CA in {folder} (fingerprint {local.fingerprint}) is not the fleet's CA in the "
+            f"store {store.where} (fingerprint {shared.fingerprint}): machines that trust one "
+            f"would not trust the other. To run this control plane on this store, move {folder} "
+            "away (what trusts its CA must then be given the store's); or give it a store of "
+            "its own"
+        )
+    shared.write(folder)  # made just now, and another was first: the store's is the fleet's
+    log.info("took the fleet's CA from the store (fingerprint %s)", shared.fingerprint)
+    return shared
 
 
 def listener_certificate(config: ControlPlaneConfig, ca: CertificateAuthority) -> TlsFiles:

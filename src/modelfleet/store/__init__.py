@@ -235,6 +235,11 @@ class Store(Protocol):
 
     def set_meta(self, key: str, value: str) -> None: ...
 
+    def put_meta_once(self, key: str, value: str) -> str:
+        """Set `key` to `value` unless it has a value already; returns the value it has now
+        (of whichever control plane set it first). Never fenced."""
+        ...
+
     def put_key(self, key: StoredKey) -> None:
         """Record a key, replacing the one of the same name."""
         ...

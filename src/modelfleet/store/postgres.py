@@ -330,6 +330,16 @@ class PostgresStore:
 
     # -- keys, join tokens, credentials ----------------------------------------------------
 
+    def put_meta_once(self, key: str, value: str) -> str:
+        with self._write(fenced=False) as conn:
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING",
+                (key, value),
+            )
+        kept = self.get_meta(key)
+        assert kept is not None
+        return kept
+
     def put_key(self, key: StoredKey) -> None:
         models = json.dumps(list(key.models)) if key.models is not None else None
         with self._write() as conn:

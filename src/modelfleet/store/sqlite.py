@@ -387,6 +387,13 @@ class SqliteStore:
                 (key, value),
             )
 
+    def put_meta_once(self, key: str, value: str) -> str:
+        with self._write(fenced=False):
+            self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        kept = self.get_meta(key)
+        assert kept is not None
+        return kept
+
     def take_lease(self, holder: str, ttl_s: float) -> Lease:
         with self._write(fenced=False):
             held, epoch, expires_at, now = self._db.execute(
