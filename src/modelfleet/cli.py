@@ -545,6 +545,20 @@ def engine_sim(
             "traces URL (as vLLM's --otlp-traces-endpoint).",
         ),
     ] = None,
+    sleep_mode: Annotated[
+        bool,
+        typer.Option(
+            "--enable-sleep-mode",
+            help="vLLM's sleep mode: POST /sleep?level=1|2 frees the GPU, POST /wake_up "
+            "serves again, GET /is_sleeping; requests meanwhile get 503.",
+        ),
+    ] = False,
+    sleep_delay: Annotated[
+        float, typer.Option(help="Seconds to fall asleep, once in-flight requests ended.")
+    ] = 0.2,
+    wake_delay: Annotated[
+        float, typer.Option(help="Seconds to wake up (twice this from a level-2 sleep).")
+    ] = 1.0,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "warning",
 ) -> None:
@@ -563,6 +577,8 @@ def engine_sim(
         fail("--prefix-cache-blocks must be 0 or more")
     if max_model_len < 2:
         fail("--max-model-len must be at least 2")
+    if sleep_delay < 0 or wake_delay < 0:
+        fail("--sleep-delay and --wake-delay are seconds: 0 or more")
     configure_logging(log_level)
     settings = SimSettings(
         model=model,
@@ -577,6 +593,9 @@ def engine_sim(
         prefix_cache_blocks=prefix_cache_blocks,
         max_model_len=max_model_len,
         otlp_endpoint=otlp_endpoint,
+        sleep_mode=sleep_mode,
+        sleep_delay=sleep_delay,
+        wake_delay=wake_delay,
     )
     run_fast(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
 

@@ -15,7 +15,7 @@ from .router_kit import serving
 
 
 def client(**kw: object) -> httpx.AsyncClient:
-    settings = SimSettings(model="m", ttft=0.0, itl=0.0, **kw)  # type: ignore[arg-type]
+    settings = SimSettings(**{"model": "m", "ttft": 0.0, "itl": 0.0, **kw})  # type: ignore[arg-type]
     return httpx.AsyncClient(
         transport=httpx.ASGITransport(app=create_app(settings)), base_url="http://sim"
     )
@@ -221,5 +221,41 @@ def test_a_chat_streams_role_comes_with_its_first_token() -> None:
             assert events[0]["choices"][0]["delta"]["role"] == "assistant"
             assert events[1]["choices"][0]["delta"]["content"]  # the first token, together
             assert waited >= 0.3  # nothing came before the first token was made
+
+    run(go())
+
+
+def test_sleep_mode_lets_running_requests_end_refuses_while_asleep_and_wakes_after_its_delay() -> (
+    None
+):
+    """vLLM's sleep endpoints, as the sleeping tier uses them: a sleep asked for while a
+    request runs lets it end whole, then the engine sleeps; requests meanwhile get 503; a wake
+    takes the wake delay (twice it from level 2); without --enable-sleep-mode there are no
+    such endpoints."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 5}
+
+    async def go() -> None:
+        async with client(sleep_mode=True, sleep_delay=0.05, wake_delay=0.1, itl=0.02) as c:
+            assert (await c.get("/is_sleeping")).json() == {"is_sleeping": False}
+            running = asyncio.ensure_future(c.post("/v1/chat/completions", json=chat))
+            await asyncio.sleep(0.02)  # it has started
+            slept = await c.post("/sleep", params={"level": "1"})
+            assert slept.status_code == 200
+            done = await running
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 5
+            assert (await c.get("/is_sleeping")).json() == {"is_sleeping": True}
+            refused = await c.post("/v1/chat/completions", json=chat)
+            assert refused.status_code == 503 and "asleep" in refused.text
+            asked = time.monotonic()
+            assert (await c.post("/wake_up")).status_code == 200
+            assert time.monotonic() - asked >= 0.1
+            assert (await c.post("/v1/chat/completions", json=chat)).status_code == 200
+            assert (await c.post("/sleep", params={"level": "3"})).status_code == 400
+            assert (await c.post("/sleep", params={"level": "2"})).status_code == 200
+            asked = time.monotonic()
+            assert (await c.post("/wake_up")).status_code == 200
+            assert time.monotonic() - asked >= 0.2  # the weights reload
+        async with client() as plain:
+            assert (await plain.post("/sleep")).status_code == 404
 
     run(go())

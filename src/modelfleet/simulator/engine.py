@@ -49,6 +49,12 @@ class SimSettings:
     # Where its spans go by OTLP over HTTP (a collector's traces URL): one per request, the
     # child of the `traceparent` it came with. None: none are recorded.
     otlp_endpoint: str | None = None
+    # vLLM's sleep mode (--enable-sleep-mode): POST /sleep?level=1|2 frees the GPU memory and
+    # keeps the process, POST /wake_up brings it back; these are the seconds each takes (a
+    # level-2 sleep dropped the weights too: waking reloads them, twice the wake delay).
+    sleep_mode: bool = False
+    sleep_delay: float = 0.2
+    wake_delay: float = 1.0
 
 
 def count_prompt_tokens(text: str) -> int:
@@ -91,6 +97,19 @@ class PrefixCache:
         return cached
 
 
+@dataclass
+class SleepState:
+    """Whether the engine sleeps, at which level, and whether it is on its way in or out."""
+
+    asleep: bool = False
+    level: int = 0
+    changing: str = ""  # "falling asleep", "waking up", or "" when neither
+
+    @property
+    def serving(self) -> bool:
+        return not (self.asleep or self.changing)
+
+
 class SimEngine:
     """The simulated engine's state: what is running, what waits, what was produced."""
 
@@ -104,6 +123,34 @@ class SimEngine:
         self.requests_total = 0
         self.cancelled_total = 0  # requests given up by their client before their end
         self.prefix_cache = PrefixCache(settings.prefix_block, settings.prefix_cache_blocks)
+        self.sleep = SleepState()
+
+    async def fall_asleep(self, level: int) -> None:
+        """vLLM's sleep: new requests are refused from now on; once those running and waiting
+        have ended, the memory is freed (`sleep_delay`)."""
+        state = self.sleep
+        if state.asleep or state.changing:
+            return
+        state.changing, state.level = "falling asleep", level
+        try:
+            while self.running or self.waiting:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(self.settings.sleep_delay)
+            state.asleep = True
+        finally:
+            state.changing = ""
+
+    async def wake_up(self) -> None:
+        """Back to serving, after the wake delay (twice it from level 2: the weights reload)."""
+        state = self.sleep
+        if not state.asleep or state.changing:
+            return
+        state.changing = "waking up"
+        try:
+            await asyncio.sleep(self.settings.wake_delay * (2 if state.level == 2 else 1))
+            state.asleep = False
+        finally:
+            state.changing = ""
 
     async def generate(self, prompt: str, max_tokens: int | None) -> AsyncIterator[str]:
         """Yield the output tokens for `prompt`, each after its simulated delay."""

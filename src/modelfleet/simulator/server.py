@@ -181,6 +181,24 @@ def create_app(settings: SimSettings) -> Starlette:
             param="model",
         )
 
+    async def sleep(request: Request) -> Response:
+        level = request.query_params.get("level", "1")
+        if level not in ("1", "2"):
+            return error_response(400, f"level {level!r}: 1 or 2", "invalid_request_error")
+        if engine.sleep.changing:
+            return error_response(409, f"the engine is {engine.sleep.changing}", "conflict")
+        await engine.fall_asleep(int(level))
+        return Response(status_code=200)
+
+    async def wake_up(_: Request) -> Response:
+        if engine.sleep.changing:
+            return error_response(409, f"the engine is {engine.sleep.changing}", "conflict")
+        await engine.wake_up()
+        return Response(status_code=200)
+
+    async def is_sleeping(_: Request) -> Response:
+        return json_response({"is_sleeping": not engine.sleep.serving})
+
     async def not_found(request: Request, _: Exception) -> Response:
         return error_response(
             404, f"Unknown path: {request.method} {request.url.path}", "invalid_request_error"
@@ -194,6 +212,12 @@ def create_app(settings: SimSettings) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
     ]
+    if settings.sleep_mode:  # vLLM's sleep endpoints exist only with --enable-sleep-mode
+        routes += [
+            Route("/sleep", sleep, methods=["POST"]),
+            Route("/wake_up", wake_up, methods=["POST"]),
+            Route("/is_sleeping", is_sleeping),
+        ]
     sink: SpanSink | None = None
     if settings.otlp_endpoint is not None:
         from modelfleet.otlp import OtlpSink  # the SDK, loaded only when spans are sent
@@ -239,6 +263,11 @@ async def _complete(request: Request, engine: SimEngine, chat: bool) -> Response
             max_tokens = max_len - n_prompt  # what the context has room for
     except BadRequest as exc:
         return error_response(400, str(exc), "invalid_request_error", param=exc.param)
+    if not engine.sleep.serving:
+        state = engine.sleep.changing or "asleep"
+        return error_response(
+            503, f"The engine is {state}: POST /wake_up first.", "service_unavailable"
+        )
     if body["model"] != engine.settings.model:
         return error_response(
             404,
