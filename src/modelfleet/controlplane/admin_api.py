@@ -7,7 +7,7 @@ describes them all. Every error answer is an `ErrorAnswer` (`{"error": ...}`).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -123,37 +123,36 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         return _error(exc.status, exc.answer)
 
     @app.middleware("http")
-    async def only_the_leader_writes(request: Request, call_next: Any) -> Response:
+    async def only_the_leader_writes(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
         """A change made through a follower would race the leader's: redirected to the leader
         (307, the same method and body), or refused naming it while it has not said where it
         is reached, and for the dashboard (its sign-in cookie is this origin's). Reads of
         what runs (LIVE_STATE) are redirected to the leader too."""
         path = request.url.path
-        signing = path in ("/ui/login", "/ui/logout")
-        live = request.method in READ_METHODS and path.startswith(LIVE_STATE)
-        if live and not cp.acting() and cp.leadership.leader_url("admin") is not None:
-            location = str(cp.leadership.leader_url("admin")).rstrip("/") + path
+        reading = request.method in READ_METHODS
+        if cp.acting() or (reading and not path.startswith(LIVE_STATE)):
+            return await call_next(request)
+        if path in ("/ui/login", "/ui/logout"):
+            return await call_next(request)
+        url = cp.leadership.leader_url("admin")
+        if url is not None and not path.startswith("/ui/"):
+            location = url.rstrip("/") + path
             if request.url.query:
                 location += "?" + request.url.query
-            said = admin.ErrorAnswer(error="this control plane follows; what runs is the leader's")
+            why = "what runs is the leader's" if reading else f"the leader is {url}"
+            said = admin.ErrorAnswer(error=f"this control plane follows; {why}")
             return _error(307, said, {"location": location})
-        if request.method not in READ_METHODS and not signing and not cp.acting():
-            leader = cp.leadership.leader or "none yet"
-            url = cp.leadership.leader_url("admin")
-            if url is not None and not path.startswith("/ui/"):
-                location = url.rstrip("/") + path
-                if request.url.query:
-                    location += "?" + request.url.query
-                said = admin.ErrorAnswer(error=f"this control plane follows; the leader is {url}")
-                return _error(307, said, {"location": location})
-            answer = admin.ErrorAnswer(
-                error=f"this control plane follows (the leader is {leader}"
-                + (f" at {url}" if url else "")
-                + "); send changes to the leader"
-            )
-            return _error(503, answer, {"retry-after": "1"})
-        response: Response = await call_next(request)
-        return response
+        if reading:  # what runs, with no leader to ask: this one's own (empty) view
+            return await call_next(request)
+        leader = cp.leadership.leader or "none yet"
+        answer = admin.ErrorAnswer(
+            error=f"this control plane follows (the leader is {leader}"
+            + (f" at {url}" if url else "")
+            + "); send changes to the leader"
+        )
+        return _error(503, answer, {"retry-after": "1"})
 
     async def metrics(request: Request) -> Response:
         """The control plane's Prometheus metrics (`controlplane/metrics.py`): the admin token
