@@ -181,9 +181,24 @@ class PendingInfo(_Answer):
     nodes: list[NodeVerdict]
 
 
+class ScaleInfo(_Answer):
+    """A model that follows its load: its count now, its bounds, and why."""
+
+    model: str
+    replicas: int  # the count the control plane keeps now
+    min: int
+    max: int
+    target_in_flight: float  # requests per replica it scales to
+    reason: str  # why the count was last set, with the numbers that set it
+    since: float | None = None  # wall-clock seconds it was set at; None: never decided yet
+    load: float | None = None  # requests it carries, as last read (the leader's only)
+    now: str = ""  # what the last decision said (the leader's only)
+
+
 class ReplicasAnswer(_Answer):
     replicas: list[ReplicaInfo]
     pending: list[PendingInfo]
+    scaling: list[ScaleInfo] = Field(default_factory=list)
 
 
 # -- catalog -------------------------------------------------------------------------------
@@ -322,6 +337,7 @@ class StatusAnswer(_Answer):
     leader: str = ""  # who holds the lease, as last seen
     lease_epoch: int = 0
     control_planes: list[ControlPlaneInfo] = Field(default_factory=list)
+    scaling: list[ScaleInfo] = Field(default_factory=list)  # the models that follow their load
 
 
 # -- routing -------------------------------------------------------------------------------

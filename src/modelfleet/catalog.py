@@ -23,6 +23,8 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     StringConstraints,
@@ -30,7 +32,8 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from modelfleet.units import BadSize, parse_size
+from modelfleet.autoscale import Policy
+from modelfleet.units import BadDuration, BadSize, parse_duration, parse_size
 
 Engine = Literal["vllm", "sglang", "llamacpp", "sim", "command"]
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -44,6 +47,10 @@ OverCap = Literal["reject", "clamp"]
 OVER_CAPS: tuple[str, ...] = get_args(OverCap)
 # Keys read by the routers only: changing them re-routes, never restarts an engine.
 _ROUTER_KEYS = ("routing", "first_byte_timeout", "max_tokens_cap", "max_tokens_over_cap")
+# Keys of a model that follows its load: the control plane and the routers read them; changing
+# them changes the replica count and how requests are held, never an engine.
+_SCALING_KEYS = ("autoscale", "cold_queue", "cold_timeout")
+DEFAULT_COLD_QUEUE = 256
 _TOP_KEYS = ("models",)
 
 
@@ -117,9 +124,31 @@ class ModelSpec:
     first_byte_timeout: float | None = None
     max_tokens_cap: int | None = None
     max_tokens_over_cap: OverCap = "reject"
+    # A model that follows its load: its replica count is the control plane's, within these
+    # bounds (`replicas` is then the least, `autoscale.min`). At zero replicas a router holds
+    # up to `cold_queue` of its requests for up to `cold_timeout` seconds while one starts.
+    autoscale: Policy | None = None
+    cold_queue: int = DEFAULT_COLD_QUEUE
+    cold_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
 
     def to_dict(self) -> dict[str, Any]:
         """The model as plain data, in the catalog file's own keys."""
+        if self.autoscale is not None:
+            a = self.autoscale
+            scaling: dict[str, Any] = {
+                "autoscale": {
+                    "min": a.min,
+                    "max": a.max,
+                    "target_in_flight": a.target_in_flight,
+                    "scale_up_after": a.scale_up_after,
+                    "scale_down_after": a.scale_down_after,
+                    "scale_to_zero_after": a.scale_to_zero_after,
+                },
+                "cold_queue": self.cold_queue,
+                "cold_timeout": self.cold_timeout,
+            }
+        else:
+            scaling = {"replicas": self.replicas}
         return {
             "name": self.name,
             "engine": self.engine,
@@ -127,7 +156,7 @@ class ModelSpec:
             "args": list(self.args),
             "env": dict(self.env),
             "command": self.command,
-            "replicas": self.replicas,
+            **scaling,
             "shards": self.shards,
             "gpus_per_shard": self.gpus_per_shard,
             "gpu_memory": self.gpu_memory,
@@ -151,10 +180,10 @@ class ModelSpec:
         the replica count alone only scales.
         """
         data = self.to_dict()
-        for key in ("replicas", "placement", "node_labels", "startup_timeout", "max_parallel"):
+        for key in ("placement", "node_labels", "startup_timeout", "max_parallel"):
             data.pop(key)
-        for key in _ROUTER_KEYS:
-            data.pop(key)
+        for key in ("replicas", *_SCALING_KEYS, *_ROUTER_KEYS):
+            data.pop(key, None)
         return _digest(data)
 
 
@@ -271,7 +300,32 @@ def _size(value: object) -> int:
         raise PydanticCustomError("size", str(exc)) from exc
 
 
+def _duration(value: object) -> object:
+    """A duration as a number of seconds, or as text such as "300s" or "10m"."""
+    if isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except BadDuration as exc:
+            raise PydanticCustomError("duration", str(exc)) from exc
+    return value
+
+
+_Seconds = Annotated[float, BeforeValidator(_duration)]
 _Text = Annotated[str, StringConstraints(strip_whitespace=False, min_length=1, pattern=r"\S")]
+
+
+class _AutoscaleInput(BaseModel):
+    """A model's `autoscale` mapping as a catalog file writes it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    min: NonNegativeInt = 0
+    max: PositiveInt
+    target_in_flight: PositiveFloat
+    scale_up_after: Annotated[_Seconds, Field(ge=0)] = 2.0
+    scale_down_after: Annotated[_Seconds, Field(ge=0)] = 300.0
+    scale_to_zero_after: Annotated[_Seconds, Field(ge=0)] = 600.0
+
+
 _Scalar = str | int | float  # YAML reads `8192` and `0.9` as numbers; they are kept as text
 
 
@@ -298,9 +352,13 @@ class _ModelInput(BaseModel):
     first_byte_timeout: PositiveFloat | None = None
     max_tokens_cap: PositiveInt | None = None
     max_tokens_over_cap: OverCap = "reject"
+    autoscale: _AutoscaleInput | None = None
+    cold_queue: PositiveInt = DEFAULT_COLD_QUEUE
+    cold_timeout: Annotated[_Seconds, Field(gt=0)] | None = None
 
 
 _MODEL_KEYS = tuple(_ModelInput.model_fields)
+_AUTOSCALE_KEYS = tuple(_AutoscaleInput.model_fields)
 
 # What each field must be, said to an operator whose value pydantic refused.
 _EXPECTED = {
@@ -321,12 +379,36 @@ _EXPECTED = {
     "first_byte_timeout": "must be a positive number of seconds",
     "max_tokens_cap": "must be a positive integer",
     "max_tokens_over_cap": f"must be one of {', '.join(OVER_CAPS)}",
+    "autoscale": (
+        "must be a mapping of min, max, target_in_flight, scale_up_after, scale_down_after, "
+        "scale_to_zero_after"
+    ),
+    "cold_queue": "must be a positive integer (requests held per router while none serves)",
+    "cold_timeout": "must be a positive duration, such as 120 or 2m",
+}
+_AUTOSCALE_EXPECTED = {
+    "min": "must be an integer of at least 0",
+    "max": "must be a positive integer",
+    "target_in_flight": "must be a positive number (requests in flight per replica)",
+    "scale_up_after": "must be a duration of at least 0, such as 2 or 2s",
+    "scale_down_after": "must be a duration of at least 0, such as 300 or 5m",
+    "scale_to_zero_after": "must be a duration of at least 0, such as 600 or 10m",
 }
 
 
 def _problem_message(key: str, error: ErrorDetails, raw: Mapping[str, Any]) -> str:
     """What an operator reads for pydantic's `error` about field `key` of model `raw`."""
     kind = error["type"]
+    if key == "autoscale" and len(error["loc"]) > 1 and isinstance(raw.get(key), Mapping):
+        inner = str(error["loc"][1])
+        if kind == "extra_forbidden":
+            return f"{inner}: {_unknown_key_message(inner, _AUTOSCALE_KEYS)}"
+        if kind == "missing":
+            return f"{inner}: missing"
+        if kind == "duration":
+            return f"{inner}: {error['msg']}"
+        expected = _AUTOSCALE_EXPECTED.get(inner, error["msg"])
+        return f"{inner}: {expected}, got {_REPR.repr(raw[key].get(inner))}"
     if kind == "extra_forbidden":
         return _unknown_key_message(key, _MODEL_KEYS)
     if kind == "missing":
@@ -336,7 +418,7 @@ def _problem_message(key: str, error: ErrorDetails, raw: Mapping[str, Any]) -> s
         close = difflib.get_close_matches(engine, ENGINES, n=1) if isinstance(engine, str) else []
         hint = f"; did you mean '{close[0]}'?" if close else ""
         return f"unknown engine {_REPR.repr(engine)}; one of {', '.join(ENGINES)}{hint}"
-    if key == "gpu_memory":
+    if key == "gpu_memory" or kind == "duration":
         return error["msg"]
     return f"{_EXPECTED.get(key, error['msg'])}, got {_REPR.repr(raw.get(key))}"
 
@@ -364,11 +446,13 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
     try:
         model = _ModelInput.model_validate(raw)
     except ValidationError as exc:
-        seen: set[str] = set()
+        seen: set[tuple[str, str]] = set()  # one problem per field (of autoscale: each of its)
         for error in exc.errors():
-            key = _clip(str(error["loc"][0]), 80) if error["loc"] else "-"
-            if key not in seen:
-                seen.add(key)
+            loc = error["loc"]
+            key = _clip(str(loc[0]), 80) if loc else "-"
+            field_of = (key, str(loc[1]) if key == "autoscale" and len(loc) > 1 else "")
+            if field_of not in seen:
+                seen.add(field_of)
                 problems.append(Problem(label, key, _problem_message(key, error, raw)))
         return None
 
@@ -388,6 +472,19 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         problem("command", f"only engine 'command' takes a command template, not {model.engine!r}")
     if model.engine == "llamacpp" and model.shards > 1:
         problem("shards", f"engine 'llamacpp' runs one shard per replica, got {model.shards}")
+    scaling = model.autoscale
+    if scaling is not None and "replicas" in raw:
+        problem(
+            "replicas",
+            "a model with autoscale has no fixed count: autoscale's min and max bound the "
+            "replicas the control plane runs; give one or the other",
+        )
+    if scaling is not None and scaling.min > scaling.max:
+        problem("autoscale", f"min ({scaling.min}) is more than max ({scaling.max})")
+    if scaling is None:
+        for key in ("cold_queue", "cold_timeout"):
+            if key in raw:
+                problem(key, "only a model with autoscale holds requests while it has no replica")
     if len(problems) > before:
         return None
     return ModelSpec(
@@ -397,7 +494,7 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         args=tuple(str(a) for a in model.args),
         env=MappingProxyType({k: str(v) for k, v in model.env.items()}),
         command=model.command,
-        replicas=model.replicas,
+        replicas=model.replicas if scaling is None else scaling.min,
         shards=model.shards,
         gpus_per_shard=model.gpus_per_shard,
         gpu_memory=model.gpu_memory,
@@ -412,4 +509,18 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         ),
         max_tokens_cap=model.max_tokens_cap,
         max_tokens_over_cap=model.max_tokens_over_cap,
+        autoscale=None
+        if scaling is None
+        else Policy(
+            min=scaling.min,
+            max=scaling.max,
+            target_in_flight=float(scaling.target_in_flight),
+            scale_up_after=float(scaling.scale_up_after),
+            scale_down_after=float(scaling.scale_down_after),
+            scale_to_zero_after=float(scaling.scale_to_zero_after),
+        ),
+        cold_queue=model.cold_queue,
+        cold_timeout=float(
+            model.startup_timeout if model.cold_timeout is None else model.cold_timeout
+        ),
     )

@@ -110,6 +110,8 @@ def plan(
     lost_after: float | None = None,
     models: Collection[str] | None = None,
     moving: Mapping[str, str] = MappingProxyType({}),
+    wanted: Mapping[str, int] = MappingProxyType({}),
+    load: Mapping[str, float] = MappingProxyType({}),
 ) -> Plan:
     """Decide one pass.
 
@@ -129,6 +131,10 @@ def plan(
 
     `moving` maps replicas an operator asked to move (`rebalance`) to why: each serving one
     is replaced as a drain replaces one, make-before-break and `max_parallel` at a time.
+
+    `wanted` gives the replica count of the models that follow their load (`autoscale`), in
+    place of the catalog's; `load` the requests each replica carries, so that a scale-down
+    takes the least loaded one.
     """
     stops: list[StopReplica] = []
     new: list[NewReplica] = []
@@ -194,12 +200,14 @@ def plan(
         failed,
         avoid,
         moving,
+        load,
     )
     for spec in catalog.models:
         if models is not None and spec.name not in models:
             continue
+        count = wanted.get(spec.name, spec.replicas)
         model_stops, model_new, model_pending = _plan_model(
-            spec, by_model.get(spec.name, []), shared
+            spec, count, by_model.get(spec.name, []), shared
         )
         stops += model_stops
         new += model_new
@@ -223,11 +231,13 @@ class _Pass:
     failed: Mapping[str, str]
     avoid: Mapping[str, Mapping[str, str]]
     moving: Mapping[str, str]
+    load: Mapping[str, float]  # replica id -> requests it carries
 
 
 def _plan_model(
-    spec: ModelSpec, replicas: list[Replica], shared: _Pass
+    spec: ModelSpec, count: int, replicas: list[Replica], shared: _Pass
 ) -> tuple[list[StopReplica], list[NewReplica], Pending | None]:
+    """The changes for one model of `count` replicas wanted."""
     serving, now = shared.serving, shared.now
     stops: list[StopReplica] = []
 
@@ -268,12 +278,16 @@ def _plan_model(
     outdated = [r for r in kept if r.engine_digest != spec.engine_digest]
 
     # Too many up-to-date replicas: stop the surplus, those not yet serving first, then the
-    # newest, so the longest-serving ones stay.
-    if len(current) > spec.replicas:
-        ranked = sorted(current, key=lambda r: (r.id in serving, -r.created, r.id))
-        for surplus in ranked[: len(current) - spec.replicas]:
-            stops.append(StopReplica(surplus.id, f"scaled down to {spec.replicas}"))
-        current = ranked[len(current) - spec.replicas :]
+    # least loaded, then the newest, so the longest-serving ones stay. A stop is a drain: the
+    # replica leaves the routers' tables, then its engine finishes what it has in flight.
+    if len(current) > count:
+        load = shared.load
+        ranked = sorted(
+            current, key=lambda r: (r.id in serving, load.get(r.id, 0.0), -r.created, r.id)
+        )
+        for surplus in ranked[: len(current) - count]:
+            stops.append(StopReplica(surplus.id, f"scaled down to {count}"))
+        current = ranked[len(current) - count :]
 
     # Replicas to replace (evicted, then the oldest outdated: engine or arguments changed) go
     # make-before-break: an old replica leaves only while the serving ones left still reach
@@ -288,12 +302,12 @@ def _plan_model(
     going += [(r, "engine or arguments changed", False) for r in serving_outdated]
     replaced = [f"replaces {r.id} ({why})" for r, why, _ in going]
     serving_current = sum(1 for r in current if r.id in serving)
-    while going and serving_current + len(going) > spec.replicas:
+    while going and serving_current + len(going) > count:
         replica, why, _ = going.pop(0)
         stops.append(StopReplica(replica.id, why))
 
     new: list[NewReplica] = []
-    missing = spec.replicas - len(current)
+    missing = count - len(current)
     held_back = sum(1 for _, _, lost in going if not lost)
     if held_back:
         shortfall = max(0, missing - held_back)
@@ -326,7 +340,7 @@ def _plan_model(
         if placed_so_far < len(replaced):
             reason = replaced[placed_so_far]
         else:
-            reason = f"{spec.replicas} wanted, {len(current) + placed_so_far} up to date"
+            reason = f"{count} wanted, {len(current) + placed_so_far} up to date"
         reason += f"; {spec.placement}: {RULES[spec.placement]}"
         new.append(NewReplica(spec.name, spec.engine_digest, shards, reason))
         on_node.update(s.node for s in shards)
@@ -363,6 +377,7 @@ def preview(
     now: float,
     stale_after: float,
     max_passes: int = 256,
+    wanted: Mapping[str, int] = MappingProxyType({}),
 ) -> Preview:
     """Run `plan` pass after pass until nothing changes, as if every new replica served at once
     and every stopped one let go of its GPUs one pass after it was stopped.
@@ -377,7 +392,14 @@ def preview(
     started = 0
     for step in range(1, max_passes + 1):
         last = plan(
-            catalog, list(table.values()), set(table), nodes, set(busy) | freeing, now, stale_after
+            catalog,
+            list(table.values()),
+            set(table),
+            nodes,
+            set(busy) | freeing,
+            now,
+            stale_after,
+            wanted=wanted,
         )
         if not last.changes:
             break

@@ -230,6 +230,13 @@ class RoutedModel(_Message):
     first_byte_timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     max_tokens_cap: int | None = Field(default=None, ge=1)
     max_tokens_over_cap: OverCap = "reject"
+    # A model that follows its load (`autoscale`): the requests in flight each replica is
+    # meant to carry. With no serving replica, a router holds up to `cold_queue` of its
+    # requests for up to `cold_timeout` seconds while the control plane starts one, and
+    # releases them at most `target_in_flight` to a replica. None: a fixed count.
+    target_in_flight: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    cold_queue: int = Field(default=256, ge=1)
+    cold_timeout: float = Field(default=600.0, gt=0, allow_inf_nan=False)
 
 
 class RoutedKey(_Message):
@@ -263,6 +270,24 @@ class RoutingAck(_Message):
     applied: bool
     epoch: int = 0
     version: int
+
+
+class ModelLoad(_Message):
+    """What one router sees of one model's load (`GET /v1/load`)."""
+
+    in_flight: int = Field(default=0, ge=0)  # its requests at the model's replicas now
+    held: int = Field(default=0, ge=0)  # its requests held while no replica serves
+    # Requests running and waiting at the model's engines, from every router and client, as
+    # this router last read the engines' metrics.
+    engines: int = Field(default=0, ge=0)
+    # replica id -> [this router's requests at it, its engine's own count as last read]
+    replicas: dict[str, tuple[int, int]] = Field(default_factory=dict)
+
+
+class LoadReport(_Message):
+    """A router's load per model, read by the leading control plane every second."""
+
+    models: dict[str, ModelLoad] = Field(default_factory=dict)
 
 
 class UsageRow(_Message):

@@ -506,9 +506,9 @@ def test_a_slow_preview_and_a_hung_router_hold_up_neither_reports_nor_passes(
     release = threading.Event()
     real = plane.preview
 
-    def slow(*args: Any) -> Any:
+    def slow(*args: Any, **kwargs: Any) -> Any:
         assert release.wait(20), "the test did not release the preview"
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(plane, "preview", slow)
     never = asyncio.Event()

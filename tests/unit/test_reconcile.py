@@ -360,3 +360,25 @@ def test_replicas_of_a_revoked_node_are_replaced_as_a_lost_nodes_and_it_freezes_
     table = [replica("r0", "a", digest, "n0", 0), replica("r1", "a", digest, "n1", 0)]
     p = plan(c, table, {"r0", "r1"}, silent, set(), NOW, 10, lost_after=60)
     assert "every node has been silent" in p.frozen and not p.stop
+
+
+def test_a_model_that_follows_its_load_gets_the_autoscaler_count_and_loses_its_least_loaded() -> (
+    None
+):
+    c = catalog({"name": "a", "autoscale": {"min": 0, "max": 4, "target_in_flight": 2}})
+    digest = c.models[0].engine_digest
+    assert c.models[0].replicas == 0  # the least the control plane keeps, before any decision
+    p = plan(c, [], set(), nodes(), set(), NOW, 10, wanted={"a": 3})
+    assert len(p.new) == 3 and all("3 wanted" in n.reason for n in p.new)
+
+    table = [replica(f"a-{i}", "a", digest, gpu=i, created=float(i)) for i in range(3)]
+    serving = {r.id for r in table}
+    load = {"a-0": 5.0, "a-1": 0.0, "a-2": 3.0}
+    p = plan(c, table, serving, nodes(), set(), NOW, 10, wanted={"a": 2}, load=load)
+    assert [(s.replica_id, s.reason) for s in p.stop] == [("a-1", "scaled down to 2")]
+    # Without loads, the newest goes, as for a fixed count.
+    p = plan(c, table, serving, nodes(), set(), NOW, 10, wanted={"a": 2})
+    assert [s.replica_id for s in p.stop] == ["a-2"]
+    # To zero: every replica goes.
+    p = plan(c, table, serving, nodes(), set(), NOW, 10, wanted={"a": 0})
+    assert sorted(s.replica_id for s in p.stop) == ["a-0", "a-1", "a-2"] and not p.new

@@ -246,7 +246,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     @app.get("/v1/replicas", responses=_errors())
     async def replicas() -> admin.ReplicasAnswer:
         """The replicas, their shards and state, and what is pending and why."""
-        return views.replicas(cp.state, cp.catalogs.current)
+        return views.replicas(cp.state, cp.catalogs.current, cp.autoscaler)
 
     @app.get("/v1/replicas/{replica:path}", responses=_errors(404))
     async def replica(replica: str) -> admin.ReplicaInfo:
@@ -350,6 +350,8 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     async def status() -> admin.StatusAnswer:
         """Whether the control plane is settling, how many passes it made, what is current."""
         state = cp.state
+        if not cp.acting():  # the leader's counts, as it last stored them
+            cp.autoscaler.reload()
         return admin.StatusAnswer(
             settling=cp.settling(cp.clock.monotonic()),
             reconcile_passes=cp.passes,
@@ -370,6 +372,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             leader=cp.leadership.leader,
             lease_epoch=cp.leadership.epoch,
             control_planes=_control_planes(cp),
+            scaling=views.scaling(cp.autoscaler, cp.catalogs.current),
         )
 
     @app.get("/v1/routing", responses=_errors())

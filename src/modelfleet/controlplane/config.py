@@ -85,6 +85,9 @@ class ControlPlaneConfig(BaseModel):
     lease_ttl: float = Field(default=3.0, gt=0)
     # How often the routers' numbers are read for the dashboard's plots (an hour is kept).
     series_interval: float = Field(default=10.0, gt=0)
+    # How often the counts of models that follow their load are decided (and at once when a
+    # router's load comes: it answers every second, or when a cold model gets a request).
+    autoscale_interval: float = Field(default=0.25, gt=0)
     catalog_poll_interval: float = Field(default=0.25, gt=0)
     # How long a replica taken out of service waits for every router to confirm a routing table
     # without it before its engine is stopped anyway.

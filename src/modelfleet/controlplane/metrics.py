@@ -141,12 +141,23 @@ class _FleetCollector(Collector):
 
         desired = GaugeMetricFamily(
             "modelfleet_controlplane_replicas_desired",
-            "Replicas the catalog asks for, by model.",
+            "Replicas wanted, by model: the catalog's count, or the autoscaler's for a model "
+            "that follows its load.",
             labels=["model"],
         )
+        scaled = cp.autoscaler.wanted(catalog)
         for spec in catalog.models:
-            desired.add_metric([spec.name], spec.replicas)
+            desired.add_metric([spec.name], scaled.get(spec.name, spec.replicas))
         yield desired
+        load = GaugeMetricFamily(
+            "modelfleet_controlplane_model_load",
+            "Requests a model that follows its load carries, as the autoscaler last read it "
+            "from the routers (in flight, waiting and held).",
+            labels=["model"],
+        )
+        for model, (n, _) in sorted(cp.autoscaler.lately.items()):
+            load.add_metric([model], n)
+        yield load
 
         pending = GaugeMetricFamily(
             "modelfleet_controlplane_replicas_pending",

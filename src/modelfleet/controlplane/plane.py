@@ -26,6 +26,7 @@ import httpx
 from modelfleet.catalog import Catalog
 from modelfleet.clock import SYSTEM_CLOCK, Clock
 from modelfleet.controlplane.assignments import Assignments
+from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.catalogs import Applied, CatalogKeeper
 from modelfleet.controlplane.config import (
     DEFAULT_SETTLE_FOR_S,
@@ -36,6 +37,7 @@ from modelfleet.controlplane.config import (
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.keys import KeyBook
 from modelfleet.controlplane.leadership import Leadership, holder_name
+from modelfleet.controlplane.loads import LoadCollector
 from modelfleet.controlplane.logs import LogRelay
 from modelfleet.controlplane.membership import Membership, MembershipRefused
 from modelfleet.controlplane.metrics import ControlPlaneMetrics
@@ -104,10 +106,12 @@ class ControlPlane:
             config.routers, self._http, self.store, config.usage_interval, clock.time
         )
         self.series = RouterSeries(config.routers, self._http, config.series_interval, clock.time)
+        self.loads = LoadCollector(config.routers, self._http, clock.monotonic)
         self.metrics = ControlPlaneMetrics()
         self.events = EventLog(
             self.store, clock.time, source=f"control-plane {holder_name(config.state_dir)}"
         )
+        self.autoscaler = Autoscaler(self.store, self.events, clock.time)
         self._silent: dict[str, set[str]] = {"stale": set(), "lost": set()}
         self._drained: set[str] = set()  # draining nodes told drained
         self.publisher = Publisher(
@@ -120,6 +124,7 @@ class ControlPlane:
             acting=self.acting,
         )
         self.usage.acting = self.acting
+        self.loads.acting = self.acting
         self.leadership = Leadership(
             self.store,
             holder_name(config.state_dir),
@@ -229,6 +234,7 @@ class ControlPlane:
             self.state.set_mark(node, NodeMark(Mark.NONE, None))
         self._load_marks()
         self.catalogs.reload()
+        self.autoscaler.reload()
 
     def _load_marks(self) -> None:
         """Marks persist: take them from the store, deadlines moved onto the monotonic clock."""
@@ -372,9 +378,10 @@ class ControlPlane:
         """
         s = self.state
         args = (catalog, s.planned(), s.node_list(), s.busy_slots(), self.clock.monotonic())
+        wanted = self.autoscaler.wanted(catalog)
 
         def work() -> Preview:
-            done = preview(*args, s.stale_after)
+            done = preview(*args, s.stale_after, wanted=wanted)
             for pending in done.pending:
                 _ = pending.explanation  # worked out here, not when the answer is built
             return done
@@ -459,6 +466,8 @@ class ControlPlane:
             timing.lost_after,
             models,
             s.moving,
+            self.autoscaler.wanted(catalog),
+            self.replica_loads(),
         )
         if decided.frozen != self.frozen:
             if decided.frozen:
@@ -503,6 +512,45 @@ class ControlPlane:
                     f"{p.model}` says why",
                 )
         self._due = self._next_due(now, timing)
+
+    def replica_loads(self) -> dict[str, float]:
+        """The requests each replica carries, as the routers last said (none: unknown)."""
+        loads = self.loads.loads(self.clock.monotonic()) or {}
+        return {rid: n for load in loads.values() for rid, n in load.replicas.items()}
+
+    def replacing(self) -> set[str]:
+        """Models with a replica being replaced: on a draining node, or being moved."""
+        s = self.state
+        draining = {n for n, m in s.marks.items() if m.mark is Mark.DRAINING}
+        models = set()
+        for rid, record in s.replicas.items():
+            if record.retiring:
+                continue
+            if rid in s.moving or any(p.node in draining for p in record.replica.shards):
+                models.add(record.replica.model)
+        return models
+
+    def autoscale_once(self, now: float) -> None:
+        """Decide the count of every model that follows its load; a change is planned at
+        once."""
+        if self.settling(now):
+            return
+        changed = self.autoscaler.step(
+            self.catalogs.current, self.loads.loads(now), now, self.replacing()
+        )
+        if changed:
+            self.replan()
+            self.wake()
+
+    async def autoscale_loop(self) -> None:
+        """Decide every `autoscale_interval` seconds, and at once when a router's load comes
+        (a cold model's first request answers its long poll at once)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.loads.news.wait(), self.config.autoscale_interval)
+            self.loads.news.clear()
+            if self.acting():
+                self.autoscale_once(self.clock.monotonic())
 
     def restart_groups(self) -> None:
         """Restart together every shard of each replica of several shards one shard of which

@@ -77,4 +77,7 @@ def _entry(state: FleetState, spec: ModelSpec) -> RoutedModel:
         first_byte_timeout=spec.first_byte_timeout,
         max_tokens_cap=spec.max_tokens_cap,
         max_tokens_over_cap=spec.max_tokens_over_cap,
+        target_in_flight=None if spec.autoscale is None else spec.autoscale.target_in_flight,
+        cold_queue=spec.cold_queue,
+        cold_timeout=spec.cold_timeout,
     )

@@ -151,6 +151,8 @@ async def serve(
             cp.catalog_loop,
             cp.usage.run,
             cp.series.run,
+            cp.loads.run,
+            cp.autoscale_loop,
             cp.watch.run,
             dashboard.run,
             lambda: keep_heap(cp),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from modelfleet import admin
 from modelfleet.catalog import Catalog, CatalogInvalid
+from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.records import ReplicaRecord
 from modelfleet.controlplane.state import FleetState
@@ -155,7 +156,35 @@ def replica_views(state: FleetState) -> list[admin.ReplicaInfo]:
     return [replica_view(state, r) for r in records]
 
 
-def replicas(state: FleetState, catalog: Catalog) -> admin.ReplicasAnswer:
+def scaling(autoscaler: Autoscaler, catalog: Catalog) -> list[admin.ScaleInfo]:
+    """The models of `catalog` that follow their load: count, bounds, and why."""
+    counts = autoscaler.wanted(catalog)
+    shown = []
+    for spec in catalog.models:
+        policy = spec.autoscale
+        if policy is None:
+            continue
+        scale = autoscaler.scales.get(spec.name)
+        load, now = autoscaler.lately.get(spec.name, (None, ""))
+        shown.append(
+            admin.ScaleInfo(
+                model=spec.name,
+                replicas=counts[spec.name],
+                min=policy.min,
+                max=policy.max,
+                target_in_flight=policy.target_in_flight,
+                reason=scale.reason if scale else "not decided yet: starts at min",
+                since=scale.at if scale else None,
+                load=load,
+                now=now,
+            )
+        )
+    return shown
+
+
+def replicas(
+    state: FleetState, catalog: Catalog, autoscaler: Autoscaler | None = None
+) -> admin.ReplicasAnswer:
     """Every replica and shard (log tails left out: a replica's own answer has them), and
     what is pending with every node's verdict."""
     listed = [
@@ -176,7 +205,8 @@ def replicas(state: FleetState, catalog: Catalog) -> admin.ReplicasAnswer:
                 nodes=[verdict(v) for v in p.explanation.verdicts],
             )
         )
-    return admin.ReplicasAnswer(replicas=listed, pending=pending)
+    scaled = [] if autoscaler is None else scaling(autoscaler, catalog)
+    return admin.ReplicasAnswer(replicas=listed, pending=pending, scaling=scaled)
 
 
 def explanation(

@@ -47,6 +47,7 @@ def print_status(data: admin.StatusAnswer, console: Console) -> None:
                 f"{plane.seen_ago_s:.1f}s ago",
             )
         console.print(table)
+    print_scaling(data.scaling, console)
     if data.frozen:
         console.print(f"warning: {data.frozen}", highlight=False)
     if data.store_problem:
@@ -155,6 +156,28 @@ def print_nodes(data: admin.NodesAnswer, console: Console) -> None:
         console.print(f"warning: {data.warning}", highlight=False)
 
 
+def print_scaling(scaling: list[admin.ScaleInfo], console: Console) -> None:
+    """The models that follow their load: count, bounds, target, load, and why."""
+    if not scaling:
+        return
+    table = Table("AUTOSCALED", "REPLICAS", "MIN..MAX", "TARGET", "LOAD", "WHY (SINCE)")
+    for s in scaling:
+        since = f" ({_when(s.since)})" if s.since is not None else ""
+        why = escape(s.reason) + since
+        if s.now and not s.now.startswith("steady"):
+            why += f"; now: {escape(s.now)}"
+        load = "-" if s.load is None else f"{s.load:g}"
+        table.add_row(
+            escape(s.model),
+            str(s.replicas),
+            f"{s.min}..{s.max}",
+            f"{s.target_in_flight:g}/replica",
+            load,
+            why,
+        )
+    console.print(table)
+
+
 def print_replicas(data: admin.ReplicasAnswer, console: Console) -> None:
     table = Table("REPLICA", "MODEL", "STATE", "SHARDS (node[gpus]: state)", "ENDPOINT", "ERROR")
     for r in data.replicas:
@@ -164,6 +187,7 @@ def print_replicas(data: admin.ReplicasAnswer, console: Console) -> None:
     for p in data.pending:
         table.add_row("-", p.model, f"pending x{p.count}", "-", "-", p.reason)
     console.print(table)
+    print_scaling(data.scaling, console)
 
 
 def print_explanation(data: admin.Explanation, console: Console) -> None:

@@ -37,6 +37,7 @@ from modelfleet.tracing import AttributeValue, SpanRecord, format_traceparent, n
 
 if TYPE_CHECKING:
     from modelfleet.router.balancer import Balancer
+    from modelfleet.router.cold import ColdHold
     from modelfleet.router.limits import Limits
     from modelfleet.router.metrics import RouterMetrics
     from modelfleet.router.table import ApiKey, RoutingTable
@@ -73,6 +74,7 @@ class Parts:
 
     settings: Settings
     balancer: Balancer
+    cold: ColdHold  # requests held for models with no replica serving
     upstreams: Upstreams
     limits: Limits
     metrics: RouterMetrics
@@ -141,6 +143,7 @@ class Plan:
     limited: bool  # the key has limits: the request is admitted before it is sent
     cost: int  # tokens reserved for the key's token limit
     prefix: bytes | None  # for prefix routing
+    first: str | None = None  # the endpoint to try first: the one a held request went to
 
 
 class Client(Protocol):
@@ -251,8 +254,18 @@ class Flight:
         """Send the request to the next replica to try, or answer that none could take it."""
         parts, plan, tried = self.parts, self.plan, self.tried
         assert plan is not None
+        if (
+            not tried
+            and plan.first is None
+            and (not plan.endpoints or parts.cold.waiting)
+            and parts.cold.take(self, plan.route, plan.endpoints)
+        ):
+            return
         while len(tried) <= parts.settings.retries:
-            endpoint = parts.balancer.pick(plan.endpoints, exclude=tried, prefix=plan.prefix)
+            if plan.first is not None and not tried:
+                endpoint: str | None = plan.first
+            else:
+                endpoint = parts.balancer.pick(plan.endpoints, exclude=tried, prefix=plan.prefix)
             if endpoint is None:
                 break
             if tried:
@@ -270,6 +283,19 @@ class Flight:
                 attempt.send(conn, reused=True)
             return
         self.refuse(self._exhausted())
+
+    def released(self, table: RoutingTable, endpoint: str | None) -> None:
+        """A held request goes on, to `endpoint` of `table` (None: the balancer's pick)."""
+        plan = self.plan
+        assert plan is not None
+        plan.table = table
+        plan.endpoints = table.models.get(plan.route.name, ())
+        plan.route = table.routes.get(plan.route.name, plan.route)
+        plan.first = endpoint
+        try:
+            self._next()
+        except Exception:
+            self.failed_in_callback()
 
     async def _connect(self, attempt: Attempt) -> None:
         """Send on a new connection: none was idle, or the idle one closed under the send."""
@@ -515,6 +541,11 @@ class Flight:
         if work is not None:  # a wait never begun
             self._work = None
             work.close()
+        cold = self.parts.cold
+        if cold.waiting:
+            cold.discard(self)
+            if self.plan is not None:  # what it leaves may be taken by one held
+                cold.release(self.plan.route.name)
         self.client.on_disconnect(None)
         if self.ticket is not None:
             self._settle(self.ticket)

@@ -191,7 +191,7 @@ class Proxy:
                     "over-max-tokens-cap",
                     param=exc.param,
                 )
-        if not endpoints:
+        if not endpoints and route.target_in_flight is None:  # else it is held (`cold.py`)
             return Refusal(
                 503,
                 f"No replica of `{model}` is ready now; try again shortly.",

@@ -1,8 +1,10 @@
 """The router's push API, which only the control plane uses (admin token): a routing table
 pushed whole (`PUT /v1/routing`), which table is held (`GET /v1/routing/held`), the table as
 held without engines' keys (`GET /v1/routing`), the usage counted since the last batch
-collected (`GET /v1/usage`, then `POST /v1/usage/ack`), and the process's own metrics
-(`GET /v1/metrics`: how the workers of one router sum theirs).
+collected (`GET /v1/usage`, then `POST /v1/usage/ack`), the process's own metrics
+(`GET /v1/metrics`: how the workers of one router sum theirs), and the load per model that
+autoscaling follows (`GET /v1/load?wait=S`, a long poll of up to S seconds that answers at
+once when a model with no replica gets a request).
 
 Written once for both kinds of router process: a router (`Router`) answers from itself, the
 parent of `workers: N` (`workers.py`) by passing each call on to every worker. Each is a
@@ -22,7 +24,9 @@ from starlette.routing import Route
 
 from modelfleet.web import JSON, bearer_matches
 from modelfleet.web import error_response as web_error
-from modelfleet.wire import RoutingAck, RoutingSnapshot, UsageAck, UsageReport
+from modelfleet.wire import LoadReport, RoutingAck, RoutingSnapshot, UsageAck, UsageReport
+
+MAX_LOAD_WAIT_S = 10.0
 
 
 class PushUnavailable(Exception):
@@ -51,6 +55,11 @@ class PushTarget(Protocol):
 
     async def usage(self) -> UsageReport:
         """The usage batches not yet acknowledged."""
+        ...
+
+    async def load(self, wait: float) -> LoadReport:
+        """The load per model, after up to `wait` seconds (at once when a model with no
+        replica gets its first held request)."""
         ...
 
     async def ack_usage(self, ack: UsageAck) -> None:
@@ -114,6 +123,21 @@ def create_push_app(target: PushTarget, token: str | None) -> Starlette:
             return refused
         return Response((await target.usage()).model_dump_json(), media_type=JSON)
 
+    async def get_load(request: Request) -> Response:
+        if (refused := authorized(request)) is not None:
+            return refused
+        try:
+            wait = float(request.query_params.get("wait", "0"))
+        except ValueError:
+            return web_error(400, "wait must be a number of seconds")
+        if not 0 <= wait <= MAX_LOAD_WAIT_S:
+            return web_error(400, f"wait must be between 0 and {MAX_LOAD_WAIT_S:g} seconds")
+        try:
+            report = await target.load(wait)
+        except PushUnavailable as exc:
+            return web_error(503, str(exc))
+        return Response(report.model_dump_json(), media_type=JSON)
+
     async def ack_usage(request: Request) -> Response:
         if (refused := authorized(request)) is not None:
             return refused
@@ -130,6 +154,7 @@ def create_push_app(target: PushTarget, token: str | None) -> Starlette:
             Route("/v1/routing", get_routing, methods=["GET"]),
             Route("/v1/routing/held", get_held, methods=["GET"]),
             Route("/v1/usage", get_usage, methods=["GET"]),
+            Route("/v1/load", get_load, methods=["GET"]),
             Route("/v1/metrics", get_metrics, methods=["GET"]),
             Route("/v1/usage/ack", ack_usage, methods=["POST"]),
         ]

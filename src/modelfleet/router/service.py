@@ -36,6 +36,7 @@ from modelfleet.http1 import Bounds
 from modelfleet.openai_api import error_response
 from modelfleet.pki import TlsFiles, is_loopback
 from modelfleet.router.balancer import Balancer
+from modelfleet.router.cold import ColdHold
 from modelfleet.router.engine_load import read_engine_load
 from modelfleet.router.flight import Parts, Settings
 from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
@@ -48,7 +49,15 @@ from modelfleet.router.usage import UsageLedger
 from modelfleet.serving import Listener, run_service
 from modelfleet.tracing import SpanSink
 from modelfleet.web import json_response
-from modelfleet.wire import RoutedModel, RoutingAck, RoutingSnapshot, UsageAck, UsageReport
+from modelfleet.wire import (
+    LoadReport,
+    ModelLoad,
+    RoutedModel,
+    RoutingAck,
+    RoutingSnapshot,
+    UsageAck,
+    UsageReport,
+)
 
 log = logging.getLogger("modelfleet.router")
 UNREACHABLE_AFTER = 2  # reads of an engine's load in a row with no answer: it is ejected
@@ -198,6 +207,7 @@ class Router:
         self.restored = seed.version > 0  # it holds what was pushed before it restarted
         self.pushed = False  # whether it holds a table pushed to this run of it
         self.balancer = Balancer()
+        self.cold = ColdHold(self.balancer, lambda: self.table)
         self.metrics = RouterMetrics(in_flight=self.balancer.in_flight)
         self.upstreams = Upstreams(config.connect_timeout)  # the data path's connections
         self.limits: Limits = (
@@ -222,6 +232,7 @@ class Router:
                 default_max_tokens=config.default_max_tokens,
             ),
             self.balancer,
+            self.cold,
             self.upstreams,
             self.limits,
             self.metrics,
@@ -292,6 +303,7 @@ class Router:
         self.pushed = True
         if self.config.table_file is not None:
             write_json_atomic(self.config.table_file, snapshot.model_dump(mode="json"))
+        self.cold.release_all()
         return True
 
     def _key_ring(self, snapshot: RoutingSnapshot) -> KeyRing:
@@ -440,6 +452,41 @@ class Router:
         # The engines' keys stay in the router: whoever holds the push token sees the table.
         shown = self.snapshot.model_dump_json(exclude={"models": {"__all__": {"keys"}}})
         return shown.encode()
+
+    async def load(self, wait: float) -> LoadReport:
+        """The load per model; with `wait`, after up to that many seconds, or at once when a
+        model with no replica gets its first held request (the control plane's long poll)."""
+        if wait > 0 and not self.cold.news.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.cold.news.wait(), wait)
+        self.cold.news.clear()
+        return self.load_now()
+
+    def load_now(self) -> LoadReport:
+        """Each model's requests in flight and held here, and its engines' own counts."""
+        state = self.balancer.state
+        held = self.cold.counts()
+        models: dict[str, ModelLoad] = {}
+        for model, endpoints in self.table.models.items():
+            in_flight = engines = 0
+            replicas: dict[str, tuple[int, int]] = {}
+            for endpoint in endpoints:
+                seen = state.get(endpoint)
+                if seen is None:
+                    continue
+                in_flight += seen.in_flight
+                engines += seen.engine_load
+                rid = self.table.replicas.get(endpoint)
+                if rid is not None:
+                    replicas[rid] = (seen.in_flight, seen.engine_load)
+            if in_flight or engines or model in held or replicas:
+                models[model] = ModelLoad(
+                    in_flight=in_flight,
+                    held=held.get(model, 0),
+                    engines=engines,
+                    replicas=replicas,
+                )
+        return LoadReport(models=models)
 
     async def usage(self) -> UsageReport:
         batch = self.ledger.take()

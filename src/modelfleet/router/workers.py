@@ -31,7 +31,15 @@ from modelfleet.router.metrics import summed
 from modelfleet.router.push import PushUnavailable, create_push_app
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import JSON
-from modelfleet.wire import RoutingAck, RoutingSnapshot, UsageAck, UsageBatch, UsageReport
+from modelfleet.wire import (
+    LoadReport,
+    ModelLoad,
+    RoutingAck,
+    RoutingSnapshot,
+    UsageAck,
+    UsageBatch,
+    UsageReport,
+)
 
 if TYPE_CHECKING:
     from modelfleet.router.service import RouterConfig
@@ -212,6 +220,30 @@ class Workers:
         batches = [b for found in await asyncio.gather(*map(one, self.workers)) for b in found]
         return UsageReport(batches=batches)
 
+    async def load(self, wait: float) -> LoadReport:
+        """The workers' loads summed (the engines' own counts are each worker's reading of
+        the same engines: the largest is kept). The long poll ends when the first worker's
+        ends; the others are then asked at once."""
+        headers = {"authorization": f"Bearer {self.token}"}
+
+        async def one(worker: _Worker, wait: float) -> LoadReport:
+            if worker.push_url is None:
+                raise PushUnavailable(f"router worker {worker.index} is starting")
+            url = f"{worker.push_url}/v1/load?wait={wait:g}"
+            try:
+                async with self.session.get(url, headers=headers) as answer:
+                    return LoadReport.model_validate_json(await answer.read())
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                raise PushUnavailable(f"router worker {worker.index}: {exc}") from exc
+
+        waits = {asyncio.ensure_future(one(w, wait)): w for w in self.workers}
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        reports = [task.result() for task in done]
+        reports += await asyncio.gather(*(one(waits[task], 0) for task in pending))
+        return _summed_loads(reports)
+
     async def ack_usage(self, ack: UsageAck) -> None:
         """Pass the acknowledgement to every worker: each forgets the batches that are its."""
         body = ack.model_dump_json()
@@ -226,6 +258,26 @@ class Workers:
                     await answer.read()
 
         await asyncio.gather(*map(one, self.workers))
+
+
+def _summed_loads(reports: list[LoadReport]) -> LoadReport:
+    """One router's load from its workers': what each holds and sends is summed, the engines'
+    own counts (read by every worker from the same engines) are not."""
+    models: dict[str, ModelLoad] = {}
+    for report in reports:
+        for name, load in report.models.items():
+            was = models.get(name, ModelLoad())
+            replicas = dict(was.replicas)
+            for rid, (sent, engine) in load.replicas.items():
+                had_sent, had_engine = replicas.get(rid, (0, 0))
+                replicas[rid] = (had_sent + sent, max(had_engine, engine))
+            models[name] = ModelLoad(
+                in_flight=was.in_flight + load.in_flight,
+                held=was.held + load.held,
+                engines=max(was.engines, load.engines),
+                replicas=replicas,
+            )
+    return LoadReport(models=models)
 
 
 def _summary(acks: list[RoutingAck]) -> RoutingAck:

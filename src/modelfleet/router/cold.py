@@ -1,0 +1,189 @@
+"""Requests held for a model that follows its load while it has no replica serving them.
+
+A model with `autoscale` stays in the routing table at zero replicas (*cold*). A request for
+it is held here instead of refused, in arrival order, up to the model's `cold_queue`
+requests and for up to its `cold_timeout` seconds; the control plane learns of them through
+the router's load (`GET /v1/load` answers at once when a cold model gets its first held
+request) and starts a replica. When replicas serve, held requests are released in arrival
+order, each to the replica with the fewest requests of this router's in flight, and no
+replica gets more than the model's `target_in_flight`: a hundred held requests do not all go
+to the first replica that comes up. The rest are released as requests end or more replicas
+come. Over the bound or past the timeout a request gets 503 with `Retry-After` and
+`x-modelfleet-reason: cold-start`.
+
+A request that comes while others of its model are held queues behind them, though the model
+has replicas again: release keeps arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from modelfleet.router.flight import Refusal
+
+if TYPE_CHECKING:
+    from modelfleet.router.balancer import Balancer
+    from modelfleet.router.table import RoutingTable
+    from modelfleet.wire import RoutedModel
+
+COLD_RETRY_AFTER_S = 5  # what a refused held request is told to wait before it tries again
+
+
+class Holdable(Protocol):
+    """A request that can be held: a `Flight`."""
+
+    def released(self, table: RoutingTable, endpoint: str | None) -> None:
+        """Send it on to `endpoint`, a replica of its model in `table` (None: to the one
+        the balancer picks)."""
+        ...
+
+    def refuse(self, refusal: Refusal) -> None:
+        """Answer it with the router's own error, and end it."""
+        ...
+
+
+@dataclass
+class _Held:
+    request: Holdable
+    timer: asyncio.TimerHandle | None = None
+
+
+class ColdHold:
+    """The held requests of every model, in arrival order per model."""
+
+    def __init__(self, balancer: Balancer, table: Callable[[], RoutingTable]) -> None:
+        self.balancer = balancer
+        self.table = table  # the router's current table
+        self.queues: dict[str, deque[_Held]] = {}
+        self.held: dict[Holdable, tuple[str, _Held]] = {}
+        # Set when a model with no replica gets its first held request: the load's long poll
+        # answers at once, so that the control plane starts a replica without waiting.
+        self.news = asyncio.Event()
+
+    @property
+    def waiting(self) -> int:
+        """Requests held now, over all models."""
+        return len(self.held)
+
+    def counts(self) -> dict[str, int]:
+        """Requests held now, by model."""
+        return {model: len(queue) for model, queue in self.queues.items() if queue}
+
+    def take(self, request: Holdable, route: RoutedModel, endpoints: tuple[str, ...]) -> bool:
+        """Hold `request` for `route`'s model when that model follows its load and either has
+        no endpoint or already holds others (which go first); refuse it when the queue is
+        full. False: it is not held, and goes on as usual."""
+        model = route.name
+        queue = self.queues.get(model)
+        if route.target_in_flight is None or (endpoints and not queue):
+            return False
+        if queue is None:
+            queue = self.queues[model] = deque()
+        if len(queue) >= route.cold_queue:
+            request.refuse(
+                _cold_refusal(
+                    f"`{model}` has no replica serving yet and this router already holds "
+                    f"{len(queue)} requests for it (its cold_queue); try again shortly."
+                )
+            )
+            return True
+        entry = _Held(request)
+        entry.timer = asyncio.get_running_loop().call_later(
+            route.cold_timeout, self._expire, request, model, route.cold_timeout
+        )
+        if not queue and not endpoints:
+            self.news.set()
+        queue.append(entry)
+        self.held[request] = (model, entry)
+        if endpoints:
+            self.release(model)
+        return True
+
+    def discard(self, request: Holdable) -> None:
+        """`request` ended while held (its client went away): it is held no more."""
+        found = self.held.pop(request, None)
+        if found is None:
+            return
+        model, entry = found
+        if entry.timer is not None:
+            entry.timer.cancel()
+        queue = self.queues[model]
+        queue.remove(entry)
+        if not queue:
+            del self.queues[model]
+
+    def _expire(self, request: Holdable, model: str, timeout: float) -> None:
+        if request not in self.held:
+            return
+        self.discard(request)
+        request.refuse(
+            _cold_refusal(
+                f"No replica of `{model}` came up within {timeout:g} s (its cold_timeout) "
+                "while this request was held; try again shortly."
+            )
+        )
+
+    def release_all(self) -> None:
+        """Release what each model's replicas can take now (a new table came)."""
+        for model in list(self.queues):
+            self.release(model)
+
+    def release(self, model: str) -> None:
+        """Release `model`'s held requests in arrival order, each to the usable endpoint with
+        the fewest of this router's requests in flight, while one has fewer than the model's
+        target. A model gone from the table, or no longer following its load, lets them all go
+        (as the same request sent now would)."""
+        queue = self.queues.get(model)
+        if not queue:
+            return
+        table = self.table()
+        route = table.routes.get(model)
+        endpoints = table.models.get(model, ())
+        if route is None or route.target_in_flight is None:
+            self._let_go(model, table, route)
+            return
+        usable = [e for e in endpoints if self.balancer.usable(e)]
+        cap = max(1, math.ceil(route.target_in_flight))
+        state = self.balancer.state
+        while queue and usable:
+            loads = {e: state[e].in_flight if e in state else 0 for e in usable}
+            endpoint = min(usable, key=loads.__getitem__)
+            if loads[endpoint] >= cap:
+                break
+            entry = queue.popleft()
+            del self.held[entry.request]
+            if entry.timer is not None:
+                entry.timer.cancel()
+            # Sends it at once (its attempt counts in the endpoint's in-flight before this
+            # returns), or answers it: either way the next turn sees the new counts.
+            entry.request.released(table, endpoint)
+        if not queue:
+            self.queues.pop(model, None)
+
+    def _let_go(self, model: str, table: RoutingTable, route: RoutedModel | None) -> None:
+        queue = self.queues.pop(model)
+        for entry in queue:
+            del self.held[entry.request]
+            if entry.timer is not None:
+                entry.timer.cancel()
+        endpoints = table.models.get(model, ())
+        for entry in queue:
+            if route is not None and endpoints:
+                entry.request.released(table, None)
+                continue
+            entry.request.refuse(
+                Refusal(404, f"The model `{model}` does not exist.", "invalid_request_error",
+                        "unknown-model", code="model_not_found", param="model")
+                if route is None
+                else Refusal(503, f"No replica of `{model}` is ready now; try again shortly.",
+                             "server_error", "no-ready-replica", retry_after=1)
+            )  # fmt: skip
+
+
+def _cold_refusal(message: str) -> Refusal:
+    return Refusal(503, message, "server_error", "cold-start", retry_after=COLD_RETRY_AFTER_S)

@@ -1,0 +1,79 @@
+"""A model that follows its load, on a real fleet (control plane, agents, router, simulator):
+cold at zero replicas, a request held until one starts, up to more replicas under load, and
+back down to zero when idle, with no request lost and every count shown and evented."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+
+from .conftest import Operator, fleet_of, until, wait_for
+
+MODEL = {
+    "name": "m",
+    "engine": "sim",
+    "args": ["--ttft", "0.01", "--itl", "0.02", "--startup-delay", "1"],
+    "autoscale": {"min": 0, "max": 2, "target_in_flight": 2, "scale_up_after": "0.5s",
+                  "scale_down_after": "3s", "scale_to_zero_after": "4s"},
+    "cold_timeout": "60s",
+}  # fmt: skip
+
+
+def test_a_cold_model_starts_on_its_first_request_scales_up_under_load_and_back_to_zero(
+    tmp_path: Path,
+) -> None:
+    with fleet_of(tmp_path, [MODEL]) as fleet:
+        op = Operator(fleet, tmp_path)
+        wait_for("the cold model in the routing table", lambda: op.routed("m") == [])
+        assert op.replicas("m") == []
+
+        async def traffic() -> None:
+            headers = {"authorization": f"Bearer {fleet.api_key}"}
+            async with httpx.AsyncClient(
+                base_url=fleet.router_url, headers=headers, timeout=60
+            ) as client:
+
+                async def ask(tokens: int) -> httpx.Response:
+                    body = {
+                        "model": "m",
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": tokens,
+                    }
+                    return await client.post("/v1/chat/completions", json=body)
+
+                # Cold: the request is held while a replica starts, then answered.
+                began = time.monotonic()
+                first = await ask(2)
+                assert first.status_code == 200, first.text
+                took = time.monotonic() - began
+                assert took >= 1.0  # it waited for the engine's startup delay
+                assert len(op.replicas("m")) == 1
+
+                # Eight requests of ~2 s each at a target of 2 per replica: up to max, 2.
+                busy = [asyncio.create_task(ask(100)) for _ in range(8)]
+                await until("a second replica", lambda: len(op.replicas("m")) == 2, timeout=30)
+                answers = await asyncio.gather(*busy)
+                assert [a.status_code for a in answers] == [200] * 8
+
+        asyncio.run(traffic())
+
+        scaling = op.get("/v1/status")["scaling"]
+        assert [(s["model"], s["min"], s["max"]) for s in scaling] == [("m", 0, 2)]
+        shown = op.ctl("status").stdout
+        assert "AUTOSCALED" in shown and "0..2" in shown
+
+        # Idle: one down after scale_down_after, then to zero after scale_to_zero_after.
+        wait_for("the model back at zero replicas", lambda: op.replicas("m") == [], timeout=60)
+        assert op.routed("m") == []  # still routed: cold, not gone
+        events = [
+            e["message"]
+            for e in op.get("/v1/events?limit=200")["events"]
+            if e["reason"] == "ReplicasScaled"
+        ]
+        steps = sorted(m.split(":")[0] for m in events)
+        assert steps == sorted(["0 -> 1", "1 -> 2", "2 -> 1", "1 -> 0"]), events
+        assert any("up from zero" in m for m in events), events
+        assert any("to zero: no load" in m for m in events), events

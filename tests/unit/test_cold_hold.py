@@ -1,0 +1,177 @@
+"""Requests for a model that follows its load, held while it has no replica (`router/cold.py`):
+held, not refused; told to the control plane's long poll at once; released in arrival order
+and spread (no replica gets more than the target); refused with `cold-start` over the
+queue's bound or past the timeout; dropped when the client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from modelfleet.router.service import Router
+from modelfleet.wire import RoutedModel, RoutingSnapshot
+
+from .router_kit import client_of, keyed, run, serving, until
+
+COMPLETION = {"model": "m", "prompt": "x"}
+
+
+class Engines:
+    """Engines on 127.0.0.1 that hold each completion until `gate` opens, noting who got
+    which request (by its prompt)."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.got: list[tuple[str, str]] = []  # (engine url, prompt)
+
+    @contextlib.asynccontextmanager
+    async def serve(self, count: int) -> AsyncIterator[list[str]]:
+        async with contextlib.AsyncExitStack() as stack:
+            urls = [await stack.enter_async_context(serving(self._app(i))) for i in range(count)]
+            self._urls = urls
+            yield urls
+
+    def _app(self, index: int) -> Starlette:
+        async def complete(request: Request) -> Response:
+            body = await request.json()
+            self.got.append((self._urls[index], body["prompt"]))
+            await self.gate.wait()
+            return JSONResponse({"choices": [{"index": 0, "text": "ok"}]})
+
+        async def health(_: Request) -> Response:
+            return Response(status_code=200)
+
+        return Starlette(
+            routes=[Route("/v1/completions", complete, methods=["POST"]), Route("/health", health)]
+        )
+
+
+def table(version: int, endpoints: list[str], **routing: object) -> RoutingSnapshot:
+    fields: dict[str, object] = {"target_in_flight": 3.0, "cold_queue": 256, "cold_timeout": 30.0}
+    fields.update(routing)
+    replicas = {url: f"r{i}" for i, url in enumerate(endpoints)}
+    model = RoutedModel(name="m", endpoints=endpoints, replicas=replicas, **fields)  # type: ignore[arg-type]
+    return RoutingSnapshot(epoch=1, version=version, models=[model])
+
+
+def cold_router(**routing: object) -> Router:
+    router = keyed(push_token="push")
+    assert router.apply(table(1, [], **routing))
+    return router
+
+
+def test_held_requests_wake_the_long_poll_and_are_spread_in_arrival_order(way: str) -> None:
+    async def main() -> None:
+        router = cold_router()
+        engines = Engines()
+        async with client_of(router) as client, engines.serve(2) as urls:
+            poll = asyncio.create_task(router.load(wait=10))
+            sends = []
+            for i in range(10):
+                body = {**COMPLETION, "prompt": f"p{i}"}
+                sends.append(asyncio.create_task(client.post("/v1/completions", json=body)))
+                await until(f"request {i} held", lambda i=i: router.cold.waiting == i + 1)
+            # The first held request answered the control plane's long poll at once.
+            report = await asyncio.wait_for(poll, 2)
+            assert report.models["m"].held >= 1
+            assert router.load_now().models["m"].held == 10
+
+            router.apply(table(2, urls))
+            # Three (the target) to each replica, the first six to arrive; four stay held.
+            await until("six requests at the engines", lambda: len(engines.got) == 6)
+            assert Counter(url for url, _ in engines.got) == {urls[0]: 3, urls[1]: 3}
+            assert sorted(p for _, p in engines.got) == [f"p{i}" for i in range(6)]
+            assert router.cold.waiting == 4
+            load = router.load_now().models["m"]
+            assert (load.in_flight, load.held) == (6, 4)
+            assert {rid: sent for rid, (sent, _) in load.replicas.items()} == {"r0": 3, "r1": 3}
+
+            engines.gate.set()
+            answers = await asyncio.gather(*sends)
+            assert [a.status_code for a in answers] == [200] * 10
+            assert sorted(p for _, p in engines.got) == sorted(f"p{i}" for i in range(10))
+            share = max(Counter(url for url, _ in engines.got).values()) / 10
+            assert share <= 0.6, f"the busiest replica got {share:.0%} of the held requests"
+            assert router.cold.waiting == 0
+        await router.close()
+
+    run(main())
+
+
+def test_a_full_queue_and_a_timeout_answer_503_cold_start(way: str) -> None:
+    async def main() -> None:
+        router = cold_router(cold_queue=2, cold_timeout=0.5)
+        async with client_of(router) as client:
+            held = []
+            for i in range(2):
+                held.append(asyncio.create_task(client.post("/v1/completions", json=COMPLETION)))
+                await until(f"request {i} held", lambda i=i: router.cold.waiting == i + 1)
+            over = await client.post("/v1/completions", json=COMPLETION)
+            assert over.status_code == 503
+            assert over.headers["x-modelfleet-reason"] == "cold-start"
+            assert int(over.headers["retry-after"]) > 0
+            assert "cold_queue" in over.json()["error"]["message"]
+            timed_out = await asyncio.gather(*held)
+            for answer in timed_out:
+                assert answer.status_code == 503
+                assert answer.headers["x-modelfleet-reason"] == "cold-start"
+                assert "cold_timeout" in answer.json()["error"]["message"]
+            assert router.cold.waiting == 0
+        await router.close()
+
+    run(main())
+
+
+def test_a_held_request_whose_client_leaves_is_held_no_more(way: str) -> None:
+    async def main() -> None:
+        router = cold_router()
+        async with client_of(router) as client:
+            task = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
+            await until("the request held", lambda: router.cold.waiting == 1)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await task
+            await until("the request dropped", lambda: router.cold.waiting == 0)
+            assert router.cold.counts() == {}
+        await router.close()
+
+    run(main())
+
+
+def test_held_requests_of_a_model_removed_from_the_table_get_404(way: str) -> None:
+    async def main() -> None:
+        router = cold_router()
+        async with client_of(router) as client:
+            task = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
+            await until("the request held", lambda: router.cold.waiting == 1)
+            router.apply(RoutingSnapshot(epoch=1, version=2, models=[]))
+            answer = await task
+            assert answer.status_code == 404
+            assert router.cold.waiting == 0
+        await router.close()
+
+    run(main())
+
+
+def test_a_model_of_fixed_replicas_with_none_ready_is_refused_not_held() -> None:
+    async def main() -> None:
+        router = keyed(push_token="push")
+        router.apply(
+            RoutingSnapshot(epoch=1, version=1, models=[RoutedModel(name="m", endpoints=[])])
+        )
+        async with client_of(router) as client:
+            answer = await client.post("/v1/completions", json=COMPLETION)
+            assert answer.status_code == 503
+            assert answer.headers["x-modelfleet-reason"] == "no-ready-replica"
+            assert router.cold.waiting == 0
+        await router.close()
+
+    run(main())
