@@ -137,7 +137,7 @@ class RebalanceAnswer(_Answer):
 
 # -- replicas ------------------------------------------------------------------------------
 
-ReplicaState = Literal["ready", "starting", "failed", "assigned", "retiring"]
+ReplicaState = Literal["ready", "starting", "failed", "assigned", "retiring", "sleeping"]
 
 
 class ShardInfo(_Answer):

@@ -8,7 +8,8 @@ policy's `target_in_flight`:
 - **Up** once the load per replica has stayed over the target for `scale_up_after`: at once
   to as many replicas as bring it to the target or under (not one at a time), up to `max`.
   A model at zero replicas with any load goes up at once, without waiting: its requests are
-  being held.
+  being held. So does one whose routers hold requests (`held`: none of its replicas serves
+  yet, or those that do are at their target): they are waiting, not being served.
 - **Down** one replica at a time, only when one fewer would still carry the load under
   `DOWN_MARGIN` of the target (a margin, so that a load just under the target does not go
   down and straight up again), and only once that has held for `scale_down_after` without a
@@ -64,9 +65,16 @@ class Decision:
 
 
 def decide(
-    policy: Policy, current: int, load: float, now: float, trend: Trend, floor: int = 0
+    policy: Policy,
+    current: int,
+    load: float,
+    now: float,
+    trend: Trend,
+    floor: int = 0,
+    held: float = 0.0,
 ) -> Decision:
-    """The replicas a model with `current` replicas carrying `load` should have at `now`."""
+    """The replicas a model with `current` replicas carrying `load` (of which `held` are
+    requests routers hold) should have at `now`."""
     least = max(policy.min, min(floor, policy.max))
     target = policy.target_in_flight
     need = min(policy.max, max(least, math.ceil(load / target)))
@@ -82,11 +90,15 @@ def decide(
     idle_for = _for(trend.idle_since, now)
     numbers = f"load {load:g} on {current} replica(s), target {target:g} each"
     if current < least:
-        return Decision(least, f"up to the least allowed ({least}): {numbers}", trend)
+        up = max(least, need) if held > 0 else least  # held requests wait: all they need
+        return Decision(up, f"up to the least allowed ({least}): {numbers}", trend)
     if current > policy.max:
         return Decision(policy.max, f"down to the most allowed ({policy.max}): {numbers}", trend)
     if current == 0 and load > 0:
         return Decision(max(1, need), f"up from zero, requests waiting: {numbers}", Trend())
+    if held > 0 and need > current:
+        why = f"up at once: {held:g} request(s) held: {numbers}"
+        return Decision(need, why, replace(trend, over_since=None))
     if current < policy.max and over_for >= policy.scale_up_after:
         why = f"up: over the target for {over_for:.1f}s: {numbers}"
         return Decision(max(need, current + 1), why, replace(trend, over_since=None))

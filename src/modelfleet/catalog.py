@@ -45,11 +45,15 @@ Routing = Literal["least_load", "prefix"]
 ROUTINGS: tuple[str, ...] = get_args(Routing)
 OverCap = Literal["reject", "clamp"]
 OVER_CAPS: tuple[str, ...] = get_args(OverCap)
+IdleAction = Literal["stop", "sleep"]
+IDLE_ACTIONS: tuple[str, ...] = get_args(IdleAction)
+# Engines with vLLM's sleep mode (`--enable-sleep-mode`, POST /sleep and /wake_up).
+SLEEPING_ENGINES = ("vllm", "sim")
 # Keys read by the routers only: changing them re-routes, never restarts an engine.
 _ROUTER_KEYS = ("routing", "first_byte_timeout", "max_tokens_cap", "max_tokens_over_cap")
 # Keys of a model that follows its load: the control plane and the routers read them; changing
 # them changes the replica count and how requests are held, never an engine.
-_SCALING_KEYS = ("autoscale", "cold_queue", "cold_timeout")
+_SCALING_KEYS = ("autoscale", "cold_queue", "cold_timeout", "sleep_level")
 DEFAULT_COLD_QUEUE = 256
 _TOP_KEYS = ("models",)
 
@@ -130,6 +134,12 @@ class ModelSpec:
     autoscale: Policy | None = None
     cold_queue: int = DEFAULT_COLD_QUEUE
     cold_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
+    # What a replica it no longer needs does: stop, or sleep (its engine keeps running with
+    # its GPU memory freed, and wakes in seconds instead of loading anew). At level 1 the
+    # engine keeps its weights in host memory and its GPUs stay its own; at level 2 it drops
+    # them, and its GPUs are given to a replica of another model that has no room otherwise.
+    idle_action: IdleAction = "stop"
+    sleep_level: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """The model as plain data, in the catalog file's own keys."""
@@ -146,6 +156,8 @@ class ModelSpec:
                 },
                 "cold_queue": self.cold_queue,
                 "cold_timeout": self.cold_timeout,
+                "idle_action": self.idle_action,
+                "sleep_level": self.sleep_level,
             }
         else:
             scaling = {"replicas": self.replicas}
@@ -355,6 +367,8 @@ class _ModelInput(BaseModel):
     autoscale: _AutoscaleInput | None = None
     cold_queue: PositiveInt = DEFAULT_COLD_QUEUE
     cold_timeout: Annotated[_Seconds, Field(gt=0)] | None = None
+    idle_action: IdleAction = "stop"
+    sleep_level: Literal[1, 2] = 1
 
 
 _MODEL_KEYS = tuple(_ModelInput.model_fields)
@@ -385,6 +399,8 @@ _EXPECTED = {
     ),
     "cold_queue": "must be a positive integer (requests held per router while none serves)",
     "cold_timeout": "must be a positive duration, such as 120 or 2m",
+    "idle_action": f"must be one of {', '.join(IDLE_ACTIONS)}",
+    "sleep_level": "must be 1 (weights kept in host memory) or 2 (weights dropped)",
 }
 _AUTOSCALE_EXPECTED = {
     "min": "must be an integer of at least 0",
@@ -485,6 +501,19 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         for key in ("cold_queue", "cold_timeout"):
             if key in raw:
                 problem(key, "only a model with autoscale holds requests while it has no replica")
+        for key in ("idle_action", "sleep_level"):
+            if key in raw:
+                problem(key, "only a model with autoscale has replicas it no longer needs")
+    if model.idle_action == "sleep" and model.engine not in SLEEPING_ENGINES:
+        problem(
+            "idle_action",
+            f"engine {model.engine!r} has no sleep mode; sleep works with "
+            f"{', '.join(SLEEPING_ENGINES)} (use idle_action: stop)",
+        )
+    if model.idle_action == "sleep" and model.shards > 1:
+        problem("idle_action", "sleep is for replicas of one shard; use idle_action: stop")
+    if "sleep_level" in raw and model.idle_action != "sleep":
+        problem("sleep_level", "only idle_action: sleep has a sleep level")
     if len(problems) > before:
         return None
     return ModelSpec(
@@ -523,4 +552,6 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         cold_timeout=float(
             model.startup_timeout if model.cold_timeout is None else model.cold_timeout
         ),
+        idle_action=model.idle_action,
+        sleep_level=model.sleep_level,
     )

@@ -40,6 +40,22 @@ class StopReplica:
 
 
 @dataclass(frozen=True)
+class SleepReplica:
+    """A replica of a model whose idle replicas sleep, to put to sleep (`idle_action`)."""
+
+    replica_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class WakeReplica:
+    """A sleeping replica to wake: its model needs it again."""
+
+    replica_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Pending:
     """Replicas of a model that are wanted but cannot be placed now, and why.
 
@@ -71,10 +87,12 @@ class Plan:
     stop: tuple[StopReplica, ...] = ()
     pending: tuple[Pending, ...] = ()
     frozen: str = ""  # why nothing is moved off lost nodes this pass (every node is silent)
+    sleep: tuple[SleepReplica, ...] = ()
+    wake: tuple[WakeReplica, ...] = ()
 
     @property
     def changes(self) -> bool:
-        return bool(self.new or self.stop)
+        return bool(self.new or self.stop or self.sleep or self.wake)
 
 
 def settling(
@@ -112,6 +130,7 @@ def plan(
     moving: Mapping[str, str] = MappingProxyType({}),
     wanted: Mapping[str, int] = MappingProxyType({}),
     load: Mapping[str, float] = MappingProxyType({}),
+    asleep: Collection[str] = frozenset(),
 ) -> Plan:
     """Decide one pass.
 
@@ -135,8 +154,16 @@ def plan(
     `wanted` gives the replica count of the models that follow their load (`autoscale`), in
     place of the catalog's; `load` the requests each replica carries, so that a scale-down
     takes the least loaded one.
+
+    `asleep` are the replicas put to sleep (of models with `idle_action: sleep`): a model
+    scaled down puts its surplus to sleep instead of stopping it, and one scaled up wakes its
+    sleeping replicas before it places new ones. A sleeping replica keeps its GPUs, unless its
+    model sleeps at level 2: then a replica of another model that has no room otherwise takes
+    them, and the sleeping one is stopped for it.
     """
     stops: list[StopReplica] = []
+    sleeps: list[SleepReplica] = []
+    wakes: list[WakeReplica] = []
     new: list[NewReplica] = []
     pending: list[Pending] = []
     free: FreeGpus | None = None
@@ -201,19 +228,68 @@ def plan(
         avoid,
         moving,
         load,
+        frozenset(asleep),
     )
     for spec in catalog.models:
         if models is not None and spec.name not in models:
             continue
         count = wanted.get(spec.name, spec.replicas)
-        model_stops, model_new, model_pending = _plan_model(
-            spec, count, by_model.get(spec.name, []), shared
-        )
-        stops += model_stops
-        new += model_new
-        if model_pending:
-            pending.append(model_pending)
-    return Plan(tuple(new), tuple(stops), tuple(pending), frozen)
+        done = _plan_model(spec, count, by_model.get(spec.name, []), shared)
+        stops += done.stop
+        new += done.new
+        sleeps += done.sleep
+        wakes += done.wake
+        if done.pending:
+            pending.extend(done.pending)
+    if pending and asleep:
+        woken = {w.replica_id for w in wakes}
+        lent = _lend_sleeping_gpus(catalog, replicas, pending, shared, free_gpus().used, woken)
+        stops += lent
+    return Plan(tuple(new), tuple(stops), tuple(pending), frozen, tuple(sleeps), tuple(wakes))
+
+
+def _lend_sleeping_gpus(
+    catalog: Catalog,
+    replicas: Sequence[Replica],
+    pending: Sequence[Pending],
+    shared: _Pass,
+    used: Collection[tuple[str, int]],
+    woken: Collection[str],
+) -> list[StopReplica]:
+    """The replicas asleep at level 2 (and not woken this pass) to stop so that pending
+    replicas of other models get their GPUs: one replica of each pending model is placed as if
+    those GPUs were free, and the sleeping replicas on the GPUs it would take are stopped
+    (their engines let go of the GPUs; a later pass places the pending replica there, and
+    lends again for the next one)."""
+    lendable: dict[tuple[str, int], Replica] = {}
+    for r in replicas:
+        spec = catalog.get(r.model)
+        asleep = r.id in shared.asleep and r.id not in woken
+        if asleep and spec is not None and spec.sleep_level == 2:
+            lendable.update((slot, r) for slot in r.gpu_slots())
+    if not lendable:
+        return []
+    taken = set(used) - lendable.keys()
+    stops: list[StopReplica] = []
+    stopped: set[str] = set()
+    for p in pending:
+        spec = catalog.get(p.model)
+        if spec is None:
+            continue
+        on_node = Counter(s.node for r in replicas if r.model == spec.name for s in r.shards)
+        avoid = shared.avoid.get(spec.name, MappingProxyType({}))
+        found = place(spec, shared.nodes, taken, on_node, shared.now, shared.stale_after, avoid)
+        if not isinstance(found, Placed):
+            continue
+        slots = {(s.node, g) for s in found.shards for g in s.gpus}
+        taken |= slots
+        for slot in sorted(slots & lendable.keys()):
+            sleeper = lendable[slot]
+            if sleeper.model != spec.name and sleeper.id not in stopped:
+                stopped.add(sleeper.id)
+                why = f"asleep at level 2: its GPUs go to a replica of {spec.name}"
+                stops.append(StopReplica(sleeper.id, why))
+    return stops
 
 
 @dataclass(frozen=True)
@@ -232,14 +308,25 @@ class _Pass:
     avoid: Mapping[str, Mapping[str, str]]
     moving: Mapping[str, str]
     load: Mapping[str, float]  # replica id -> requests it carries
+    asleep: frozenset[str]  # replicas put to sleep
 
 
-def _plan_model(
-    spec: ModelSpec, count: int, replicas: list[Replica], shared: _Pass
-) -> tuple[list[StopReplica], list[NewReplica], Pending | None]:
+@dataclass
+class _ModelPlan:
+    """What one model's planning decided."""
+
+    stop: list[StopReplica] = field(default_factory=list)
+    new: list[NewReplica] = field(default_factory=list)
+    pending: list[Pending] = field(default_factory=list)
+    sleep: list[SleepReplica] = field(default_factory=list)
+    wake: list[WakeReplica] = field(default_factory=list)
+
+
+def _plan_model(spec: ModelSpec, count: int, replicas: list[Replica], shared: _Pass) -> _ModelPlan:
     """The changes for one model of `count` replicas wanted."""
     serving, now = shared.serving, shared.now
-    stops: list[StopReplica] = []
+    done = _ModelPlan()
+    stops = done.stop
 
     # A replica that failed too often is stopped and placed anew elsewhere, not restarted.
     failing = [r for r in replicas if r.id in shared.failed]
@@ -276,17 +363,25 @@ def _plan_model(
 
     current = [r for r in kept if r.engine_digest == spec.engine_digest]
     outdated = [r for r in kept if r.engine_digest != spec.engine_digest]
+    asleep = [r for r in current if r.id in shared.asleep]
+    if asleep:
+        current = [r for r in current if r.id not in shared.asleep]
 
     # Too many up-to-date replicas: stop the surplus, those not yet serving first, then the
     # least loaded, then the newest, so the longest-serving ones stay. A stop is a drain: the
-    # replica leaves the routers' tables, then its engine finishes what it has in flight.
+    # replica leaves the routers' tables, then its engine finishes what it has in flight. A
+    # model whose idle replicas sleep puts a serving one to sleep instead, the same way.
     if len(current) > count:
         load = shared.load
         ranked = sorted(
             current, key=lambda r: (r.id in serving, load.get(r.id, 0.0), -r.created, r.id)
         )
         for surplus in ranked[: len(current) - count]:
-            stops.append(StopReplica(surplus.id, f"scaled down to {count}"))
+            if spec.idle_action == "sleep" and surplus.id in serving:
+                why = f"scaled down to {count}: asleep until needed"
+                done.sleep.append(SleepReplica(surplus.id, why))
+            else:
+                stops.append(StopReplica(surplus.id, f"scaled down to {count}"))
         current = ranked[len(current) - count :]
 
     # Replicas to replace (evicted, then the oldest outdated: engine or arguments changed) go
@@ -306,16 +401,25 @@ def _plan_model(
         replica, why, _ = going.pop(0)
         stops.append(StopReplica(replica.id, why))
 
-    new: list[NewReplica] = []
+    new = done.new
     missing = count - len(current)
+    # Too few: sleeping replicas are woken first (the most recent first), in seconds, before
+    # any is placed anew.
+    for sleeper in sorted(asleep, key=lambda r: (-r.created, r.id))[: max(0, missing)]:
+        done.wake.append(WakeReplica(sleeper.id, f"scaled up to {count}: woken"))
+    missing -= len(done.wake)
+    if spec.autoscale is not None:
+        # A model that follows its load starts at most `max_parallel` replicas at once, as a
+        # rollout does: a burst must not start every replica it may have in one go.
+        starting = sum(1 for r in current if r.id not in serving)
+        missing = min(missing, max(0, spec.max_parallel - starting - len(done.wake)))
     held_back = sum(1 for _, _, lost in going if not lost)
     if held_back:
         shortfall = max(0, missing - held_back)
         starting = sum(1 for r in current if r.id not in serving)
         missing = min(missing, shortfall + max(0, spec.max_parallel - starting))
-    pending: Pending | None = None
     if missing <= 0:
-        return stops, new, pending
+        return done
     on_node = Counter(s.node for r in current for s in r.shards)
     free = shared.free_gpus()
     avoid = shared.avoid.get(spec.name, MappingProxyType({}))
@@ -336,6 +440,7 @@ def _plan_model(
                     avoid,
                 ),
             )
+            done.pending.append(pending)
             break
         if placed_so_far < len(replaced):
             reason = replaced[placed_so_far]
@@ -344,7 +449,7 @@ def _plan_model(
         reason += f"; {spec.placement}: {RULES[spec.placement]}"
         new.append(NewReplica(spec.name, spec.engine_digest, shards, reason))
         on_node.update(s.node for s in shards)
-    return stops, new, pending
+    return done
 
 
 @dataclass(frozen=True)

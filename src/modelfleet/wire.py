@@ -37,6 +37,7 @@ class ShardState(StrEnum):
     READY = "ready"
     FAILED = "failed"  # exited or never became ready; restarted after a backoff
     STOPPING = "stopping"  # no longer assigned; finishing in-flight requests
+    SLEEPING = "sleeping"  # its engine runs with its GPU memory freed, until told to wake
 
 
 class ShardReport(_Message):
@@ -113,6 +114,11 @@ class ShardAssignment(_Message):
     # stopped and started again, rank 0 first, with one more generation. An agent restarts
     # a shard whose generation changed; it never restarts a shard of several on its own.
     generation: int = Field(default=0, ge=0)
+    # A model whose idle replicas sleep (`idle_action: sleep`): its engine is started with
+    # sleep mode; `asleep` says whether it should sleep now, and at which level.
+    sleep_mode: bool = False
+    asleep: bool = False
+    sleep_level: int = Field(default=1, ge=1, le=2)
 
     @property
     def key(self) -> str:
@@ -235,6 +241,9 @@ class RoutedModel(_Message):
     # requests for up to `cold_timeout` seconds while the control plane starts one, and
     # releases them at most `target_in_flight` to a replica. None: a fixed count.
     target_in_flight: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # The replicas the control plane keeps for it now: while fewer serve, requests held
+    # since it had none are shared out as if they all did (`router/cold.py`).
+    replicas_wanted: int | None = Field(default=None, ge=0)
     cold_queue: int = Field(default=256, ge=1)
     cold_timeout: float = Field(default=600.0, gt=0, allow_inf_nan=False)
 

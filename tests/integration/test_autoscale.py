@@ -77,3 +77,48 @@ def test_a_cold_model_starts_on_its_first_request_scales_up_under_load_and_back_
         assert steps == sorted(["0 -> 1", "1 -> 2", "2 -> 1", "1 -> 0"]), events
         assert any("up from zero" in m for m in events), events
         assert any("to zero: no load" in m for m in events), events
+
+
+SLEEPY = {
+    "name": "s",
+    "engine": "sim",
+    "args": ["--ttft", "0.01", "--startup-delay", "3", "--wake-delay", "0.5"],
+    "autoscale": {"min": 0, "max": 1, "target_in_flight": 2, "scale_up_after": "0.5s",
+                  "scale_down_after": "2s", "scale_to_zero_after": "2s"},
+    "idle_action": "sleep",
+}  # fmt: skip
+
+
+def test_an_idle_replica_sleeps_and_wakes_faster_than_it_started(tmp_path: Path) -> None:
+    with fleet_of(tmp_path, [SLEEPY]) as fleet:
+        op = Operator(fleet, tmp_path)
+        wait_for("the cold model in the routing table", lambda: op.routed("s") == [])
+
+        def ask() -> tuple[float, httpx.Response]:
+            began = time.monotonic()
+            answer = op.client.post(
+                "/v1/chat/completions",
+                json={"model": "s", "messages": [{"role": "user", "content": "x"}]},
+                timeout=60,
+            )
+            return time.monotonic() - began, answer
+
+        cold, answer = ask()
+        assert answer.status_code == 200, answer.text
+        assert cold >= 3.0  # held through the engine's startup delay
+        [replica] = op.replicas("s")
+        pid = replica["shards"][0]["pid"]
+
+        def asleep() -> bool:
+            [r] = op.replicas("s")
+            return r["state"] == "sleeping" and r["shards"][0]["state"] == "sleeping"
+
+        wait_for("the idle replica asleep", asleep, timeout=30)
+        assert op.routed("s") == []  # out of the routers' tables while it sleeps
+        warm, answer = ask()
+        assert answer.status_code == 200, answer.text
+        assert warm < cold - 1.0, f"woke in {warm:.2f}s, started cold in {cold:.2f}s"
+        [again] = op.replicas("s")
+        assert (again["id"], again["shards"][0]["pid"]) == (replica["id"], pid)  # same engine
+        reasons = {e["reason"] for e in op.get("/v1/events?limit=200")["events"]}
+        assert {"ReplicaSleeping", "ShardAsleep", "ReplicaWaking", "ShardAwake"} <= reasons

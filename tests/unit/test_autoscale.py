@@ -124,3 +124,16 @@ def test_the_reason_carries_the_numbers() -> None:
     assert later.replicas == 4  # 30 / 8 -> 4 at once
     assert later.reason == "up: over the target for 2.0s: load 30 on 1 replica(s), target 8 each"
     assert DOWN_MARGIN < 1
+
+
+@given(policy=policies(), current=st.integers(1, 12), held=st.integers(1, 200))
+def test_held_requests_scale_up_at_once_to_what_the_load_needs(
+    policy: Policy, current: int, held: int
+) -> None:
+    current = min(current, policy.max)
+    load = float(held + current)  # some in flight, the rest held
+    decision = decide(policy, current, load, 0.0, Trend(), held=held)
+    need = min(policy.max, max(policy.min, math.ceil(load / policy.target_in_flight)))
+    # Held requests are waiting, not served: no scale_up_after to wait for.
+    assert decision.replicas == max(current, need) or decision.replicas == policy.max
+    assert decision.replicas >= current

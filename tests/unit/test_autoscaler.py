@@ -24,6 +24,7 @@ TOKEN = "admin-token-123"
 SCALED = {
     "name": "m",
     "engine": "sim",
+    "max_parallel": 2,
     "autoscale": {"min": 0, "max": 3, "target_in_flight": 2, "scale_up_after": 1,
                   "scale_down_after": 5, "scale_to_zero_after": 10},
 }  # fmt: skip

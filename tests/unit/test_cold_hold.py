@@ -83,6 +83,7 @@ def test_held_requests_wake_the_long_poll_and_are_spread_in_arrival_order(way: s
             report = await asyncio.wait_for(poll, 2)
             assert report.models["m"].held >= 1
             assert router.load_now().models["m"].held == 10
+            assert not any(send.done() for send in sends)  # a held client hears nothing yet
 
             router.apply(table(2, urls))
             # Three (the target) to each replica, the first six to arrive; four stay held.
@@ -172,6 +173,51 @@ def test_a_model_of_fixed_replicas_with_none_ready_is_refused_not_held() -> None
             assert answer.status_code == 503
             assert answer.headers["x-modelfleet-reason"] == "no-ready-replica"
             assert router.cold.waiting == 0
+        await router.close()
+
+    run(main())
+
+
+def test_while_replicas_are_still_to_come_each_serving_one_gets_only_its_share(way: str) -> None:
+    async def main() -> None:
+        router = cold_router(target_in_flight=8.0)
+        engines = Engines()
+        async with client_of(router) as client, engines.serve(2) as urls:
+            sends = []
+            for i in range(10):
+                body = {**COMPLETION, "prompt": f"p{i}"}
+                sends.append(asyncio.create_task(client.post("/v1/completions", json=body)))
+                await until(f"request {i} held", lambda i=i: router.cold.waiting == i + 1)
+            # One of the two replicas the control plane starts is up: it gets its half only,
+            # though its target (8) would take more.
+            router.apply(table(2, urls[:1], target_in_flight=8.0, replicas_wanted=2))
+            await until("five requests at the first engine", lambda: len(engines.got) == 5)
+            assert router.cold.waiting == 5
+            router.apply(table(3, urls, target_in_flight=8.0, replicas_wanted=2))
+            await until("all ten at the engines", lambda: len(engines.got) == 10)
+            assert Counter(url for url, _ in engines.got) == {urls[0]: 5, urls[1]: 5}
+            engines.gate.set()
+            assert [a.status_code for a in await asyncio.gather(*sends)] == [200] * 10
+        await router.close()
+
+    run(main())
+
+
+def test_a_model_going_over_its_target_answers_the_load_poll_at_once() -> None:
+    async def main() -> None:
+        router = cold_router()
+        router.apply(table(2, ["http://127.0.0.1:9"], target_in_flight=2.0))
+        watching = asyncio.create_task(router.watch_load())
+        await router.load(wait=0)  # news so far taken
+        poll = asyncio.create_task(router.load(wait=10))
+        for _ in range(2):
+            router.balancer.begin("http://127.0.0.1:9")
+        assert router.over_target() == set()  # at the target, not over it
+        router.balancer.begin("http://127.0.0.1:9")
+        assert router.over_target() == {"m"}
+        report = await asyncio.wait_for(poll, 2)
+        assert report.models["m"].in_flight == 3
+        watching.cancel()
         await router.close()
 
     run(main())

@@ -18,6 +18,7 @@ from rich.console import Console
 from modelfleet.admin import Explanation
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane import views
+from modelfleet.controlplane.autoscaler import Scale
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
@@ -562,5 +563,57 @@ def test_a_slow_preview_and_a_hung_router_hold_up_neither_reports_nor_passes(
             await asyncio.gather(*loops, return_exceptions=True)
             await admin.aclose()
             await agents.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_replica_put_to_sleep_leaves_the_routers_before_its_agent_is_told() -> None:
+    fake = FakeRouter()
+    config = ControlPlaneConfig(
+        admin_token=TOKEN, settle_for=-1, routers=[{"url": "http://router", "token": "t"}]
+    )
+    scaled = {"min": 0, "max": 1, "target_in_flight": 2}
+    catalogs = keeper([{"name": "a", "engine": "sim", "autoscale": scaled, "idle_action": "sleep"}])
+    http = httpx.AsyncClient(transport=httpx.MockTransport(fake.handle))
+    cp = ControlPlane(config, catalogs, http=http)
+    gpus = SimulatedGpus("1x80GB")
+
+    def told() -> list[tuple[bool, bool]]:
+        shards = cp.assignments.of("n", catalogs.current).shards
+        return [(s.sleep_mode, s.asleep) for s in shards]
+
+    async def go() -> None:
+        now = time.monotonic()
+        cp.autoscaler.scales["a"] = Scale(1, "test", 0.0)
+        cp.state.take_report(report("n", gpus), catalogs.current, now)
+        cp.reconcile_once(now)
+        cp.state.take_report(serving_report(cp, "n", 2, gpus), catalogs.current, now)
+        cp.publish()
+        await cp.publisher.sync()
+        assert fake.endpoints("a") and told() == [(True, False)]
+
+        cp.autoscaler.scales["a"] = Scale(0, "test", 0.0)
+        cp.replan()
+        fake.down = True  # the router does not hear of it yet
+        cp.reconcile_once(now)
+        cp.publish()
+        await cp.publisher.sync()
+        cp.release_retired(now)
+        [view] = replica_views(cp.state)
+        assert view.state == "sleeping"
+        assert told() == [(True, False)]  # the router may still send to it: awake
+
+        fake.down = False
+        await cp.publisher.sync()
+        assert fake.endpoints("a") == []
+        cp.release_retired(now)
+        assert told() == [(True, True)]  # now its engine sleeps
+
+        cp.autoscaler.scales["a"] = Scale(1, "test", 0.0)
+        cp.replan()
+        cp.reconcile_once(now)
+        assert told() == [(True, False)]  # woken, the same replica: nothing placed anew
+        assert len(cp.state.replicas) == 1
+        await http.aclose()
 
     asyncio.run(go())

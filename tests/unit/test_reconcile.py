@@ -365,7 +365,8 @@ def test_replicas_of_a_revoked_node_are_replaced_as_a_lost_nodes_and_it_freezes_
 def test_a_model_that_follows_its_load_gets_the_autoscaler_count_and_loses_its_least_loaded() -> (
     None
 ):
-    c = catalog({"name": "a", "autoscale": {"min": 0, "max": 4, "target_in_flight": 2}})
+    scaled = {"min": 0, "max": 4, "target_in_flight": 2}
+    c = catalog({"name": "a", "autoscale": scaled, "max_parallel": 3})
     digest = c.models[0].engine_digest
     assert c.models[0].replicas == 0  # the least the control plane keeps, before any decision
     p = plan(c, [], set(), nodes(), set(), NOW, 10, wanted={"a": 3})
@@ -382,3 +383,57 @@ def test_a_model_that_follows_its_load_gets_the_autoscaler_count_and_loses_its_l
     # To zero: every replica goes.
     p = plan(c, table, serving, nodes(), set(), NOW, 10, wanted={"a": 0})
     assert sorted(s.replica_id for s in p.stop) == ["a-0", "a-1", "a-2"] and not p.new
+
+
+def test_idle_replicas_of_a_sleeping_model_sleep_and_are_woken_before_any_is_placed() -> None:
+    scaled = {"min": 0, "max": 3, "target_in_flight": 2}
+    c = catalog({"name": "a", "autoscale": scaled, "idle_action": "sleep"})
+    digest = c.models[0].engine_digest
+    table = [replica(f"a-{i}", "a", digest, gpu=i, created=float(i)) for i in range(3)]
+    serving = {r.id for r in table}
+    load = {"a-0": 1.0, "a-1": 0.0, "a-2": 4.0}
+    p = plan(c, table, serving, nodes(), set(), NOW, 10, wanted={"a": 1}, load=load)
+    assert sorted(s.replica_id for s in p.sleep) == ["a-0", "a-1"]  # the least loaded two
+    assert not p.stop and not p.new
+
+    # Scaled up again: the sleeping ones are woken, the newest first, before any is placed.
+    asleep = {"a-0", "a-1"}
+    awake = serving - asleep
+    p = plan(c, table, awake, nodes(), set(), NOW, 10, wanted={"a": 2}, asleep=asleep)
+    assert [w.replica_id for w in p.wake] == ["a-1"] and not p.new and not p.stop
+    p = plan(c, table, awake, nodes(), set(), NOW, 10, wanted={"a": 3}, asleep=asleep)
+    assert sorted(w.replica_id for w in p.wake) == ["a-0", "a-1"] and not p.new
+    # Sleeping replicas keep their GPUs (level 1): nothing else is placed on them.
+    other = {"name": "b", "gpus_per_shard": 4}
+    c2 = catalog({"name": "a", "autoscale": scaled, "idle_action": "sleep"}, other)
+    one = nodes(1)
+    p = plan(c2, table, awake, one, set(), NOW, 10, wanted={"a": 1}, asleep=asleep)
+    assert [pending.model for pending in p.pending] == ["b"] and not p.stop
+
+
+def test_gpus_of_replicas_asleep_at_level_2_go_to_a_model_with_no_room_otherwise() -> None:
+    scaled = {"min": 0, "max": 3, "target_in_flight": 2}
+    sleepy = {"name": "a", "autoscale": scaled, "idle_action": "sleep", "sleep_level": 2}
+    c = catalog(sleepy, {"name": "b", "gpus_per_shard": 2})
+    digest = c.models[0].engine_digest
+    table = [replica(f"a-{i}", "a", digest, gpu=i, created=float(i)) for i in range(4)]
+    asleep = {"a-0", "a-1", "a-2"}
+    p = plan(c, table, {"a-3"}, nodes(1), set(), NOW, 10, wanted={"a": 1}, asleep=asleep)
+    # b needs two GPUs: two sleeping replicas are stopped for it; a-3 serves and stays.
+    assert [pending.model for pending in p.pending] == ["b"]
+    stopped = sorted(s.replica_id for s in p.stop)
+    assert len(stopped) == 2 and set(stopped) <= asleep
+    assert all("go to a replica of b" in s.reason for s in p.stop)
+
+
+def test_a_scale_up_starts_at_most_max_parallel_replicas_at_once() -> None:
+    scaled = {"min": 0, "max": 4, "target_in_flight": 2}
+    c = catalog({"name": "a", "autoscale": scaled, "max_parallel": 2})
+    digest = c.models[0].engine_digest
+    p = plan(c, [], set(), nodes(), set(), NOW, 10, wanted={"a": 4})
+    assert len(p.new) == 2
+    table = [replica(f"a-{i}", "a", digest, gpu=i) for i in range(2)]
+    p = plan(c, table, {"a-0"}, nodes(), set(), NOW, 10, wanted={"a": 4})
+    assert len(p.new) == 1  # one is still starting
+    p = plan(c, table, {"a-0", "a-1"}, nodes(), set(), NOW, 10, wanted={"a": 4})
+    assert len(p.new) == 2

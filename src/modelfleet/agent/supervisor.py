@@ -132,6 +132,7 @@ class Shard:
         if assignment.num_shards > 1 and assignment.rank == 0:
             self.dist_port = free_port(settings.engine_host, "engines")
         self.task: asyncio.Task[None] | None = None
+        self._sleeper: asyncio.Task[None] | None = None  # putting it to sleep or waking it
 
     # -- what is reported and recorded ---------------------------------------------------
 
@@ -203,10 +204,69 @@ class Shard:
         return True
 
     async def check_adopted(self) -> None:
-        """Probe an adopted engine once, so that one that answers is reported ready from the
-        agent's first report, and no router drops it meanwhile."""
+        """Probe an adopted engine once, so that one that answers is reported ready (or
+        sleeping) from the agent's first report, and no router drops it meanwhile."""
         if self.health_path is None or await self._probe(self._health_url()):
-            self._set(ShardState.READY)
+            asleep = self.assignment.sleep_mode and await self._is_sleeping()
+            self._set(ShardState.SLEEPING if asleep else ShardState.READY)
+            self._settle_sleep()
+
+    # -- sleep mode (`idle_action: sleep`) -------------------------------------------------
+
+    def take_sleep(self, assignment: ShardAssignment) -> None:
+        """`assignment` differs from the one held only in whether the engine should sleep:
+        take it, and put the engine to sleep or wake it."""
+        self.assignment = assignment
+        self._settle_sleep()
+
+    def _settle_sleep(self) -> None:
+        """Make the engine sleep or wake as its assignment says, in a task of its own (once
+        it is up: an engine starting is put to sleep once ready)."""
+        if self._sleeper is None or self._sleeper.done():
+            self._sleeper = asyncio.ensure_future(self._sleep_or_wake())
+
+    async def _sleep_or_wake(self) -> None:
+        failures = 0
+        while self.state in (ShardState.READY, ShardState.SLEEPING):
+            want = self.assignment.asleep
+            if want == (self.state is ShardState.SLEEPING):
+                return
+            path = f"/sleep?level={self.assignment.sleep_level}" if want else "/wake_up"
+            began = time.monotonic()
+            error = await self._post(path)
+            if error is None:
+                took = time.monotonic() - began
+                what = "asleep" if want else "awake"
+                log.info("shard %s: %s after %.2fs", self.assignment.key, what, took)
+                self._set(ShardState.SLEEPING if want else ShardState.READY)
+                continue
+            failures += 1
+            wait = min(30.0, 0.5 * 2**failures)
+            log.warning("shard %s: POST %s failed (%s); again in %.0fs", self.assignment.key,
+                        path, error, wait)  # fmt: skip
+            await asyncio.sleep(wait)
+
+    async def _post(self, path: str) -> str | None:
+        """POST `path` to the engine (sleep and wake wait for what runs to end, and for the
+        memory to be freed or filled); None when it answered 200, else why not."""
+        headers = {"authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
+        url = f"http://{self.settings.engine_host}:{self.port}{path}"
+        try:
+            answer = await self._http.post(
+                url, headers=headers, timeout=self.assignment.startup_timeout
+            )
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None if answer.status_code == 200 else f"HTTP {answer.status_code}"
+
+    async def _is_sleeping(self) -> bool:
+        headers = {"authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
+        url = f"http://{self.settings.engine_host}:{self.port}/is_sleeping"
+        try:
+            answer = await self._http.get(url, headers=headers, timeout=5)
+            return answer.status_code == 200 and answer.json().get("is_sleeping") is True
+        except (httpx.HTTPError, ValueError):
+            return False
 
     def _health_url(self) -> str:
         return f"http://{self.settings.engine_host}:{self.port}{self.health_path or ''}"
@@ -355,7 +415,8 @@ class Shard:
         began = time.monotonic() - max(0.0, time.time() - self.started_at)
         deadline = began + timeout
         url = self._health_url()
-        ready_since = time.monotonic() if self.state is ShardState.READY else None
+        up = (ShardState.READY, ShardState.SLEEPING)
+        ready_since = time.monotonic() if self.state in up else None
         next_probe = time.monotonic() + s.liveness_interval
         misses = 0
         while True:
@@ -377,6 +438,8 @@ class Shard:
                     self.startup_s = round(ready_since - began, 3)
                     self.metrics.start_seconds.observe(self.startup_s)
                     self._set(ShardState.READY)
+                    if self.assignment.asleep:  # started while it should sleep
+                        self._settle_sleep()
                     next_probe = ready_since + s.liveness_interval
                 await asyncio.sleep(s.probe_interval if self.ready_at is None else s.watch_interval)
                 continue
@@ -426,7 +489,8 @@ class Shard:
     async def stop(self) -> None:
         """Stop supervising and stop the engine (it finishes in-flight requests first)."""
         self._set(ShardState.STOPPING)
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+        for task in (self.task, self._sleeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self._terminate()

@@ -86,6 +86,9 @@ def _build(
                     startup_timeout=spec.startup_timeout,
                     leader=leader,
                     generation=record.generation,
+                    sleep_mode=spec.idle_action == "sleep",
+                    asleep=record.told_to_sleep,
+                    sleep_level=spec.sleep_level,
                 )
             )
     for shards in by_node.values():

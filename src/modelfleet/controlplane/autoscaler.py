@@ -77,6 +77,19 @@ class Autoscaler:
             if s.autoscale is not None
         }
 
+    def next_due(self, catalog: Catalog) -> float | None:
+        """The monotonic time at which a model over its target (and under its max) has been
+        so for its `scale_up_after` (the next decision that may scale up), if any."""
+        due = [
+            trend.over_since + spec.autoscale.scale_up_after
+            for spec in catalog.models
+            if spec.autoscale is not None
+            and (trend := self.trends.get(spec.name)) is not None
+            and trend.over_since is not None
+            and self.current(spec) < spec.autoscale.max
+        ]
+        return min(due, default=None)
+
     def step(
         self,
         catalog: Catalog,
@@ -99,7 +112,9 @@ class Autoscaler:
             load = loads.get(spec.name, Load())
             floor = current if spec.name in replacing else 0
             trend = self.trends.get(spec.name, Trend())
-            decision = decide(spec.autoscale, current, load.total, now, trend, floor)
+            decision = decide(
+                spec.autoscale, current, load.total, now, trend, floor, held=load.held
+            )
             self.trends[spec.name] = decision.trend
             self.lately[spec.name] = (load.total, decision.reason)
             if decision.changed(current) or spec.name not in self.scales:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 _PASS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _CONFIRM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 NODE_STATES = ("ready", "stale", "lost")
-REPLICA_STATES = ("serving", "starting", "failed", "assigned", "retiring")
+REPLICA_STATES = ("serving", "starting", "failed", "assigned", "retiring", "sleeping")
 
 
 class ControlPlaneMetrics:

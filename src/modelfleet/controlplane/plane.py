@@ -55,6 +55,7 @@ from modelfleet.store import StoredMark, StoreError
 from modelfleet.wire import JoinAnswer, JoinRequest
 
 log = logging.getLogger("modelfleet.controlplane")
+MIN_AUTOSCALE_WAIT_S = 0.02  # a decision due already (and not taken: settling) waits this
 
 
 class MarkRefused(RuntimeError):
@@ -468,6 +469,7 @@ class ControlPlane:
             s.moving,
             self.autoscaler.wanted(catalog),
             self.replica_loads(),
+            s.asleep(),
         )
         if decided.frozen != self.frozen:
             if decided.frozen:
@@ -480,6 +482,12 @@ class ControlPlane:
         for stop in decided.stop:
             log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
             self.events.normal("ReplicaRetiring", f"replica/{stop.replica_id}", stop.reason)
+        for sleep in decided.sleep:
+            log.info("putting replica %s to sleep: %s", sleep.replica_id, sleep.reason)
+            self.events.normal("ReplicaSleeping", f"replica/{sleep.replica_id}", sleep.reason)
+        for wake in decided.wake:
+            log.info("waking replica %s: %s", wake.replica_id, wake.reason)
+            self.events.normal("ReplicaWaking", f"replica/{wake.replica_id}", wake.reason)
         before = s.pending
         if models is not None:  # the models not planned keep what they had pending
             kept = tuple(p for p in before if p.model not in models)
@@ -543,11 +551,16 @@ class ControlPlane:
             self.wake()
 
     async def autoscale_loop(self) -> None:
-        """Decide every `autoscale_interval` seconds, and at once when a router's load comes
-        (a cold model's first request answers its long poll at once)."""
+        """Decide every `autoscale_interval` seconds, when a scale-up comes due, and at once
+        when a router's load comes (a router answers its long poll at once when a cold model
+        gets a request or a model goes over its target)."""
         while True:
+            wait = self.config.autoscale_interval
+            due = self.autoscaler.next_due(self.catalogs.current)
+            if due is not None and self.acting():  # a scale-up due sooner: decide then
+                wait = min(wait, max(MIN_AUTOSCALE_WAIT_S, due - self.clock.monotonic()))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.loads.news.wait(), self.config.autoscale_interval)
+                await asyncio.wait_for(self.loads.news.wait(), wait)
             self.loads.news.clear()
             if self.acting():
                 self.autoscale_once(self.clock.monotonic())
@@ -591,7 +604,10 @@ class ControlPlane:
         return first + self.config.reconcile_interval
 
     def release_retired(self, now: float) -> None:
-        """Let go of the retiring replicas every router has stopped routing to."""
+        """Let go of the retiring replicas every router has stopped routing to, and tell the
+        agents of those put to sleep to put them to sleep."""
+        for rid, why in self.state.tell_sleepers(self.publisher.routed_version(), now):
+            log.info("replica %s is out of every routing table; its engine sleeps (%s)", rid, why)
         for rid, why in self.state.release(self.publisher.routed_version(), now):
             log.info("replica %s is out of every routing table; stopping it (%s)", rid, why)
             self.events.normal(
@@ -663,7 +679,8 @@ class ControlPlane:
             # would be empty of every replica; each router keeps serving from the one it holds.
             return
         catalog = self.catalogs.current
-        self.publisher.publish(catalog.version, self.routing.models(catalog), self.keys.routed())
+        models = self.routing.models(catalog, self.autoscaler.wanted(catalog))
+        self.publisher.publish(catalog.version, models, self.keys.routed())
         self.state.mark_unrouted(self.publisher.version)
 
     async def reconcile_loop(self) -> None:

@@ -101,3 +101,8 @@ class ReplicaRecord:
     generation: int = 0
     group_restarts: int = 0
     last_failure: str = ""
+    # A replica of a model whose idle replicas sleep, put to sleep (why): it leaves the routing
+    # table at once, and its agent is told to sleep once every router has confirmed a table
+    # without it (`unrouted_in`, as for retiring), or at `retire_by`.
+    sleep: str = ""
+    told_to_sleep: bool = False

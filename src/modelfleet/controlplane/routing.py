@@ -3,6 +3,9 @@ endpoints of its serving replicas."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.controlplane.state import FleetState
 from modelfleet.wire import RoutedModel
@@ -16,32 +19,36 @@ class RoutingTable:
 
     def __init__(self, state: FleetState) -> None:
         self.state = state
-        # model -> ((its stamp, the catalog's digest) when built, its entry)
-        self._kept: dict[str, tuple[tuple[int, str], RoutedModel]] = {}
+        # model -> ((its stamp, the catalog's digest, its count) when built, its entry)
+        self._kept: dict[str, tuple[tuple[int, str, int | None], RoutedModel]] = {}
 
-    def models(self, catalog: Catalog) -> list[RoutedModel]:
+    def models(
+        self, catalog: Catalog, wanted: Mapping[str, int] = MappingProxyType({})
+    ) -> list[RoutedModel]:
         """Every model of `catalog` with the endpoints of its serving replicas, and the
-        catalog's routing fields.
+        catalog's routing fields (`wanted`: the counts of the models that follow their load).
 
         Only models of that catalog are published, and never a retiring replica: a replica of a
         removed model is not routed to, whatever state it is in.
         """
         table = []
         for spec in catalog.models:
-            made_from = (self.state.rerouted_at(spec.name), catalog.digest)
+            count = wanted.get(spec.name)
+            made_from = (self.state.rerouted_at(spec.name), catalog.digest, count)
             kept = self._kept.get(spec.name)
             if kept is None or kept[0] != made_from:
-                kept = (made_from, _entry(self.state, spec))
+                kept = (made_from, _entry(self.state, spec, count))
                 self._kept[spec.name] = kept
             table.append(kept[1])
         if len(self._kept) > len(table):
-            wanted = {m.name for m in catalog.models}
-            self._kept = {name: kept for name, kept in self._kept.items() if name in wanted}
+            named = {m.name for m in catalog.models}
+            self._kept = {name: kept for name, kept in self._kept.items() if name in named}
         return table
 
 
-def _entry(state: FleetState, spec: ModelSpec) -> RoutedModel:
-    """`spec`'s model with its serving replicas: not retiring, every shard reported ready;
+def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel:
+    """`spec`'s model with its serving replicas: not retiring nor asleep, every shard
+    reported ready;
     each read straight from its shard 0's report (building each replica's whole view, every
     shard's log tail, cost most of a publish at scale)."""
     endpoints: list[str] = []
@@ -49,7 +56,7 @@ def _entry(state: FleetState, spec: ModelSpec) -> RoutedModel:
     ids: dict[str, str] = {}
     for rid in state.of_model(spec.name):
         record = state.replicas[rid]
-        if record.retiring:
+        if record.retiring or record.sleep:
             continue
         shards = record.replica.shards
         for rank, placement in enumerate(shards):
@@ -78,6 +85,7 @@ def _entry(state: FleetState, spec: ModelSpec) -> RoutedModel:
         max_tokens_cap=spec.max_tokens_cap,
         max_tokens_over_cap=spec.max_tokens_over_cap,
         target_in_flight=None if spec.autoscale is None else spec.autoscale.target_in_flight,
+        replicas_wanted=count,
         cold_queue=spec.cold_queue,
         cold_timeout=spec.cold_timeout,
     )

@@ -65,8 +65,9 @@ class FleetState:
     _seen: dict[str, dict[tuple[str, int], ShardReport]] = field(default_factory=dict)
     # the nodes, the one heard from longest ago first (a dict keeps the order keys came in);
     _heard: dict[str, None] = field(default_factory=dict)
-    # the replicas that are retiring;
+    # the replicas that are retiring, and those put to sleep whose agents are not yet told;
     _retiring: set[str] = field(default_factory=set)
+    _dozing: set[str] = field(default_factory=set)
     # replicas some node reports that are not in the table (engines outside it hold GPUs),
     # and replicas some shard of which reports failures;
     _strays: set[str] = field(default_factory=set)
@@ -130,6 +131,7 @@ class FleetState:
         if len(self.dropped) > MAX_DROPPED:
             del self.dropped[next(iter(self.dropped))]
         self._retiring.discard(rid)
+        self._dozing.discard(rid)
         if rid in self._seen:
             self._strays.add(rid)
         self._reassign(p.node for p in record.replica.shards)
@@ -307,6 +309,14 @@ class FleetState:
             if s.state is ShardState.STARTING:
                 pid = f" (pid {s.pid})" if s.pid is not None else ""
                 self.tell("normal", "ShardStarted", f"replica/{s.replica_id}", f"{where}{pid}")
+            elif s.state is ShardState.SLEEPING:
+                self.tell("normal", "ShardAsleep", f"replica/{s.replica_id}", f"{where} asleep")
+            elif (
+                s.state is ShardState.READY
+                and before is not None
+                and (before.state is ShardState.SLEEPING)
+            ):
+                self.tell("normal", "ShardAwake", f"replica/{s.replica_id}", f"{where} awake")
             elif s.state is ShardState.READY:
                 took = f" in {s.startup_s:.1f}s" if s.startup_s is not None else ""
                 self.tell("normal", "ShardReady", f"replica/{s.replica_id}", f"{where} ready{took}")
@@ -525,7 +535,7 @@ class FleetState:
 
     def is_serving(self, rid: str) -> bool:
         record = self.replicas.get(rid)
-        if record is None or record.retiring:
+        if record is None or record.retiring or record.sleep:
             return False
         grouped = len(record.replica.shards) > 1
         for rank, placement in enumerate(record.replica.shards):
@@ -609,6 +619,22 @@ class FleetState:
             record = self.replicas.get(stop.replica_id)
             if record is not None and not record.retiring:
                 self._start_retiring(record, stop.reason, now + retire_within)
+        for sleep in plan.sleep:
+            record = self.replicas.get(sleep.replica_id)
+            if record is not None and not record.retiring and not record.sleep:
+                record.sleep, record.unrouted_in = sleep.reason, None
+                record.retire_by = now + retire_within
+                self._dozing.add(sleep.replica_id)
+                self._reroute((record.replica.model,))
+                self._changes += 1
+        for wake in plan.wake:
+            record = self.replicas.get(wake.replica_id)
+            if record is not None and record.sleep:
+                record.sleep, record.told_to_sleep, record.unrouted_in = "", False, None
+                self._dozing.discard(wake.replica_id)
+                self._reassign(p.node for p in record.replica.shards)
+                self._reroute((record.replica.model,))
+                self._changes += 1
         created = []
         for new in plan.new:
             spec = catalog.get(new.model)
@@ -654,8 +680,9 @@ class FleetState:
         self._names = None
 
     def mark_unrouted(self, version: int) -> None:
-        """Note that routing `version` is the first without each retiring replica not yet noted."""
-        for rid in self._retiring:
+        """Note that routing `version` is the first without each retiring (or sleeping)
+        replica not yet noted."""
+        for rid in (*self._retiring, *self._dozing):
             record = self.replicas[rid]
             if record.unrouted_in is None:
                 record.unrouted_in = version
@@ -677,6 +704,24 @@ class FleetState:
                 self.retired[rid] = (why, now)
                 released.append((rid, why))
         return released
+
+    def tell_sleepers(self, routed_version: int, now: float) -> list[tuple[str, str]]:
+        """Tell the agents of the replicas put to sleep that every router has stopped routing
+        to (or whose time is up) to put their engines to sleep. Returns (replica id, why)."""
+        told = []
+        for rid in sorted(self._dozing):
+            record = self.replicas[rid]
+            confirmed = record.unrouted_in is not None and record.unrouted_in <= routed_version
+            if confirmed or now >= record.retire_by:
+                record.told_to_sleep = True
+                self._dozing.discard(rid)
+                self._reassign(p.node for p in record.replica.shards)
+                told.append((rid, record.sleep))
+        return told
+
+    def asleep(self) -> set[str]:
+        """The replicas put to sleep (told so or not yet), not retiring."""
+        return {rid for rid, r in self.replicas.items() if r.sleep and not r.retiring}
 
     def explain(self, catalog: Catalog, model: str, now: float) -> Placed | Unplaceable | None:
         """Where the next replica of `model` would go, or why it could go nowhere.

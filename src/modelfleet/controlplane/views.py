@@ -112,9 +112,12 @@ def shard_views(state: FleetState, record: ReplicaRecord) -> list[admin.ShardInf
 
 def replica_state(state: FleetState, record: ReplicaRecord) -> admin.ReplicaState:
     """A replica's state worked out from its shards' (of its current generation): retiring,
-    ready (every shard), failed (any), starting (any), or assigned (none reported yet)."""
+    sleeping (told to, or asleep), ready (every shard), failed (any), starting (any), or
+    assigned (none reported yet)."""
     if record.retiring:
         return "retiring"
+    if record.sleep:
+        return "sleeping"
     states = set()
     for rank in range(len(record.replica.shards)):
         seen = state.current(record, rank)

@@ -15,5 +15,8 @@ class SimDriver:
         self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
     ) -> Launch:
         argv = [sys.executable, "-m", "modelfleet", "engine-sim", "--model", shard.model]
-        argv += ["--host", host, "--port", str(port), *shard.args]
+        argv += ["--host", host, "--port", str(port)]
+        if shard.sleep_mode:
+            argv.append("--enable-sleep-mode")
+        argv += shard.args
         return Launch(argv, {**gpu_env(shard), ENGINE_KEY_ENV: key})

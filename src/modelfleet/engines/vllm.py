@@ -32,5 +32,9 @@ class VllmDriver:
             if shard.rank > 0:
                 argv.append("--headless")
                 health = None
+        if shard.sleep_mode:
+            # vLLM serves POST /sleep and /wake_up only in its server's dev mode.
+            argv.append("--enable-sleep-mode")
+            peers["VLLM_SERVER_DEV_MODE"] = "1"
         env = {**peers, **gpu_env(shard), "VLLM_API_KEY": key}  # the catalog sets no key
         return Launch([*argv, *shard.args], env, health)

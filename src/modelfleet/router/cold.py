@@ -7,9 +7,12 @@ the router's load (`GET /v1/load` answers at once when a cold model gets its fir
 request) and starts a replica. When replicas serve, held requests are released in arrival
 order, each to the replica with the fewest requests of this router's in flight, and no
 replica gets more than the model's `target_in_flight`: a hundred held requests do not all go
-to the first replica that comes up. The rest are released as requests end or more replicas
-come. Over the bound or past the timeout a request gets 503 with `Retry-After` and
-`x-modelfleet-reason: cold-start`.
+to the first replica that comes up. Nor, while fewer replicas serve than the control plane is
+starting (`replicas_wanted`), does one get more than its share of the requests held since
+the model had none: the others are about to come, and get theirs (for up to
+`SPREAD_WAIT_S` after the first came, so that a replica that cannot start holds nothing up for
+long). The rest are released as requests end or more replicas come. Over the bound or past
+the timeout a request gets 503 with `Retry-After` and `x-modelfleet-reason: cold-start`.
 
 A request that comes while others of its model are held queues behind them, though the model
 has replicas again: release keeps arrival order.
@@ -19,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from modelfleet.router.flight import Refusal
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from modelfleet.wire import RoutedModel
 
 COLD_RETRY_AFTER_S = 5  # what a refused held request is told to wait before it tries again
+SPREAD_WAIT_S = 10.0  # how long held requests wait for their share to go to replicas to come
 
 
 class Holdable(Protocol):
@@ -53,6 +57,17 @@ class _Held:
     timer: asyncio.TimerHandle | None = None
 
 
+@dataclass
+class _Episode:
+    """A model's requests held since its queue was last empty: how many, and where those
+    released went."""
+
+    held: int = 0
+    sent: Counter[str] = field(default_factory=Counter)
+    spread_until: float | None = None  # set at the first release: the share's deadline
+    timer: asyncio.TimerHandle | None = None
+
+
 class ColdHold:
     """The held requests of every model, in arrival order per model."""
 
@@ -61,6 +76,7 @@ class ColdHold:
         self.table = table  # the router's current table
         self.queues: dict[str, deque[_Held]] = {}
         self.held: dict[Holdable, tuple[str, _Held]] = {}
+        self.episodes: dict[str, _Episode] = {}
         # Set when a model with no replica gets its first held request: the load's long poll
         # answers at once, so that the control plane starts a replica without waiting.
         self.news = asyncio.Event()
@@ -98,6 +114,7 @@ class ColdHold:
         )
         if not queue and not endpoints:
             self.news.set()
+        self.episodes.setdefault(model, _Episode()).held += 1
         queue.append(entry)
         self.held[request] = (model, entry)
         if endpoints:
@@ -115,7 +132,7 @@ class ColdHold:
         queue = self.queues[model]
         queue.remove(entry)
         if not queue:
-            del self.queues[model]
+            self._over(model)
 
     def _expire(self, request: Holdable, model: str, timeout: float) -> None:
         if request not in self.held:
@@ -133,11 +150,19 @@ class ColdHold:
         for model in list(self.queues):
             self.release(model)
 
+    def _over(self, model: str) -> None:
+        """`model` holds nothing any more: its episode ends."""
+        self.queues.pop(model, None)
+        episode = self.episodes.pop(model, None)
+        if episode is not None and episode.timer is not None:
+            episode.timer.cancel()
+
     def release(self, model: str) -> None:
         """Release `model`'s held requests in arrival order, each to the usable endpoint with
         the fewest of this router's requests in flight, while one has fewer than the model's
-        target. A model gone from the table, or no longer following its load, lets them all go
-        (as the same request sent now would)."""
+        target (and, while replicas are still to come, less than its share). A model gone
+        from the table, or no longer following its load, lets them all go (as the same
+        request sent now would)."""
         queue = self.queues.get(model)
         if not queue:
             return
@@ -150,11 +175,18 @@ class ColdHold:
         usable = [e for e in endpoints if self.balancer.usable(e)]
         cap = max(1, math.ceil(route.target_in_flight))
         state = self.balancer.state
+        episode = self.episodes.setdefault(model, _Episode(held=len(queue)))
+        share = self._share(model, episode, route, len(usable))
         while queue and usable:
-            loads = {e: state[e].in_flight if e in state else 0 for e in usable}
-            endpoint = min(usable, key=loads.__getitem__)
-            if loads[endpoint] >= cap:
+            loads = {
+                e: state[e].in_flight if e in state else 0
+                for e in usable
+                if share is None or episode.sent[e] < share
+            }
+            endpoint = min(loads, key=loads.__getitem__, default=None)
+            if endpoint is None or loads[endpoint] >= cap:
                 break
+            episode.sent[endpoint] += 1
             entry = queue.popleft()
             del self.held[entry.request]
             if entry.timer is not None:
@@ -163,10 +195,25 @@ class ColdHold:
             # returns), or answers it: either way the next turn sees the new counts.
             entry.request.released(table, endpoint)
         if not queue:
-            self.queues.pop(model, None)
+            self._over(model)
+
+    def _share(self, model: str, episode: _Episode, route: RoutedModel, serving: int) -> int | None:
+        """The most held requests one endpoint gets while fewer serve than are wanted, until
+        the episode's spread deadline; None: no share applies."""
+        wanted = route.replicas_wanted or 0
+        if not serving or serving >= wanted:
+            return None
+        loop = asyncio.get_running_loop()
+        if episode.spread_until is None:
+            episode.spread_until = loop.time() + SPREAD_WAIT_S
+            episode.timer = loop.call_at(episode.spread_until, self.release, model)
+        if loop.time() >= episode.spread_until:
+            return None
+        return math.ceil(episode.held / wanted)
 
     def _let_go(self, model: str, table: RoutingTable, route: RoutedModel | None) -> None:
-        queue = self.queues.pop(model)
+        queue = self.queues[model]
+        self._over(model)
         for entry in queue:
             del self.held[entry.request]
             if entry.timer is not None:

@@ -61,6 +61,7 @@ from modelfleet.wire import (
 
 log = logging.getLogger("modelfleet.router")
 UNREACHABLE_AFTER = 2  # reads of an engine's load in a row with no answer: it is ejected
+LOAD_WATCH_S = 0.1  # how often a model's load is compared with its target (`watch_load`)
 
 
 class KeyConfig(BaseModel):
@@ -374,6 +375,35 @@ class Router:
 
         return [text for text in await asyncio.gather(*map(one, urls)) if text is not None]
 
+    async def watch_load(self) -> None:
+        """Answer the control plane's load poll at once when a model that follows its load
+        goes over its target here, so that its time over the target is counted from then and
+        not from the next poll; runs until cancelled."""
+        over: set[str] = set()
+        while True:
+            await asyncio.sleep(LOAD_WATCH_S)
+            now_over = self.over_target()
+            if now_over - over:
+                self.cold.news.set()
+            over = now_over
+
+    def over_target(self) -> set[str]:
+        """The models that follow their load whose requests here (held, and in flight at
+        their replicas) are more than their target per serving replica; with none serving,
+        per replica the control plane is starting."""
+        state, held, table = self.balancer.state, self.cold.counts(), self.table
+        over = set()
+        for model, route in table.routes.items():
+            target = route.target_in_flight
+            if target is None:
+                continue
+            endpoints = table.models.get(model, ())
+            load = held.get(model, 0) + sum(state[e].load for e in endpoints if e in state)
+            replicas = len(endpoints) or max(1, route.replicas_wanted or 0)
+            if load > target * replicas:
+                over.add(model)
+        return over
+
     async def watch_engines(self) -> None:
         """Every `watch_interval`, `watch_once`; runs until cancelled."""
         interval = self.config.watch_interval
@@ -599,5 +629,8 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
         ),
     ]
     await run_service(
-        listeners, ready_file=ready_file, loops=[router.watch_engines], on_stop=router.close
+        listeners,
+        ready_file=ready_file,
+        loops=[router.watch_engines, router.watch_load],
+        on_stop=router.close,
     )

@@ -1,0 +1,293 @@
+"""Replicas that follow the load: cold starts, the spread of held requests, how fast a scale-up
+is decided, flapping, GPU-seconds saved, and waking a sleeping replica.
+
+Starts a fleet as `modelfleet up` does (control plane, router, two agents of 8 simulated GPUs
+each) in a temporary folder, with simulated engines of a small real model's speed (`--ttft
+0.03 --itl 0.01`, 5 s to start), and drives it with the official `openai` client (streamed, so
+that the time to first token is seen). Each phase has a model of its own:
+
+1. `cold` (min 0, max 2, target 4, to zero after 6 s idle): 5 cycles of a burst of 50
+   requests, then idle until it is at zero replicas again. `cold_start_failed` (target 0),
+   `cold_first_token_s`: p50 over the cycles of the burst's first token (target <= the
+   startup delay + 1 s).
+2. `spread` (min 0, max 2, target 8): 100 requests at once on zero replicas, held while two
+   replicas start; `release_spread` is the share the busiest replica served (target <= 0.6).
+3. `up` (min 1, max 3, target 4, scale_up_after at its default 2 s): from 12 requests in
+   flight (3 per replica over the target) to a second replica placed: `scale_up_decision_s`
+   (KEDA polls every 15 s; Ray Serve waits 30 s by default).
+4. `wave` (min 1, max 4, target 4, scale_down_after 30 s): load alternating 40 and 4
+   requests/s every 20 s for 3 minutes. `square_wave_flaps`: scale-downs undone within one
+   period (target 0); `gpu_seconds_saved` against 4 fixed replicas for the same 3 minutes,
+   and `slo_attainment`: the share of its requests with a first token within 2 s.
+5. `nap` (min 0, max 1, idle_action: sleep, wake delay 1 s): once asleep, a request;
+   `wake_s` from the request to its answer (target <= the wake delay + 0.5 s).
+
+Ends with one JSON line.
+
+    python bench/autoscale.py [--cycles 5] [--wave-s 180]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import yaml
+
+from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+
+SIM = ["--ttft", "0.03", "--itl", "0.01", "--startup-delay", "5"]
+STARTUP_S, WAKE_S = 5.0, 1.0
+MODELS = [
+    {"name": "cold", "engine": "sim", "args": SIM, "max_parallel": 2,
+     "autoscale": {"min": 0, "max": 2, "target_in_flight": 4, "scale_down_after": "3s",
+                   "scale_to_zero_after": "6s"}},
+    {"name": "spread", "engine": "sim", "args": SIM, "max_parallel": 2,
+     "autoscale": {"min": 0, "max": 2, "target_in_flight": 8}},
+    {"name": "up", "engine": "sim", "args": SIM,
+     "autoscale": {"min": 1, "max": 3, "target_in_flight": 4}},
+    {"name": "wave", "engine": "sim", "args": SIM, "max_parallel": 3,
+     "autoscale": {"min": 1, "max": 4, "target_in_flight": 4, "scale_down_after": "30s"}},
+    {"name": "nap", "engine": "sim", "args": [*SIM, "--wake-delay", str(WAKE_S)],
+     "autoscale": {"min": 0, "max": 1, "target_in_flight": 4, "scale_down_after": "2s",
+                   "scale_to_zero_after": "3s"},
+     "idle_action": "sleep"},
+]  # fmt: skip
+
+
+def wait(what: str, check: Callable[[], Any], timeout: float = 120) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result is not None and result is not False:
+            return result
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Fleet:
+    """The fleet as the bench reads and drives it."""
+
+    def __init__(self, running: RunningFleet) -> None:
+        self.running = running
+        self.admin = httpx.Client(
+            base_url=running.admin_url,
+            headers={"authorization": f"Bearer {running.admin_token}"},
+            timeout=10,
+        )
+        self.client = openai.OpenAI(
+            base_url=running.router_url + "/v1",
+            api_key=running.api_key,
+            http_client=httpx.Client(timeout=120, limits=httpx.Limits(max_connections=256)),
+            max_retries=0,
+        )
+
+    def replicas(self, model: str) -> list[dict[str, Any]]:
+        listed = self.admin.get("/v1/replicas").json()["replicas"]
+        return [r for r in listed if r["model"] == model]
+
+    def holding(self, model: str) -> int:
+        """Replicas of `model` that hold GPUs: every one in the table but those asleep."""
+        return sum(1 for r in self.replicas(model) if r["state"] != "sleeping")
+
+    def count(self, model: str) -> int:
+        scaling = self.admin.get("/v1/status").json()["scaling"]
+        return next(s["replicas"] for s in scaling if s["model"] == model)
+
+    def events(self, reason: str) -> list[dict[str, Any]]:
+        events = self.admin.get("/v1/events", params={"limit": 1000}).json()["events"]
+        return [e for e in events if e["reason"] == reason]
+
+    def ask(self, model: str, tokens: int = 32) -> dict[str, Any]:
+        """One streamed chat completion: when it began and got its first token (monotonic),
+        the replica that answered, and its error ("" when none)."""
+        began = time.monotonic()
+        first: float | None = None
+        replica, error = "", ""
+        try:
+            with self.client.chat.completions.with_streaming_response.create(
+                model=model,
+                messages=[{"role": "user", "content": "Hello"}],
+                max_tokens=tokens,
+                stream=True,
+            ) as raw:
+                replica = raw.headers.get("x-modelfleet-replica", "")
+                for chunk in raw.parse():
+                    if first is None and chunk.choices and chunk.choices[0].delta.content:
+                        first = time.monotonic()
+        except openai.OpenAIError as exc:
+            error = f"{type(exc).__name__}: {exc}"[:200]
+        if first is None and not error:
+            error = "no token"
+        return {"began": began, "first": first, "end": time.monotonic(), "replica": replica,
+                "error": error}  # fmt: skip
+
+
+def burst(fleet: Fleet, model: str, count: int) -> list[dict[str, Any]]:
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(lambda _: fleet.ask(model), range(count)))
+
+
+def cold_cycles(fleet: Fleet, cycles: int) -> dict[str, Any]:
+    failed, firsts = 0, []
+    for _ in range(cycles):
+        wait("cold at zero replicas", lambda: not fleet.replicas("cold"), 120)
+        began = time.monotonic()
+        done = burst(fleet, "cold", 50)
+        failed += sum(1 for d in done if d["error"])
+        tokens = [d["first"] for d in done if d["first"] is not None]
+        if tokens:
+            firsts.append(min(tokens) - began)
+    return {
+        "cold_cycles": cycles,
+        "cold_start_failed": failed,
+        "cold_first_token_s": round(statistics.median(firsts), 2) if firsts else None,
+        "cold_first_token_target_s": STARTUP_S + 1,
+    }
+
+
+def release_spread(fleet: Fleet) -> dict[str, Any]:
+    done = burst(fleet, "spread", 100)
+    served = [d["replica"] for d in done if not d["error"]]
+    counts = {r: served.count(r) for r in set(served)}
+    return {
+        "release_spread": round(max(counts.values()) / len(done), 2) if counts else None,
+        "release_replicas": len(counts),
+        "release_failed": sum(1 for d in done if d["error"]),
+    }
+
+
+def scale_up(fleet: Fleet) -> dict[str, Any]:
+    wait("up serving", lambda: any(r["state"] == "ready" for r in fleet.replicas("up")), 60)
+    stop = threading.Event()
+
+    def keep_busy() -> None:
+        while not stop.is_set():
+            fleet.ask("up", tokens=400)  # ~4 s each
+
+    pool = ThreadPoolExecutor(12)
+    began = time.monotonic()
+    for _ in range(12):
+        pool.submit(keep_busy)
+    placed = wait("a second replica of up", lambda: len(fleet.replicas("up")) >= 2, 60)
+    took = time.monotonic() - began
+    stop.set()
+    pool.shutdown(wait=True)
+    assert placed
+    return {"scale_up_decision_s": round(took, 2), "scale_up_after_s": 2.0}
+
+
+def square_wave(fleet: Fleet, seconds: float, period: float = 20.0) -> dict[str, Any]:
+    wait("wave serving", lambda: any(r["state"] == "ready" for r in fleet.replicas("wave")), 60)
+    done: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    counts: list[tuple[float, int]] = []  # (when, replicas holding GPUs)
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            counts.append((time.monotonic(), fleet.holding("wave")))
+            time.sleep(0.5)
+
+    def one() -> None:
+        result = fleet.ask("wave")
+        with lock:
+            done.append(result)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    began, began_wall = time.monotonic(), time.time()
+    with ThreadPoolExecutor(128) as pool:
+        while (now := time.monotonic()) - began < seconds:
+            high = int((now - began) // (period / 2)) % 2 == 0
+            pool.submit(one)
+            time.sleep(1 / (40.0 if high else 4.0))
+    stop.set()
+    sampler.join()
+    steps = sorted(
+        (e["first_at"], e["message"])
+        for e in fleet.events("ReplicasScaled")
+        if e["regarding"] == "model/wave" and e["first_at"] >= began_wall
+    )
+    flaps = 0
+    for i, (at, message) in enumerate(steps):
+        if "down" in message.split(":")[1]:
+            flaps += any(
+                later - at <= period and "up" in m.split(":")[1] for later, m in steps[i + 1 :]
+            )
+    used = sum(n * (t1 - t0) for (t0, n), (t1, _) in itertools.pairwise(counts))
+    span = counts[-1][0] - counts[0][0] if len(counts) > 1 else 0.0
+    fixed = 4 * span
+    ttfts = [d["first"] - d["began"] for d in done if d["first"] is not None]
+    within = sum(1 for t in ttfts if t <= 2.0)
+    return {
+        "square_wave_s": seconds,
+        "square_wave_flaps": flaps,
+        "square_wave_scale_changes": len(steps),
+        "gpu_seconds_used": round(used, 1),
+        "gpu_seconds_fixed_max": round(fixed, 1),
+        "gpu_seconds_saved": round(fixed - used, 1),
+        "slo_attainment": round(within / len(done), 4) if done else None,
+        "square_wave_requests": len(done),
+        "square_wave_failed": sum(1 for d in done if d["error"]),
+    }
+
+
+def wake(fleet: Fleet) -> dict[str, Any]:
+    first = fleet.ask("nap")  # cold: starts it
+    assert not first["error"], first
+
+    def asleep() -> bool:
+        found = fleet.replicas("nap")
+        return bool(found) and all(r["state"] == "sleeping" for r in found)
+
+    wait("nap asleep", asleep, 60)
+    wait(
+        "nap's engine asleep",
+        lambda: fleet.replicas("nap")[0]["shards"][0]["state"] == "sleeping",
+        60,
+    )
+    done = fleet.ask("nap", tokens=1)
+    return {
+        "wake_s": round(done["end"] - done["began"], 2),
+        "wake_target_s": WAKE_S + 0.5,
+        "wake_failed": bool(done["error"]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=5)
+    parser.add_argument("--wave-s", type=float, default=180.0)
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="modelfleet-autoscale-"))
+    state = folder / "fleet"
+    state.mkdir(mode=0o700)
+    (state / "catalog.yaml").write_text(yaml.safe_dump({"models": MODELS}))
+    running = start_fleet(state, FleetOptions(gpus="8x80GB", report_interval=1.0))
+    results: dict[str, Any] = {"startup_delay_s": STARTUP_S}
+    try:
+        fleet = Fleet(running)
+        results.update(wake(fleet))
+        results.update(scale_up(fleet))
+        results.update(release_spread(fleet))
+        results.update(cold_cycles(fleet, args.cycles))
+        results.update(square_wave(fleet, args.wave_s))
+    finally:
+        running.fleet.stop()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
