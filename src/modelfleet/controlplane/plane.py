@@ -155,6 +155,7 @@ class ControlPlane:
         self._whole_at = 0.0
         self.planned_models: int | None = None  # how many models the last plan planned
         self.frozen = ""  # the last pass's `Plan.frozen`: why nothing moves off lost nodes
+        self._told_no_routers = False  # warned that autoscaled models have no load to follow
         self._load_marks()
         self.retime()
         self.metrics.watch(self)
@@ -543,6 +544,15 @@ class ControlPlane:
         once."""
         if self.settling(now):
             return
+        if not self.config.routers and not self._told_no_routers:
+            scaled = [m.name for m in self.catalogs.current.models if m.autoscale is not None]
+            if scaled:
+                self._told_no_routers = True
+                log.warning(
+                    "%s follow their load, but no router is configured to read it from: "
+                    "they keep their autoscale min",
+                    ", ".join(scaled),
+                )
         changed = self.autoscaler.step(
             self.catalogs.current, self.loads.loads(now), now, self.replacing()
         )
