@@ -559,6 +559,18 @@ def engine_sim(
     wake_delay: Annotated[
         float, typer.Option(help="Seconds to wake up (twice this from a level-2 sleep).")
     ] = 1.0,
+    enable_lora: Annotated[
+        bool,
+        typer.Option(
+            "--enable-lora",
+            help="vLLM's LoRA adapters loaded at run time: POST /v1/load_lora_adapter and "
+            "/v1/unload_lora_adapter; a request names an adapter it holds as its model.",
+        ),
+    ] = False,
+    max_loras: Annotated[
+        int, typer.Option(help="Adapters held at once; the least recently used goes.")
+    ] = 4,
+    lora_load_delay: Annotated[float, typer.Option(help="Seconds to load an adapter.")] = 0.5,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "warning",
 ) -> None:
@@ -579,6 +591,10 @@ def engine_sim(
         fail("--max-model-len must be at least 2")
     if sleep_delay < 0 or wake_delay < 0:
         fail("--sleep-delay and --wake-delay are seconds: 0 or more")
+    if max_loras < 1:
+        fail("--max-loras must be at least 1")
+    if lora_load_delay < 0:
+        fail("--lora-load-delay is seconds: 0 or more")
     configure_logging(log_level)
     settings = SimSettings(
         model=model,
@@ -596,6 +612,9 @@ def engine_sim(
         sleep_mode=sleep_mode,
         sleep_delay=sleep_delay,
         wake_delay=wake_delay,
+        enable_lora=enable_lora,
+        max_loras=max_loras,
+        lora_load_delay=lora_load_delay,
     )
     run_fast(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
 

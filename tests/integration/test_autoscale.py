@@ -122,3 +122,27 @@ def test_an_idle_replica_sleeps_and_wakes_faster_than_it_started(tmp_path: Path)
         assert (again["id"], again["shards"][0]["pid"]) == (replica["id"], pid)  # same engine
         reasons = {e["reason"] for e in op.get("/v1/events?limit=200")["events"]}
         assert {"ReplicaSleeping", "ShardAsleep", "ReplicaWaking", "ShardAwake"} <= reasons
+
+
+def test_gpus_of_a_replica_asleep_at_level_2_go_to_a_model_that_has_no_room(
+    tmp_path: Path,
+) -> None:
+    deep = {**SLEEPY, "sleep_level": 2, "args": ["--ttft", "0.01", "--wake-delay", "0.5"]}
+    deep["autoscale"] = {**SLEEPY["autoscale"], "min": 1}  # type: ignore[dict-item]
+    with fleet_of(tmp_path, [deep], gpus="1x80GB", nodes=("node-1",)) as fleet:
+        op = Operator(fleet, tmp_path)
+        wait_for("s serving", lambda: [r["state"] for r in op.replicas("s")] == ["ready"])
+        # min 1: it never goes to zero, so make it sleep by taking its count down by hand.
+        op.write_file({**deep, "autoscale": {**deep["autoscale"], "min": 0}})
+        wait_for("s asleep", lambda: [r["state"] for r in op.replicas("s")] == ["sleeping"], 30)
+        # Another model, and no free GPU but the sleeping replica's: it is stopped for it.
+        other = {"name": "b", "engine": "sim", "args": ["--ttft", "0.01"]}
+        op.write_file({**deep, "autoscale": {**deep["autoscale"], "min": 0}}, other)
+        wait_for("b serving on the sleeper's GPU", lambda: op.serves("b"), timeout=60)
+        assert op.replicas("s") == []
+        retiring = [
+            e["message"]
+            for e in op.get("/v1/events?limit=200")["events"]
+            if e["reason"] == "ReplicaRetiring"
+        ]
+        assert any("asleep at level 2: its GPUs go to a replica of b" in m for m in retiring)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import httpx
 
@@ -257,5 +258,51 @@ def test_sleep_mode_lets_running_requests_end_refuses_while_asleep_and_wakes_aft
             assert time.monotonic() - asked >= 0.2  # the weights reload
         async with client() as plain:
             assert (await plain.post("/sleep")).status_code == 404
+
+    run(go())
+
+
+def test_lora_adapters_load_after_a_delay_are_listed_with_their_base_and_the_least_used_goes(
+    tmp_path: object,
+) -> None:
+    async def go() -> None:
+        async with client(enable_lora=True, max_loras=2, lora_load_delay=0.2) as c:
+
+            def ask(model: str) -> Any:
+                body = {"model": model, "messages": [{"role": "user", "content": "x"}]}
+                return c.post("/v1/chat/completions", json=body)
+
+            assert (await ask("a1")).status_code == 404  # not held: vLLM's 404
+            began = time.monotonic()
+            loaded = await c.post(
+                "/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": "org/a1"}
+            )
+            assert loaded.status_code == 200 and time.monotonic() - began >= 0.2
+            again = await c.post(
+                "/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": "org/a1"}
+            )
+            assert again.status_code == 400 and "already been loaded" in again.text
+            answer = await ask("a1")
+            assert answer.status_code == 200 and answer.json()["model"] == "a1"
+
+            listed = (await c.get("/v1/models")).json()["data"]
+            assert [(m["id"], m.get("parent")) for m in listed] == [("m", None), ("a1", "m")]
+
+            await c.post("/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": "x/a2"})
+            assert (await ask("a1")).status_code == 200  # a1 used after a2 was loaded
+            await c.post("/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": "x/a3"})
+            held = [m["id"] for m in (await c.get("/v1/models")).json()["data"][1:]]
+            assert held == ["a1", "a3"]  # a2, the least recently used, was let go
+            assert (await ask("a2")).status_code == 404
+
+            missing = await c.post(
+                "/v1/load_lora_adapter",
+                json={"lora_name": "gone", "lora_path": "/no/such/adapter"},
+            )
+            assert missing.status_code == 400 and "No adapter found" in missing.text
+            out = await c.post("/v1/unload_lora_adapter", json={"lora_name": "a3"})
+            assert out.status_code == 200
+            out = await c.post("/v1/unload_lora_adapter", json={"lora_name": "a3"})
+            assert out.status_code == 404
 
     run(go())

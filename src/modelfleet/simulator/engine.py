@@ -13,6 +13,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 _WORDS = (
     "the fleet serves every model behind one router while agents keep engines alive and"
@@ -55,6 +56,13 @@ class SimSettings:
     sleep_mode: bool = False
     sleep_delay: float = 0.2
     wake_delay: float = 1.0
+    # vLLM's LoRA adapters loaded at run time (--enable-lora with
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): POST /v1/load_lora_adapter and /v1/unload_lora_adapter,
+    # each load taking `lora_load_delay` seconds; at most `max_loras` held, the least recently
+    # used let go for a new one. A request names an adapter as its model.
+    enable_lora: bool = False
+    max_loras: int = 4
+    lora_load_delay: float = 0.5
 
 
 def count_prompt_tokens(text: str) -> int:
@@ -97,6 +105,55 @@ class PrefixCache:
         return cached
 
 
+class LoraRefused(Exception):
+    """A load or unload the engine refuses: the status and vLLM's words for it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Adapters:
+    """The LoRA adapters an engine holds, least recently used first."""
+
+    def __init__(self, capacity: int, load_delay: float) -> None:
+        self.capacity = capacity
+        self.load_delay = load_delay
+        self.held: OrderedDict[str, str] = OrderedDict()  # name -> source
+        self.loading: set[str] = set()
+        self.loads = 0  # adapters loaded since the start
+        self.evicted = 0  # let go to make room for another
+
+    async def load(self, name: str, source: str) -> None:
+        """Load `name` from `source` (a path that must exist, or a name the engine would
+        resolve), after the load delay; the least recently used goes when it is full."""
+        if name in self.held or name in self.loading:
+            raise LoraRefused(400, f"The lora adapter '{name}' has already been loaded.")
+        if source.startswith("/") and not Path(source).exists():
+            raise LoraRefused(400, f"Loading lora {name} failed: No adapter found for {source}")
+        self.loading.add(name)
+        try:
+            await asyncio.sleep(self.load_delay)
+        finally:
+            self.loading.discard(name)
+        while len(self.held) >= self.capacity:
+            self.held.popitem(last=False)
+            self.evicted += 1
+        self.held[name] = source
+        self.loads += 1
+
+    def unload(self, name: str) -> None:
+        if self.held.pop(name, None) is None:
+            raise LoraRefused(404, f"The lora adapter '{name}' cannot be found.")
+
+    def use(self, name: str) -> bool:
+        """Whether `name` is held; a request for it makes it the most recently used."""
+        if name not in self.held:
+            return False
+        self.held.move_to_end(name)
+        return True
+
+
 @dataclass
 class SleepState:
     """Whether the engine sleeps, at which level, and whether it is on its way in or out."""
@@ -124,6 +181,7 @@ class SimEngine:
         self.cancelled_total = 0  # requests given up by their client before their end
         self.prefix_cache = PrefixCache(settings.prefix_block, settings.prefix_cache_blocks)
         self.sleep = SleepState()
+        self.adapters = Adapters(settings.max_loras, settings.lora_load_delay)
 
     async def fall_asleep(self, level: int) -> None:
         """vLLM's sleep: new requests are refused from now on; once those running and waiting

@@ -33,7 +33,7 @@ from modelfleet.openai_api import (
 )
 from modelfleet.serving import Listener, run_service
 from modelfleet.simulator.checks import check_request
-from modelfleet.simulator.engine import SimEngine, SimSettings, count_prompt_tokens
+from modelfleet.simulator.engine import LoraRefused, SimEngine, SimSettings, count_prompt_tokens
 from modelfleet.tracing import TRACEPARENT, SpanRecord, SpanSink, new_span_id, parse_traceparent
 from modelfleet.web import bearer_matches, json_response
 
@@ -160,7 +160,40 @@ def create_app(settings: SimSettings) -> Starlette:
 
     async def models(_: Request) -> Response:
         card = {"id": settings.model, "object": "model", "created": created, "owned_by": "sim"}
-        return json_response({"object": "list", "data": [card]})
+        # Adapters as vLLM lists them: each with its base model as `parent`.
+        adapters = [
+            {"id": name, "object": "model", "created": created, "owned_by": "sim",
+             "root": source, "parent": settings.model}
+            for name, source in engine.adapters.held.items()
+        ]  # fmt: skip
+        return json_response({"object": "list", "data": [card, *adapters]})
+
+    async def load_lora(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+            name, source = body["lora_name"], body["lora_path"]
+            if not (isinstance(name, str) and isinstance(source, str) and name and source):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            return error_response(
+                400, "the body must name lora_name and lora_path", "invalid_request_error"
+            )
+        try:
+            await engine.adapters.load(name, source)
+        except LoraRefused as exc:
+            return error_response(exc.status, str(exc), "invalid_request_error")
+        return Response(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(request: Request) -> Response:
+        try:
+            name = json.loads(await request.body())["lora_name"]
+        except (ValueError, KeyError, TypeError):
+            return error_response(400, "the body must name lora_name", "invalid_request_error")
+        try:
+            engine.adapters.unload(str(name))
+        except LoraRefused as exc:
+            return error_response(exc.status, str(exc), "invalid_request_error")
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -212,6 +245,11 @@ def create_app(settings: SimSettings) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
     ]
+    if settings.enable_lora:  # vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        routes += [
+            Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
+        ]
     if settings.sleep_mode:  # vLLM's sleep endpoints exist only with --enable-sleep-mode
         routes += [
             Route("/sleep", sleep, methods=["POST"]),
@@ -268,11 +306,12 @@ async def _complete(request: Request, engine: SimEngine, chat: bool) -> Response
         return error_response(
             503, f"The engine is {state}: POST /wake_up first.", "service_unavailable"
         )
-    if body["model"] != engine.settings.model:
+    model = body["model"]
+    if model != engine.settings.model and not engine.adapters.use(model):
         return error_response(
             404,
-            f"The model `{body['model']}` does not exist; this engine serves "
-            f"`{engine.settings.model}`.",
+            f"The model `{model}` does not exist; this engine serves "
+            f"`{engine.settings.model}` and the adapters it holds.",
             "invalid_request_error",
             code="model_not_found",
             param="model",
@@ -280,7 +319,7 @@ async def _complete(request: Request, engine: SimEngine, chat: bool) -> Response
     meta = {
         "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
         "created": int(time.time()),
-        "model": engine.settings.model,
+        "model": model,
     }
     tokens = engine.generate(prompt, max_tokens)
     if body.get("stream"):
