@@ -8,11 +8,16 @@ import asyncio
 import re
 
 import httpx
+import yaml
 
+from modelfleet.controlplane.autoscaler import Scale
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.dashboard import COOKIE, Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.fleet import Mark
+from modelfleet.store.sqlite import SqliteStore
 
 from .test_admin_api import TOKEN, control_plane
 
@@ -115,5 +120,30 @@ def test_a_cordon_from_the_page_needs_the_session_and_this_origin() -> None:
                 f"These replicas move elsewhere, each replaced before it stops: {replica}" in page
             )
             assert "Uncordon" in page and ">Cordon<" not in page
+
+    asyncio.run(go())
+
+
+def test_a_model_that_follows_its_load_shows_its_count_bounds_and_why() -> None:
+    keeper = CatalogKeeper(SqliteStore(":memory:"))
+    keeper.start(0.0)
+    scaled = {"min": 0, "max": 4, "target_in_flight": 8}
+    keeper.apply(
+        yaml.safe_dump({"models": [{"name": "auto", "engine": "sim", "autoscale": scaled}]}),
+        "api",
+        0.0,
+    )
+    cp = ControlPlane(ControlPlaneConfig(admin_token=TOKEN, settle_for=-1), keeper)
+    cp.autoscaler.scales["auto"] = Scale(3, "up at once: 20 request(s) held", 0.0)
+    _, client = ui_client(cp)
+
+    async def go() -> None:
+        async with client as c:
+            await c.post("/ui/login", data={"token": TOKEN})
+            overview = (await c.get("/ui/")).text
+            assert re.search(r'class="serving">0</span> / 3<', overview), "the count, not min"
+            page = (await c.get("/ui/models/auto")).text
+            assert "follows its load: 0..4 replicas, 8.0 requests in flight each" in page
+            assert "up at once: 20 request(s) held" in page
 
     asyncio.run(go())

@@ -418,10 +418,12 @@ class Dashboard:
             "request_ms": [_ms(p.request_s) for p in points],
         }
         pending = [p for p in views.replicas(cp.state, catalog).pending if p.model == name]
+        scaling = next((x for x in views.scaling(cp.autoscaler, catalog) if x.model == name), None)
         return {
             "model": model,
             "replicas": replicas,
             "pending": pending,
+            "scaling": scaling,
             "plot": json.dumps(plot),
             "interval": cp.series.series.interval,
         }
@@ -451,16 +453,18 @@ def _model_rows(cp: ControlPlane) -> list[dict[str, Any]]:
         shown = views.replica_state(cp.state, record)
         counts[shown] = counts.get(shown, 0) + 1
     pending = {p.model: p.count for p in cp.state.pending}
+    catalog = cp.catalogs.current
+    scaled = cp.autoscaler.wanted(catalog)  # a model that follows its load: its count now
     return [
         {
             "name": m.name,
             "engine": m.engine,
-            "desired": m.replicas,
+            "desired": scaled.get(m.name, m.replicas),
             "states": by_state.get(m.name, {}),
             "serving": by_state.get(m.name, {}).get("ready", 0),
             "pending": pending.get(m.name, 0),
         }
-        for m in cp.catalogs.current.models
+        for m in catalog.models
     ]
 
 
