@@ -140,6 +140,23 @@ class RebalanceAnswer(_Answer):
 ReplicaState = Literal["ready", "starting", "failed", "assigned", "retiring", "sleeping"]
 
 
+class AdapterInfo(_Answer):
+    """A LoRA adapter a replica should hold, as its agent last reported it."""
+
+    name: str
+    state: str  # loading, loaded, failed; or "wanted" before its agent has reported it
+    tries: int = 0  # loads its engine refused (in this engine process)
+    error: str = ""  # the engine's words for the last
+
+
+class AdapterChange(_Answer):
+    """What a catalog change makes one replica's engine load and unload (no restart)."""
+
+    replica: str
+    load: list[str]
+    unload: list[str]
+
+
 class ShardInfo(_Answer):
     rank: int
     node: str
@@ -155,6 +172,7 @@ class ShardInfo(_Answer):
     error: str
     log_tail: list[str]  # the engine's last log lines; only in a single replica's answer
     engine_key_set: bool = False  # whether its engine wants a key (which is never shown)
+    adapters: list[AdapterInfo] = []  # shard 0 of a replica of a model with LoRA adapters
 
 
 class ReplicaInfo(_Answer):
@@ -284,6 +302,8 @@ class CatalogChange(_Answer):
     digest: str | None = None
     steps: list[Step]
     pending: list[PendingStep]
+    # Replicas kept whose engines load or unload LoRA adapters (no restart).
+    adapters: list[AdapterChange] = []
 
 
 class MarkAnswer(_Answer):

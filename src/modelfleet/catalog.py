@@ -49,11 +49,18 @@ IdleAction = Literal["stop", "sleep"]
 IDLE_ACTIONS: tuple[str, ...] = get_args(IdleAction)
 # Engines with vLLM's sleep mode (`--enable-sleep-mode`, POST /sleep and /wake_up).
 SLEEPING_ENGINES = ("vllm", "sim")
+# Engines that load LoRA adapters at run time (vLLM's and SGLang's load_lora_adapter).
+ADAPTER_ENGINES = ("vllm", "sglang", "sim")
+DEFAULT_MAX_LORAS = 4
+DEFAULT_MAX_LORA_RANK = 16  # vLLM's own default for --max-lora-rank
 # Keys read by the routers only: changing them re-routes, never restarts an engine.
 _ROUTER_KEYS = ("routing", "first_byte_timeout", "max_tokens_cap", "max_tokens_over_cap")
 # Keys of a model that follows its load: the control plane and the routers read them; changing
 # them changes the replica count and how requests are held, never an engine.
 _SCALING_KEYS = ("autoscale", "cold_queue", "cold_timeout", "sleep_level")
+# LoRA adapters are loaded into running engines: adding or removing one restarts nothing (how
+# many an engine holds, `max_loras`, and their largest rank are its flags: those do).
+_LIVE_KEYS = ("adapters",)
 DEFAULT_COLD_QUEUE = 256
 _TOP_KEYS = ("models",)
 
@@ -103,6 +110,19 @@ class CatalogInvalid(ValueError):
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter of a model: requests name it as their `model`; engines load it from
+    `source` (a path on the nodes, or a name the engine resolves)."""
+
+    name: str
+    source: str
+    max_rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "max_rank": self.max_rank}
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model of the catalog, validated. Build it through `Catalog.new`."""
 
@@ -140,6 +160,16 @@ class ModelSpec:
     # them, and its GPUs are given to a replica of another model that has no room otherwise.
     idle_action: IdleAction = "stop"
     sleep_level: int = 1
+    # LoRA adapters on this base model, loaded into its engines at run time, each replica
+    # holding at most `max_loras` (None: its engines are started without LoRA), of rank at
+    # most `max_lora_rank`.
+    adapters: tuple[Adapter, ...] = ()
+    max_loras: int | None = None
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+
+    def adapter(self, name: str) -> Adapter | None:
+        """This model's adapter called `name`, if it has one."""
+        return next((a for a in self.adapters if a.name == name), None)
 
     def to_dict(self) -> dict[str, Any]:
         """The model as plain data, in the catalog file's own keys."""
@@ -161,6 +191,13 @@ class ModelSpec:
             }
         else:
             scaling = {"replicas": self.replicas}
+        lora: dict[str, Any] = {}
+        if self.max_loras is not None:
+            lora = {
+                "adapters": [a.to_dict() for a in self.adapters],
+                "max_loras": self.max_loras,
+                "max_lora_rank": self.max_lora_rank,
+            }
         return {
             "name": self.name,
             "engine": self.engine,
@@ -181,6 +218,7 @@ class ModelSpec:
             "first_byte_timeout": self.first_byte_timeout,
             "max_tokens_cap": self.max_tokens_cap,
             "max_tokens_over_cap": self.max_tokens_over_cap,
+            **lora,
         }
 
     @cached_property
@@ -194,7 +232,7 @@ class ModelSpec:
         data = self.to_dict()
         for key in ("placement", "node_labels", "startup_timeout", "max_parallel"):
             data.pop(key)
-        for key in ("replicas", *_SCALING_KEYS, *_ROUTER_KEYS):
+        for key in ("replicas", *_SCALING_KEYS, *_ROUTER_KEYS, *_LIVE_KEYS):
             data.pop(key, None)
         return _digest(data)
 
@@ -244,6 +282,7 @@ class Catalog:
                 seen[name] = index
             if spec is not None:
                 specs.append(spec)
+        problems += _clashing_names(specs)
         if not isinstance(version, int) or version < 1:
             problems.append(Problem("-", "version", f"must be a positive integer, got {version!r}"))
         if problems:
@@ -294,6 +333,27 @@ class Catalog:
         return {"models": [m.to_dict() for m in self.models]}
 
 
+def _clashing_names(specs: Sequence[ModelSpec]) -> list[Problem]:
+    """An adapter named as a model, or as another model's adapter: a request's `model` must
+    name one thing."""
+    owner: dict[str, str] = {m.name: "a model" for m in specs}
+    problems = []
+    for spec in specs:
+        for adapter in spec.adapters:
+            other = owner.get(adapter.name)
+            if other is not None and other != f"an adapter of {spec.name}":
+                problems.append(
+                    Problem(
+                        spec.name,
+                        "adapters",
+                        f"adapter name {adapter.name!r} is already {other}: a request's model "
+                        "must name one thing",
+                    )
+                )
+            owner.setdefault(adapter.name, f"an adapter of {spec.name}")
+    return problems
+
+
 def _digest(data: Any) -> str:
     blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -338,6 +398,15 @@ class _AutoscaleInput(BaseModel):
     scale_to_zero_after: Annotated[_Seconds, Field(ge=0)] = 600.0
 
 
+class _AdapterInput(BaseModel):
+    """One of a model's `adapters` as a catalog file writes it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Annotated[str, StringConstraints(pattern=r"^\S+$", max_length=200)]
+    source: _Text
+    max_rank: PositiveInt | None = None
+
+
 _Scalar = str | int | float  # YAML reads `8192` and `0.9` as numbers; they are kept as text
 
 
@@ -369,10 +438,14 @@ class _ModelInput(BaseModel):
     cold_timeout: Annotated[_Seconds, Field(gt=0)] | None = None
     idle_action: IdleAction = "stop"
     sleep_level: Literal[1, 2] = 1
+    adapters: list[_AdapterInput] = []
+    max_loras: PositiveInt | None = None
+    max_lora_rank: PositiveInt = DEFAULT_MAX_LORA_RANK
 
 
 _MODEL_KEYS = tuple(_ModelInput.model_fields)
 _AUTOSCALE_KEYS = tuple(_AutoscaleInput.model_fields)
+_ADAPTER_KEYS = tuple(_AdapterInput.model_fields)
 
 # What each field must be, said to an operator whose value pydantic refused.
 _EXPECTED = {
@@ -401,6 +474,14 @@ _EXPECTED = {
     "cold_timeout": "must be a positive duration, such as 120 or 2m",
     "idle_action": f"must be one of {', '.join(IDLE_ACTIONS)}",
     "sleep_level": "must be 1 (weights kept in host memory) or 2 (weights dropped)",
+    "adapters": "must be a list of adapters, each a mapping of name, source and max_rank",
+    "max_loras": "must be a positive integer (adapters each replica holds at once)",
+    "max_lora_rank": "must be a positive integer (the largest rank of its adapters)",
+}
+_ADAPTER_EXPECTED = {
+    "name": "must be a non-empty string without spaces, of at most 200 characters",
+    "source": "must be a non-empty string (a path on the nodes, or a name the engine resolves)",
+    "max_rank": "must be a positive integer",
 }
 _AUTOSCALE_EXPECTED = {
     "min": "must be an integer of at least 0",
@@ -425,6 +506,18 @@ def _problem_message(key: str, error: ErrorDetails, raw: Mapping[str, Any]) -> s
             return f"{inner}: {error['msg']}"
         expected = _AUTOSCALE_EXPECTED.get(inner, error["msg"])
         return f"{inner}: {expected}, got {_REPR.repr(raw[key].get(inner))}"
+    if key == "adapters" and len(error["loc"]) > 1 and isinstance(raw.get(key), list):
+        number = int(error["loc"][1]) if isinstance(error["loc"][1], int) else 0
+        entry = raw[key][number] if number < len(raw[key]) else None
+        if len(error["loc"]) == 2 or not isinstance(entry, Mapping):
+            return f"#{number + 1}: must be a mapping of name, source and max_rank"
+        inner = str(error["loc"][2])
+        if kind == "extra_forbidden":
+            return f"#{number + 1}: {inner}: {_unknown_key_message(inner, _ADAPTER_KEYS)}"
+        if kind == "missing":
+            return f"#{number + 1}: {inner}: missing"
+        expected = _ADAPTER_EXPECTED.get(inner, error["msg"])
+        return f"#{number + 1}: {inner}: {expected}, got {_REPR.repr(entry.get(inner))}"
     if kind == "extra_forbidden":
         return _unknown_key_message(key, _MODEL_KEYS)
     if kind == "missing":
@@ -466,7 +559,8 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         for error in exc.errors():
             loc = error["loc"]
             key = _clip(str(loc[0]), 80) if loc else "-"
-            field_of = (key, str(loc[1]) if key == "autoscale" and len(loc) > 1 else "")
+            inner = loc[1:3] if key in ("autoscale", "adapters") else ()
+            field_of = (key, ".".join(str(part) for part in inner))
             if field_of not in seen:
                 seen.add(field_of)
                 problems.append(Problem(label, key, _problem_message(key, error, raw)))
@@ -514,6 +608,33 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         problem("idle_action", "sleep is for replicas of one shard; use idle_action: stop")
     if "sleep_level" in raw and model.idle_action != "sleep":
         problem("sleep_level", "only idle_action: sleep has a sleep level")
+    max_loras = model.max_loras
+    if max_loras is None and model.adapters:
+        max_loras = DEFAULT_MAX_LORAS
+    if max_loras is not None and model.engine not in ADAPTER_ENGINES:
+        problem(
+            "adapters" if model.adapters else "max_loras",
+            f"engine {model.engine!r} cannot load LoRA adapters at run time; adapters work "
+            f"with {', '.join(ADAPTER_ENGINES)}",
+        )
+    if "max_lora_rank" in raw and max_loras is None:
+        problem("max_lora_rank", "only a model with adapters or max_loras has a LoRA rank")
+    named: dict[str, int] = {}
+    for number, adapter in enumerate(model.adapters, 1):
+        if adapter.name in named:
+            problem(
+                "adapters",
+                f"#{number}: duplicate adapter name {adapter.name!r} (also #{named[adapter.name]})",
+            )
+        named.setdefault(adapter.name, number)
+        if adapter.name == model.name:
+            problem("adapters", f"#{number}: an adapter cannot be named as its base model")
+        if adapter.max_rank is not None and adapter.max_rank > model.max_lora_rank:
+            problem(
+                "adapters",
+                f"#{number}: max_rank {adapter.max_rank} is over the model's max_lora_rank "
+                f"({model.max_lora_rank}); raise max_lora_rank (its engines restart with it)",
+            )
     if len(problems) > before:
         return None
     return ModelSpec(
@@ -554,4 +675,7 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         ),
         idle_action=model.idle_action,
         sleep_level=model.sleep_level,
+        adapters=tuple(Adapter(a.name, a.source, a.max_rank) for a in model.adapters),
+        max_loras=max_loras,
+        max_lora_rank=model.max_lora_rank,
     )

@@ -40,6 +40,21 @@ class ShardState(StrEnum):
     SLEEPING = "sleeping"  # its engine runs with its GPU memory freed, until told to wake
 
 
+class AdapterState(StrEnum):
+    LOADING = "loading"  # asked of the engine, or to be asked again after a failed try
+    LOADED = "loaded"  # the engine holds it: requests for it may go there
+    FAILED = "failed"  # the engine refused it `tries` times; not asked again until it changes
+
+
+class AdapterReport(_Message):
+    """One LoRA adapter a shard's engine should hold, as its agent last saw it."""
+
+    name: str
+    state: AdapterState
+    tries: int = Field(default=0, ge=0)  # loads asked of this engine process that failed
+    error: str = Field(default="", max_length=1000)  # the engine's own words for the last
+
+
 class ShardReport(_Message):
     replica_id: str
     model: str
@@ -65,6 +80,7 @@ class ShardReport(_Message):
     # that carry it. Goes to the control plane and the routers, never to operators or logs.
     engine_key: str | None = Field(default=None, repr=False)
     generation: int = Field(default=0, ge=0)  # of the assignment it runs (ShardAssignment's)
+    adapters: list[AdapterReport] = Field(default_factory=list)  # those it was told to hold
 
     @classmethod
     def of(cls, assignment: ShardAssignment, state: ShardState, **seen: Any) -> ShardReport:
@@ -119,6 +135,12 @@ class ShardAssignment(_Message):
     sleep_mode: bool = False
     asleep: bool = False
     sleep_level: int = Field(default=1, ge=1, le=2)
+    # A model with LoRA adapters: its engine is started to hold at most `max_loras` of rank
+    # up to `max_lora_rank`; `adapters` (name -> source) are those its engine should hold now
+    # (on shard 0 of a replica, the one that serves HTTP), loaded and unloaded while it runs.
+    max_loras: int | None = Field(default=None, ge=1)
+    max_lora_rank: int = Field(default=16, ge=1)
+    adapters: dict[str, str] = Field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -246,6 +268,11 @@ class RoutedModel(_Message):
     replicas_wanted: int | None = Field(default=None, ge=0)
     cold_queue: int = Field(default=256, ge=1)
     cold_timeout: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    # Its LoRA adapters: each adapter's name -> the endpoints whose engines hold it loaded
+    # (none yet: a request for it waits, as for a cold model, until one does).
+    adapters: dict[str, list[str]] = Field(default_factory=dict)
+    # An adapter no engine holds and one failed to load: the engine's words for it.
+    adapter_errors: dict[str, str] = Field(default_factory=dict)
 
 
 class RoutedKey(_Message):

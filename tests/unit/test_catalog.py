@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
 
 from modelfleet.catalog import Catalog, CatalogInvalid, ModelSpec
 
@@ -235,3 +236,80 @@ def test_routing_fields_are_checked_and_change_no_engine() -> None:
         "routing",
     ]
     assert any("one of least_load, prefix" in m and "'sticky'" in m for _, _, m in found)
+
+
+LORA = [
+    {"name": "sql", "source": "/lora/sql"},
+    {"name": "chat", "source": "org/chat", "max_rank": 8},
+]
+
+
+def test_adapters_default_to_four_slots_and_change_no_engine() -> None:
+    spec = Catalog.new([model(adapters=LORA)]).models[0]
+    assert [a.name for a in spec.adapters] == ["sql", "chat"] and spec.max_loras == 4
+    assert spec.adapter("chat") is not None and spec.adapter("chat").max_rank == 8  # type: ignore[union-attr]
+    fewer = Catalog.new([model(adapters=LORA[:1])]).models[0]
+    assert fewer.engine_digest == spec.engine_digest  # loaded live: no restart
+    more_slots = Catalog.new([model(adapters=LORA, max_loras=8)]).models[0]
+    assert more_slots.engine_digest != spec.engine_digest  # the engine's --max-loras
+    without = Catalog.new([model()]).models[0]
+    assert without.max_loras is None and without.engine_digest != spec.engine_digest
+    again = Catalog.from_yaml(yaml.safe_dump(Catalog.new([model(adapters=LORA)]).to_dict()))
+    assert again.models[0] == spec
+
+
+def test_adapter_problems_name_the_adapter_and_the_field() -> None:
+    found = problems_of(
+        [
+            model(
+                adapters=[
+                    {"name": "a"},
+                    {"name": "b", "source": ""},
+                    {"nam": "c", "source": "x"},
+                    "d",
+                ]
+            )
+        ]
+    )
+    assert found == [
+        ("m", "adapters", "#1: source: missing"),
+        ("m", "adapters", "#2: source: must be a non-empty string (a path on the nodes, or a "
+         "name the engine resolves), got ''"),
+        ("m", "adapters", "#3: name: missing"),
+        ("m", "adapters", "#3: nam: unknown key; did you mean 'name'?"),
+        ("m", "adapters", "#4: must be a mapping of name, source and max_rank"),
+    ]  # fmt: skip
+
+
+def test_adapter_names_are_unique_across_models_and_adapters() -> None:
+    [(_, _, message)] = problems_of(
+        [model(adapters=[{"name": "x", "source": "/x"}, {"name": "x", "source": "/y"}])]
+    )
+    assert message == "#2: duplicate adapter name 'x' (also #1)"
+    found = problems_of(
+        [
+            model(adapters=[{"name": "x", "source": "/x"}]),
+            model(name="n", adapters=[{"name": "m", "source": "/m"}, {"name": "n", "source": "s"}]),
+            model(name="o", adapters=[{"name": "y", "source": "/m"}]),
+            model(name="p", adapters=[{"name": "x", "source": "/x"}]),
+            model(name="q", adapters=[{"name": "o", "source": "/o"}]),
+        ]
+    )
+    messages = {(name, message) for name, _, message in found}
+    assert ("n", "#2: an adapter cannot be named as its base model") in messages
+    assert ("p", "adapter name 'x' is already an adapter of m: a request's model must name "
+            "one thing") in messages  # fmt: skip
+    assert ("q", "adapter name 'o' is already a model: a request's model must name one "
+            "thing") in messages  # fmt: skip
+    assert len(messages) == 3  # n's own problem keeps it out; o is fine
+
+
+def test_adapters_need_an_engine_that_loads_them_and_a_rank_that_fits() -> None:
+    [(_, field, message)] = problems_of([model(engine="llamacpp", adapters=LORA)])
+    assert field == "adapters" and "cannot load LoRA adapters" in message and "vllm" in message
+    [(_, field, message)] = problems_of([model(adapters=LORA, max_lora_rank=4)])
+    assert field == "adapters" and "max_rank 8 is over the model's max_lora_rank (4)" in message
+    [(_, field, message)] = problems_of([model(max_lora_rank=32)])
+    assert field == "max_lora_rank" and "only a model with adapters" in message
+    [(_, field, message)] = problems_of([model(adapters=LORA, max_loras=0)])
+    assert field == "max_loras" and "positive integer" in message

@@ -102,3 +102,26 @@ def test_llamacpp_prefers_the_native_server(monkeypatch: pytest.MonkeyPatch) -> 
 def test_an_unknown_engine_has_no_driver() -> None:
     with pytest.raises(NoDriver, match="no driver for engine 'tgi'"):
         driver_for("tgi")
+
+
+def test_a_model_with_adapters_starts_engines_that_load_them_at_run_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(vllm_module, "executable", lambda name: name)
+    monkeypatch.setattr("modelfleet.engines.sglang.importable", lambda *_: None)
+    lora = {"max_loras": 4, "max_lora_rank": 64, "adapters": {"sql": "/lora/sql"}}
+    vllm = driver_for("vllm").launch(shard("vllm", **lora), "h", 9000, None, "k")
+    assert "--enable-lora --max-loras 4 --max-lora-rank 64" in " ".join(vllm.argv)
+    assert vllm.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"  # load_lora_adapter served
+    sglang = driver_for("sglang").launch(shard("sglang", **lora), "h", 9000, None, "k")
+    text = " ".join(sglang.argv)
+    assert "--enable-lora --max-lora-rank 64 --max-loras-per-batch 4 --max-loaded-loras 4" in text
+    sim = driver_for("sim").launch(shard("sim", **lora), "h", 9000, None, "k")
+    assert "--enable-lora --max-loras 4" in " ".join(sim.argv)
+    # Where each loads them; an engine without run-time loading says so.
+    apis = {name: driver_for(name).adapter_api for name in ("vllm", "sglang", "sim", "llamacpp")}
+    assert {n: a.load if a else None for n, a in apis.items()} == {
+        "vllm": "/v1/load_lora_adapter", "sglang": "/load_lora_adapter",
+        "sim": "/v1/load_lora_adapter", "llamacpp": None}  # fmt: skip
+    plain = driver_for("vllm").launch(shard("vllm"), "h", 9000, None, "k")
+    assert "--enable-lora" not in plain.argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain.env

@@ -15,6 +15,8 @@ from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import (
+    AdapterReport,
+    AdapterState,
     AgentReport,
     RoutedKey,
     RoutedModel,
@@ -77,3 +79,40 @@ def test_the_pushed_body_is_the_snapshot() -> None:
     assert publisher.publish(7, models[:1], [])
     expected = RoutingSnapshot(epoch=3, version=2, catalog_version=7, models=models[:1])
     assert RoutingSnapshot.model_validate_json(publisher.body) == expected
+
+
+def test_adapters_are_assigned_by_the_control_plane_and_routed_where_they_are_loaded() -> None:
+    keeper = CatalogKeeper(SqliteStore(":memory:"))
+    keeper.start(0.0)
+    adapters = [{"name": n, "source": f"/lora/{n}"} for n in ("x", "y", "z")]
+    model = {"name": "a", "engine": "sim", "replicas": 2, "max_loras": 1, "adapters": adapters}
+    keeper.apply(yaml.safe_dump({"models": [model]}), "api", 0.0)
+    cp = ControlPlane(ControlPlaneConfig(admin_token="admin-token-123", settle_for=-1), keeper)
+    for node in ("n1", "n2"):
+        cp.state.take_report(report(cp, node, 1, ready=False), keeper.current, 0.0)
+    cp.reconcile_once(0.0)
+    assert cp.place_adapters()
+    catalog = cp.catalogs.current
+    told = {
+        a.replica_id: a.adapters
+        for node in ("n1", "n2")
+        for a in cp.assignments.of(node, catalog).shards
+    }
+    assert sorted(told.values(), key=str) == [{"x": "/lora/x"}, {"y": "/lora/y"}]
+    assert not cp.place_adapters()  # decided once: kept
+
+    def loaded(node: str, state: AdapterState, error: str = "") -> AgentReport:
+        [shard] = cp.assignments.of(node, catalog).shards
+        return report(
+            cp, node, 2, ready=True,
+            adapters=[AdapterReport(name=n, state=state, error=error) for n in shard.adapters],
+        )  # fmt: skip
+
+    cp.state.take_report(loaded("n1", AdapterState.LOADED), catalog, 1.0)
+    cp.state.take_report(loaded("n2", AdapterState.FAILED, "No adapter found"), catalog, 1.0)
+    [entry] = cp.routing.models(catalog)
+    held_on_n1 = next(iter(next(a for a in told.values() if a)))  # n1 sorts first
+    n1 = next(e for e in entry.endpoints if "10.0.0.1" in e)
+    failed = ({"x", "y"} - {held_on_n1}).pop()
+    assert entry.adapters == {held_on_n1: [n1], failed: [], "z": []}
+    assert entry.adapter_errors == {failed: "No adapter found"}

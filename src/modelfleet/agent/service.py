@@ -187,8 +187,8 @@ class Agent:
                 held.generation,
             ):
                 self._stop(key)
-            elif (want.asleep, want.sleep_level) != (held.asleep, held.sleep_level):
-                shard.take_sleep(want)
+            elif want != held:
+                shard.take(want)
         for key, a in wanted.items():
             if key in self.shards or key in self.stopping:
                 continue

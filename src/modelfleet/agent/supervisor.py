@@ -21,6 +21,7 @@ from typing import Protocol
 
 import httpx
 
+from modelfleet.agent.adapters import AdapterSync, EngineAt
 from modelfleet.agent.logs import LogMarks, rotate, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import EngineRecord
@@ -133,6 +134,13 @@ class Shard:
             self.dist_port = free_port(settings.engine_host, "engines")
         self.task: asyncio.Task[None] | None = None
         self._sleeper: asyncio.Task[None] | None = None  # putting it to sleep or waking it
+        # A model with LoRA adapters: shard 0's engine (the one serving HTTP) loads them.
+        api = getattr(driver, "adapter_api", None)
+        self.adapters: AdapterSync | None = None
+        if api is not None and assignment.max_loras is not None and assignment.rank == 0:
+            self.adapters = AdapterSync(api, self._serving_at, http, changed, assignment.key)
+            self.adapters.want(dict(assignment.adapters))
+        self._adapter_task: asyncio.Task[None] | None = None
 
     # -- what is reported and recorded ---------------------------------------------------
 
@@ -155,6 +163,7 @@ class Shard:
             last_failure=self.last_failure,
             log_tail=log_tail(self._failed_run_log(), MAX_LOG_TAIL_LINES) if tail else [],
             engine_key=self.engine_key,
+            adapters=self.adapters.report() if self.adapters else [],
         )
 
     def _failed_run_log(self) -> Path:
@@ -211,13 +220,23 @@ class Shard:
             self._set(ShardState.SLEEPING if asleep else ShardState.READY)
             self._settle_sleep()
 
-    # -- sleep mode (`idle_action: sleep`) -------------------------------------------------
+    def take(self, assignment: ShardAssignment) -> None:
+        """`assignment` is for the same engine (digest and generation) as the one held: take
+        it, and put the engine to sleep or wake it, load or unload adapters, as it says."""
+        held, self.assignment = self.assignment, assignment
+        if (assignment.asleep, assignment.sleep_level) != (held.asleep, held.sleep_level):
+            self._settle_sleep()
+        if self.adapters is not None and assignment.adapters != held.adapters:
+            self.adapters.want(dict(assignment.adapters))
 
-    def take_sleep(self, assignment: ShardAssignment) -> None:
-        """`assignment` differs from the one held only in whether the engine should sleep:
-        take it, and put the engine to sleep or wake it."""
-        self.assignment = assignment
-        self._settle_sleep()
+    def _serving_at(self) -> EngineAt | None:
+        """Where the engine answers while it serves (ready and awake); None otherwise."""
+        if self.state is not ShardState.READY or self.port is None:
+            return None
+        headers = {"authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
+        return EngineAt(f"http://{self.settings.engine_host}:{self.port}", headers)
+
+    # -- sleep mode (`idle_action: sleep`) -------------------------------------------------
 
     def _settle_sleep(self) -> None:
         """Make the engine sleep or wake as its assignment says, in a task of its own (once
@@ -288,6 +307,8 @@ class Shard:
     def _set(self, state: ShardState, error: str = "") -> None:
         if (state, error) != (self.state, self.error):
             self.state, self.error = state, error
+            if self.adapters is not None:
+                self.adapters.kick()
             self._changed()
 
     # -- supervision ---------------------------------------------------------------------
@@ -299,6 +320,8 @@ class Shard:
         shard of a replica of several is not restarted: it stays failed until the control
         plane restarts all of them together (a new generation)."""
         backoff = self.settings.backoff
+        if self.adapters is not None and self._adapter_task is None:
+            self._adapter_task = asyncio.ensure_future(self.adapters.run())
         while True:
             try:
                 if self.adopted:
@@ -391,6 +414,8 @@ class Shard:
             return False
         self.proc = proc
         self.engine_key = key
+        if self.adapters is not None:
+            self.adapters.restarted()  # a new engine holds none of them
         self.process = ProcessId.of(proc.pid)
         self.started_at = time.time()
         self.ready_at = None
@@ -489,7 +514,7 @@ class Shard:
     async def stop(self) -> None:
         """Stop supervising and stop the engine (it finishes in-flight requests first)."""
         self._set(ShardState.STOPPING)
-        for task in (self.task, self._sleeper):
+        for task in (self.task, self._sleeper, self._adapter_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -318,6 +318,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         try:
             if dry_run:
                 candidate = cp.catalogs.validate(text, API_SOURCE)
+                adapters = views.adapter_changes(cp.state, candidate, cp.adapter_demand(candidate))
                 moves, pending = views.steps(await cp.preview(candidate))
                 return admin.CatalogChange(
                     dry_run=True,
@@ -325,6 +326,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
                     version=current.version,
                     steps=moves,
                     pending=pending,
+                    adapters=adapters,
                 )
             applied = cp.catalogs.apply(text, API_SOURCE, cp.clock.time())
         except CatalogInvalid as exc:
@@ -335,6 +337,9 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         if applied.changed:
             cp.wake()
         # The preview takes the table before anything is awaited: what the next passes do.
+        adapters = views.adapter_changes(
+            cp.state, applied.catalog, cp.adapter_demand(applied.catalog)
+        )
         moves, pending = views.steps(await cp.preview(applied.catalog))
         return admin.CatalogChange(
             dry_run=False,
@@ -344,6 +349,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             digest=applied.catalog.digest,
             steps=moves,
             pending=pending,
+            adapters=adapters,
         )
 
     @app.get("/v1/status", responses=_errors())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from modelfleet.catalog import Catalog
+from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.controlplane.records import ReplicaRecord
 from modelfleet.controlplane.state import FleetState
 from modelfleet.wire import NodeAssignment, ShardAssignment, assignment_version
@@ -89,11 +89,22 @@ def _build(
                     sleep_mode=spec.idle_action == "sleep",
                     asleep=record.told_to_sleep,
                     sleep_level=spec.sleep_level,
+                    max_loras=spec.max_loras,
+                    max_lora_rank=spec.max_lora_rank,
+                    adapters=_adapters(catalog.get(r.model) or spec, record) if rank == 0 else {},
                 )
             )
     for shards in by_node.values():
         shards.sort(key=lambda a: (a.replica_id, a.rank))  # the same whichever way built
     return by_node
+
+
+def _adapters(spec: ModelSpec, record: ReplicaRecord) -> dict[str, str]:
+    """The adapters the replica's engine should hold, each with its source in `spec` (the
+    current catalog's: adapters change without the replica being replaced; one gone from it
+    since its residency was decided is left out)."""
+    sources = {a.name: a.source for a in spec.adapters}
+    return {name: sources[name] for name in record.adapters if name in sources}
 
 
 def _leader(state: FleetState, record: ReplicaRecord) -> str | None:

@@ -522,6 +522,24 @@ class ControlPlane:
                 )
         self._due = self._next_due(now, timing)
 
+    def place_adapters(self) -> bool:
+        """Decide which LoRA adapters each replica holds, from the requests the routers hold
+        for adapters no replica holds (the agents told load and unload). True: a replica was
+        told another set."""
+        if self.settling(self.clock.monotonic()):
+            return False
+        catalog = self.catalogs.current
+        return self.state.place_adapters(catalog, self.adapter_demand(catalog)) > 0
+
+    def adapter_demand(self, catalog: Catalog) -> dict[str, dict[str, float]]:
+        """Model -> adapter -> the requests the routers hold for it (and carry to it)."""
+        loads = self.loads.loads(self.clock.monotonic()) or {}
+        return {
+            spec.name: {a.name: loads[a.name].total for a in spec.adapters if a.name in loads}
+            for spec in catalog.models
+            if spec.adapters
+        }
+
     def replica_loads(self) -> dict[str, float]:
         """The requests each replica carries, as the routers last said (none: unknown)."""
         loads = self.loads.loads(self.clock.monotonic()) or {}
@@ -574,6 +592,8 @@ class ControlPlane:
             self.loads.news.clear()
             if self.acting():
                 self.autoscale_once(self.clock.monotonic())
+                if self.place_adapters():  # a router holds requests for an adapter
+                    self.wake()
 
     def restart_groups(self) -> None:
         """Restart together every shard of each replica of several shards one shard of which
@@ -703,6 +723,7 @@ class ControlPlane:
             self._wake.clear()
             began, plans = time.perf_counter(), self.plans
             self.reconcile_once(self.clock.monotonic())
+            self.place_adapters()
             self.publish()
             self.release_retired(self.clock.monotonic())
             self.notify_assignments()

@@ -106,3 +106,5 @@ class ReplicaRecord:
     # without it (`unrouted_in`, as for retiring), or at `retire_by`.
     sleep: str = ""
     told_to_sleep: bool = False
+    # A replica of a model with LoRA adapters: those its engine should hold (`residency.py`).
+    adapters: tuple[str, ...] = ()

@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.controlplane.state import FleetState
-from modelfleet.wire import RoutedModel
+from modelfleet.wire import AdapterState, RoutedModel
 
 
 class RoutingTable:
@@ -54,6 +54,8 @@ def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel
     endpoints: list[str] = []
     keys: dict[str, str] = {}
     ids: dict[str, str] = {}
+    adapters: dict[str, list[str]] = {a.name: [] for a in spec.adapters}
+    errors: dict[str, str] = {}
     for rid in state.of_model(spec.name):
         record = state.replicas[rid]
         if record.retiring or record.sleep:
@@ -75,6 +77,11 @@ def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel
             ids[endpoint] = rid
             if seen.engine_key is not None:
                 keys[endpoint] = seen.engine_key
+            for held in seen.adapters:
+                if held.state is AdapterState.LOADED and held.name in adapters:
+                    adapters[held.name].append(endpoint)
+                elif held.state is AdapterState.FAILED:
+                    errors[held.name] = held.error
     return RoutedModel(
         name=spec.name,
         endpoints=sorted(endpoints),
@@ -88,4 +95,6 @@ def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel
         replicas_wanted=count,
         cold_queue=spec.cold_queue,
         cold_timeout=spec.cold_timeout,
+        adapters={name: sorted(where) for name, where in adapters.items()},
+        adapter_errors={name: why for name, why in errors.items() if not adapters.get(name)},
     )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar, cast
 
+from modelfleet import residency
 from modelfleet.catalog import Catalog
 from modelfleet.controlplane.records import (
     NO_MARK,
@@ -718,6 +719,46 @@ class FleetState:
                 self._reassign(p.node for p in record.replica.shards)
                 told.append((rid, record.sleep))
         return told
+
+    def place_adapters(self, catalog: Catalog, demand: Mapping[str, Mapping[str, float]]) -> int:
+        """Decide which adapters each replica of each model with adapters holds (`residency`),
+        from what it holds and `demand` (model -> adapter -> how much it is wanted). Returns
+        how many replicas were told another set."""
+        changed = self.adapter_changes(catalog, demand)
+        for rid, names in changed.items():
+            record = self.replicas[rid]
+            record.adapters = names
+            self._reassign([record.replica.shards[0].node])
+        return len(changed)
+
+    def adapter_changes(
+        self, catalog: Catalog, demand: Mapping[str, Mapping[str, float]]
+    ) -> dict[str, tuple[str, ...]]:
+        """The replicas whose adapters `catalog` and `demand` change: replica id -> the
+        adapters it would hold. Only replicas that keep their engine under `catalog` (same
+        engine digest) count: the others are replaced, and their successors load afresh."""
+        changed = {}
+        for spec in catalog.models:
+            if spec.max_loras is None:
+                continue
+            rids = [
+                rid
+                for rid in self.of_model(spec.name)
+                if not self.replicas[rid].retiring
+                and not self.replicas[rid].sleep
+                and self.replicas[rid].replica.engine_digest == spec.engine_digest
+            ]
+            decided = residency.decide(
+                [a.name for a in spec.adapters],
+                spec.max_loras,
+                rids,
+                {rid: self.replicas[rid].adapters for rid in rids},
+                demand.get(spec.name, {}),
+            )
+            for rid, names in decided.items():
+                if self.replicas[rid].adapters != names:
+                    changed[rid] = names
+        return changed
 
     def asleep(self) -> set[str]:
         """The replicas put to sleep (told so or not yet), not retiring."""

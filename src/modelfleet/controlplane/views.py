@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from modelfleet import admin
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane.autoscaler import Autoscaler
@@ -11,7 +13,7 @@ from modelfleet.controlplane.state import FleetState
 from modelfleet.fleet import Mark, Replica
 from modelfleet.placement import NodeVerdict, Unplaceable, describe_need
 from modelfleet.reconcile import Preview
-from modelfleet.wire import ShardState
+from modelfleet.wire import ShardReport, ShardState
 
 
 def verdict(v: NodeVerdict) -> admin.NodeVerdict:
@@ -20,6 +22,23 @@ def verdict(v: NodeVerdict) -> admin.NodeVerdict:
 
 def _spots(replica: Replica) -> list[admin.ShardSpot]:
     return [admin.ShardSpot(node=s.node, gpus=list(s.gpus)) for s in replica.shards]
+
+
+def adapter_changes(
+    state: FleetState, catalog: Catalog, demand: Mapping[str, Mapping[str, float]]
+) -> list[admin.AdapterChange]:
+    """What `catalog` makes each replica kept under it load and unload."""
+    changes = []
+    for rid, names in sorted(state.adapter_changes(catalog, demand).items()):
+        held = state.replicas[rid].adapters
+        changes.append(
+            admin.AdapterChange(
+                replica=rid,
+                load=[n for n in names if n not in held],
+                unload=[n for n in held if n not in names],
+            )
+        )
+    return changes
 
 
 def steps(p: Preview) -> tuple[list[admin.Step], list[admin.PendingStep]]:
@@ -105,8 +124,24 @@ def shard_views(state: FleetState, record: ReplicaRecord) -> list[admin.ShardInf
                 error=seen.error if seen else "",
                 log_tail=list(seen.log_tail) if seen else [],
                 engine_key_set=bool(seen and seen.engine_key),
+                adapters=_adapter_views(record, seen) if rank == 0 else [],
             )
         )
+    return views
+
+
+def _adapter_views(record: ReplicaRecord, seen: ShardReport | None) -> list[admin.AdapterInfo]:
+    """The adapters a replica should hold, with what its agent last said of each."""
+    reported = {a.name: a for a in seen.adapters} if seen else {}
+    views = []
+    for name in sorted(set(record.adapters) | set(reported)):
+        a = reported.get(name)
+        if a is None:
+            views.append(admin.AdapterInfo(name=name, state="wanted"))
+        else:
+            views.append(
+                admin.AdapterInfo(name=name, state=a.state.value, tries=a.tries, error=a.error)
+            )
     return views
 
 

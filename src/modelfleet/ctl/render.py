@@ -263,6 +263,13 @@ def print_catalog_plan(data: admin.CatalogChange, console: Console) -> None:
     else:
         console.print(f"unchanged: the catalog is already version {data.version}")
     print_steps(data.steps, data.pending, console)
+    if data.adapters:
+        table = Table("REPLICA", "LOADS", "UNLOADS")
+        for change in data.adapters:
+            table.add_row(change.replica, ", ".join(change.load) or "-",
+                          ", ".join(change.unload) or "-")  # fmt: skip
+        console.print(table)
+        console.print("adapters are loaded into running engines: nothing restarts", style="dim")
 
 
 def print_mark(data: admin.MarkAnswer, console: Console) -> None:
@@ -339,6 +346,12 @@ def print_replica(data: admin.ReplicaInfo, console: Console) -> None:
             "set" if s.engine_key_set else "-",
         )
     console.print(table)
+    adapters = [a for s in data.shards for a in s.adapters]
+    if adapters:
+        held = Table("ADAPTER", "STATE", "TRIES", "ENGINE SAID")
+        for a in adapters:
+            held.add_row(a.name, a.state, str(a.tries), escape(a.error) or "-")
+        console.print(held)
     for s in data.shards:
         if s.error:
             console.print(f"shard {s.rank} error: {escape(s.error)}", highlight=False)

@@ -25,6 +25,18 @@ class Launch:
     health_path: str | None = "/health"
 
 
+@dataclass(frozen=True)
+class AdapterApi:
+    """Where an engine loads and unloads LoRA adapters at run time: each a POST of
+    `{"lora_name": ..., "lora_path": ...}` (unload: the name only)."""
+
+    load: str
+    unload: str
+
+
+VLLM_ADAPTERS = AdapterApi("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
 class NoDriver(LookupError):
     """The agent cannot start this engine: no driver for it, or the engine is not installed."""
 
@@ -33,6 +45,7 @@ class EngineDriver(Protocol):
     """Turns a shard assignment into an engine process and a readiness probe."""
 
     name: str
+    adapter_api: AdapterApi | None  # None: it cannot load adapters at run time
 
     def launch(
         self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str

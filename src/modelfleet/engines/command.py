@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from modelfleet.engines.base import ENGINE_KEY_ENV, Launch, NoDriver, gpu_env
+from modelfleet.engines.base import ENGINE_KEY_ENV, AdapterApi, Launch, NoDriver, gpu_env
 from modelfleet.wire import ShardAssignment
 
 
@@ -16,6 +16,7 @@ class CommandDriver:
     """
 
     name = "command"
+    adapter_api: AdapterApi | None = None
 
     def launch(
         self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str

@@ -7,12 +7,13 @@ from __future__ import annotations
 import shutil
 import sys
 
-from modelfleet.engines.base import Launch, NoDriver, gpu_env, importable
+from modelfleet.engines.base import AdapterApi, Launch, NoDriver, gpu_env, importable
 from modelfleet.wire import ShardAssignment
 
 
 class LlamaCppDriver:
     name = "llamacpp"
+    adapter_api: AdapterApi | None = None
 
     def launch(
         self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import sys
 
-from modelfleet.engines.base import Launch, gpu_env, importable, split_leader
+from modelfleet.engines.base import AdapterApi, Launch, gpu_env, importable, split_leader
 from modelfleet.wire import ShardAssignment
 
 
 class SglangDriver:
     name = "sglang"
+    adapter_api: AdapterApi | None = AdapterApi("/load_lora_adapter", "/unload_lora_adapter")
 
     def launch(
         self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
@@ -30,4 +31,9 @@ class SglangDriver:
             argv += ["--dist-init-addr", str(leader)]
             if shard.rank > 0:
                 health = None
+        if shard.max_loras is not None:
+            # Every adapter it holds may be in one batch; the agent keeps at most this many.
+            argv += ["--enable-lora", "--max-lora-rank", str(shard.max_lora_rank)]
+            argv += ["--max-loras-per-batch", str(shard.max_loras)]
+            argv += ["--max-loaded-loras", str(shard.max_loras)]
         return Launch([*argv, *shard.args], gpu_env(shard), health)

@@ -8,12 +8,20 @@ tensor parallel inside each node, pipeline parallel across the nodes (`--pipelin
 
 from __future__ import annotations
 
-from modelfleet.engines.base import Launch, executable, gpu_env, split_leader
+from modelfleet.engines.base import (
+    VLLM_ADAPTERS,
+    AdapterApi,
+    Launch,
+    executable,
+    gpu_env,
+    split_leader,
+)
 from modelfleet.wire import ShardAssignment
 
 
 class VllmDriver:
     name = "vllm"
+    adapter_api: AdapterApi | None = VLLM_ADAPTERS
 
     def launch(
         self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
@@ -36,5 +44,9 @@ class VllmDriver:
             # vLLM serves POST /sleep and /wake_up only in its server's dev mode.
             argv.append("--enable-sleep-mode")
             peers["VLLM_SERVER_DEV_MODE"] = "1"
+        if shard.max_loras is not None:
+            argv += ["--enable-lora", "--max-loras", str(shard.max_loras)]
+            argv += ["--max-lora-rank", str(shard.max_lora_rank)]
+            peers["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # load_lora_adapter served
         env = {**peers, **gpu_env(shard), "VLLM_API_KEY": key}  # the catalog sets no key
         return Launch([*argv, *shard.args], env, health)

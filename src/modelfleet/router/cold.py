@@ -16,6 +16,10 @@ the timeout a request gets 503 with `Retry-After` and `x-modelfleet-reason: cold
 
 A request that comes while others of its model are held queues behind them, though the model
 has replicas again: release keeps arrival order.
+
+A LoRA adapter loaded on no replica is held the same way (it is a model of the router's table,
+`table.adapter_route`): the control plane learns of it from the load, has it loaded, and the
+new table releases its requests to where it is; they are refused as `adapter-loading`.
 """
 
 from __future__ import annotations
@@ -101,10 +105,15 @@ class ColdHold:
         if queue is None:
             queue = self.queues[model] = deque()
         if len(queue) >= route.cold_queue:
+            if model in self.table().parents:
+                why = f"adapter `{model}` is loaded on no replica yet"
+            else:
+                why = f"`{model}` has no replica serving yet"
             request.refuse(
-                _cold_refusal(
-                    f"`{model}` has no replica serving yet and this router already holds "
-                    f"{len(queue)} requests for it (its cold_queue); try again shortly."
+                self._refusal(
+                    model,
+                    f"{why} and this router already holds {len(queue)} requests for it (its "
+                    "cold_queue); try again shortly.",
                 )
             )
             return True
@@ -138,10 +147,15 @@ class ColdHold:
         if request not in self.held:
             return
         self.discard(request)
+        if model in self.table().parents:
+            why = f"Adapter `{model}` was loaded on no replica"
+        else:
+            why = f"No replica of `{model}` came up"
         request.refuse(
-            _cold_refusal(
-                f"No replica of `{model}` came up within {timeout:g} s (its cold_timeout) "
-                "while this request was held; try again shortly."
+            self._refusal(
+                model,
+                f"{why} within {timeout:g} s (its cold_timeout) while this request was held; "
+                "try again shortly.",
             )
         )
 
@@ -211,6 +225,11 @@ class ColdHold:
             return None
         return math.ceil(episode.held / wanted)
 
+    def _refusal(self, model: str, message: str) -> Refusal:
+        """A held request's 503: `cold-start`, or `adapter-loading` for an adapter's."""
+        reason = "adapter-loading" if model in self.table().parents else "cold-start"
+        return Refusal(503, message, "server_error", reason, retry_after=COLD_RETRY_AFTER_S)
+
     def _let_go(self, model: str, table: RoutingTable, route: RoutedModel | None) -> None:
         queue = self.queues[model]
         self._over(model)
@@ -230,7 +249,3 @@ class ColdHold:
                 else Refusal(503, f"No replica of `{model}` is ready now; try again shortly.",
                              "server_error", "no-ready-replica", retry_after=1)
             )  # fmt: skip
-
-
-def _cold_refusal(message: str) -> Refusal:
-    return Refusal(503, message, "server_error", "cold-start", retry_after=COLD_RETRY_AFTER_S)

@@ -736,8 +736,10 @@ class Flight:
             first_byte = ex.first_byte_at - ex.started if ex.first_byte_at is not None else None
             own = max(0.0, end - ex.started - ex.upstream_wait)
             metrics.request_done(ex.model, ex.status, end - ex.started, first_byte, own)
+        usage = ex.scanner.usage if ex.scanner is not None else None
+        if usage is not None:
+            metrics.used(ex.model, usage.prompt, usage.completion)
         if ex.key is not None:
-            usage = ex.scanner.usage if ex.scanner is not None else None
             parts.ledger.count(ex.key, ex.model, parts.wall(), usage, ex.status >= 400)
         if parts.spans is not None and ex.sampled:
             self._record(parts.spans)

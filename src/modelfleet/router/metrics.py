@@ -66,6 +66,7 @@ class RouterMetrics:
     def __init__(self, in_flight: Callable[[], Mapping[str, int]] = dict) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.answered: dict[tuple[str, str], int] = {}  # (model, status) -> requests
+        self.tokens: dict[tuple[str, str], int] = {}  # (model, prompt|completion) -> tokens
         self.latency = Tally(_LATENCY_BUCKETS)
         self.ttft = Tally(_LATENCY_BUCKETS)
         self.overhead = Tally(_OVERHEAD_BUCKETS)
@@ -116,6 +117,11 @@ class RouterMetrics:
             self.ttft.observe(labels, first_byte)
         self.overhead.observe((), own)
 
+    def used(self, model: str, prompt: int, completion: int) -> None:
+        """The tokens an engine said a request of `model` (a model, or an adapter) used."""
+        for kind, n in (("prompt", prompt), ("completion", completion)):
+            self.tokens[(model, kind)] = self.tokens.get((model, kind), 0) + n
+
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, kept: a request's handful of metrics cost a dict lookup
         each instead of prometheus-client's label checks (seen in the router's profile)."""
@@ -142,6 +148,15 @@ class _PerRequest(Collector):
         for labels, n in m.answered.items():
             requests.add_metric(list(labels), n)
         yield requests
+        tokens = CounterMetricFamily(
+            "modelfleet_router_tokens",
+            "Tokens the engines said requests used, by model (a LoRA adapter is a model of "
+            "its own here) and kind: prompt or completion.",
+            labels=["model", "kind"],
+        )
+        for labels, n in m.tokens.items():
+            tokens.add_metric(list(labels), n)
+        yield tokens
         yield m.latency.family(
             "modelfleet_router_request_seconds",
             "Time from the request's arrival to the end of its answer.",

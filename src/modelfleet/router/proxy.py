@@ -162,6 +162,11 @@ class Proxy:
         routes = self.routes
         table = routes.table
         endpoints = table.models.get(model)
+        if endpoints is None and (adapter := table.adapter_alias(model)) is not None:
+            # "base:adapter": the engine knows the adapter by its own name.
+            body["model"] = ex.model = model = adapter
+            raw = json.dumps(body).encode()
+            endpoints = table.models.get(model)
         if endpoints is None and routes.awaiting_table:
             return Refusal(
                 503,
@@ -180,6 +185,15 @@ class Proxy:
                 param="model",
             )
         route = table.routes[model]
+        if not endpoints and model in table.parents:
+            failed = table.routes[table.parents[model]].adapter_errors.get(model)
+            if failed is not None:
+                return Refusal(
+                    503,
+                    f"The adapter `{model}` could not be loaded on any replica: {failed}",
+                    "server_error",
+                    "adapter-failed",
+                )
         if path != "/v1/embeddings" and route.max_tokens_cap is not None:
             try:
                 raw = _capped(body, raw, route)

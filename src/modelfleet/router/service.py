@@ -329,7 +329,12 @@ class Router:
         key = self._authorize(request)
         if isinstance(key, Response):
             return key
-        data = [_card(name) for name in sorted(self.table.models) if key.allows(name)]
+        table = self.table
+        data = [
+            _card(name, table.parents.get(name))
+            for name in sorted(table.models)
+            if key.allows(name)
+        ]
         return json_response({"object": "list", "data": data})
 
     async def get_model(self, request: Request) -> Response:
@@ -339,7 +344,7 @@ class Router:
         model = request.path_params["model"]
         if model not in self.table.models or not key.allows(model):
             return _no_model(model)
-        return json_response(_card(model))
+        return json_response(_card(model, self.table.parents.get(model)))
 
     async def metrics_page(self, _: Request) -> Response:
         own = generate_latest(self.metrics.registry)
@@ -498,6 +503,12 @@ class Router:
         held = self.cold.counts()
         models: dict[str, ModelLoad] = {}
         for model, endpoints in self.table.models.items():
+            if model in self.table.parents:
+                # An adapter's replicas are its base's: their counts are the base's. What the
+                # control plane needs of an adapter is the requests held for it.
+                if model in held:
+                    models[model] = ModelLoad(held=held[model])
+                continue
             in_flight = engines = 0
             replicas: dict[str, tuple[int, int]] = {}
             for endpoint in endpoints:
@@ -527,8 +538,10 @@ class Router:
             self.ledger.ack(run, batch)
 
 
-def _card(model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "modelfleet"}
+def _card(model: str, parent: str | None = None) -> dict[str, Any]:
+    """A model's entry in `/v1/models`; an adapter's names its base as `parent`, as vLLM's."""
+    card = {"id": model, "object": "model", "created": 0, "owned_by": "modelfleet"}
+    return card if parent is None else {**card, "parent": parent}
 
 
 def _no_model(model: str) -> Response:

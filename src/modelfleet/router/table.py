@@ -7,7 +7,7 @@ that took the table once sees one consistent version to the end.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from modelfleet.apikeys import hash_key
@@ -87,22 +87,61 @@ class RoutingTable:
     routes: Mapping[str, RoutedModel]  # model -> its routing fields
     keys: Mapping[str, str]  # endpoint -> the `Authorization` header its engine wants
     replicas: Mapping[str, str]  # endpoint -> the id of the replica it serves
+    # A LoRA adapter is routed as a model of its own (its endpoints: the replicas of its base
+    # holding it loaded): adapter -> its base model.
+    parents: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def from_snapshot(cls, snapshot: RoutingSnapshot) -> RoutingTable:
         models = {m.name: tuple(m.endpoints) for m in snapshot.models}
+        routes = {m.name: m for m in snapshot.models}
         keys = {e: f"Bearer {k}" for m in snapshot.models for e, k in m.keys.items()}
         replicas = {e: r for m in snapshot.models for e, r in m.replicas.items()}
+        parents = {}
+        for base in snapshot.models:
+            for adapter, holders in base.adapters.items():
+                if adapter in routes:
+                    continue  # the control plane's catalog refuses this; a name means one thing
+                parents[adapter] = base.name
+                models[adapter] = tuple(holders)
+                routes[adapter] = adapter_route(base, adapter, holders)
         return cls(
             snapshot.version,
             snapshot.catalog_version,
             MappingProxyType(models),
-            MappingProxyType({m.name: m for m in snapshot.models}),
+            MappingProxyType(routes),
             MappingProxyType(keys),
             MappingProxyType(replicas),
+            MappingProxyType(parents),
         )
+
+    def adapter_alias(self, model: str) -> str | None:
+        """The adapter `model` names as "base:adapter", if it is one of base's."""
+        base, sep, adapter = model.rpartition(":")
+        if sep and self.parents.get(adapter) == base:
+            return adapter
+        return None
 
     @property
     def endpoints(self) -> set[str]:
         """Every endpoint of every model."""
         return {e for endpoints in self.models.values() for e in endpoints}
+
+
+def adapter_route(base: RoutedModel, adapter: str, holders: list[str]) -> RoutedModel:
+    """How requests for `adapter` of `base` are routed: to the replicas holding it, by load,
+    as `base`'s are. While none holds it, its requests are held (`cold.py`) until the control
+    plane has had it loaded, and then released at most `base`'s target per replica (a base of
+    fixed count has none: up to its cold queue each)."""
+    return base.model_copy(
+        update={
+            "name": adapter,
+            "endpoints": list(holders),
+            "keys": {},
+            "replicas": {},
+            "adapters": {},
+            "adapter_errors": {},
+            "target_in_flight": base.target_in_flight or float(base.cold_queue),
+            "replicas_wanted": None,
+        }
+    )

@@ -1,0 +1,122 @@
+"""LoRA adapters at the router: routed only to the replicas holding them, `base:adapter` as an
+alias, listed with their base, named in keys' allowlists, held while loaded nowhere (the
+control plane told at once), and refused with the engine's words when they failed to load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from modelfleet.router.service import Router
+from modelfleet.wire import RoutedModel, RoutingSnapshot
+
+from .router_kit import client_of, keyed, run, serving, until
+
+
+class Engines:
+    """Engines on 127.0.0.1 that note which model each request named."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[int, str]] = []  # (engine index, model)
+
+    @contextlib.asynccontextmanager
+    async def serve(self, count: int) -> AsyncIterator[list[str]]:
+        async with contextlib.AsyncExitStack() as stack:
+            yield [await stack.enter_async_context(serving(self._app(i))) for i in range(count)]
+
+    def _app(self, index: int) -> Starlette:
+        async def complete(request: Request) -> Response:
+            model = (await request.json())["model"]
+            self.got.append((index, model))
+            return JSONResponse({"model": model, "choices": [{"index": 0, "text": "ok"}]})
+
+        return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
+
+
+def table(
+    version: int, urls: list[str], holders: dict[str, list[int]], cold_timeout: float = 30.0
+) -> RoutingSnapshot:
+    model = RoutedModel(
+        name="base",
+        endpoints=urls,
+        replicas={u: f"r{i}" for i, u in enumerate(urls)},
+        cold_timeout=cold_timeout,
+        adapters={name: [urls[i] for i in where] for name, where in holders.items()},
+        adapter_errors={"bad": "Loading lora bad failed: No adapter found for /x"},
+    )
+    return RoutingSnapshot(epoch=1, version=version, models=[model])
+
+
+def ask(model: str) -> dict[str, str]:
+    return {"model": model, "prompt": "p"}
+
+
+def test_adapters_are_routed_to_their_holders_listed_allowed_held_and_refused(way: str) -> None:
+    async def main() -> None:
+        router = keyed(
+            push_token="push",
+            api_keys=[
+                {"name": "k", "key": "client-key"},
+                {"name": "only-x", "key": "x-key", "models": ["x"]},
+            ],
+        )
+        engines = Engines()
+        async with client_of(router) as client, engines.serve(2) as urls:
+            assert router.apply(table(1, urls, {"x": [1], "y": [], "bad": []}))
+            for model in ("x", "x", "base:x"):
+                answer = await client.post("/v1/completions", json=ask(model))
+                assert answer.status_code == 200, answer.text
+            assert engines.got == [(1, "x")] * 3  # the holder only; the alias sent as "x"
+
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert {m["id"]: m.get("parent") for m in listed} == {
+                "base": None, "x": "base", "y": "base", "bad": "base"}  # fmt: skip
+            only_x = {"authorization": "Bearer x-key"}
+            listed = (await client.get("/v1/models", headers=only_x)).json()["data"]
+            assert [m["id"] for m in listed] == ["x"]
+            refused = await client.post("/v1/completions", json=ask("y"), headers=only_x)
+            assert refused.status_code == 404
+            allowed = await client.post("/v1/completions", json=ask("base:x"), headers=only_x)
+            assert allowed.status_code == 200
+
+            failed = await client.post("/v1/completions", json=ask("bad"))
+            assert failed.status_code == 503
+            assert failed.headers["x-modelfleet-reason"] == "adapter-failed"
+            assert "No adapter found for /x" in failed.json()["error"]["message"]
+            unknown = await client.post("/v1/completions", json=ask("other:x"))
+            assert unknown.status_code == 404  # not x's base: no alias
+
+            # Loaded nowhere: held, the control plane's long poll told at once, and sent on
+            # once a new table says where it is loaded.
+            poll = asyncio.create_task(router.load(wait=10))
+            held = asyncio.create_task(client.post("/v1/completions", json=ask("y")))
+            await until("the request for y held", lambda: router.cold.waiting == 1)
+            report = await asyncio.wait_for(poll, 2)
+            assert report.models["y"].held == 1 and report.models["y"].in_flight == 0
+            assert not held.done()
+            assert router.apply(table(2, urls, {"x": [1], "y": [0], "bad": []}))
+            answer = await asyncio.wait_for(held, 5)
+            assert answer.status_code == 200 and engines.got[-1] == (0, "y")
+        await router.close()
+
+    run(main())
+
+
+def test_a_held_adapter_request_past_its_time_is_refused_as_adapter_loading(way: str) -> None:
+    async def main() -> None:
+        router: Router = keyed(push_token="push")
+        assert router.apply(table(1, ["http://127.0.0.1:9"], {"y": []}, cold_timeout=0.3))
+        async with client_of(router) as client:
+            answer = await client.post("/v1/completions", json=ask("y"))
+            assert answer.status_code == 503
+            assert answer.headers["x-modelfleet-reason"] == "adapter-loading"
+            assert "Adapter `y` was loaded on no replica within 0.3 s" in answer.text
+        await router.close()
+
+    run(main())
