@@ -318,6 +318,8 @@ class ModelLoad(_Message):
     engines: int = Field(default=0, ge=0)
     # replica id -> [this router's requests at it, its engine's own count as last read]
     replicas: dict[str, tuple[int, int]] = Field(default_factory=dict)
+    # A LoRA adapter: requests per second asked of this router lately (fading over ~30 s).
+    rate: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 class LoadReport(_Message):

@@ -26,6 +26,7 @@ def sim() -> httpx.AsyncClient:
 
 
 async def until(what: str, check: Callable[[], Any], timeout: float = 5) -> None:
+    print("UNTIL", what, flush=True)
     async with asyncio.timeout(timeout):
         while not check():
             await asyncio.sleep(0.01)
@@ -52,6 +53,7 @@ def test_it_loads_unloads_fails_with_the_engine_s_words_and_loads_again_after_a_
             engine,
             lambda: changes.append(1),
             "base-1/0",
+            4,
             max_tries=3,
             backoff_base=0.01,
         )
@@ -80,6 +82,18 @@ def test_it_loads_unloads_fails_with_the_engine_s_words_and_loads_again_after_a_
             await until("b unloaded", lambda: "b" not in sync._extra)
             assert await held_by(engine) == {"a", "c"} and sync.loads == 3
             assert set(states(sync)) == {"a", "c"}
+
+            # The engine lets one go by itself (it is full and something else was loaded into
+            # it): the check of its list finds out, and it is loaded again.
+            for name in ("d", "e", "f"):
+                body = {"lora_name": name, "lora_path": f"org/{name}"}
+                assert (await engine.post("/v1/load_lora_adapter", json=body)).status_code == 200
+            assert await held_by(engine) == {"c", "d", "e", "f"}  # a, least recently used, went
+            sync.check()
+            await until("a and c loaded again, d e f unloaded", lambda: sync.reloaded == 1
+                        and not sync._extra and set(states(sync).values()) == {
+                            AdapterState.LOADED})  # fmt: skip
+            assert await held_by(engine) == {"a", "c"}
 
             # A new engine process holds nothing: everything is loaded into it again.
             engine_before, engine = engine, sim()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from modelfleet.residency import decide
+from modelfleet.residency import Want, decide
 
 NAMES = [f"a{i}" for i in range(8)]
 REPLICAS = ["r1", "r2", "r3"]
@@ -20,7 +20,11 @@ def situations(draw: st.DrawFn) -> tuple[list[str], int, list[str], dict, dict]:
         rid: draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=5))
         for rid in draw(st.lists(st.sampled_from(REPLICAS), unique=True))
     }
-    demand = draw(st.dictionaries(st.sampled_from(NAMES), st.floats(0, 100)))
+    demand = draw(
+        st.dictionaries(
+            st.sampled_from(NAMES), st.builds(Want, st.integers(0, 5), st.floats(0, 100))
+        )
+    )
     return adapters, max_loras, replicas, held, demand
 
 
@@ -58,9 +62,9 @@ def test_the_most_wanted_adapter_is_held_and_what_was_held_goes_only_for_more_wa
 ) -> None:
     adapters, max_loras, replicas, held, demand = s
     decided = decide(adapters, max_loras, replicas, held, demand)
-    wanted = [a for a in adapters if demand.get(a, 0) > 0]
-    if replicas and wanted:
-        top = max(wanted, key=lambda a: (demand[a], -adapters.index(a)))
+    waiting = [a for a in adapters if demand.get(a, Want()).held > 0]
+    if replicas and waiting:  # what requests wait for most is loaded somewhere
+        top = max(waiting, key=lambda a: (demand[a].weight, -adapters.index(a)))
         assert any(top in names for names in decided.values())
     for rid in replicas:
         # What it held of the model's adapters, within its slots (fewer slots drop the rest).
@@ -68,15 +72,20 @@ def test_the_most_wanted_adapter_is_held_and_what_was_held_goes_only_for_more_wa
         for name in kept:
             if name in decided[rid]:
                 continue
-            # It gave up its slot: to something wanted more, or it is held elsewhere still.
+            # It gave up its slot: to something waited for and wanted more, or it is held
+            # elsewhere still.
             gained = set(decided[rid]) - set(kept)
             elsewhere = any(name in decided[r] for r in replicas if r != rid)
-            assert elsewhere or any(demand.get(g, 0) > demand.get(name, 0) for g in gained)
+            weight = demand.get(name, Want()).weight
+            assert elsewhere or any(
+                demand.get(g, Want()).held > 0 and demand[g].weight > weight for g in gained
+            )
 
 
 def test_a_held_request_takes_the_slot_of_a_second_copy_before_an_only_one() -> None:
     held = {"r1": ("a", "b"), "r2": ("a", "c")}
-    decided = decide(["a", "b", "c", "d"], 2, ["r1", "r2"], held, {"d": 1.0, "b": 0.5})
+    demand = {"d": Want(held=1), "b": Want(rate=0.5)}
+    decided = decide(["a", "b", "c", "d"], 2, ["r1", "r2"], held, demand)
     assert sorted(decided["r1"] + decided["r2"]) == ["a", "b", "c", "d"]
 
 
@@ -85,3 +94,19 @@ def test_with_no_demand_the_catalog_s_first_adapters_fill_the_slots_spread_out()
         "r1": ("a", "c"),
         "r2": ("b", "a"),
     }
+
+
+def test_the_slot_of_an_adapter_that_failed_to_load_goes_first() -> None:
+    held = {"r1": ("a", "bad")}
+    assert decide(["a", "bad", "c"], 2, ["r1"], held, {}, {"r1": {"bad"}}) == {"r1": ("a", "c")}
+    # With nothing else to hold, it keeps it (and its agent keeps reporting why it failed).
+    assert decide(["a", "bad"], 2, ["r1"], held, {}, {"r1": {"bad"}}) == {"r1": ("a", "bad")}
+
+
+def test_nothing_is_loaded_ahead_of_a_request_in_place_of_what_a_replica_holds() -> None:
+    held = {"r1": ("a",)}
+    often = {"b": Want(rate=50.0), "a": Want(rate=0.1)}
+    assert decide(["a", "b"], 1, ["r1"], held, often) == {"r1": ("a",)}
+    waiting = {"b": Want(held=1, rate=0.5), "a": Want(rate=5.0)}  # asked more, but none waits
+    assert decide(["a", "b"], 1, ["r1"], held, waiting) == {"r1": ("a",)}
+    assert decide(["a", "b"], 1, ["r1"], held, {"b": Want(held=6)}) == {"r1": ("b",)}

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator
 
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from modelfleet.router.rates import Rates
 from modelfleet.router.service import Router
 from modelfleet.wire import RoutedModel, RoutingSnapshot
 
@@ -24,6 +27,7 @@ class Engines:
 
     def __init__(self) -> None:
         self.got: list[tuple[int, str]] = []  # (engine index, model)
+        self.gone: set[tuple[int, str]] = set()  # (engine index, adapter) it answers 404 for
 
     @contextlib.asynccontextmanager
     async def serve(self, count: int) -> AsyncIterator[list[str]]:
@@ -34,6 +38,8 @@ class Engines:
         async def complete(request: Request) -> Response:
             model = (await request.json())["model"]
             self.got.append((index, model))
+            if (index, model) in self.gone:
+                return JSONResponse({"error": {"message": "no such model"}}, status_code=404)
             return JSONResponse({"model": model, "choices": [{"index": 0, "text": "ok"}]})
 
         return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
@@ -117,6 +123,73 @@ def test_a_held_adapter_request_past_its_time_is_refused_as_adapter_loading(way:
             assert answer.status_code == 503
             assert answer.headers["x-modelfleet-reason"] == "adapter-loading"
             assert "Adapter `y` was loaded on no replica within 0.3 s" in answer.text
+        await router.close()
+
+    run(main())
+
+
+def test_requests_held_for_an_adapter_that_then_fails_to_load_are_refused_with_why(
+    way: str,
+) -> None:
+    async def main() -> None:
+        router = keyed(push_token="push")
+        snapshot = table(1, ["http://127.0.0.1:9"], {"bad": []})
+        quiet = snapshot.models[0].model_copy(update={"adapter_errors": {}})
+        assert router.apply(snapshot.model_copy(update={"models": [quiet]}))
+        async with client_of(router) as client:
+            held = asyncio.create_task(client.post("/v1/completions", json=ask("bad")))
+            await until("the request for bad held", lambda: router.cold.waiting == 1)
+            assert router.apply(table(2, ["http://127.0.0.1:9"], {"bad": []}))  # bad failed
+            answer = await asyncio.wait_for(held, 5)
+            assert answer.status_code == 503
+            assert answer.headers["x-modelfleet-reason"] == "adapter-failed"
+            assert "No adapter found for /x" in answer.json()["error"]["message"]
+            assert router.cold.waiting == 0
+            page = (await client.get("/metrics")).text
+            assert 'modelfleet_router_held_total{model="bad"} 1.0' in page
+        await router.close()
+
+    run(main())
+
+
+def test_how_often_each_adapter_is_asked_fades() -> None:
+    rates = Rates(fade=10.0)
+    for at in range(10):
+        rates.note("a", float(at))
+    now = rates.rates(9.0)
+    # Ten requests over ten seconds, each faded by its age: about 2/3 of one a second.
+    assert now["a"] == pytest.approx(sum(math.exp(-age / 10) for age in range(10)) / 10)
+    assert rates.rates(39.0)["a"] < now["a"] * 0.06  # 30 s later: e^-3 of it
+    assert rates.rates(200.0) == {}  # faded to nothing: forgotten
+
+
+def test_an_engine_that_let_the_adapter_go_sends_the_request_on_not_the_404(way: str) -> None:
+    async def main() -> None:
+        router = keyed(push_token="push")
+        engines = Engines()
+        async with client_of(router) as client, engines.serve(2) as urls:
+            engines.gone = {(1, "x")}
+            # Its table still lists engine 1 for x: the request goes on to engine 0.
+            assert router.apply(table(1, urls, {"x": [1, 0]}))
+            answers = [await client.post("/v1/completions", json=ask("x")) for _ in range(4)]
+            assert [a.status_code for a in answers] == [200] * 4
+            assert engines.got.count((0, "x")) == 4  # each answered by engine 0
+            assert (1, "x") in engines.got  # after engine 1's 404, for those sent there first
+
+            # Only engine 1 listed: held until a table says where x is, then sent there.
+            assert router.apply(table(2, urls, {"x": [1]}))
+            engines.got.clear()
+            held = asyncio.create_task(client.post("/v1/completions", json=ask("x")))
+            await until("the request held again", lambda: router.cold.waiting == 1)
+            assert engines.got == [(1, "x")]
+            assert router.apply(table(3, urls, {"x": [0]}))
+            answer = await asyncio.wait_for(held, 5)
+            assert answer.status_code == 200 and engines.got[-1] == (0, "x")
+
+            # A model's own 404 is the client's: nothing is retried for it.
+            engines.gone = {(0, "base"), (1, "base")}
+            plain = await client.post("/v1/completions", json=ask("base"))
+            assert plain.status_code == 404
         await router.close()
 
     run(main())

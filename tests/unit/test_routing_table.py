@@ -13,6 +13,7 @@ from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig, RouterTarget
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.publisher import Publisher
+from modelfleet.residency import Want
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import (
     AdapterReport,
@@ -116,3 +117,47 @@ def test_adapters_are_assigned_by_the_control_plane_and_routed_where_they_are_lo
     failed = ({"x", "y"} - {held_on_n1}).pop()
     assert entry.adapters == {held_on_n1: [n1], failed: [], "z": []}
     assert entry.adapter_errors == {failed: "No adapter found"}
+
+
+def test_an_adapter_swap_leaves_the_routers_before_the_agent_unloads_it() -> None:
+    keeper = CatalogKeeper(SqliteStore(":memory:"))
+    keeper.start(0.0)
+    adapters = [{"name": n, "source": f"/lora/{n}"} for n in ("x", "y")]
+    model = {"name": "a", "engine": "sim", "max_loras": 1, "adapters": adapters}
+    keeper.apply(yaml.safe_dump({"models": [model]}), "api", 0.0)
+    cp = ControlPlane(ControlPlaneConfig(admin_token="admin-token-123", settle_for=-1), keeper)
+    catalog = keeper.current
+    s = cp.state
+    s.take_report(report(cp, "n1", 1, ready=False), catalog, 0.0)
+    cp.reconcile_once(0.0)
+    s.take_report(report(cp, "n1", 2, ready=False), catalog, 0.0)
+    cp.reconcile_once(0.0)
+    assert s.place_adapters(catalog, {}, 0.0, 5.0) == 1
+
+    def told() -> dict[str, str]:
+        return {
+            k: v for a in cp.assignments.of("n1", catalog).shards for k, v in a.adapters.items()
+        }
+
+    def holders() -> dict[str, list[str]]:
+        return cp.routing.models(catalog)[0].adapters
+
+    assert told() == {"x": "/lora/x"}
+    loaded = [AdapterReport(name="x", state=AdapterState.LOADED)]
+    s.take_report(report(cp, "n1", 3, ready=True, adapters=loaded), catalog, 1.0)
+    assert len(holders()["x"]) == 1
+
+    # Requests wait for y: it is to take x's slot. x leaves the table at once; the agent is
+    # told only once the routers hold a table without it.
+    assert s.place_adapters(catalog, {"a": {"y": Want(held=3)}}, 2.0, 5.0) == 1
+    assert holders() == {"x": [], "y": []}
+    assert told() == {"x": "/lora/x"}
+    s.mark_unrouted(7)
+    assert s.swap_adapters(6, 3.0) == 0  # the routers hold version 6: not yet
+    assert told() == {"x": "/lora/x"}
+    assert s.swap_adapters(7, 3.0) == 1
+    assert told() == {"y": "/lora/y"}
+    # A router that never confirms holds a swap up for the grace only.
+    assert s.place_adapters(catalog, {"a": {"x": Want(held=9)}}, 10.0, 5.0) == 1
+    assert s.swap_adapters(-1, 14.9) == 0 and s.swap_adapters(-1, 15.0) == 1
+    assert told() == {"x": "/lora/x"}

@@ -138,7 +138,9 @@ class Shard:
         api = getattr(driver, "adapter_api", None)
         self.adapters: AdapterSync | None = None
         if api is not None and assignment.max_loras is not None and assignment.rank == 0:
-            self.adapters = AdapterSync(api, self._serving_at, http, changed, assignment.key)
+            self.adapters = AdapterSync(
+                api, self._serving_at, http, changed, assignment.key, assignment.max_loras
+            )
             self.adapters.want(dict(assignment.adapters))
         self._adapter_task: asyncio.Task[None] | None = None
 

@@ -104,7 +104,7 @@ def _adapters(spec: ModelSpec, record: ReplicaRecord) -> dict[str, str]:
     current catalog's: adapters change without the replica being replaced; one gone from it
     since its residency was decided is left out)."""
     sources = {a.name: a.source for a in spec.adapters}
-    return {name: sources[name] for name in record.adapters if name in sources}
+    return {name: sources[name] for name in record.told_adapters if name in sources}
 
 
 def _leader(state: FleetState, record: ReplicaRecord) -> str | None:

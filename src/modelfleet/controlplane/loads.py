@@ -44,6 +44,7 @@ class Load:
     total: float = 0.0
     held: int = 0  # of `total`: requests routers hold while no replica serves
     replicas: Mapping[str, float] = field(default_factory=dict)
+    rate: float = 0.0  # a LoRA adapter: requests per second asked lately, over every router
 
 
 def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
@@ -53,8 +54,10 @@ def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
     engines: dict[str, int] = {}
     per_sent: dict[str, dict[str, int]] = {}
     per_engine: dict[str, dict[str, int]] = {}
+    rates: dict[str, float] = {}
     for report in reports:
         for model, load in report.models.items():
+            rates[model] = rates.get(model, 0.0) + load.rate
             sent[model] = sent.get(model, 0) + load.in_flight
             held[model] = held.get(model, 0) + load.held
             engines[model] = max(engines.get(model, 0), load.engines)
@@ -70,6 +73,7 @@ def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
                 rid: float(max(n, per_engine[model].get(rid, 0)))
                 for rid, n in per_sent[model].items()
             },
+            rate=rates[model],
         )
         for model in sent
     }

@@ -51,11 +51,15 @@ from modelfleet.controlplane.watch import AssignmentWatch
 from modelfleet.fleet import Mark
 from modelfleet.pki import CertificateAuthority
 from modelfleet.reconcile import Move, Preview, plan, preview, rebalance, settling
+from modelfleet.residency import Want
 from modelfleet.store import StoredMark, StoreError
 from modelfleet.wire import JoinAnswer, JoinRequest
 
 log = logging.getLogger("modelfleet.controlplane")
 MIN_AUTOSCALE_WAIT_S = 0.02  # a decision due already (and not taken: settling) waits this
+# A replica's adapter swap waits for every router to stop sending it requests for what it lets
+# go; a router that does not confirm holds it up no longer than this.
+ADAPTER_SWAP_GRACE_S = 5.0
 
 
 class MarkRefused(RuntimeError):
@@ -123,6 +127,7 @@ class ControlPlane:
             self.metrics,
             self.events,
             acting=self.acting,
+            confirmed=self._routers_confirmed,
         )
         self.usage.acting = self.acting
         self.loads.acting = self.acting
@@ -522,6 +527,12 @@ class ControlPlane:
                 )
         self._due = self._next_due(now, timing)
 
+    def _routers_confirmed(self) -> None:
+        """Every router holds the current table: an adapter swap waiting for it goes on now
+        (not at the next pass)."""
+        if self.state.swaps_waiting():
+            self.wake()
+
     def place_adapters(self) -> bool:
         """Decide which LoRA adapters each replica holds, from the requests the routers hold
         for adapters no replica holds (the agents told load and unload). True: a replica was
@@ -529,13 +540,21 @@ class ControlPlane:
         if self.settling(self.clock.monotonic()):
             return False
         catalog = self.catalogs.current
-        return self.state.place_adapters(catalog, self.adapter_demand(catalog)) > 0
+        demand = self.adapter_demand(catalog)
+        now = self.clock.monotonic()
+        return self.state.place_adapters(catalog, demand, now, ADAPTER_SWAP_GRACE_S) > 0
 
-    def adapter_demand(self, catalog: Catalog) -> dict[str, dict[str, float]]:
-        """Model -> adapter -> the requests the routers hold for it (and carry to it)."""
+    def adapter_demand(self, catalog: Catalog) -> dict[str, dict[str, Want]]:
+        """Model -> adapter -> how much it is wanted: the requests the routers hold for it
+        (waiting for it to be loaded somewhere), and how many a second they were asked for
+        it lately."""
         loads = self.loads.loads(self.clock.monotonic()) or {}
         return {
-            spec.name: {a.name: loads[a.name].total for a in spec.adapters if a.name in loads}
+            spec.name: {
+                a.name: Want(loads[a.name].held, loads[a.name].rate)
+                for a in spec.adapters
+                if a.name in loads
+            }
             for spec in catalog.models
             if spec.adapters
         }
@@ -636,6 +655,7 @@ class ControlPlane:
     def release_retired(self, now: float) -> None:
         """Let go of the retiring replicas every router has stopped routing to, and tell the
         agents of those put to sleep to put them to sleep."""
+        self.state.swap_adapters(self.publisher.routed_version(), now)
         for rid, why in self.state.tell_sleepers(self.publisher.routed_version(), now):
             log.info("replica %s is out of every routing table; its engine sleeps (%s)", rid, why)
         for rid, why in self.state.release(self.publisher.routed_version(), now):

@@ -42,8 +42,10 @@ class Publisher:
         metrics: ControlPlaneMetrics | None = None,
         events: EventLog | None = None,
         acting: Callable[[], bool] = lambda: True,
+        confirmed: Callable[[], None] = lambda: None,
     ) -> None:
         self.acting = acting  # only a leading control plane pushes or asks
+        self._on_confirmed = confirmed  # told when every router holds the current table
         self.metrics = metrics or ControlPlaneMetrics()
         self.events = events
         self._failing: set[str] = set()  # routers whose last push failed
@@ -187,6 +189,8 @@ class Publisher:
             waited = time.monotonic() - self._published_at
             self.metrics.confirm_seconds.labels(url).observe(waited)
         self._held[url] = version
+        if all(self.current(r) for r in self.routers):
+            self._on_confirmed()
 
     async def check(self, router: RouterTarget) -> None:
         """Ask `router` which table it holds; one that lost ours (it restarted) is pushed to."""

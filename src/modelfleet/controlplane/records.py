@@ -106,5 +106,13 @@ class ReplicaRecord:
     # without it (`unrouted_in`, as for retiring), or at `retire_by`.
     sleep: str = ""
     told_to_sleep: bool = False
-    # A replica of a model with LoRA adapters: those its engine should hold (`residency.py`).
+    # A replica of a model with LoRA adapters: those it should hold, as last decided
+    # (`residency.py`), which routers may send their requests to once it has them loaded; and
+    # those its agent is told to hold. A swap is make-before-break: adapters it is to let go
+    # leave the routing table first, and its agent is told the new set (unload, then load)
+    # once every router holds a table without them (`unrouted_in`, as for retiring), or at
+    # `swap_by`.
     adapters: tuple[str, ...] = ()
+    told_adapters: tuple[str, ...] = ()
+    adapters_unrouted_in: int | None = None
+    swap_by: float | None = None  # set while a swap waits for the routers

@@ -60,6 +60,7 @@ def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel
         record = state.replicas[rid]
         if record.retiring or record.sleep:
             continue
+        kept = set(record.adapters)  # one it is to let go is routed to no more
         shards = record.replica.shards
         for rank, placement in enumerate(shards):
             node = state.nodes.get(placement.node)
@@ -78,7 +79,7 @@ def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel
             if seen.engine_key is not None:
                 keys[endpoint] = seen.engine_key
             for held in seen.adapters:
-                if held.state is AdapterState.LOADED and held.name in adapters:
+                if held.state is AdapterState.LOADED and held.name in kept & adapters.keys():
                     adapters[held.name].append(endpoint)
                 elif held.state is AdapterState.FAILED:
                     errors[held.name] = held.error

@@ -31,7 +31,7 @@ from modelfleet.controlplane.records import (
 from modelfleet.fleet import Mark, Node, Replica, ShardPlacement
 from modelfleet.placement import Placed, Unplaceable, place
 from modelfleet.reconcile import Pending, Plan
-from modelfleet.wire import AgentReport, Heartbeat, ShardReport, ShardState
+from modelfleet.wire import AdapterState, AgentReport, Heartbeat, ShardReport, ShardState
 
 T = TypeVar("T")
 MAX_NEWS = 10_000
@@ -69,6 +69,7 @@ class FleetState:
     # the replicas that are retiring, and those put to sleep whose agents are not yet told;
     _retiring: set[str] = field(default_factory=set)
     _dozing: set[str] = field(default_factory=set)
+    _swapping: set[str] = field(default_factory=set)  # adapter swaps waiting for the routers
     # replicas some node reports that are not in the table (engines outside it hold GPUs),
     # and replicas some shard of which reports failures;
     _strays: set[str] = field(default_factory=set)
@@ -133,6 +134,7 @@ class FleetState:
             del self.dropped[next(iter(self.dropped))]
         self._retiring.discard(rid)
         self._dozing.discard(rid)
+        self._swapping.discard(rid)
         if rid in self._seen:
             self._strays.add(rid)
         self._reassign(p.node for p in record.replica.shards)
@@ -687,6 +689,10 @@ class FleetState:
             record = self.replicas[rid]
             if record.unrouted_in is None:
                 record.unrouted_in = version
+        for rid in self._swapping:
+            record = self.replicas[rid]
+            if record.adapters_unrouted_in is None:
+                record.adapters_unrouted_in = version
 
     def release(self, routed_version: int, now: float) -> list[tuple[str, str]]:
         """Drop from the table the retiring replicas that every router has stopped routing to
@@ -720,19 +726,61 @@ class FleetState:
                 told.append((rid, record.sleep))
         return told
 
-    def place_adapters(self, catalog: Catalog, demand: Mapping[str, Mapping[str, float]]) -> int:
+    def place_adapters(
+        self,
+        catalog: Catalog,
+        demand: Mapping[str, Mapping[str, residency.Want]],
+        now: float,
+        grace: float,
+    ) -> int:
         """Decide which adapters each replica of each model with adapters holds (`residency`),
-        from what it holds and `demand` (model -> adapter -> how much it is wanted). Returns
-        how many replicas were told another set."""
+        from what it holds and `demand` (model -> adapter -> how much it is wanted). A replica
+        that only gains adapters is told at once; one that lets some go stops being routed to
+        for them now, and is told (to unload, then load) once the routers confirm, or after
+        `grace` seconds (`swap_adapters`). Returns how many replicas got another set."""
         changed = self.adapter_changes(catalog, demand)
         for rid, names in changed.items():
             record = self.replicas[rid]
             record.adapters = names
-            self._reassign([record.replica.shards[0].node])
+            self._reroute([record.replica.model])
+            if set(record.told_adapters) <= set(names):
+                self._tell_adapters(record)
+            else:
+                record.adapters_unrouted_in = None  # a table without them is yet to go out
+                if record.swap_by is None:
+                    record.swap_by = now + grace
+                self._swapping.add(rid)
         return len(changed)
 
+    def _tell_adapters(self, record: ReplicaRecord) -> None:
+        record.told_adapters = record.adapters
+        record.swap_by = record.adapters_unrouted_in = None
+        self._swapping.discard(record.replica.id)
+        self._reassign([record.replica.shards[0].node])
+
+    def swaps_waiting(self) -> bool:
+        """Whether an adapter swap waits for the routers."""
+        return bool(self._swapping)
+
+    def swap_adapters(self, routed_version: int, now: float) -> int:
+        """Tell the agents of the replicas whose adapter swaps every router has taken (it
+        holds `routed_version` or later), or whose grace is up. Returns how many."""
+        told = 0
+        for rid in sorted(self._swapping):
+            record = self.replicas.get(rid)
+            if record is None:
+                self._swapping.discard(rid)
+                continue
+            unrouted = record.adapters_unrouted_in
+            if (unrouted is not None and unrouted <= routed_version) or now >= (
+                record.swap_by or 0.0
+            ):
+                self._tell_adapters(record)
+                told += 1
+        return told
+
     def adapter_changes(
-        self, catalog: Catalog, demand: Mapping[str, Mapping[str, float]]
+        self, catalog: Catalog, demand: Mapping[str, Mapping[str, residency.Want]]
     ) -> dict[str, tuple[str, ...]]:
         """The replicas whose adapters `catalog` and `demand` change: replica id -> the
         adapters it would hold. Only replicas that keep their engine under `catalog` (same
@@ -748,12 +796,18 @@ class FleetState:
                 and not self.replicas[rid].sleep
                 and self.replicas[rid].replica.engine_digest == spec.engine_digest
             ]
+            failed = {}
+            for rid in rids:
+                seen = self.current(self.replicas[rid], 0)
+                if seen is not None:
+                    failed[rid] = {a.name for a in seen.adapters if a.state is AdapterState.FAILED}
             decided = residency.decide(
                 [a.name for a in spec.adapters],
                 spec.max_loras,
                 rids,
                 {rid: self.replicas[rid].adapters for rid in rids},
                 demand.get(spec.name, {}),
+                failed,
             )
             for rid, names in decided.items():
                 if self.replicas[rid].adapters != names:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from modelfleet import admin
+from modelfleet import admin, residency
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.catalogs import CatalogKeeper
@@ -25,7 +25,7 @@ def _spots(replica: Replica) -> list[admin.ShardSpot]:
 
 
 def adapter_changes(
-    state: FleetState, catalog: Catalog, demand: Mapping[str, Mapping[str, float]]
+    state: FleetState, catalog: Catalog, demand: Mapping[str, Mapping[str, residency.Want]]
 ) -> list[admin.AdapterChange]:
     """What `catalog` makes each replica kept under it load and unload."""
     changes = []

@@ -28,13 +28,15 @@ class Launch:
 @dataclass(frozen=True)
 class AdapterApi:
     """Where an engine loads and unloads LoRA adapters at run time: each a POST of
-    `{"lora_name": ..., "lora_path": ...}` (unload: the name only)."""
+    `{"lora_name": ..., "lora_path": ...}` (unload: the name only); and where it lists what
+    it holds (an OpenAI model list, adapters with a `parent`), if it does."""
 
     load: str
     unload: str
+    listed: str | None = None
 
 
-VLLM_ADAPTERS = AdapterApi("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+VLLM_ADAPTERS = AdapterApi("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/models")
 
 
 class NoDriver(LookupError):

@@ -81,6 +81,7 @@ class ColdHold:
         self.queues: dict[str, deque[_Held]] = {}
         self.held: dict[Holdable, tuple[str, _Held]] = {}
         self.episodes: dict[str, _Episode] = {}
+        self.held_total: Counter[str] = Counter()  # requests held since the start, by model
         # Set when a model with no replica gets its first held request: the load's long poll
         # answers at once, so that the control plane starts a replica without waiting.
         self.news = asyncio.Event()
@@ -124,6 +125,7 @@ class ColdHold:
         if not queue and not endpoints:
             self.news.set()
         self.episodes.setdefault(model, _Episode()).held += 1
+        self.held_total[model] += 1
         queue.append(entry)
         self.held[request] = (model, entry)
         if endpoints:
@@ -185,6 +187,14 @@ class ColdHold:
         endpoints = table.models.get(model, ())
         if route is None or route.target_in_flight is None:
             self._let_go(model, table, route)
+            return
+        if not endpoints and (failed := adapter_failed(table, model)) is not None:
+            self._over(model)  # the adapter failed to load wherever it was tried
+            for entry in queue:
+                del self.held[entry.request]
+                if entry.timer is not None:
+                    entry.timer.cancel()
+                entry.request.refuse(failed)
             return
         usable = [e for e in endpoints if self.balancer.usable(e)]
         cap = max(1, math.ceil(route.target_in_flight))
@@ -249,3 +259,18 @@ class ColdHold:
                 else Refusal(503, f"No replica of `{model}` is ready now; try again shortly.",
                              "server_error", "no-ready-replica", retry_after=1)
             )  # fmt: skip
+
+
+def adapter_failed(table: RoutingTable, model: str) -> Refusal | None:
+    """The 503 for a LoRA adapter that no replica holds and whose load failed, with the
+    engine's words; None for anything else."""
+    base = table.parents.get(model)
+    error = table.routes[base].adapter_errors.get(model) if base is not None else None
+    if error is None:
+        return None
+    return Refusal(
+        503,
+        f"The adapter `{model}` could not be loaded on any replica: {error}",
+        "server_error",
+        "adapter-failed",
+    )

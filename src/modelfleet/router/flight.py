@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelfleet.openai_api import error_body
 from modelfleet.router.limits import Refusal as LimitRefusal
 from modelfleet.router.limits import Ticket
+from modelfleet.router.rates import Rates
 from modelfleet.router.upstream import UpstreamError
 from modelfleet.tracing import AttributeValue, SpanRecord, format_traceparent, new_span_id
 
@@ -84,6 +85,7 @@ class Parts:
     wall: Callable[[], float]  # keys' expiry and limits
     background: set[asyncio.Future[None]]  # settlements under way, awaited at close
     waiting: Waiting = field(default_factory=lambda: Waiting())  # for their first byte
+    asked: Rates = field(default_factory=lambda: Rates())  # how often each adapter is asked
     # Where the spans of sampled requests go (`otlp_endpoint`); None: none are built.
     spans: SpanSink | None = None
     # Seconds from `clock`'s reading to the epoch, for spans' times.
@@ -197,6 +199,7 @@ class Flight:
         "ex",
         "parts",
         "plan",
+        "rerouted",
         "ticket",
         "tried",
     )
@@ -209,6 +212,7 @@ class Flight:
         self.plan: Plan | None = None
         self.ticket: Ticket | None = None
         self.tried: list[str] = []  # endpoints tried, in order
+        self.rerouted = False  # sent on once after an engine said it lacks the adapter
         self.attempt: Attempt | None = None  # the one under way
         self.ended = False
         self._hosted = in_task  # a task runs, or will run, `host`
@@ -329,12 +333,37 @@ class Flight:
         if conn.status >= 400:
             ex.maybe_used -= 1  # the engine refused it
         attempt.status = conn.status
+        if conn.status == 404 and self._adapter_gone(attempt):
+            return
         if conn.status in RETRY_STATUSES:
             self._failed(attempt, f"HTTP {conn.status}")
             self._next()
             return
         upstream = self.parts.upstreams.answer(attempt.endpoint, conn)
         self._answered(attempt, upstream, conn.take_chunks())
+
+    def _adapter_gone(self, attempt: Attempt) -> bool:
+        """An engine answered 404 to a request for a LoRA adapter: it let the adapter go after
+        this router's table was taken (a swap, in the moment before the table said so). Once
+        per request, it goes to another replica holding it in the current table, or is held
+        until one does, instead of the client getting the 404."""
+        plan, parts = self.plan, self.parts
+        if plan is None or self.rerouted or plan.route.name not in plan.table.parents:
+            return False
+        self.rerouted = True
+        attempt.failure = "the engine does not hold the adapter"
+        attempt.over()
+        self.ex.failures.append(f"{attempt.endpoint}: {attempt.failure}")
+        table = parts.cold.table()
+        others = [e for e in table.models.get(plan.route.name, ()) if e not in self.tried]
+        if others or plan.route.name not in table.routes:
+            self.released(table, None)
+        else:
+            plan.table, plan.endpoints = table, ()
+            plan.route = table.routes[plan.route.name]
+            if not parts.cold.take(self, plan.route, ()):
+                self.refuse(self._exhausted())
+        return True
 
     def timed_out(self, attempt: Attempt) -> None:
         """`attempt` got no first byte within the first-byte timeout."""

@@ -63,7 +63,11 @@ class RouterMetrics:
     prometheus-client metrics: they move on failures only.
     """
 
-    def __init__(self, in_flight: Callable[[], Mapping[str, int]] = dict) -> None:
+    def __init__(
+        self,
+        in_flight: Callable[[], Mapping[str, int]] = dict,
+        held: Callable[[], Mapping[str, int]] = dict,
+    ) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.answered: dict[tuple[str, str], int] = {}  # (model, status) -> requests
         self.tokens: dict[tuple[str, str], int] = {}  # (model, prompt|completion) -> tokens
@@ -71,6 +75,7 @@ class RouterMetrics:
         self.ttft = Tally(_LATENCY_BUCKETS)
         self.overhead = Tally(_OVERHEAD_BUCKETS)
         self.in_flight = in_flight  # endpoint -> requests in flight there now
+        self.held = held  # model -> requests held since the start (`cold.py`)
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_PerRequest(self))
@@ -157,6 +162,15 @@ class _PerRequest(Collector):
         for labels, n in m.tokens.items():
             tokens.add_metric(list(labels), n)
         yield tokens
+        held = CounterMetricFamily(
+            "modelfleet_router_held",
+            "Requests held while nothing served them: a model at zero replicas, or a LoRA "
+            "adapter loaded nowhere yet.",
+            labels=["model"],
+        )
+        for model, n in m.held().items():
+            held.add_metric([model], n)
+        yield held
         yield m.latency.family(
             "modelfleet_router_request_seconds",
             "Time from the request's arrival to the end of its answer.",

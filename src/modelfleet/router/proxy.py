@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from modelfleet.openai_api import BadRequest, check_generation, parse_body, prompt_text
+from modelfleet.router.cold import adapter_failed
 from modelfleet.router.flight import ClientGone, Exchange, Flight, Parts, Plan, Refusal
 from modelfleet.router.usage import UsageScanner
 from modelfleet.tracing import TRACEPARENT, new_span_id, new_trace_id, parse_traceparent
@@ -185,15 +186,10 @@ class Proxy:
                 param="model",
             )
         route = table.routes[model]
-        if not endpoints and model in table.parents:
-            failed = table.routes[table.parents[model]].adapter_errors.get(model)
-            if failed is not None:
-                return Refusal(
-                    503,
-                    f"The adapter `{model}` could not be loaded on any replica: {failed}",
-                    "server_error",
-                    "adapter-failed",
-                )
+        if model in table.parents:
+            self.parts.asked.note(model, self.parts.clock())
+        if not endpoints and (failed := adapter_failed(table, model)) is not None:
+            return failed
         if path != "/v1/embeddings" and route.max_tokens_cap is not None:
             try:
                 raw = _capped(body, raw, route)

@@ -209,7 +209,9 @@ class Router:
         self.pushed = False  # whether it holds a table pushed to this run of it
         self.balancer = Balancer()
         self.cold = ColdHold(self.balancer, lambda: self.table)
-        self.metrics = RouterMetrics(in_flight=self.balancer.in_flight)
+        self.metrics = RouterMetrics(
+            in_flight=self.balancer.in_flight, held=lambda: self.cold.held_total
+        )
         self.upstreams = Upstreams(config.connect_timeout)  # the data path's connections
         self.limits: Limits = (
             RedisLimits.from_url(config.limits_store, config.limits_fail == "open")
@@ -501,13 +503,14 @@ class Router:
         """Each model's requests in flight and held here, and its engines' own counts."""
         state = self.balancer.state
         held = self.cold.counts()
+        asked = self.parts.asked.rates(self.parts.clock())
         models: dict[str, ModelLoad] = {}
         for model, endpoints in self.table.models.items():
             if model in self.table.parents:
                 # An adapter's replicas are its base's: their counts are the base's. What the
                 # control plane needs of an adapter is the requests held for it.
-                if model in held:
-                    models[model] = ModelLoad(held=held[model])
+                if model in held or model in asked:
+                    models[model] = ModelLoad(held=held.get(model, 0), rate=asked.get(model, 0.0))
                 continue
             in_flight = engines = 0
             replicas: dict[str, tuple[int, int]] = {}

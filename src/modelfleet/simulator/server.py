@@ -60,6 +60,8 @@ class _VllmMetrics:
             ("sim:requests_cancelled", "Requests given up by their client.", e.cancelled_total),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up.", e.prefix_cache.queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found cached.", e.prefix_cache.hits),
+            ("sim:lora_loads", "LoRA adapters loaded since the start.", e.adapters.loads),
+            ("sim:lora_evictions", "Adapters let go to make room.", e.adapters.evicted),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
