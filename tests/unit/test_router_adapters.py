@@ -193,3 +193,13 @@ def test_an_engine_that_let_the_adapter_go_sends_the_request_on_not_the_404(way:
         await router.close()
 
     run(main())
+
+
+def test_a_router_with_workers_reports_the_sum_of_their_held_requests_and_rates() -> None:
+    from modelfleet.router.workers import _summed_loads
+    from modelfleet.wire import LoadReport, ModelLoad
+
+    one = LoadReport(models={"x": ModelLoad(held=1, rate=0.5)})
+    two = LoadReport(models={"x": ModelLoad(held=2, rate=0.25), "y": ModelLoad(rate=1.0)})
+    summed = _summed_loads([one, two]).models
+    assert (summed["x"].held, summed["x"].rate, summed["y"].rate) == (3, 0.75, 1.0)

@@ -276,6 +276,7 @@ def _summed_loads(reports: list[LoadReport]) -> LoadReport:
                 held=was.held + load.held,
                 engines=max(was.engines, load.engines),
                 replicas=replicas,
+                rate=was.rate + load.rate,
             )
     return LoadReport(models=models)
 
