@@ -175,6 +175,9 @@ def test_an_engine_that_let_the_adapter_go_sends_the_request_on_not_the_404(way:
             assert [a.status_code for a in answers] == [200] * 4
             assert engines.got.count((0, "x")) == 4  # each answered by engine 0
             assert (1, "x") in engines.got  # after engine 1's 404, for those sent there first
+            page = (await client.get("/metrics")).text
+            resent = engines.got.count((1, "x"))
+            assert f'modelfleet_router_retries_total{{model="x"}} {resent}.0' in page
 
             # Only engine 1 listed: held until a table says where x is, then sent there.
             assert router.apply(table(2, urls, {"x": [1]}))
