@@ -53,10 +53,13 @@ def decide(
     held: Mapping[str, Sequence[str]],
     demand: Mapping[str, Want],
     failed: Mapping[str, Collection[str]] = MappingProxyType({}),
+    busy: Mapping[str, float] = MappingProxyType({}),
 ) -> Residency:
     """What each of `replicas` (the model's serving replicas) should hold, from what it
     holds now (`held`, as last decided), the `demand` for each adapter (0 when absent), and
-    what failed to load where (`failed`: replica id -> adapters; their slots go first)."""
+    what failed to load where (`failed`: replica id -> adapters; their slots go first). Of
+    replicas with as many free slots, the least `busy` (requests it carries) gets a new
+    adapter."""
     known = set(adapters)
     order = {name: i for i, name in enumerate(adapters)}
     slots: dict[str, list[str]] = {
@@ -86,7 +89,7 @@ def decide(
         return (ok, copies(name) == 1, name in pinned, want, -order[name])
 
     def least_full() -> str:
-        return min(slots, key=lambda rid: (len(slots[rid]), rid))
+        return min(slots, key=lambda rid: (len(slots[rid]), busy.get(rid, 0.0), rid))
 
     def place(name: str) -> None:
         """Give `name` a free slot, or the slot of what is worth less to keep than it: an

@@ -110,3 +110,15 @@ def test_nothing_is_loaded_ahead_of_a_request_in_place_of_what_a_replica_holds()
     waiting = {"b": Want(held=1, rate=0.5), "a": Want(rate=5.0)}  # asked more, but none waits
     assert decide(["a", "b"], 1, ["r1"], held, waiting) == {"r1": ("a",)}
     assert decide(["a", "b"], 1, ["r1"], held, {"b": Want(held=6)}) == {"r1": ("b",)}
+
+
+def test_of_replicas_with_as_many_free_slots_the_least_busy_gets_a_new_adapter() -> None:
+    names, held, waiting = (
+        ["a", "b", "c", "d", "e"],
+        {"r1": ("a",), "r2": ("b",)},
+        {"c": Want(held=1)},
+    )
+    calm_r2 = decide(names, 2, ["r1", "r2"], held, waiting, busy={"r1": 9.0})
+    assert "c" in calm_r2["r2"] and "c" not in calm_r2["r1"]
+    calm_r1 = decide(names, 2, ["r1", "r2"], held, waiting, busy={"r2": 9.0})
+    assert "c" in calm_r1["r1"] and "c" not in calm_r1["r2"]

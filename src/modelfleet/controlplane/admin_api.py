@@ -318,7 +318,8 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         try:
             if dry_run:
                 candidate = cp.catalogs.validate(text, API_SOURCE)
-                adapters = views.adapter_changes(cp.state, candidate, cp.adapter_demand(candidate))
+                demand = cp.adapter_demand(candidate)
+                adapters = views.adapter_changes(cp.state, candidate, demand, cp.replica_loads())
                 moves, pending = views.steps(await cp.preview(candidate))
                 return admin.CatalogChange(
                     dry_run=True,
@@ -337,9 +338,8 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         if applied.changed:
             cp.wake()
         # The preview takes the table before anything is awaited: what the next passes do.
-        adapters = views.adapter_changes(
-            cp.state, applied.catalog, cp.adapter_demand(applied.catalog)
-        )
+        demand = cp.adapter_demand(applied.catalog)
+        adapters = views.adapter_changes(cp.state, applied.catalog, demand, cp.replica_loads())
         moves, pending = views.steps(await cp.preview(applied.catalog))
         return admin.CatalogChange(
             dry_run=False,

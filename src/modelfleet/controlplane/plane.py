@@ -542,7 +542,8 @@ class ControlPlane:
         catalog = self.catalogs.current
         demand = self.adapter_demand(catalog)
         now = self.clock.monotonic()
-        return self.state.place_adapters(catalog, demand, now, ADAPTER_SWAP_GRACE_S) > 0
+        busy = self.replica_loads()
+        return self.state.place_adapters(catalog, demand, now, ADAPTER_SWAP_GRACE_S, busy) > 0
 
     def adapter_demand(self, catalog: Catalog) -> dict[str, dict[str, Want]]:
         """Model -> adapter -> how much it is wanted: the requests the routers hold for it

@@ -732,13 +732,14 @@ class FleetState:
         demand: Mapping[str, Mapping[str, residency.Want]],
         now: float,
         grace: float,
+        busy: Mapping[str, float] = MappingProxyType({}),
     ) -> int:
         """Decide which adapters each replica of each model with adapters holds (`residency`),
         from what it holds and `demand` (model -> adapter -> how much it is wanted). A replica
         that only gains adapters is told at once; one that lets some go stops being routed to
         for them now, and is told (to unload, then load) once the routers confirm, or after
         `grace` seconds (`swap_adapters`). Returns how many replicas got another set."""
-        changed = self.adapter_changes(catalog, demand)
+        changed = self.adapter_changes(catalog, demand, busy)
         for rid, names in changed.items():
             record = self.replicas[rid]
             record.adapters = names
@@ -780,7 +781,10 @@ class FleetState:
         return told
 
     def adapter_changes(
-        self, catalog: Catalog, demand: Mapping[str, Mapping[str, residency.Want]]
+        self,
+        catalog: Catalog,
+        demand: Mapping[str, Mapping[str, residency.Want]],
+        busy: Mapping[str, float] = MappingProxyType({}),
     ) -> dict[str, tuple[str, ...]]:
         """The replicas whose adapters `catalog` and `demand` change: replica id -> the
         adapters it would hold. Only replicas that keep their engine under `catalog` (same
@@ -808,6 +812,7 @@ class FleetState:
                 {rid: self.replicas[rid].adapters for rid in rids},
                 demand.get(spec.name, {}),
                 failed,
+                busy,
             )
             for rid, names in decided.items():
                 if self.replicas[rid].adapters != names:

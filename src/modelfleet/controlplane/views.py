@@ -25,11 +25,14 @@ def _spots(replica: Replica) -> list[admin.ShardSpot]:
 
 
 def adapter_changes(
-    state: FleetState, catalog: Catalog, demand: Mapping[str, Mapping[str, residency.Want]]
+    state: FleetState,
+    catalog: Catalog,
+    demand: Mapping[str, Mapping[str, residency.Want]],
+    busy: Mapping[str, float],
 ) -> list[admin.AdapterChange]:
     """What `catalog` makes each replica kept under it load and unload."""
     changes = []
-    for rid, names in sorted(state.adapter_changes(catalog, demand).items()):
+    for rid, names in sorted(state.adapter_changes(catalog, demand, busy).items()):
         held = state.replicas[rid].adapters
         changes.append(
             admin.AdapterChange(
