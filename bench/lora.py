@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -287,14 +288,25 @@ def bad_source(fleet: Fleet, folder: Path) -> tuple[bool, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the fleet's folder (its logs) and say where"
+    )
     args = parser.parse_args()
     asks = workload(args.duration)
     results: dict[str, Any] = {
         "requests": len(asks),
         "found_loaded_bound": round(found_loaded_bound(), 3),
     }
-    with tempfile.TemporaryDirectory(prefix="mf-bench-lora-") as tmp:
+    prefix = "mf-bench-lora-"
+    place = (
+        contextlib.nullcontext(tempfile.mkdtemp(prefix=prefix))
+        if args.keep
+        else tempfile.TemporaryDirectory(prefix=prefix)
+    )
+    with place as tmp:
         folder = Path(tmp)
+        if args.keep:
+            results["kept"] = tmp
         state = folder / "state"
         state.mkdir()
         (state / "catalog.yaml").write_text(yaml.safe_dump({"models": [BASE]}))
