@@ -160,11 +160,19 @@ def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(
 
     # After three failures in a row it is placed on the other node, then kept off both.
     first_node = first["shards"][0]["node"]
+    # Seen placed elsewhere, or (a slow machine spent those seconds above) already failed
+    # there too and kept off both, which the next wait checks.
     moved = wait_for(
         "crashy placed elsewhere",
-        lambda: (r := replica("crashy")) and r["shards"][0]["node"] != first_node and r,
+        lambda: (
+            ((r := replica("crashy")) and r["shards"][0]["node"] != first_node and r)
+            or (
+                op.ctl("explain-placement", "crashy").stdout.count("avoided") == 2
+                and {"kept_off_both": True}
+            )
+        ),
     )
-    assert moved["id"] != first["id"]
+    assert "kept_off_both" in moved or moved["id"] != first["id"]
     explained = wait_for(
         "crashy kept off both nodes",
         lambda: (
