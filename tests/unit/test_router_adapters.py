@@ -189,6 +189,18 @@ def test_an_engine_that_let_the_adapter_go_sends_the_request_on_not_the_404(way:
             answer = await asyncio.wait_for(held, 5)
             assert answer.status_code == 200 and engines.got[-1] == (0, "x")
 
+            # Held after engine 1's 404, then x is loaded on engine 1 again (the replica with
+            # room): the request goes back to it, though it was the one that said 404.
+            assert router.apply(table(4, urls, {"x": [1]}))
+            engines.got.clear()
+            held = asyncio.create_task(client.post("/v1/completions", json=ask("x")))
+            await until("the request held after engine 1's 404", lambda: router.cold.waiting == 1)
+            engines.gone = set()
+            assert router.apply(table(5, urls, {"x": [1]}))
+            answer = await asyncio.wait_for(held, 5)
+            assert answer.status_code == 200, answer.text
+            assert engines.got == [(1, "x"), (1, "x")]
+
             # A model's own 404 is the client's: nothing is retried for it.
             engines.gone = {(0, "base"), (1, "base")}
             plain = await client.post("/v1/completions", json=ask("base"))

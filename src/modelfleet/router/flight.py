@@ -265,9 +265,13 @@ class Flight:
             and parts.cold.take(self, plan.route, plan.endpoints)
         ):
             return
-        while len(tried) <= parts.settings.retries:
-            if plan.first is not None and not tried:
+        # An engine's 404 for an adapter it let go is no failure: that resend is not a retry.
+        while len(tried) <= parts.settings.retries + self.rerouted:
+            if plan.first is not None:
+                # Released from the hold to this replica: it holds the model now, even if it
+                # is the one that said 404 before the request was held.
                 endpoint: str | None = plan.first
+                plan.first = None
             else:
                 endpoint = parts.balancer.pick(plan.endpoints, exclude=tried, prefix=plan.prefix)
             if endpoint is None:
