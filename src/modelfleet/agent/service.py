@@ -16,7 +16,6 @@ seen comes from a leader that lost its lease without knowing yet, and is refused
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import json
 import logging
@@ -45,6 +44,7 @@ from modelfleet.agent.logs import read_log, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
+from modelfleet.clock import wait_set
 from modelfleet.engine_metrics import translate
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
 from modelfleet.files import write_json_atomic
@@ -153,8 +153,7 @@ class Agent:
 
     async def _pause(self, seconds: float) -> None:
         """Wait `seconds`, or less if something changes."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), seconds)
+        await wait_set(self._changed, seconds)
 
     async def _pause_after_failure(self) -> None:
         """Wait about `report_interval` (spread: `retry_delay`) before trying again."""

@@ -14,7 +14,6 @@ into it; `service.py` runs it all as a process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
@@ -24,7 +23,7 @@ from collections.abc import Collection, Sequence
 import httpx
 
 from modelfleet.catalog import Catalog
-from modelfleet.clock import SYSTEM_CLOCK, Clock
+from modelfleet.clock import SYSTEM_CLOCK, Clock, wait_set
 from modelfleet.controlplane.assignments import Assignments
 from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.catalogs import Applied, CatalogKeeper
@@ -607,8 +606,7 @@ class ControlPlane:
             due = self.autoscaler.next_due(self.catalogs.current)
             if due is not None and self.acting():  # a scale-up due sooner: decide then
                 wait = min(wait, max(MIN_AUTOSCALE_WAIT_S, due - self.clock.monotonic()))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.loads.news.wait(), wait)
+            await wait_set(self.loads.news, wait)
             self.loads.news.clear()
             if self.acting():
                 self.autoscale_once(self.clock.monotonic())
@@ -737,8 +735,7 @@ class ControlPlane:
     async def reconcile_loop(self) -> None:
         while True:
             if not self.acting():  # a follower plans nothing
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval)
+                await wait_set(self._wake, self.config.reconcile_interval)
                 self._wake.clear()
                 continue
             self._wake.clear()
@@ -756,8 +753,7 @@ class ControlPlane:
             elif not self.settling(self.clock.monotonic()):
                 self.last_idle_pass_s = took
                 self.metrics.pass_seconds.labels("no").observe(took)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.reconcile_interval)
+            await wait_set(self._wake, self.config.reconcile_interval)
 
     async def catalog_loop(self) -> None:
         """Apply the catalog file whenever its content changes."""

@@ -22,6 +22,7 @@ import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from modelfleet.admin import RoutedInfo, RoutingAnswer
+from modelfleet.clock import wait_set
 from modelfleet.controlplane.config import RouterTarget
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.metrics import ControlPlaneMetrics
@@ -129,9 +130,7 @@ class Publisher:
                 continue
             if self._published is not None and not self.current(router):
                 await self._push(router)
-            try:
-                await asyncio.wait_for(wake.wait(), self.check_interval)
-            except TimeoutError:
+            if not await wait_set(wake, self.check_interval):
                 await self.check(router)
             wake.clear()
 

@@ -31,6 +31,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modelfleet.apikeys import hash_key
+from modelfleet.clock import wait_set
 from modelfleet.files import write_json_atomic
 from modelfleet.http1 import Bounds
 from modelfleet.openai_api import error_response
@@ -494,8 +495,7 @@ class Router:
         """The load per model; with `wait`, after up to that many seconds, or at once when a
         model with no replica gets its first held request (the control plane's long poll)."""
         if wait > 0 and not self.cold.news.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.cold.news.wait(), wait)
+            await wait_set(self.cold.news, wait)
         self.cold.news.clear()
         return self.load_now()
 
