@@ -5,14 +5,17 @@ Every adapter of the catalog may be asked for, but a replica holds at most `max_
 adapter that requests are waiting for (held by the routers: it is loaded nowhere) takes a free
 slot, or else the slot of what is worth least to keep, if that is worth less than it: one
 that failed to load there, then a second copy, then one not *pinned*, then what is wanted
-least (`Want.weight`: the requests waiting plus how many a second were asked lately).
+least (`Want.weight`: the requests waiting plus how many a second were asked lately, plus one
+for every second the oldest of them has waited).
 
 When there are more adapters than slots, the most asked for lately (by rate) are pinned, all
 slots but a quarter: a request for one of the rest waits for a rotating slot instead of
 evicting an adapter that the next second's requests would ask for again, and the requests
 held for it share its one load. Evicting by demand alone swapped the popular adapters in and
 out: in `bench/lora.py` (50 adapters, 8 slots) 9.4 loads a second and 35 % of requests
-finding their adapter loaded, against 3.3 and 61 % with pinning.
+finding their adapter loaded, against 3.3 and 61 % with pinning. The rotating slots go to the
+waiting adapters by weight, so the time waited counts: by the requests held alone, an adapter
+asked for rarely lost every turn to busier ones, and its one request waited longest.
 
 Slots left free take the adapters no replica holds, in the catalog's order (taking only second
 copies' slots), then second copies of the most asked for, so that a small set of adapters is
@@ -37,10 +40,12 @@ class Want:
 
     held: int = 0  # requests the routers hold for it now (it is loaded nowhere)
     rate: float = 0.0  # requests a second asked for it lately
+    waited: float = 0.0  # seconds the oldest of the requests held has waited
 
     @property
     def weight(self) -> float:
-        return self.held + self.rate
+        """Requests held, requests a second, and a second waited each count one."""
+        return self.held + self.rate + self.waited
 
 
 NO_WANT = Want()
@@ -112,9 +117,10 @@ def decide(
 
     by_want = sorted(
         adapters,
-        key=lambda a: (-demand.get(a, NO_WANT).held, -demand.get(a, NO_WANT).weight, order[a]),
+        key=lambda a: (not demand.get(a, NO_WANT).held, -demand.get(a, NO_WANT).weight, order[a]),
     )
-    for name in by_want:  # the most wanted first, then the rest in the catalog's order
+    # Those waited for, most wanted first, then the rest in the catalog's order.
+    for name in by_want:
         if not copies(name):
             place(name)
     for rid in slots:  # and then second copies, most wanted first

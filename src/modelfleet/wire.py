@@ -320,6 +320,8 @@ class ModelLoad(_Message):
     replicas: dict[str, tuple[int, int]] = Field(default_factory=dict)
     # A LoRA adapter: requests per second asked of this router lately (fading over ~30 s).
     rate: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    # A LoRA adapter: seconds the oldest request this router holds for it has waited.
+    waited: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 class LoadReport(_Message):

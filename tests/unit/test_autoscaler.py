@@ -44,6 +44,10 @@ def test_loads_sum_what_routers_send_and_hold_and_take_the_engines_count_once() 
     # Requests that reached the engines some other way, or wait there, count too.
     busy = LoadReport(models={"m": ModelLoad(in_flight=1, engines=9)})
     assert combine([busy])["m"].total == 9
+    # An adapter's: asked of both routers, and its oldest held request of either.
+    x1 = LoadReport(models={"x": ModelLoad(held=1, rate=0.5, waited=3.0)})
+    x2 = LoadReport(models={"x": ModelLoad(held=1, rate=0.25, waited=7.5)})
+    assert (combine([x1, x2])["x"].rate, combine([x1, x2])["x"].waited) == (0.75, 7.5)
 
 
 def keeper(store: SqliteStore) -> CatalogKeeper:

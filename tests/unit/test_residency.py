@@ -22,7 +22,8 @@ def situations(draw: st.DrawFn) -> tuple[list[str], int, list[str], dict, dict]:
     }
     demand = draw(
         st.dictionaries(
-            st.sampled_from(NAMES), st.builds(Want, st.integers(0, 5), st.floats(0, 100))
+            st.sampled_from(NAMES),
+            st.builds(Want, st.integers(0, 5), st.floats(0, 100), st.floats(0, 60)),
         )
     )
     return adapters, max_loras, replicas, held, demand
@@ -122,3 +123,19 @@ def test_of_replicas_with_as_many_free_slots_the_least_busy_gets_a_new_adapter()
     assert "c" in calm_r2["r2"] and "c" not in calm_r2["r1"]
     calm_r1 = decide(names, 2, ["r1", "r2"], held, waiting, busy={"r2": 9.0})
     assert "c" in calm_r1["r1"] and "c" not in calm_r1["r2"]
+
+
+def test_a_rotating_slot_goes_to_the_longest_waited_for_not_only_to_the_most_held() -> None:
+    names = ["a", "b", "rare", "busy"]
+    held = {"r1": ("a", "b")}
+    fresh = {
+        "a": Want(rate=3.0),  # pinned: the most asked for
+        "b": Want(rate=0.1),
+        "busy": Want(held=5, rate=1.0, waited=0.5),
+        "rare": Want(held=1, rate=0.05),
+    }
+    assert "busy" in decide(names, 2, ["r1"], held, fresh)["r1"]
+    # The rare one's request has waited 20 s: it goes first, the busy one's five wait a turn.
+    waited = {**fresh, "rare": Want(held=1, rate=0.05, waited=20.0)}
+    decided = decide(names, 2, ["r1"], held, waited)["r1"]
+    assert "rare" in decided and "busy" not in decided

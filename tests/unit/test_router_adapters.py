@@ -105,6 +105,8 @@ def test_adapters_are_routed_to_their_holders_listed_allowed_held_and_refused(wa
             await until("the request for y held", lambda: router.cold.waiting == 1)
             report = await asyncio.wait_for(poll, 2)
             assert report.models["y"].held == 1 and report.models["y"].in_flight == 0
+            # And how long it has waited, which grows while it is held.
+            assert 0 <= report.models["y"].waited < router.load_now().models["y"].waited < 5
             assert not held.done()
             assert router.apply(table(2, urls, {"x": [1], "y": [0], "bad": []}))
             answer = await asyncio.wait_for(held, 5)
@@ -214,7 +216,10 @@ def test_a_router_with_workers_reports_the_sum_of_their_held_requests_and_rates(
     from modelfleet.router.workers import _summed_loads
     from modelfleet.wire import LoadReport, ModelLoad
 
-    one = LoadReport(models={"x": ModelLoad(held=1, rate=0.5)})
-    two = LoadReport(models={"x": ModelLoad(held=2, rate=0.25), "y": ModelLoad(rate=1.0)})
+    one = LoadReport(models={"x": ModelLoad(held=1, rate=0.5, waited=4.0)})
+    two = LoadReport(
+        models={"x": ModelLoad(held=2, rate=0.25, waited=1.0), "y": ModelLoad(rate=1.0)}
+    )
     summed = _summed_loads([one, two]).models
     assert (summed["x"].held, summed["x"].rate, summed["y"].rate) == (3, 0.75, 1.0)
+    assert summed["x"].waited == 4.0  # the oldest held request of any worker

@@ -45,6 +45,7 @@ class Load:
     held: int = 0  # of `total`: requests routers hold while no replica serves
     replicas: Mapping[str, float] = field(default_factory=dict)
     rate: float = 0.0  # a LoRA adapter: requests per second asked lately, over every router
+    waited: float = 0.0  # a LoRA adapter: seconds its oldest held request has waited
 
 
 def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
@@ -55,9 +56,11 @@ def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
     per_sent: dict[str, dict[str, int]] = {}
     per_engine: dict[str, dict[str, int]] = {}
     rates: dict[str, float] = {}
+    waited: dict[str, float] = {}
     for report in reports:
         for model, load in report.models.items():
             rates[model] = rates.get(model, 0.0) + load.rate
+            waited[model] = max(waited.get(model, 0.0), load.waited)
             sent[model] = sent.get(model, 0) + load.in_flight
             held[model] = held.get(model, 0) + load.held
             engines[model] = max(engines.get(model, 0), load.engines)
@@ -74,6 +77,7 @@ def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
                 for rid, n in per_sent[model].items()
             },
             rate=rates[model],
+            waited=waited[model],
         )
         for model in sent
     }

@@ -546,12 +546,12 @@ class ControlPlane:
 
     def adapter_demand(self, catalog: Catalog) -> dict[str, dict[str, Want]]:
         """Model -> adapter -> how much it is wanted: the requests the routers hold for it
-        (waiting for it to be loaded somewhere), and how many a second they were asked for
-        it lately."""
+        (waiting for it to be loaded somewhere) and how long the oldest has waited, and how
+        many a second they were asked for it lately."""
         loads = self.loads.loads(self.clock.monotonic()) or {}
         return {
             spec.name: {
-                a.name: Want(loads[a.name].held, loads[a.name].rate)
+                a.name: Want(loads[a.name].held, loads[a.name].rate, loads[a.name].waited)
                 for a in spec.adapters
                 if a.name in loads
             }

@@ -58,6 +58,7 @@ class Holdable(Protocol):
 @dataclass
 class _Held:
     request: Holdable
+    since: float  # the event loop's time when it was held
     timer: asyncio.TimerHandle | None = None
 
 
@@ -95,6 +96,11 @@ class ColdHold:
         """Requests held now, by model."""
         return {model: len(queue) for model, queue in self.queues.items() if queue}
 
+    def waited(self) -> dict[str, float]:
+        """Seconds the oldest request held now has waited, by model."""
+        now = asyncio.get_running_loop().time()
+        return {model: now - queue[0].since for model, queue in self.queues.items() if queue}
+
     def take(self, request: Holdable, route: RoutedModel, endpoints: tuple[str, ...]) -> bool:
         """Hold `request` for `route`'s model when that model follows its load and either has
         no endpoint or already holds others (which go first); refuse it when the queue is
@@ -118,8 +124,9 @@ class ColdHold:
                 )
             )
             return True
-        entry = _Held(request)
-        entry.timer = asyncio.get_running_loop().call_later(
+        loop = asyncio.get_running_loop()
+        entry = _Held(request, since=loop.time())
+        entry.timer = loop.call_later(
             route.cold_timeout, self._expire, request, model, route.cold_timeout
         )
         if not queue and not endpoints:

@@ -502,15 +502,20 @@ class Router:
     def load_now(self) -> LoadReport:
         """Each model's requests in flight and held here, and its engines' own counts."""
         state = self.balancer.state
-        held = self.cold.counts()
+        held, waited = self.cold.counts(), self.cold.waited()
         asked = self.parts.asked.rates(self.parts.clock())
         models: dict[str, ModelLoad] = {}
         for model, endpoints in self.table.models.items():
             if model in self.table.parents:
                 # An adapter's replicas are its base's: their counts are the base's. What the
-                # control plane needs of an adapter is the requests held for it.
+                # control plane needs of an adapter is how much it is asked for, and the
+                # requests held for it and for how long.
                 if model in held or model in asked:
-                    models[model] = ModelLoad(held=held.get(model, 0), rate=asked.get(model, 0.0))
+                    models[model] = ModelLoad(
+                        held=held.get(model, 0),
+                        rate=asked.get(model, 0.0),
+                        waited=waited.get(model, 0.0),
+                    )
                 continue
             in_flight = engines = 0
             replicas: dict[str, tuple[int, int]] = {}

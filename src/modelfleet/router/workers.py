@@ -277,6 +277,7 @@ def _summed_loads(reports: list[LoadReport]) -> LoadReport:
                 engines=max(was.engines, load.engines),
                 replicas=replicas,
                 rate=was.rate + load.rate,
+                waited=max(was.waited, load.waited),
             )
     return LoadReport(models=models)
 
