@@ -134,3 +134,30 @@ def test_a_request_for_an_adapter_no_replica_holds_waits_while_the_control_plane
         assert answer.status_code == 200, answer.text
         assert time.monotonic() - began >= 0.3  # it waited for the load
         assert set(_adapters(op, "small")) == {"second"}
+
+
+def test_a_request_for_an_adapter_of_a_model_at_zero_replicas_starts_one(tmp_path: Path) -> None:
+    base = {
+        "name": "idle",
+        "engine": "sim",
+        "args": ["--lora-load-delay", "0.2", "--startup-delay", "0.5"],
+        "max_loras": 1,
+        "adapters": [{"name": "tuned", "source": "t"}],
+        "autoscale": {"min": 0, "max": 1, "target_in_flight": 2, "scale_up_after": "0.5s",
+                      "scale_down_after": "60s", "scale_to_zero_after": "60s"},
+        "cold_timeout": "60s",
+    }  # fmt: skip
+    with fleet_of(tmp_path, [base]) as fleet:
+        op = Operator(fleet, tmp_path)
+        wait_for(
+            "tuned in the router's models",
+            lambda: "tuned" in [m["id"] for m in op.client.get("/v1/models").json()["data"]],
+        )
+        assert op.replicas("idle") == []
+        # Held as the adapter's request, it is the model's load too: a replica starts, the
+        # adapter is loaded into it, and the request is answered by it.
+        answer = _ask(op, "tuned")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == "tuned"
+        assert len(op.replicas("idle")) == 1
+        assert _adapters(op, "idle")["tuned"]["state"] == "loaded"

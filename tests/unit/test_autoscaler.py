@@ -91,6 +91,20 @@ def test_counts_are_decided_stored_for_the_next_leader_and_evented(tmp_path: obj
     assert Autoscaler(store, events, time.time).scales == {}
 
 
+def test_requests_held_for_a_model_s_adapters_are_its_load() -> None:
+    store = SqliteStore(":memory:")
+    catalogs = CatalogKeeper(store)
+    catalogs.start(0.0)
+    with_adapters = {**SCALED, "adapters": [{"name": "x", "source": "/x"}]}
+    catalogs.apply(yaml.safe_dump({"models": [with_adapters]}), "api", 0.0)
+    scaler = Autoscaler(store, EventLog(store, time.time, source="test"), time.time)
+    # At zero replicas, a request for its adapter is held as the adapter's (the router
+    # routes an adapter as a model of its own): it wakes the model from zero.
+    assert scaler.step(catalogs.current, {"x": Load(total=1, held=1)}, 1.0) == ["m"]
+    assert scaler.wanted(catalogs.current) == {"m": 1}
+    assert "up from zero" in scaler.scales["m"].reason
+
+
 class Routers:
     """A router's push API that answers the load the test sets."""
 

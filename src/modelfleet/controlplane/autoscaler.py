@@ -110,6 +110,13 @@ class Autoscaler:
                 continue
             current = self.current(spec)
             load = loads.get(spec.name, Load())
+            # Requests held for its adapters wait for its replicas too (at zero, for one to
+            # start): a router holds them under the adapter's name.
+            waiting = sum(loads[a.name].held for a in spec.adapters if a.name in loads)
+            if waiting:
+                load = dataclasses.replace(
+                    load, total=load.total + waiting, held=load.held + waiting
+                )
             floor = current if spec.name in replacing else 0
             trend = self.trends.get(spec.name, Trend())
             decision = decide(
