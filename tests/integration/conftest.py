@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,20 @@ import yaml
 from modelfleet.loadgen import SteadyClient
 from modelfleet.processes import stop_groups
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sigterm_unwinds() -> Iterator[None]:
+    """A run stopped with SIGTERM (a CI job's timeout, `kill`) unwinds as Ctrl-C does, so
+    that each test's fleet and processes are stopped by their own cleanup: they run in
+    sessions of their own, and would outlive a run killed outright."""
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    before = signal.signal(signal.SIGTERM, interrupted)
+    yield
+    signal.signal(signal.SIGTERM, before)
 
 
 class Procs:
