@@ -40,7 +40,7 @@ class Want:
 
     held: int = 0  # requests the routers hold for it now (it is loaded nowhere)
     rate: float = 0.0  # requests a second asked for it lately
-    waited: float = 0.0  # seconds the oldest of the requests held has waited
+    waited: float = 0.0  # seconds the oldest of the requests held has waited (0: none held)
 
     @property
     def weight(self) -> float:
@@ -109,7 +109,8 @@ def decide(
         )
         want = demand.get(name, NO_WANT)
         value = worth(victim_rid, victim)
-        if value < (True, True, name in pinned, want.weight, -order[name]) and (
+        # On equal worth what is loaded stays: a swap costs a load and gains nothing.
+        if value[:4] < (True, True, name in pinned, want.weight) and (
             want.held > 0 or not value[0] or value[1] is False
         ):
             slots[victim_rid].remove(victim)

@@ -11,6 +11,11 @@ NAMES = [f"a{i}" for i in range(8)]
 REPLICAS = ["r1", "r2", "r3"]
 
 
+def _want(held: int, rate: float, waited: float) -> Want:
+    """As routers report it: a time waited only while requests are held."""
+    return Want(held, rate, waited if held else 0.0)
+
+
 @st.composite
 def situations(draw: st.DrawFn) -> tuple[list[str], int, list[str], dict, dict]:
     adapters = draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=8))
@@ -23,7 +28,7 @@ def situations(draw: st.DrawFn) -> tuple[list[str], int, list[str], dict, dict]:
     demand = draw(
         st.dictionaries(
             st.sampled_from(NAMES),
-            st.builds(Want, st.integers(0, 5), st.floats(0, 100), st.floats(0, 60)),
+            st.builds(_want, st.integers(0, 5), st.floats(0, 100), st.floats(0, 60)),
         )
     )
     return adapters, max_loras, replicas, held, demand
@@ -57,29 +62,48 @@ def test_a_decision_is_kept_when_nothing_changes(s: tuple) -> None:
     assert decide(adapters, max_loras, replicas, decided, demand) == decided
 
 
+def _pinned(adapters: list[str], max_loras: int, replicas: list[str], demand: dict) -> set:
+    """The module's rule: with more adapters than slots, the most asked for by rate keep all
+    slots but a quarter."""
+    capacity = max_loras * len(replicas)
+    rotating = max(1, capacity // 4) if len(adapters) > capacity else 0
+    asked = [a for a in adapters if demand.get(a, Want()).rate > 0]
+    asked.sort(key=lambda a: (-demand[a].rate, adapters.index(a)))
+    return set(asked[: capacity - rotating])
+
+
 @given(situations())
 def test_the_most_wanted_adapter_is_held_and_what_was_held_goes_only_for_more_want(
     s: tuple,
 ) -> None:
     adapters, max_loras, replicas, held, demand = s
     decided = decide(adapters, max_loras, replicas, held, demand)
+    pinned = _pinned(adapters, max_loras, replicas, demand)
+
+    def rank(name: str) -> tuple[bool, float]:  # what decides who keeps a slot
+        return name in pinned, demand.get(name, Want()).weight
+
     waiting = [a for a in adapters if demand.get(a, Want()).held > 0]
-    if replicas and waiting:  # what requests wait for most is loaded somewhere
-        top = max(waiting, key=lambda a: (demand[a].weight, -adapters.index(a)))
-        assert any(top in names for names in decided.values())
+    if replicas and waiting:
+        # What requests wait for most is loaded somewhere, unless every slot holds something
+        # worth as much (on a tie what is loaded stays: a swap would gain nothing).
+        top = max(waiting, key=lambda a: (*rank(a), -adapters.index(a)))
+        assert any(top in names for names in decided.values()) or all(
+            len(names) == max_loras and all(rank(d) >= rank(top) for d in names)
+            for names in decided.values()
+        )
     for rid in replicas:
         # What it held of the model's adapters, within its slots (fewer slots drop the rest).
         kept = [a for a in dict.fromkeys(held.get(rid, ())) if a in adapters][:max_loras]
         for name in kept:
             if name in decided[rid]:
                 continue
-            # It gave up its slot: to something waited for and wanted more, or it is held
-            # elsewhere still.
+            # It gave up its slot: to something waited for and worth more (pinned, or else
+            # wanted more), or it is held elsewhere still.
             gained = set(decided[rid]) - set(kept)
             elsewhere = any(name in decided[r] for r in replicas if r != rid)
-            weight = demand.get(name, Want()).weight
             assert elsewhere or any(
-                demand.get(g, Want()).held > 0 and demand[g].weight > weight for g in gained
+                demand.get(g, Want()).held > 0 and rank(g) > rank(name) for g in gained
             )
 
 
