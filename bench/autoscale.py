@@ -13,8 +13,10 @@ that the time to first token is seen). Each phase has a model of its own:
 2. `spread` (min 0, max 2, target 8): 100 requests at once on zero replicas, held while two
    replicas start; `release_spread` is the share the busiest replica served (target <= 0.6).
 3. `up` (min 1, max 3, target 4, scale_up_after at its default 2 s): from 12 requests in
-   flight (3 per replica over the target) to a second replica placed: `scale_up_decision_s`
-   (KEDA polls every 15 s; Ray Serve waits 30 s by default).
+   flight (3 times the target: a burst, which goes up after half of scale_up_after) to a
+   second replica placed: `scale_up_decision_s` (KEDA polls every 15 s; Ray Serve waits 30 s
+   by default). And `edge` (the same bounds) from 5 requests in flight, just over the target,
+   which goes up after the whole scale_up_after: `scale_up_decision_over_s`.
 4. `wave` (min 1, max 4, target 4, scale_down_after 30 s): load alternating 40 and 4
    requests/s every 20 s for 3 minutes. `square_wave_flaps`: scale-downs undone within one
    period (target 0), and `slo_attainment`: the share of its requests with a first token
@@ -60,6 +62,8 @@ MODELS = [
     {"name": "spread", "engine": "sim", "args": SIM, "max_parallel": 2,
      "autoscale": {"min": 0, "max": 2, "target_in_flight": 8}},
     {"name": "up", "engine": "sim", "args": SIM,
+     "autoscale": {"min": 1, "max": 3, "target_in_flight": 4}},
+    {"name": "edge", "engine": "sim", "args": SIM,
      "autoscale": {"min": 1, "max": 3, "target_in_flight": 4}},
     {"name": "wave", "engine": "sim", "args": SIM, "max_parallel": 3,
      "autoscale": {"min": 1, "max": 4, "target_in_flight": 4, "scale_down_after": "30s"}},
@@ -179,23 +183,32 @@ def release_spread(fleet: Fleet) -> dict[str, Any]:
 
 
 def scale_up(fleet: Fleet) -> dict[str, Any]:
-    wait("up serving", lambda: any(r["state"] == "ready" for r in fleet.replicas("up")), 60)
+    return {
+        "scale_up_decision_s": round(time_to_scale_up(fleet, "up", 12), 2),
+        "scale_up_decision_over_s": round(time_to_scale_up(fleet, "edge", 5), 2),
+        "scale_up_after_s": 2.0,
+    }
+
+
+def time_to_scale_up(fleet: Fleet, model: str, in_flight: int) -> float:
+    """From `in_flight` requests kept going at `model`'s one replica to a second placed."""
+    wait(f"{model} serving", lambda: any(r["state"] == "ready" for r in fleet.replicas(model)))
     stop = threading.Event()
 
     def keep_busy() -> None:
         while not stop.is_set():
-            fleet.ask("up", tokens=400)  # ~4 s each
+            fleet.ask(model, tokens=400)  # ~4 s each
 
-    pool = ThreadPoolExecutor(12)
+    pool = ThreadPoolExecutor(in_flight)
     began = time.monotonic()
-    for _ in range(12):
+    for _ in range(in_flight):
         pool.submit(keep_busy)
-    placed = wait("a second replica of up", lambda: len(fleet.replicas("up")) >= 2, 60)
+    placed = wait(f"a second replica of {model}", lambda: len(fleet.replicas(model)) >= 2, 60)
     took = time.monotonic() - began
     stop.set()
     pool.shutdown(wait=True)
     assert placed
-    return {"scale_up_decision_s": round(took, 2), "scale_up_after_s": 2.0}
+    return took
 
 
 class GpuSeconds:

@@ -7,6 +7,10 @@ policy's `target_in_flight`:
 
 - **Up** once the load per replica has stayed over the target for `scale_up_after`: at once
   to as many replicas as bring it to the target or under (not one at a time), up to `max`.
+  A *burst*, a load of `BURST` times the target or more, goes up once it has lasted
+  `BURST_WAIT` of `scale_up_after`: its replicas' engines queue what they cannot run, so each
+  second waited is a second late on every first token, while a load that far over the target
+  is not one that was just under it a moment ago (Knative's "panic" mode answers the same).
   A model at zero replicas with any load goes up at once, without waiting: its requests are
   being held. So does one whose routers hold requests (`held`: none of its replicas serves
   yet, or those that do are at their target): they are waiting, not being served.
@@ -27,6 +31,8 @@ import math
 from dataclasses import dataclass, replace
 
 DOWN_MARGIN = 0.7  # one fewer replica must carry the load under this share of the target
+BURST = 2.0  # a load per replica of this many times the target is a burst
+BURST_WAIT = 0.5  # a burst goes up after this share of `scale_up_after`
 
 
 @dataclass(frozen=True)
@@ -43,10 +49,11 @@ class Policy:
 
 @dataclass(frozen=True)
 class Trend:
-    """Since when the load has been over the target, low enough to go down, and nothing;
-    None while it is not."""
+    """Since when the load has been over the target, a burst, low enough to go down, and
+    nothing; None while it is not."""
 
     over_since: float | None = None
+    burst_since: float | None = None
     low_since: float | None = None
     idle_since: float | None = None
 
@@ -78,14 +85,16 @@ def decide(
     least = max(policy.min, min(floor, policy.max))
     target = policy.target_in_flight
     need = min(policy.max, max(least, math.ceil(load / target)))
-    over = current > 0 and load / current > target
+    level = pressure(load, current, target)
     low = current > 1 and load / (current - 1) < DOWN_MARGIN * target
     trend = Trend(
-        over_since=_since(trend.over_since, now) if over else None,
+        over_since=_since(trend.over_since, now) if level >= OVER else None,
+        burst_since=_since(trend.burst_since, now) if level >= BURST_LEVEL else None,
         low_since=_since(trend.low_since, now) if low else None,
         idle_since=_since(trend.idle_since, now) if load <= 0 else None,
     )
     over_for = _for(trend.over_since, now)
+    burst_for = _for(trend.burst_since, now)
     low_for = _for(trend.low_since, now)
     idle_for = _for(trend.idle_since, now)
     numbers = f"load {load:g} on {current} replica(s), target {target:g} each"
@@ -98,16 +107,44 @@ def decide(
         return Decision(max(1, need), f"up from zero, requests waiting: {numbers}", Trend())
     if held > 0 and need > current:
         why = f"up at once: {held:g} request(s) held: {numbers}"
-        return Decision(need, why, replace(trend, over_since=None))
-    if current < policy.max and over_for >= policy.scale_up_after:
-        why = f"up: over the target for {over_for:.1f}s: {numbers}"
-        return Decision(max(need, current + 1), why, replace(trend, over_since=None))
+        return Decision(need, why, replace(trend, over_since=None, burst_since=None))
+    burst = burst_for >= BURST_WAIT * policy.scale_up_after
+    if current < policy.max and (burst or over_for >= policy.scale_up_after):
+        if burst:
+            why = f"a burst, {load / current / target:.1f}x the target for {burst_for:.1f}s"
+        else:
+            why = f"over the target for {over_for:.1f}s"
+        restart = replace(trend, over_since=None, burst_since=None)
+        return Decision(max(need, current + 1), f"up: {why}: {numbers}", restart)
     if current == 1 and least == 0 and idle_for >= policy.scale_to_zero_after:
         return Decision(0, f"to zero: no load for {idle_for:.0f}s", trend)
     if current > max(least, 1) and low_for >= policy.scale_down_after:
         why = f"down by one: low for {low_for:.0f}s: {numbers}"
         return Decision(current - 1, why, replace(trend, low_since=now))
     return Decision(current, f"steady: {numbers}", trend)
+
+
+OVER, BURST_LEVEL = 1, 2
+
+
+def pressure(load: float, replicas: int, target: float) -> int:
+    """How far `load` on `replicas` is over `target` each: 0 not over (or no replica),
+    `OVER`, or `BURST_LEVEL` at `BURST` times the target or more."""
+    if replicas <= 0 or load <= target * replicas:
+        return 0
+    return BURST_LEVEL if load >= BURST * target * replicas else OVER
+
+
+def up_due(policy: Policy, trend: Trend) -> float | None:
+    """When `trend`, if it goes on, makes a scale-up due: the earlier of the time over the
+    target reaching `scale_up_after` and a burst reaching its share of it; None if neither
+    is under way."""
+    due = []
+    if trend.over_since is not None:
+        due.append(trend.over_since + policy.scale_up_after)
+    if trend.burst_since is not None:
+        due.append(trend.burst_since + BURST_WAIT * policy.scale_up_after)
+    return min(due, default=None)
 
 
 def _since(since: float | None, now: float) -> float:

@@ -10,7 +10,16 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from modelfleet.autoscale import DOWN_MARGIN, Decision, Policy, Trend, decide
+from modelfleet.autoscale import (
+    BURST,
+    BURST_WAIT,
+    DOWN_MARGIN,
+    Decision,
+    Policy,
+    Trend,
+    decide,
+    up_due,
+)
 
 
 @st.composite
@@ -118,12 +127,39 @@ def test_to_zero_only_after_the_idle_time_and_up_at_once_when_asked(policy: Poli
 
 def test_the_reason_carries_the_numbers() -> None:
     policy = Policy(min=1, max=4, target_in_flight=8, scale_up_after=2)
-    first = decide(policy, 1, 30, 0.0, Trend())
-    assert first.replicas == 1 and first.trend.over_since == 0.0
-    later = decide(policy, 1, 30, 2.0, first.trend)
+    first = decide(policy, 2, 30, 0.0, Trend())
+    assert first.replicas == 2 and first.trend.over_since == 0.0
+    assert first.trend.burst_since is None  # 15 each: over 8, not twice it
+    later = decide(policy, 2, 30, 2.0, first.trend)
     assert later.replicas == 4  # 30 / 8 -> 4 at once
-    assert later.reason == "up: over the target for 2.0s: load 30 on 1 replica(s), target 8 each"
+    assert later.reason == "up: over the target for 2.0s: load 30 on 2 replica(s), target 8 each"
+    burst = decide(policy, 1, 30, 1.0, decide(policy, 1, 30, 0.0, Trend()).trend)
+    assert burst.replicas == 4
+    assert burst.reason == (
+        "up: a burst, 3.8x the target for 1.0s: load 30 on 1 replica(s), target 8 each"
+    )
     assert DOWN_MARGIN < 1
+
+
+@given(
+    policy=policies(),
+    current=st.integers(1, 12),
+    times=st.one_of(st.floats(1.05, 1.95), st.floats(2.05, 6)),
+)
+def test_over_the_target_waits_scale_up_after_and_a_burst_its_share_of_it(
+    policy: Policy, current: int, times: float
+) -> None:
+    current = min(max(current, policy.min), policy.max)
+    if current == policy.max:
+        return
+    load = times * policy.target_in_flight * current
+    step = 0.05
+    made = run(policy, [load] * (math.ceil(policy.scale_up_after / step) + 2), current, step)
+    up_at = next(i for i, d in enumerate(made) if d.replicas > current) * step
+    wait = policy.scale_up_after * (BURST_WAIT if times >= BURST else 1)
+    assert wait - 1e-9 <= up_at < wait + step + 1e-9, (up_at, wait, made[0].trend)
+    if up_at > 0:  # the first decision waited: it says when the wait ends
+        assert up_due(policy, made[0].trend) == wait
 
 
 @given(policy=policies(), current=st.integers(1, 12), held=st.integers(1, 200))

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from modelfleet.autoscale import BURST_LEVEL, OVER
 from modelfleet.router.service import Router
 from modelfleet.wire import RoutedModel, RoutingSnapshot
 
@@ -203,7 +204,7 @@ def test_while_replicas_are_still_to_come_each_serving_one_gets_only_its_share(w
     run(main())
 
 
-def test_a_model_going_over_its_target_answers_the_load_poll_at_once() -> None:
+def test_a_model_going_over_its_target_or_into_a_burst_answers_the_load_poll_at_once() -> None:
     async def main() -> None:
         router = cold_router()
         router.apply(table(2, ["http://127.0.0.1:9"], target_in_flight=2.0))
@@ -212,11 +213,16 @@ def test_a_model_going_over_its_target_answers_the_load_poll_at_once() -> None:
         poll = asyncio.create_task(router.load(wait=10))
         for _ in range(2):
             router.balancer.begin("http://127.0.0.1:9")
-        assert router.over_target() == set()  # at the target, not over it
+        assert router.pressures() == {}  # at the target, not over it
         router.balancer.begin("http://127.0.0.1:9")
-        assert router.over_target() == {"m"}
+        assert router.pressures() == {"m": OVER}
         report = await asyncio.wait_for(poll, 2)
         assert report.models["m"].in_flight == 3
+        poll = asyncio.create_task(router.load(wait=10))
+        router.balancer.begin("http://127.0.0.1:9")  # 4: twice the target
+        assert router.pressures() == {"m": BURST_LEVEL}
+        report = await asyncio.wait_for(poll, 2)
+        assert report.models["m"].in_flight == 4
         watching.cancel()
         await router.close()
 

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from modelfleet.autoscale import Trend, decide
+from modelfleet.autoscale import Trend, decide, up_due
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.loads import Load
@@ -79,14 +79,14 @@ class Autoscaler:
 
     def next_due(self, catalog: Catalog) -> float | None:
         """The monotonic time at which a model over its target (and under its max) has been
-        so for its `scale_up_after` (the next decision that may scale up), if any."""
+        so long enough to go up (the next decision that may scale up), if any."""
         due = [
-            trend.over_since + spec.autoscale.scale_up_after
+            when
             for spec in catalog.models
             if spec.autoscale is not None
             and (trend := self.trends.get(spec.name)) is not None
-            and trend.over_since is not None
             and self.current(spec) < spec.autoscale.max
+            and (when := up_due(spec.autoscale, trend)) is not None
         ]
         return min(due, default=None)
 

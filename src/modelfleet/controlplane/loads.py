@@ -2,8 +2,9 @@
 
 The leading control plane long-polls each router's push API (`GET /v1/load?wait=1`): a
 router answers after a second, or at once when a model with no replica gets its first held
-request, so a cold start begins without waiting for the next second. Routers never call the
-control plane.
+request or a model goes over its target or into a burst (`autoscale.pressure`), so that a
+cold start, or the time over the target, begins without waiting for the next second.
+Routers never call the control plane.
 
 A model's load sums what the routers hold for it and the larger of two counts of what its
 replicas carry: the routers' requests in flight there, summed over routers, and the engines'

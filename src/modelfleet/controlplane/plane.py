@@ -600,7 +600,7 @@ class ControlPlane:
     async def autoscale_loop(self) -> None:
         """Decide every `autoscale_interval` seconds, when a scale-up comes due, and at once
         when a router's load comes (a router answers its long poll at once when a cold model
-        gets a request or a model goes over its target)."""
+        gets a request, or a model goes over its target or into a burst)."""
         while True:
             wait = self.config.autoscale_interval
             due = self.autoscaler.next_due(self.catalogs.current)

@@ -83,8 +83,9 @@ class ColdHold:
         self.held: dict[Holdable, tuple[str, _Held]] = {}
         self.episodes: dict[str, _Episode] = {}
         self.held_total: Counter[str] = Counter()  # requests held since the start, by model
-        # Set when a model with no replica gets its first held request: the load's long poll
-        # answers at once, so that the control plane starts a replica without waiting.
+        # Set when a model with no replica gets its first held request (and by the router's
+        # `watch_load`): the load's long poll answers at once, so that the control plane
+        # starts a replica without waiting.
         self.news = asyncio.Event()
 
     @property

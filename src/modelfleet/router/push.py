@@ -4,7 +4,8 @@ held without engines' keys (`GET /v1/routing`), the usage counted since the last
 collected (`GET /v1/usage`, then `POST /v1/usage/ack`), the process's own metrics
 (`GET /v1/metrics`: how the workers of one router sum theirs), and the load per model that
 autoscaling follows (`GET /v1/load?wait=S`, a long poll of up to S seconds that answers at
-once when a model with no replica gets a request).
+once when a model with no replica gets a request, or one goes over its target or into a
+burst).
 
 Written once for both kinds of router process: a router (`Router`) answers from itself, the
 parent of `workers: N` (`workers.py`) by passing each call on to every worker. Each is a
@@ -59,7 +60,7 @@ class PushTarget(Protocol):
 
     async def load(self, wait: float) -> LoadReport:
         """The load per model, after up to `wait` seconds (at once when a model with no
-        replica gets its first held request)."""
+        replica gets its first held request, or one goes over its target or into a burst)."""
         ...
 
     async def ack_usage(self, ack: UsageAck) -> None:

@@ -31,6 +31,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modelfleet.apikeys import hash_key
+from modelfleet.autoscale import pressure
 from modelfleet.clock import wait_set
 from modelfleet.files import write_json_atomic
 from modelfleet.http1 import Bounds
@@ -385,22 +386,23 @@ class Router:
 
     async def watch_load(self) -> None:
         """Answer the control plane's load poll at once when a model that follows its load
-        goes over its target here, so that its time over the target is counted from then and
-        not from the next poll; runs until cancelled."""
-        over: set[str] = set()
+        goes over its target here, or becomes a burst, so that its time over the target is
+        counted from then and not from the next poll; runs until cancelled."""
+        levels: dict[str, int] = {}
         while True:
             await asyncio.sleep(LOAD_WATCH_S)
-            now_over = self.over_target()
-            if now_over - over:
+            now = self.pressures()
+            if any(level > levels.get(model, 0) for model, level in now.items()):
                 self.cold.news.set()
-            over = now_over
+            levels = now
 
-    def over_target(self) -> set[str]:
-        """The models that follow their load whose requests here (held, and in flight at
-        their replicas) are more than their target per serving replica; with none serving,
-        per replica the control plane is starting."""
+    def pressures(self) -> dict[str, int]:
+        """How far over its target each model that follows its load is here (`autoscale.
+        pressure`; those not over are left out): its requests here, held and in flight at its
+        replicas, per serving replica; with none serving, per replica the control plane is
+        starting."""
         state, held, table = self.balancer.state, self.cold.counts(), self.table
-        over = set()
+        levels = {}
         for model, route in table.routes.items():
             target = route.target_in_flight
             if target is None:
@@ -408,9 +410,9 @@ class Router:
             endpoints = table.models.get(model, ())
             load = held.get(model, 0) + sum(state[e].load for e in endpoints if e in state)
             replicas = len(endpoints) or max(1, route.replicas_wanted or 0)
-            if load > target * replicas:
-                over.add(model)
-        return over
+            if level := pressure(load, replicas, target):
+                levels[model] = level
+        return levels
 
     async def watch_engines(self) -> None:
         """Every `watch_interval`, `watch_once`; runs until cancelled."""
@@ -493,7 +495,8 @@ class Router:
 
     async def load(self, wait: float) -> LoadReport:
         """The load per model; with `wait`, after up to that many seconds, or at once when a
-        model with no replica gets its first held request (the control plane's long poll)."""
+        model with no replica gets its first held request or a model's pressure rises
+        (`watch_load`): the control plane's long poll."""
         if wait > 0 and not self.cold.news.is_set():
             await wait_set(self.cold.news, wait)
         self.cold.news.clear()
