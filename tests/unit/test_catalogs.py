@@ -143,3 +143,29 @@ def test_an_api_apply_is_written_to_the_watched_file_and_an_edit_of_it_changes_n
     file.write_text(file.read_text().replace("replicas: 2", "replicas: 3"))
     edited = k.check_file(5.0)
     assert edited is not None and edited.changed and k.current.get("b").replicas == 3  # type: ignore[union-attr]
+
+
+def test_an_api_apply_writes_the_file_as_applied_with_its_comments_and_one_header(
+    tmp_path: Path,
+) -> None:
+    """The operator's comments and order survive `ctl catalog apply`; a file applied again
+    (header and all) does not gather a second header."""
+    file = tmp_path / "catalog.yaml"
+    file.write_text(ONE)
+    k = keeper(tmp_path, file)
+    commented = "# the team's models\n" + TWO.replace(
+        "replicas: 2", "replicas: 2  # two: the nightly batch"
+    )
+    first = k.apply(commented, "api", 2.0)
+    written = file.read_text()
+    assert written.startswith("# Written by `modelfleet ctl catalog apply`: catalog version")
+    assert written.endswith(commented)
+    assert k.check_file(3.0) is None  # its own write is no change
+    again = k.apply(written.replace("replicas: 2", "replicas: 3"), "api", 4.0)
+    assert again.changed and again.catalog.version == first.catalog.version + 1
+    rewritten = file.read_text()
+    assert rewritten.count("# Written by") == 1 and rewritten.count("# Edit this file") == 1
+    assert "replicas: 3  # two: the nightly batch" in rewritten
+    assert "# the team's models" in rewritten
+    restarted = keeper(tmp_path / "fresh", file)  # the file as written is a valid catalog
+    assert restarted.current.get("b").replicas == 3  # type: ignore[union-attr]

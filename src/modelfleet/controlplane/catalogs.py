@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.files import write_atomic
 from modelfleet.store import Rejection, Store, StoredCatalog, StoreError
@@ -26,6 +24,11 @@ log = logging.getLogger("modelfleet.controlplane")
 
 API_SOURCE = "api"
 _FILE_DIGEST_KEY = "catalog_file_digest"
+# The two lines a catalog applied through the API gets on top when written to the file.
+_HEADER = (
+    "# Written by `modelfleet ctl catalog apply`",
+    "# Edit this file or apply another catalog: the newest change wins.",
+)
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,7 @@ class CatalogKeeper:
             return Applied(self._current.catalog, False, previous)
         catalog = self._swap(candidate, source, now)
         if source == API_SOURCE and self.file is not None:
-            self._write_file(catalog, now)
+            self._write_file(catalog, text, now)
         log.info(
             "catalog version %d (%s) applied from %s: %d model(s)",
             catalog.version,
@@ -177,16 +180,22 @@ class CatalogKeeper:
         )
         return Applied(catalog, True, previous)
 
-    def _write_file(self, catalog: Catalog, now: float) -> None:
+    def _write_file(self, catalog: Catalog, applied: str, now: float) -> None:
         """Write a catalog applied through the API to the watched file too, atomically, so the
         file and the API are one source of truth: a later edit of the file starts from what is
-        current, and the file, read back, changes nothing."""
+        current, and the file, read back, changes nothing. The text is written as it was
+        applied, comments and order kept, under a header saying so (one header: a file
+        applied again does not gather them)."""
         assert self.file is not None
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+        lines = applied.splitlines(keepends=True)
+        while lines and lines[0].startswith(_HEADER):
+            lines.pop(0)
+        body = "".join(lines)
         text = (
-            f"# Written by `modelfleet ctl catalog apply`: catalog version {catalog.version}, "
-            f"{when}.\n# Edit this file or apply another catalog: the newest change wins.\n"
-            + yaml.safe_dump(catalog.to_dict(), sort_keys=False)
+            f"{_HEADER[0]}: catalog version {catalog.version}, {when}.\n{_HEADER[1]}\n"
+            + body
+            + ("" if body.endswith("\n") else "\n")
         )
         try:
             mode = self.file.stat().st_mode & 0o777 if self.file.exists() else 0o644
