@@ -187,6 +187,8 @@ class ReplicaInfo(_Answer):
     generation: int = 0
     group_restarts: int = 0
     last_failure: str = ""
+    # The routers that send it no requests now (they took it out of rotation), and why.
+    ejected: list[str] = Field(default_factory=list)
 
 
 class PendingInfo(_Answer):

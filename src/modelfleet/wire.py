@@ -324,10 +324,21 @@ class ModelLoad(_Message):
     waited: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
+class Ejection(_Message):
+    """A replica a router has taken out of rotation: why, for how many seconds more (then
+    a health probe decides), and how many times in a row."""
+
+    why: str
+    left_s: float = Field(ge=0, allow_inf_nan=False)
+    times: int = Field(ge=1)
+
+
 class LoadReport(_Message):
-    """A router's load per model, read by the leading control plane every second."""
+    """A router's load per model, read by the leading control plane every second, and the
+    replicas it has taken out of rotation (replica id -> why), so that `ctl events` shows it."""
 
     models: dict[str, ModelLoad] = Field(default_factory=dict)
+    ejected: dict[str, Ejection] = Field(default_factory=dict)
 
 
 class UsageRow(_Message):

@@ -48,7 +48,9 @@ def test_a_failing_replica_is_retried_elsewhere_then_ejected_and_probed_back(sta
         failing: list[int] = []
         healthy: list[int] = []
         async with upstream(status, failing) as bad, upstream(200, healthy) as good:
-            router = keyed(clock, models=[RoutedModel(name="m", endpoints=[bad, good])])
+            ids = {bad: "m-bad", good: "m-good"}
+            routed = RoutedModel(name="m", endpoints=[bad, good], replicas=ids)
+            router = keyed(clock, models=[routed])
             async with client_of(router) as client:
                 for _ in range(200):
                     r = await client.post("/v1/completions", json=COMPLETION)
@@ -57,6 +59,10 @@ def test_a_failing_replica_is_retried_elsewhere_then_ejected_and_probed_back(sta
                         break
                 assert len(failing) == 3, f"the failing engine was tried {len(failing)} times"
                 assert not router.balancer.usable(bad)
+                # The control plane hears which replica is out, and why (`ctl events`).
+                [(rid, out)] = router.load_now().ejected.items()
+                assert (rid, out.left_s, out.times) == ("m-bad", 5.0, 1)
+                assert out.why == f"3 failures in a row, the last: HTTP {status}"
                 answered = len(healthy)
                 for _ in range(10):  # ejected: never tried
                     assert (await client.post("/v1/completions", json=COMPLETION)).is_success
@@ -67,6 +73,7 @@ def test_a_failing_replica_is_retried_elsewhere_then_ejected_and_probed_back(sta
                 clock.now += 5
                 await router.watch_once()  # its /health answers 200: back in rotation
                 assert router.balancer.usable(bad)
+                assert router.load_now().ejected == {}
                 while len(failing) < 6:
                     assert (await client.post("/v1/completions", json=COMPLETION)).is_success
                 assert router.balancer.state[bad].ejected_until == clock.now + 10

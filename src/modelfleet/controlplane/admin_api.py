@@ -246,7 +246,8 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     @app.get("/v1/replicas", responses=_errors())
     async def replicas() -> admin.ReplicasAnswer:
         """The replicas, their shards and state, and what is pending and why."""
-        return views.replicas(cp.state, cp.catalogs.current, cp.autoscaler)
+        ejections = cp.loads.ejections(cp.clock.monotonic())
+        return views.replicas(cp.state, cp.catalogs.current, cp.autoscaler, ejections)
 
     @app.get("/v1/replicas/{replica:path}", responses=_errors(404))
     async def replica(replica: str) -> admin.ReplicaInfo:
@@ -258,7 +259,8 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
                 raise Refused.because(404, f"replica {replica!r} was stopped: {retired[0]}")
             known = ", ".join(sorted(cp.state.replicas)) or "none"
             raise Refused.because(404, f"no replica {replica!r} (replicas: {known})")
-        return views.replica_view(cp.state, record)
+        ejected = cp.loads.ejections(cp.clock.monotonic()).get(replica)
+        return views.replica_view(cp.state, record, ejected)
 
     @app.get("/v1/explain/{model:path}", responses=_errors(404))
     async def explain(model: str) -> admin.Explanation:

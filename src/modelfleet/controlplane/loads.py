@@ -15,6 +15,10 @@ and the engines' waiting queues.
 
 A router whose last answer is older than `stale_after` is left out; with no fresh router the
 load is unknown (`ModelLoads.known` false), and autoscaling changes nothing.
+
+Each answer also names the replicas that router has taken out of rotation (an engine that
+failed again and again, or stopped answering): a replica newly out is an event, with the
+router's reason, so that `ctl events` says why a replica gets no requests.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import httpx
 from pydantic import ValidationError
 
 from modelfleet.controlplane.config import RouterTarget
-from modelfleet.wire import LoadReport
+from modelfleet.controlplane.events import EventLog
+from modelfleet.wire import Ejection, LoadReport
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -84,6 +89,15 @@ def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
     }
 
 
+def told(url: str, ejection: Ejection) -> str:
+    """Why router `url` sends a replica no requests, in words."""
+    again = f" (out {ejection.times} times in a row)" if ejection.times > 1 else ""
+    return (
+        f"router {url} sends it no requests: {ejection.why}; a health probe in "
+        f"{ejection.left_s:.0f}s decides whether it is back{again}"
+    )
+
+
 class LoadCollector:
     """Long-polls every router for its load, while `acting`."""
 
@@ -92,11 +106,13 @@ class LoadCollector:
         routers: Sequence[RouterTarget],
         http: httpx.AsyncClient,
         monotonic: Callable[[], float],
+        events: EventLog,
         stale_after: float = 3.0,
     ) -> None:
         self.routers = list(routers)
         self.http = http
         self.monotonic = monotonic
+        self.events = events
         self.stale_after = stale_after
         self.acting: Callable[[], bool] = lambda: True
         self.reports: dict[str, tuple[float, LoadReport]] = {}  # router url -> (when, report)
@@ -141,5 +157,24 @@ class LoadCollector:
             if router.url in self._failing:
                 log.info("reading the load of router %s again", router.url)
                 self._failing.discard(router.url)
+            was = self.reports.get(router.url)
             self.reports[router.url] = (self.monotonic(), report)
+            self._tell_ejections(router.url, was[1].ejected if was else {}, report.ejected)
             self.news.set()
+
+    def ejections(self, now: float) -> dict[str, dict[str, Ejection]]:
+        """Replica id -> router url -> why that router has it out of rotation, from the
+        routers heard from within `stale_after`."""
+        found: dict[str, dict[str, Ejection]] = {}
+        for url, (at, report) in self.reports.items():
+            if now - at <= self.stale_after:
+                for rid, ejection in report.ejected.items():
+                    found.setdefault(rid, {})[url] = ejection
+        return found
+
+    def _tell_ejections(
+        self, url: str, was: Mapping[str, Ejection], now: Mapping[str, Ejection]
+    ) -> None:
+        for rid, ejection in now.items():
+            if rid not in was:
+                self.events.warning("ReplicaEjected", f"replica/{rid}", told(url, ejection))

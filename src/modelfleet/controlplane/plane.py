@@ -110,11 +110,11 @@ class ControlPlane:
             config.routers, self._http, self.store, config.usage_interval, clock.time
         )
         self.series = RouterSeries(config.routers, self._http, config.series_interval, clock.time)
-        self.loads = LoadCollector(config.routers, self._http, clock.monotonic)
         self.metrics = ControlPlaneMetrics()
         self.events = EventLog(
             self.store, clock.time, source=f"control-plane {holder_name(config.state_dir)}"
         )
+        self.loads = LoadCollector(config.routers, self._http, clock.monotonic, self.events)
         self.autoscaler = Autoscaler(self.store, self.events, clock.time)
         self._silent: dict[str, set[str]] = {"stale": set(), "lost": set()}
         self._drained: set[str] = set()  # draining nodes told drained

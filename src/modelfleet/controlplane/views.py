@@ -8,12 +8,13 @@ from modelfleet import admin, residency
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.loads import told
 from modelfleet.controlplane.records import ReplicaRecord
 from modelfleet.controlplane.state import FleetState
 from modelfleet.fleet import Mark, Replica
 from modelfleet.placement import NodeVerdict, Unplaceable, describe_need
 from modelfleet.reconcile import Preview
-from modelfleet.wire import ShardReport, ShardState
+from modelfleet.wire import Ejection, ShardReport, ShardState
 
 
 def verdict(v: NodeVerdict) -> admin.NodeVerdict:
@@ -169,8 +170,11 @@ def replica_state(state: FleetState, record: ReplicaRecord) -> admin.ReplicaStat
     return "assigned"
 
 
-def replica_view(state: FleetState, record: ReplicaRecord) -> admin.ReplicaInfo:
-    """A replica as `ctl replicas show` shows it: its state worked out from its shards'."""
+def replica_view(
+    state: FleetState, record: ReplicaRecord, ejected: Mapping[str, Ejection] | None = None
+) -> admin.ReplicaInfo:
+    """A replica as `ctl replicas show` shows it: its state worked out from its shards',
+    and the routers that took it out of rotation (`ejected`: router url -> why)."""
     shards = shard_views(state, record)
     shown = replica_state(state, record)
     endpoint = None
@@ -188,13 +192,18 @@ def replica_view(state: FleetState, record: ReplicaRecord) -> admin.ReplicaInfo:
         generation=record.generation,
         group_restarts=record.group_restarts,
         last_failure=record.last_failure,
+        ejected=[told(url, e) for url, e in sorted((ejected or {}).items())],
     )
 
 
-def replica_views(state: FleetState) -> list[admin.ReplicaInfo]:
-    """Every replica, by model and id."""
+def replica_views(
+    state: FleetState, ejections: Mapping[str, Mapping[str, Ejection]] | None = None
+) -> list[admin.ReplicaInfo]:
+    """Every replica, by model and id (`ejections`: replica id -> router url -> why it
+    sends that replica no requests)."""
     records = sorted(state.replicas.values(), key=lambda r: (r.replica.model, r.replica.id))
-    return [replica_view(state, r) for r in records]
+    found = ejections or {}
+    return [replica_view(state, r, found.get(r.replica.id)) for r in records]
 
 
 def scaling(autoscaler: Autoscaler, catalog: Catalog) -> list[admin.ScaleInfo]:
@@ -224,7 +233,10 @@ def scaling(autoscaler: Autoscaler, catalog: Catalog) -> list[admin.ScaleInfo]:
 
 
 def replicas(
-    state: FleetState, catalog: Catalog, autoscaler: Autoscaler | None = None
+    state: FleetState,
+    catalog: Catalog,
+    autoscaler: Autoscaler | None = None,
+    ejections: Mapping[str, Mapping[str, Ejection]] | None = None,
 ) -> admin.ReplicasAnswer:
     """Every replica and shard (log tails left out: a replica's own answer has them), and
     what is pending with every node's verdict."""
@@ -232,7 +244,7 @@ def replicas(
         view.model_copy(
             update={"shards": [s.model_copy(update={"log_tail": []}) for s in view.shards]}
         )
-        for view in replica_views(state)
+        for view in replica_views(state, ejections)
     ]
     pending = []
     for p in state.pending:

@@ -183,6 +183,9 @@ def print_replicas(data: admin.ReplicasAnswer, console: Console) -> None:
     for r in data.replicas:
         shards = ", ".join(f"{s.node}{s.gpus}: {s.state}" for s in r.shards)
         error = "; ".join(s.error for s in r.shards if s.error)
+        if r.ejected:
+            out = f"out of rotation at {len(r.ejected)} router(s)"
+            error = f"{error}; {out}" if error else out
         table.add_row(r.id, r.model, r.state, shards, r.endpoint or "-", error or "-")
     for p in data.pending:
         table.add_row("-", p.model, f"pending x{p.count}", "-", "-", p.reason)
@@ -309,6 +312,8 @@ def print_replica(data: admin.ReplicaInfo, console: Console) -> None:
     console.print(head, highlight=False)
     if data.reason:
         console.print(f"retiring: {escape(data.reason)}", highlight=False)
+    for why in data.ejected:
+        console.print(f"out of rotation: {escape(why)}", style="yellow", highlight=False)
     if data.generation:
         console.print(
             f"its shards were restarted together {data.generation} time(s) "

@@ -39,6 +39,7 @@ class EndpointState:
     failures: int = 0  # in a row
     ejections: int = 0  # in a row, without a success between
     ejected_until: float | None = None  # set while ejected; past it, a probe is due
+    ejected_why: str = ""  # while ejected: the failure that took it out, or its failed probe
 
     @property
     def load(self) -> int:
@@ -144,25 +145,26 @@ class Balancer:
             state.failures = 0
             state.ejections = 0
 
-    def failed(self, endpoint: str, now: float) -> bool:
-        """Count a failure of `endpoint` (no connection, a 502/503/504, a timeout); returns
-        whether this one ejected it."""
+    def failed(self, endpoint: str, now: float, why: str = "") -> bool:
+        """Count a failure of `endpoint` (no connection, a 502/503/504, a timeout: `why`);
+        returns whether this one ejected it."""
         state = self._of(endpoint)
         if state.ejected_until is not None:
             return False
         state.failures += 1
         if state.failures < self.settings.eject_after:
             return False
-        return self.eject(endpoint, now)
+        return self.eject(endpoint, now, f"{state.failures} failures in a row, the last: {why}")
 
-    def eject(self, endpoint: str, now: float) -> bool:
-        """Take `endpoint` out now (its engine does not answer at all); returns whether it
-        was in."""
+    def eject(self, endpoint: str, now: float, why: str = "") -> bool:
+        """Take `endpoint` out now (its engine does not answer at all: `why`); returns
+        whether it was in."""
         state = self._of(endpoint)
         if state.ejected_until is not None:
             return False
         s = self.settings
         state.ejected_until = now + min(s.eject_max, s.eject_for * 2**state.ejections)
+        state.ejected_why = why
         state.ejections += 1
         state.failures = 0
         return True
@@ -183,9 +185,11 @@ class Balancer:
             return
         if healthy:
             state.ejected_until = None
+            state.ejected_why = ""
         else:
             s = self.settings
             state.ejected_until = now + min(s.eject_max, s.eject_for * 2**state.ejections)
+            state.ejected_why = "its health probe got no healthy answer"
             state.ejections += 1
 
     def set_engine_load(self, endpoint: str, load: int) -> None:

@@ -388,7 +388,7 @@ class Flight:
         attempt.over()
         parts, endpoint = self.parts, attempt.endpoint
         self.ex.failures.append(f"{endpoint}: {failure}")
-        if parts.balancer.failed(endpoint, parts.now()):
+        if parts.balancer.failed(endpoint, parts.now(), failure):
             parts.metrics.ejections.labels(endpoint).inc()
             log.warning("endpoint %s ejected after failing again and again", endpoint)
 

@@ -52,6 +52,7 @@ from modelfleet.serving import Listener, run_service
 from modelfleet.tracing import SpanSink
 from modelfleet.web import json_response
 from modelfleet.wire import (
+    Ejection,
     LoadReport,
     ModelLoad,
     RoutedModel,
@@ -455,11 +456,11 @@ class Router:
         byte go to other replicas at once; a probe brings it back once it answers."""
         missed = self._unanswered.get(endpoint, 0) + 1
         self._unanswered[endpoint] = missed
-        if missed < UNREACHABLE_AFTER or not self.balancer.eject(endpoint, self.now()):
+        why = f"engine unreachable: {missed} reads of its load in a row got no answer"
+        if missed < UNREACHABLE_AFTER or not self.balancer.eject(endpoint, self.now(), why):
             return
         del self._unanswered[endpoint]
         self.metrics.ejections.labels(endpoint).inc()
-        why = f"engine unreachable: {missed} reads of its load in a row got no answer"
         moved = self.parts.waiting.give_up(endpoint, why)
         log.warning("endpoint %s ejected: %s; %d waiting request(s) sent elsewhere", endpoint,
                     why, moved)  # fmt: skip
@@ -538,7 +539,21 @@ class Router:
                     engines=engines,
                     replicas=replicas,
                 )
-        return LoadReport(models=models)
+        return LoadReport(models=models, ejected=self.ejected())
+
+    def ejected(self) -> dict[str, Ejection]:
+        """The replicas this router has taken out of rotation, by replica id."""
+        now, found = self.now(), {}
+        for endpoint, seen in self.balancer.state.items():
+            rid = self.table.replicas.get(endpoint)
+            if seen.ejected_until is None or rid is None:
+                continue
+            found[rid] = Ejection(
+                why=seen.ejected_why or "it failed again and again",
+                left_s=max(0.0, seen.ejected_until - now),
+                times=max(1, seen.ejections),
+            )
+        return found
 
     async def usage(self) -> UsageReport:
         batch = self.ledger.take()

@@ -32,6 +32,7 @@ from modelfleet.router.push import PushUnavailable, create_push_app
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import JSON
 from modelfleet.wire import (
+    Ejection,
     LoadReport,
     ModelLoad,
     RoutingAck,
@@ -262,9 +263,14 @@ class Workers:
 
 def _summed_loads(reports: list[LoadReport]) -> LoadReport:
     """One router's load from its workers': what each holds and sends is summed, the engines'
-    own counts (read by every worker from the same engines) are not."""
+    own counts (read by every worker from the same engines) are not. A replica out of
+    rotation at several workers is told once, with the longest time out."""
     models: dict[str, ModelLoad] = {}
+    ejected: dict[str, Ejection] = {}
     for report in reports:
+        for rid, ejection in report.ejected.items():
+            if rid not in ejected or ejection.left_s > ejected[rid].left_s:
+                ejected[rid] = ejection
         for name, load in report.models.items():
             was = models.get(name, ModelLoad())
             replicas = dict(was.replicas)
@@ -279,7 +285,7 @@ def _summed_loads(reports: list[LoadReport]) -> LoadReport:
                 rate=was.rate + load.rate,
                 waited=max(was.waited, load.waited),
             )
-    return LoadReport(models=models)
+    return LoadReport(models=models, ejected=ejected)
 
 
 def _summary(acks: list[RoutingAck]) -> RoutingAck:
