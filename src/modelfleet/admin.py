@@ -224,8 +224,29 @@ class ReplicasAnswer(_Answer):
 # -- catalog -------------------------------------------------------------------------------
 
 
+class AutoscaleInfo(_Answer):
+    """A model's `autoscale` bounds and timers (seconds)."""
+
+    min: int
+    max: int
+    target_in_flight: float
+    scale_up_after: float
+    scale_down_after: float
+    scale_to_zero_after: float
+
+
+class AdapterSpec(_Answer):
+    """One LoRA adapter of a model, as the catalog declares it."""
+
+    name: str
+    source: str
+    max_rank: int | None = None
+
+
 class ModelInfo(_Answer):
-    """One model of the catalog, as validated (sizes in bytes, every default filled in)."""
+    """One model of the catalog, as validated, in the catalog file's own keys (sizes in bytes,
+    durations in seconds, every default filled in): the models of a `CatalogAnswer`, with
+    their None fields left out, are a catalog that applies as the same one."""
 
     name: str
     engine: str
@@ -233,7 +254,7 @@ class ModelInfo(_Answer):
     args: list[str]
     env: dict[str, str]
     command: str | None
-    replicas: int
+    replicas: int | None = None  # None: it follows its load (`autoscale`)
     shards: int
     gpus_per_shard: int
     gpu_memory: int
@@ -246,6 +267,14 @@ class ModelInfo(_Answer):
     first_byte_timeout: float | None = None
     max_tokens_cap: int | None = None
     max_tokens_over_cap: str = "reject"
+    autoscale: AutoscaleInfo | None = None
+    cold_queue: int | None = None  # these four only with autoscale
+    cold_timeout: float | None = None
+    idle_action: str | None = None
+    sleep_level: int | None = None  # only with idle_action: sleep
+    adapters: list[AdapterSpec] | None = None  # these three only with adapters or max_loras
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
 
 class Rejection(_Answer):

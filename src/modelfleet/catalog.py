@@ -187,8 +187,9 @@ class ModelSpec:
                 "cold_queue": self.cold_queue,
                 "cold_timeout": self.cold_timeout,
                 "idle_action": self.idle_action,
-                "sleep_level": self.sleep_level,
             }
+            if self.idle_action == "sleep":  # a sleep level belongs to sleeping alone
+                scaling["sleep_level"] = self.sleep_level
         else:
             scaling = {"replicas": self.replicas}
         lora: dict[str, Any] = {}
@@ -329,8 +330,35 @@ class Catalog:
         return Catalog(models=self.models, version=version, digest=self.digest, _key=_NEW_KEY)
 
     def to_dict(self) -> dict[str, Any]:
-        """The catalog as plain data: what `from_yaml` reads back to an equal catalog."""
+        """The catalog as plain data: what `from_dict` (and `from_yaml`) read back to an equal
+        catalog."""
         return {"models": [m.to_dict() for m in self.models]}
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], version: int = 1, source: str = "catalog"
+    ) -> Catalog:
+        """Read back what `to_dict` wrote (a stored catalog); raises `CatalogInvalid`.
+
+        Until the fix that came with this method, `to_dict` wrote `sleep_level: 1` for every
+        model with autoscale, a key validation refuses unless `idle_action: sleep`: a store
+        written then could not be opened again. That key, beside any other idle action, is
+        dropped here (it was always the default, 1, and meant nothing).
+        """
+        models = data.get("models")
+        if isinstance(models, list):
+            models = [_without_stray_sleep_level(m) for m in models]
+        return cls.new(models if models is not None else [], version=version, source=source)
+
+
+def _without_stray_sleep_level(model: Any) -> Any:
+    if (
+        isinstance(model, Mapping)
+        and model.get("idle_action") != "sleep"
+        and "sleep_level" in model
+    ):
+        return {k: v for k, v in model.items() if k != "sleep_level"}
+    return model
 
 
 def _clashing_names(specs: Sequence[ModelSpec]) -> list[Problem]:

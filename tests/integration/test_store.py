@@ -17,7 +17,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
 
+from modelfleet.catalog import Catalog, CatalogInvalid
+from modelfleet.controlplane.catalogs import API_SOURCE, CatalogKeeper
 from modelfleet.pgserver import PgServer
 from modelfleet.store import (
     SCHEMA_VERSION,
@@ -34,6 +37,7 @@ from modelfleet.store import (
 from modelfleet.store.postgres import PostgresStore
 from modelfleet.store.sqlite import SqliteStore
 
+from ..catalog_kit import catalogs
 from .conftest import Procs, wait_for
 
 
@@ -110,6 +114,35 @@ def test_catalogs_are_versioned_one_after_another_and_kept(store: Store, opened:
     again = opened.open()  # what was written is there after a new open
     assert [c.digest for c in again.catalog_history(5)] == ["d2", "d1"]
     again.close()
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(models=catalogs())
+def test_every_accepted_catalog_is_stored_and_read_back_equal(
+    opened: Opened, models: list[dict[str, Any]]
+) -> None:
+    """accept -> store -> read (by a keeper opened anew, as a restarted control plane's) ->
+    equal -> valid, over catalogs drawn across every field."""
+    try:
+        catalog = Catalog.new(models)
+    except CatalogInvalid:
+        assume(False)
+    store = opened.open()
+    try:
+        applied = CatalogKeeper(store).apply(json.dumps(catalog.to_dict()), API_SOURCE, 1.0)
+    finally:
+        store.close()
+    store = opened.open()
+    try:
+        again = CatalogKeeper(store).current
+    finally:
+        store.close()
+    assert again.version == applied.catalog.version
+    assert again.models == catalog.models and again.digest == catalog.digest
 
 
 def test_marks_and_meta_replace_and_clear(store: Store) -> None:

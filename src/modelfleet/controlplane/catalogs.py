@@ -227,7 +227,7 @@ class CatalogKeeper:
 
 
 def _restore(stored: StoredCatalog) -> CurrentCatalog:
-    catalog = Catalog.new(stored.body["models"], version=stored.version, source="the store")
+    catalog = Catalog.from_dict(stored.body, version=stored.version, source="the store")
     return CurrentCatalog(catalog, stored.applied_at, stored.source)
 
 

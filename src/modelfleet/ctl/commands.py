@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -30,9 +30,15 @@ class Output(StrEnum):
     table = "table"
     json = "json"
     csv = "csv"  # `ctl usage` only
+    yaml = "yaml"  # `ctl catalog show` only: the catalog as a file `ctl catalog apply` takes
 
 
 # ctl's own options, each taking a value: `with_options_first` moves them before the command.
+# The -o forms only some commands have, and which.
+_OWN_FORMS = {
+    Output.csv: "-o csv is for `ctl usage`",
+    Output.yaml: "-o yaml is for `ctl catalog show`",
+}
 _GLOBAL_OPTIONS = ("--admin", "--token", "--ca", "--state-dir", "--output", "-o")
 
 
@@ -93,14 +99,15 @@ class Ctl:
         self,
         call: Callable[[AdminClient], T],
         render: Callable[[T, Console], None],
-        csv: Callable[[T], str] | None = None,
+        forms: Mapping[Output, Callable[[T], str]] | None = None,
     ) -> None:
-        """Call the admin API and print its answer (as JSON with `-o json`, as CSV with
-        `-o csv` where the command has a CSV form)."""
+        """Call the admin API and print its answer (as JSON with `-o json`; in one of the
+        command's own text `forms`, such as CSV, when `-o` names it)."""
         from modelfleet.ctl.client import CatalogRefused, CtlError
 
-        if self.output is Output.csv and csv is None:
-            fail("-o csv is for `ctl usage`; use -o table or -o json here")
+        form = (forms or {}).get(self.output)
+        if self.output not in (Output.table, Output.json) and form is None:
+            fail(_OWN_FORMS.get(self.output, "") + "; use -o table or -o json here")
         try:
             answer = call(self.client())
         except CatalogRefused:
@@ -110,8 +117,8 @@ class Ctl:
         if self.output is Output.json:
             typer.echo(json.dumps(answer.model_dump(mode="json"), indent=2))
             return
-        if csv is not None and self.output is Output.csv:
-            typer.echo(csv(answer), nl=False)
+        if form is not None:
+            typer.echo(form(answer), nl=False)
             return
         from rich.console import Console
 
@@ -158,7 +165,7 @@ def options(
             help="Where `modelfleet up` keeps its up.json (or MODELFLEET_STATE_DIR).",
         ),
     ] = Path(".modelfleet"),
-    output: Annotated[Output, typer.Option("--output", "-o", help="table, json (or csv).")] = (
+    output: Annotated[Output, typer.Option("--output", "-o", help="table, json (csv, yaml).")] = (
         Output.table
     ),
     ca: Annotated[
@@ -420,8 +427,14 @@ def _wait_drained(ctl: Ctl, node: str) -> None:
 
 @catalog_app.command("show")
 def catalog_show(context: typer.Context) -> None:
-    """The current catalog with its version, and the last rejected attempt if any."""
-    _ctl(context).show(lambda c: c.catalog(), _render("print_catalog"))
+    """The current catalog with its version, and the last rejected attempt if any. With
+    -o yaml, the catalog as a file (every default filled in) that `ctl catalog apply` takes
+    back as the same catalog."""
+    from modelfleet.ctl import render
+
+    _ctl(context).show(
+        lambda c: c.catalog(), render.print_catalog, forms={Output.yaml: render.catalog_yaml}
+    )
 
 
 @catalog_app.command("history")
@@ -688,5 +701,7 @@ def usage(
     from modelfleet.ctl import render
 
     _ctl(context).show(
-        lambda c: c.usage(key, model, since), render.print_usage, csv=render.usage_csv
+        lambda c: c.usage(key, model, since),
+        render.print_usage,
+        forms={Output.csv: render.usage_csv},
     )

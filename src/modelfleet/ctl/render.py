@@ -220,7 +220,9 @@ def print_catalog(data: admin.CatalogAnswer, console: Console) -> None:
         table.add_row(
             m.name,
             m.engine,
-            str(m.replicas),
+            str(m.replicas)
+            if m.autoscale is None
+            else f"{m.autoscale.min}-{m.autoscale.max}, by load",
             f"{m.shards} x {m.gpus_per_shard}",
             format_size(m.gpu_memory) if m.gpu_memory else "-",
             escape(" ".join(m.args)) or "-",
@@ -234,6 +236,28 @@ def print_catalog(data: admin.CatalogAnswer, console: Console) -> None:
         )
         for problem in rejected.problems:
             console.print(f"  - {escape(problem)}", highlight=False)
+
+
+def catalog_yaml(data: admin.CatalogAnswer) -> str:
+    """The catalog as a catalog file: what `ctl catalog apply` takes back as the same
+    catalog (fields it does not set left out)."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+        # PyYAML writes a NEL or a line or paragraph separator unescaped, and reads it back as
+        # a line break (found by the round-trip property test): such text is written escaped,
+        # in double quotes, as is any text with a character that does not print.
+        style = '"' if not value.isprintable() else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    models = [m.model_dump(mode="json", exclude_none=True) for m in data.models]
+    header = f"# catalog version {data.version}, digest {data.digest}\n"
+    body = yaml.dump({"models": models}, Dumper=Dumper, sort_keys=False, allow_unicode=True)
+    return header + body
 
 
 def print_catalog_history(data: admin.CatalogHistory, console: Console) -> None:
