@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 from pathlib import Path
 
 from modelfleet.files import private_dir
 
 LOCK_FILE = "lock"
+INSTANCE_FILE = "instance-id"
 
 
 class StateDirBusy(RuntimeError):
@@ -52,3 +54,24 @@ class StateDirLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the file releases the lock
             self._fd = None
+
+
+def instance_id(folder: Path) -> str:
+    """A random id of this state dir, made at its first use and kept in it: what tells apart
+    two processes whose host name and state dir path are the same (cloned machines with the
+    default state dir). Raises OSError when the folder cannot be read or written."""
+    path = folder / INSTANCE_FILE
+    try:
+        kept = path.read_text().strip()
+    except FileNotFoundError:
+        kept = ""
+    if kept:
+        return kept
+    made = secrets.token_hex(6)
+    private_dir(folder)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(made + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return made

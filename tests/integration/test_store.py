@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from modelfleet.store import (
     StoredUsage,
     StoreError,
 )
-from modelfleet.store.postgres import PostgresStore
+from modelfleet.store.postgres import Bounds, PostgresStore
 from modelfleet.store.sqlite import SqliteStore
 
 from ..catalog_kit import catalogs
@@ -290,7 +291,7 @@ def test_a_postgres_store_whose_server_stops_refuses_writes_then_recovers(pg: Pg
     """A write while the server is down changes nothing and says so (without the password);
     once it is back the pool connects anew (after its reconnect backoff) and writing works,
     the problem cleared."""
-    store = PostgresStore(fresh_database(pg), timeout=2)
+    store = PostgresStore(fresh_database(pg), bounds=Bounds.for_lease(1.0))
     store.set_meta("before", "1")
     pg.stop("immediate")
     try:
@@ -374,6 +375,57 @@ def test_the_lease_is_taken_renewed_run_out_and_fences_the_holder_before(
         assert (c.holder, c.epoch) == ("cp-a", 3)
     finally:
         other.close()
+
+
+def test_a_peer_frozen_inside_a_fenced_write_delays_a_takeover_by_the_bounds_only(
+    pg: PgServer,
+) -> None:
+    """A leader frozen (SIGSTOP) in the middle of a fenced write holds the lease row shared.
+    Another control plane's take waits for that lock no longer than lock_timeout and tries
+    again; the server ends the frozen session idle_in_transaction_session_timeout after its
+    last word, and the take goes through: the frozen leader's write, once it thaws, is
+    refused. Without the bounds the take waited for as long as the leader was frozen."""
+    where, ttl = fresh_database(pg), 1.0
+    bounds = Bounds.for_lease(ttl)
+    a, b = PostgresStore(where, bounds=bounds), PostgresStore(where, bounds=bounds)
+    try:
+        assert a.take_lease("cp-a", ttl).epoch == 1
+        a.fence(1)
+        inside, thaw = threading.Event(), threading.Event()
+        outcome: list[BaseException | None] = []
+
+        def frozen() -> None:
+            try:
+                with a._write() as tx:  # fenced: the lease row is held shared from here
+                    tx.execute("UPDATE meta SET value = value WHERE key = 'none'")
+                    inside.set()
+                    thaw.wait(60)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=frozen)
+        thread.start()
+        assert inside.wait(10), "the frozen write never began"
+        began, bound = time.monotonic(), ttl + bounds.idle_in_transaction + 2 * bounds.lock
+        taken = None
+        while taken is None:
+            try:
+                lease = b.take_lease("cp-b", ttl)
+                taken = lease if lease.holder == "cp-b" else None
+            except StoreError as exc:  # lock_timeout: tried again, as the lease loop does
+                assert "lock timeout" in str(exc), exc
+            assert time.monotonic() - began < bound + 1, "the takeover waited past its bounds"
+            if taken is None:
+                time.sleep(ttl / 3)
+        assert taken.epoch == 2
+        thaw.set()
+        thread.join(30)
+        assert outcome and isinstance(outcome[0], StoreError), outcome
+        assert b.get_meta("none") is None
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_store_of_schema_1_takes_the_tables_of_later_versions_at_open(opened: Opened) -> None:

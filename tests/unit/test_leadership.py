@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from modelfleet.controlplane.events import EventLog
-from modelfleet.controlplane.leadership import ACT_SHARE, Leadership
+from modelfleet.controlplane.leadership import ACT_SHARE, Leadership, holder_name
 from modelfleet.store import Fenced
 from modelfleet.store.sqlite import SqliteStore
 
@@ -37,3 +37,25 @@ def test_a_leader_whose_lease_was_taken_stops_acting_and_says_so(tmp_path: Path)
     ]
     with pytest.raises(Fenced):  # anything else it still had under way stays fenced
         mine.set_meta("late", "write")
+
+
+def test_two_state_dirs_at_one_path_on_one_host_never_share_a_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cloned machines: one host name, the default state dir path, each its own folder. The
+    path they show is made the same here; each folder's instance id still tells them apart,
+    and a restart on the same folder keeps its name (it takes its own lease back)."""
+    first, second = tmp_path / "host-a", tmp_path / "host-b"
+    with monkeypatch.context() as patched:
+        patched.setattr("socket.gethostname", lambda: "gpu-cp")
+        patched.setattr("os.path.abspath", lambda _: "/var/lib/modelfleet")
+        a_name, b_name, a_again = holder_name(first), holder_name(second), holder_name(first)
+    assert a_name != b_name and a_name.startswith("gpu-cp:/var/lib/modelfleet:")
+    assert a_again == a_name  # the same folder again: the same name
+    path = tmp_path / "store.sqlite"
+    a = Leadership(SqliteStore(path), a_name, 30.0, time.monotonic)
+    b = Leadership(SqliteStore(path), b_name, 30.0, time.monotonic)
+    assert a.renew() and a.leading_epoch == 1
+    assert not b.renew() and b.leading_epoch is None and b.leader == a_name
+    again = Leadership(SqliteStore(path), a_again, 30.0, time.monotonic)
+    assert again.renew() and again.leading_epoch == 1  # its own lease, taken back at once

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from modelfleet.controlplane.events import EventLog
+from modelfleet.statedir import instance_id
 from modelfleet.store import Lease, SeenControlPlane, Store, StoreError
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -38,10 +39,12 @@ ACT_SHARE = 5 / 6  # of the TTL after asking for a renewal, the leader may act
 
 
 def holder_name(state_dir: Path) -> str:
-    """This control plane's name in the lease: its host and state dir. The same after a
-    restart (one process per state dir: its lock), so a restarted leader takes its own lease
-    back at once, under the same epoch."""
-    return f"{socket.gethostname()}:{os.path.abspath(state_dir)}"
+    """This control plane's name in the lease: its host, its state dir, and the state dir's
+    random instance id. The same after a restart (one process per state dir: its lock), so a
+    restarted leader takes its own lease back at once, under the same epoch; never the same
+    for two state dirs, so two machines of one host name with the same state dir path (cloned
+    machines) never hold one epoch together."""
+    return f"{socket.gethostname()}:{os.path.abspath(state_dir)}:{instance_id(state_dir)}"
 
 
 class Leadership:

@@ -36,7 +36,7 @@ from modelfleet.pki import (
 )
 from modelfleet.serving import Listener, run_service
 from modelfleet.store import Store
-from modelfleet.store.postgres import PostgresStore
+from modelfleet.store.postgres import Bounds, PostgresStore
 from modelfleet.store.sqlite import SqliteStore
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -87,7 +87,7 @@ def open_catalogs(config: ControlPlaneConfig) -> CatalogKeeper:
     """
     store: Store
     if config.store is not None:
-        store = PostgresStore(config.store)
+        store = PostgresStore(config.store, bounds=Bounds.for_lease(config.lease_ttl))
     else:
         store = SqliteStore(config.state_dir / STORE_FILE)
     keeper = CatalogKeeper(store, config.catalog)

@@ -179,7 +179,7 @@ class WriteHealth:
         self._since = 0.0
         self._error = ""
 
-    def wrote(self, error: Exception | None) -> None:
+    def wrote(self, error: BaseException | None) -> None:
         if error is None:
             self._failed = 0
             return

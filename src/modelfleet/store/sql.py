@@ -1,0 +1,408 @@
+"""Every call of the `Store`, written once in SQL that SQLite and PostgreSQL both run.
+
+`SqlStore` holds the calls; each implementation (`sqlite.py`, `postgres.py`) gives it two
+things: a `Dialect` (the few places where the two speak differently: the clock, row locks, the
+placeholder) and its transactions (`_transaction`, `_query`), which turn the database's own
+errors into StoreError. So the lease, fencing, catalogs, keys, events and usage each have one
+implementation, held to one contract by tests/integration/test_store.py on both databases.
+
+The lease is one row (`id = 1`) timed by the database's own clock. Taking it locks the row
+(PostgreSQL: `FOR UPDATE`; SQLite: the write lock of `BEGIN IMMEDIATE`), and every fenced
+write first reads the row's epoch under a shared lock (`FOR SHARE`) in its own transaction: a
+take waits for the writes of the epoch before it, and every write after a take sees the new
+epoch and is refused (Fenced).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from modelfleet.store import (
+    Fenced,
+    Lease,
+    Rejection,
+    SeenControlPlane,
+    StoredCatalog,
+    StoredCredential,
+    StoredEvent,
+    StoredJoinToken,
+    StoredKey,
+    StoredMark,
+    StoredUsage,
+    WriteHealth,
+    fenced_message,
+)
+
+# A batch seen longer ago than this is forgotten: no router resends one that old.
+BATCH_MEMORY_S = 86400.0
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """Where SQLite and PostgreSQL differ, for the calls `SqlStore` makes."""
+
+    now: str  # the database's clock, in seconds since the epoch, as an SQL expression
+    lock_row: str  # appended to a SELECT that will update the row it reads
+    share_row: str  # appended to a SELECT whose row must not change until the commit
+    lock_catalogs: str | None  # run before a catalog's version is taken as MAX + 1
+    placeholder: str  # what the database's driver takes for a parameter: "?" or "%s"
+
+    def sql(self, text: str) -> str:
+        """`text`, written with `?` for each parameter, in this driver's placeholders."""
+        return text if self.placeholder == "?" else text.replace("?", self.placeholder)
+
+
+class Rows(Protocol):
+    """What a statement gives back (a DB-API cursor)."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class Transaction(Protocol):
+    """One open transaction: statements in `?` placeholders."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows: ...
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
+
+
+class SqlStore(ABC):
+    """`Store` on a SQL database; subclasses connect and say how it differs (`dialect`)."""
+
+    dialect: Dialect
+    where: str
+    health: WriteHealth
+    fenced_epoch: int | None = None  # see `fence`
+
+    @abstractmethod
+    def _transaction(self) -> AbstractContextManager[Transaction]:
+        """One transaction that writes, committed on leaving; any failure of the database is
+        a StoreError and changed nothing."""
+
+    @abstractmethod
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """The rows of one read; a failure of the database is a StoreError."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @contextmanager
+    def _write(self, fenced: bool = True) -> Iterator[Transaction]:
+        """A write, fenced (see `fence`) unless `fenced` is False; its outcome recorded in
+        `health` for `write_problem`."""
+        epoch = self.fenced_epoch if fenced else None
+        try:
+            with self._transaction() as tx:
+                if epoch is not None:
+                    held, current = tx.execute(
+                        f"SELECT holder, epoch FROM lease WHERE id = 1{self.dialect.share_row}"
+                    ).fetchone()
+                    if int(current) != epoch:
+                        raise Fenced(fenced_message(epoch, int(current), held))
+                yield tx
+        except Fenced:
+            raise
+        except Exception as exc:
+            self.health.wrote(exc.__cause__ or exc)  # the database's own words
+            raise
+        self.health.wrote(None)
+
+    def write_problem(self) -> str | None:
+        return self.health.problem()
+
+    # -- the lease -------------------------------------------------------------------------
+
+    def take_lease(self, holder: str, ttl_s: float) -> Lease:
+        with self._write(fenced=False) as tx:
+            held, epoch, expires_at, now = tx.execute(
+                f"SELECT holder, epoch, expires_at, {self.dialect.now} FROM lease WHERE id = 1"
+                f"{self.dialect.lock_row}"
+            ).fetchone()
+            epoch = int(epoch)
+            if held == holder or expires_at <= now:
+                epoch = epoch if held == holder else epoch + 1
+                held, expires_at = holder, now + ttl_s
+                tx.execute(
+                    "UPDATE lease SET holder = ?, epoch = ?, expires_at = ? WHERE id = 1",
+                    (held, epoch, expires_at),
+                )
+        return Lease(held, epoch, expires_at - now)
+
+    def release_lease(self, holder: str) -> None:
+        with self._write(fenced=False) as tx:
+            tx.execute(
+                f"UPDATE lease SET expires_at = {self.dialect.now} WHERE id = 1 AND holder = ?",
+                (holder,),
+            )
+
+    def lease(self) -> Lease:
+        [(held, epoch, expires_at, now)] = self._query(
+            f"SELECT holder, epoch, expires_at, {self.dialect.now} FROM lease WHERE id = 1"
+        )
+        return Lease(held, int(epoch), expires_at - now)
+
+    def see_control_plane(self, name: str, agent_url: str, admin_url: str) -> None:
+        with self._write(fenced=False) as tx:
+            tx.execute(
+                "INSERT INTO control_planes (name, agent_url, admin_url, seen_at) "
+                f"VALUES (?, ?, ?, {self.dialect.now}) ON CONFLICT (name) DO UPDATE SET "
+                "agent_url = excluded.agent_url, admin_url = excluded.admin_url, "
+                "seen_at = excluded.seen_at",
+                (name, agent_url, admin_url),
+            )
+
+    def control_planes(self) -> list[SeenControlPlane]:
+        rows = self._query(
+            f"SELECT name, agent_url, admin_url, {self.dialect.now} - seen_at "
+            "FROM control_planes ORDER BY name"
+        )
+        return [SeenControlPlane(*row) for row in rows]
+
+    def fence(self, epoch: int | None) -> None:
+        self.fenced_epoch = epoch
+
+    # -- catalogs, marks, meta --------------------------------------------------------------
+
+    def add_catalog(self, digest: str, applied_at: float, source: str, body: dict[str, Any]) -> int:
+        with self._write() as tx:
+            if self.dialect.lock_catalogs is not None:
+                tx.execute(self.dialect.lock_catalogs)
+            [(version,)] = tx.execute(
+                "INSERT INTO catalogs (version, digest, applied_at, source, body) "
+                "VALUES ((SELECT COALESCE(MAX(version), 0) + 1 FROM catalogs), ?, ?, ?, ?) "
+                "RETURNING version",
+                (digest, applied_at, source, json.dumps(body, sort_keys=True)),
+            ).fetchall()
+        return int(version)
+
+    def latest_catalog(self) -> StoredCatalog | None:
+        rows = self.catalog_history(1)
+        return rows[0] if rows else None
+
+    def catalog_history(self, limit: int) -> list[StoredCatalog]:
+        rows = self._query(
+            "SELECT version, digest, applied_at, source, body FROM catalogs "
+            "ORDER BY version DESC LIMIT ?",
+            (limit,),
+        )
+        return [StoredCatalog(int(v), d, a, s, json.loads(b)) for v, d, a, s, b in rows]
+
+    def set_rejection(self, rejection: Rejection) -> None:
+        data = {"at": rejection.at, "source": rejection.source, "problems": rejection.problems}
+        self.set_meta("last_rejection", json.dumps(data))
+
+    def last_rejection(self) -> Rejection | None:
+        raw = self.get_meta("last_rejection")
+        if raw is None:
+            return None
+        data = json.loads(raw)
+        return Rejection(data["at"], data["source"], tuple(data["problems"]))
+
+    def set_mark(self, mark: StoredMark) -> None:
+        with self._write() as tx:
+            tx.execute(
+                "INSERT INTO node_marks (node, mark, since, drain_deadline) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (node) DO UPDATE SET mark = excluded.mark, since = excluded.since, "
+                "drain_deadline = excluded.drain_deadline",
+                (mark.node, mark.mark, mark.since, mark.drain_deadline),
+            )
+
+    def clear_mark(self, node: str) -> None:
+        with self._write() as tx:
+            tx.execute("DELETE FROM node_marks WHERE node = ?", (node,))
+
+    def marks(self) -> list[StoredMark]:
+        rows = self._query("SELECT node, mark, since, drain_deadline FROM node_marks ORDER BY node")
+        return [StoredMark(*row) for row in rows]
+
+    def get_meta(self, key: str) -> str | None:
+        rows = self._query("SELECT value FROM meta WHERE key = ?", (key,))
+        return str(rows[0][0]) if rows else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._write() as tx:
+            tx.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (key, value),
+            )
+
+    def put_meta_once(self, key: str, value: str) -> str:
+        with self._write(fenced=False) as tx:
+            tx.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
+                (key, value),
+            )
+        kept = self.get_meta(key)
+        assert kept is not None
+        return kept
+
+    # -- keys, join tokens, credentials ----------------------------------------------------
+
+    def put_key(self, key: StoredKey) -> None:
+        models = json.dumps(list(key.models)) if key.models is not None else None
+        with self._write() as tx:
+            tx.execute(
+                "INSERT INTO api_keys (name, sha256, prefix, models, rpm, tpm, max_concurrent, "
+                "created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET sha256 = excluded.sha256, "
+                "prefix = excluded.prefix, models = excluded.models, rpm = excluded.rpm, "
+                "tpm = excluded.tpm, max_concurrent = excluded.max_concurrent, "
+                "created_at = excluded.created_at, expires_at = excluded.expires_at",
+                (key.name, key.sha256, key.prefix, models, key.rpm, key.tpm,
+                 key.max_concurrent, key.created_at, key.expires_at),
+            )  # fmt: skip
+
+    def delete_key(self, name: str) -> None:
+        with self._write() as tx:
+            tx.execute("DELETE FROM api_keys WHERE name = ?", (name,))
+
+    def api_keys(self) -> list[StoredKey]:
+        rows = self._query(
+            "SELECT name, sha256, prefix, models, rpm, tpm, max_concurrent, created_at, "
+            "expires_at FROM api_keys ORDER BY name"
+        )
+        return [
+            StoredKey(n, s, p, tuple(json.loads(m)) if m is not None else None, *rest)
+            for n, s, p, m, *rest in rows
+        ]
+
+    def put_join_token(self, token: StoredJoinToken) -> None:
+        with self._write() as tx:
+            _put_join_token(tx, token)
+
+    def delete_join_token(self, token_id: str) -> None:
+        with self._write() as tx:
+            tx.execute("DELETE FROM join_tokens WHERE id = ?", (token_id,))
+
+    def join_tokens(self) -> list[StoredJoinToken]:
+        rows = self._query(
+            "SELECT id, sha256, created_at, expires_at, uses_left, used FROM join_tokens "
+            "ORDER BY created_at, id"
+        )
+        return [StoredJoinToken(*row) for row in rows]
+
+    def record_join(self, token: StoredJoinToken, credential: StoredCredential) -> None:
+        c = credential
+        with self._write() as tx:
+            _put_join_token(tx, token)
+            tx.execute(
+                "INSERT INTO node_credentials (node, sha256, issued_at, token_id) "
+                "VALUES (?, ?, ?, ?) ON CONFLICT (node) DO UPDATE SET "
+                "sha256 = excluded.sha256, issued_at = excluded.issued_at, "
+                "token_id = excluded.token_id",
+                (c.node, c.sha256, c.issued_at, c.token_id),
+            )
+
+    def delete_credential(self, node: str) -> None:
+        with self._write() as tx:
+            tx.execute("DELETE FROM node_credentials WHERE node = ?", (node,))
+
+    def credentials(self) -> list[StoredCredential]:
+        rows = self._query(
+            "SELECT node, sha256, issued_at, token_id FROM node_credentials ORDER BY node"
+        )
+        return [StoredCredential(*row) for row in rows]
+
+    # -- events ----------------------------------------------------------------------------
+
+    def add_event(self, event: StoredEvent, keep: int) -> int:
+        e = event
+        with self._write() as tx:
+            [(new,)] = tx.execute(
+                "INSERT INTO events (type, reason, regarding, message, count, first_at, "
+                "last_at, source) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (e.type, e.reason, e.regarding, e.message, e.count, e.first_at, e.last_at,
+                 e.source),
+            ).fetchall()  # fmt: skip
+            tx.execute("DELETE FROM events WHERE id <= ?", (int(new) - keep,))
+        return int(new)
+
+    def repeat_event(self, event_id: int, count: int, at: float) -> None:
+        with self._write() as tx:
+            tx.execute(
+                "UPDATE events SET count = ?, last_at = ? WHERE id = ?", (count, at, event_id)
+            )
+
+    def events(
+        self, regarding: str | None = None, since: float = 0.0, after: int = 0, limit: int = 1000
+    ) -> list[StoredEvent]:
+        kind = regarding if regarding is not None and "/" not in regarding else None
+        one = regarding if regarding is not None and "/" in regarding else None
+        rows = self._query(
+            "SELECT id, type, reason, regarding, message, count, first_at, last_at, source "
+            "FROM events WHERE last_at >= ? AND id > ? "
+            "AND (CAST(? AS TEXT) IS NULL OR regarding = ?) "
+            "AND (CAST(? AS TEXT) IS NULL "
+            "OR substr(regarding, 1, length(CAST(? AS TEXT)) + 1) = CAST(? AS TEXT) || '/') "
+            "ORDER BY id DESC LIMIT ?",
+            (since, after, one, one, kind, kind, kind, limit),
+        )
+        return [StoredEvent(int(i), t, r, g, m, int(c), *rest) for i, t, r, g, m, c, *rest in
+                reversed(rows)]  # fmt: skip
+
+    # -- usage -----------------------------------------------------------------------------
+
+    def add_usage(self, run: str, batch: int, rows: list[StoredUsage], now: float) -> bool:
+        with self._write() as tx:
+            seen = tx.execute(
+                "INSERT INTO usage_batches (run, batch, at) VALUES (?, ?, ?) "
+                "ON CONFLICT DO NOTHING",
+                (run, batch, now),
+            )
+            if seen.rowcount == 0:
+                return False
+            tx.executemany(
+                "INSERT INTO usage (key, model, hour, requests, prompt_tokens, "
+                "completion_tokens, errors, last_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (key, model, hour) DO UPDATE SET "
+                "requests = usage.requests + excluded.requests, "
+                "prompt_tokens = usage.prompt_tokens + excluded.prompt_tokens, "
+                "completion_tokens = usage.completion_tokens + excluded.completion_tokens, "
+                "errors = usage.errors + excluded.errors, "
+                "last_at = CASE WHEN usage.last_at > excluded.last_at THEN usage.last_at "
+                "ELSE excluded.last_at END",
+                [(r.key, r.model, r.hour, r.requests, r.prompt_tokens, r.completion_tokens,
+                  r.errors, r.last_at) for r in rows],
+            )  # fmt: skip
+            tx.execute("DELETE FROM usage_batches WHERE at < ?", (now - BATCH_MEMORY_S,))
+        return True
+
+    def usage(
+        self, key: str | None = None, model: str | None = None, since: int = 0
+    ) -> list[StoredUsage]:
+        rows = self._query(
+            "SELECT key, model, hour, requests, prompt_tokens, completion_tokens, errors, "
+            "last_at FROM usage WHERE hour >= ? AND (CAST(? AS TEXT) IS NULL OR key = ?) "
+            "AND (CAST(? AS TEXT) IS NULL OR model = ?) ORDER BY hour, key, model",
+            (since, key, key, model, model),
+        )
+        return [StoredUsage(k, m, int(h), int(r), int(p), int(c), int(e), at)
+                for k, m, h, r, p, c, e, at in rows]  # fmt: skip
+
+    def usage_totals(self) -> dict[str, tuple[int, int, float]]:
+        rows = self._query(
+            "SELECT key, SUM(requests), SUM(prompt_tokens + completion_tokens), MAX(last_at) "
+            "FROM usage GROUP BY key"
+        )
+        return {key: (int(requests), int(tokens), last) for key, requests, tokens, last in rows}
+
+
+def _put_join_token(tx: Transaction, t: StoredJoinToken) -> None:
+    tx.execute(
+        "INSERT INTO join_tokens (id, sha256, created_at, expires_at, uses_left, used) "
+        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+        "sha256 = excluded.sha256, created_at = excluded.created_at, "
+        "expires_at = excluded.expires_at, uses_left = excluded.uses_left, used = excluded.used",
+        (t.id, t.sha256, t.created_at, t.expires_at, t.uses_left, t.used),
+    )
