@@ -334,6 +334,19 @@ class Catalog:
         catalog."""
         return {"models": [m.to_dict() for m in self.models]}
 
+    def to_yaml(self) -> str:
+        """The catalog as a catalog file (every default filled in, fields that are None left
+        out): what `from_yaml` reads back to an equal catalog."""
+
+        def tidy(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: tidy(v) for k, v in value.items() if v is not None}
+            if isinstance(value, list):
+                return [tidy(v) for v in value]
+            return value
+
+        return yaml.dump(tidy(self.to_dict()), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+
     @classmethod
     def from_dict(
         cls, data: Mapping[str, Any], version: int = 1, source: str = "catalog"
@@ -349,6 +362,20 @@ class Catalog:
         if isinstance(models, list):
             models = [_without_stray_sleep_level(m) for m in models]
         return cls.new(models if models is not None else [], version=version, source=source)
+
+
+class _Dumper(yaml.SafeDumper):
+    """PyYAML writes a NEL or a line or paragraph separator unescaped, and reads it back as a
+    line break (found by the round-trip property test): text with a character that does not
+    print is written escaped, in double quotes."""
+
+
+def _text_node(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = '"' if not value.isprintable() else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _text_node)
 
 
 def _without_stray_sleep_level(model: Any) -> Any:

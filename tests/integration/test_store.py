@@ -651,6 +651,74 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
         stop_groups(recorded_engine_pids(agent_dir), grace=10)
 
 
+def test_a_catalog_applied_on_the_leader_stands_through_a_follower_restart_and_a_failover(
+    pg: PgServer, procs: Procs, tmp_path: Path
+) -> None:
+    """Two control planes as on two hosts: each its own state dir and catalog file. A follower
+    that restarted once wrote its own file into the store, and after the next failover the
+    fleet ran that old catalog. Now a follower writes nothing and answers what the store holds
+    at the time of the read; taking the lead it keeps the API's catalog and makes its file
+    show it."""
+    import os
+    import signal
+
+    import httpx
+    import yaml
+
+    from .conftest import wait_json
+
+    where, token = fresh_database(pg), "admin-token-of-the-test"
+
+    def start(name: str) -> tuple[subprocess.Popen[bytes], httpx.Client]:
+        ready = tmp_path / f"cp-{name}.json"
+        ready.unlink(missing_ok=True)
+        proc = procs.start("control-plane", "--config", str(tmp_path / f"cp-{name}.yaml"),
+                           "--ready-file", str(ready), log=f"cp-{name}")  # fmt: skip
+        admin = wait_json(ready, proc)["urls"]["admin"]
+        client = httpx.Client(
+            base_url=admin, headers={"authorization": f"Bearer {token}"}, timeout=10
+        )
+        return proc, client
+
+    for name in ("a", "b"):
+        catalog = tmp_path / name / "catalog.yaml"
+        catalog.parent.mkdir()
+        catalog.write_text(f"# host {name}\nmodels:\n  - name: m\n    engine: sim\n")
+        config = {"state_dir": str(tmp_path / name / "state"), "catalog": str(catalog),
+                  "agent_port": 0, "admin_port": 0, "admin_token": token, "store": where,
+                  "lease_ttl": 1.5}  # fmt: skip
+        (tmp_path / f"cp-{name}.yaml").write_text(yaml.safe_dump(config))
+    leader, a = start("a")
+    assert a.get("/v1/status").json()["leading"]
+    follower, b = start("b")
+    assert not b.get("/v1/status").json()["leading"]
+    two = {"models": [{"name": "m", "engine": "sim"}, {"name": "n", "engine": "sim"}]}
+    applied = a.put("/v1/catalog", content=yaml.safe_dump(two))
+    assert applied.status_code == 200, applied.text
+    version = applied.json()["version"]
+    assert a.post("/v1/keys", json={"name": "made-after-b-started"}).status_code == 200
+    # The follower answers what the store holds now, not what it read at its start.
+    assert [k["name"] for k in b.get("/v1/keys").json()["keys"]] == ["made-after-b-started"]
+    assert b.get("/v1/catalog").json()["version"] == version
+
+    follower.send_signal(signal.SIGTERM)
+    follower.wait(30)
+    follower, b = start("b")
+    history = b.get("/v1/catalog/history").json()["versions"]
+    assert [v["version"] for v in history] == [version, version - 1], history
+
+    os.kill(leader.pid, signal.SIGKILL)
+    leader.wait()
+    wait_for("b leading", lambda: b.get("/v1/status").json()["leading"], 15)
+    shown = b.get("/v1/catalog").json()
+    assert shown["version"] == version and [m["name"] for m in shown["models"]] == ["m", "n"]
+    assert shown["source"] == "api"
+    written = (tmp_path / "b" / "catalog.yaml").read_text()
+    assert "name: n" in written and "catalog version" in written, written
+    assert (tmp_path / "b" / "catalog.yaml.replaced").read_text().startswith("# host b")
+    assert "what it held is in" in procs.log("cp-b")
+
+
 def test_up_runs_three_control_planes_on_a_postgresql_of_its_own() -> None:
     """`up --control-planes 3 --store postgres`: a PostgreSQL in the state dir, three control
     planes on it, agents told every one. One leads; killed -9, another takes over, a change

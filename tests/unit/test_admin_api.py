@@ -95,7 +95,7 @@ CALLS: list[tuple[str, str, str | None, int]] = [
 def control_plane() -> ControlPlane:
     """A control plane with two nodes, one ready replica and one pending model."""
     keeper = CatalogKeeper(SqliteStore(":memory:"))
-    keeper.start(0.0)
+    keeper.lead(0.0)
     keeper.apply(yaml.safe_dump(CATALOG), "api", 0.0)
     ca = CertificateAuthority.create("test CA", datetime.datetime.now(datetime.UTC))
     cp = ControlPlane(ControlPlaneConfig(admin_token=TOKEN, settle_for=-1), keeper, ca=ca)

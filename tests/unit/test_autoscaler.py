@@ -52,7 +52,7 @@ def test_loads_sum_what_routers_send_and_hold_and_take_the_engines_count_once() 
 
 def keeper(store: SqliteStore) -> CatalogKeeper:
     k = CatalogKeeper(store)
-    k.start(0.0)
+    k.lead(0.0)
     k.apply(yaml.safe_dump({"models": [SCALED]}), "api", 0.0)
     return k
 
@@ -94,7 +94,7 @@ def test_counts_are_decided_stored_for_the_next_leader_and_evented(tmp_path: obj
 def test_requests_held_for_a_model_s_adapters_are_its_load() -> None:
     store = SqliteStore(":memory:")
     catalogs = CatalogKeeper(store)
-    catalogs.start(0.0)
+    catalogs.lead(0.0)
     with_adapters = {**SCALED, "adapters": [{"name": "x", "source": "/x"}]}
     catalogs.apply(yaml.safe_dump({"models": [with_adapters]}), "api", 0.0)
     scaler = Autoscaler(store, EventLog(store, time.time, source="test"), time.time)

@@ -16,8 +16,9 @@ BAD = "models:\n  - name: a\n    engine: vlm\n  - name: c\n    engine: sim\n    
 
 
 def keeper(tmp_path: Path, file: Path | None = None) -> CatalogKeeper:
-    k = CatalogKeeper(SqliteStore(tmp_path / "store.sqlite"), file)
-    k.start(now=1.0)
+    """A control plane's keeper with its state dir in `tmp_path`, leading."""
+    k = CatalogKeeper(SqliteStore(tmp_path / "store.sqlite"), file, tmp_path / "seen.sha256")
+    k.lead(now=1.0)
     return k
 
 
@@ -169,3 +170,61 @@ def test_an_api_apply_writes_the_file_as_applied_with_its_comments_and_one_heade
     assert "# the team's models" in rewritten
     restarted = keeper(tmp_path / "fresh", file)  # the file as written is a valid catalog
     assert restarted.current.get("b").replicas == 3  # type: ignore[union-attr]
+
+
+def host(tmp_path: Path, name: str, store: Path, catalog: str) -> CatalogKeeper:
+    """A control plane on a host of its own: its own state dir and catalog file, one store."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "catalog.yaml").write_text(catalog)
+    return CatalogKeeper(SqliteStore(store), folder / "catalog.yaml", folder / "seen.sha256")
+
+
+def test_a_follower_applies_nothing_and_says_when_its_file_holds_another_catalog(
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "store.sqlite"
+    a, b = host(tmp_path, "a", store, ONE), host(tmp_path, "b", store, ONE)
+    a.lead(1.0)
+    assert b.follow_file() is None  # its file holds the current catalog
+    assert b.file is not None
+    b.file.write_text(TWO)
+    told = b.follow_file()
+    assert told is not None and "not applied" in told and "ctl catalog apply" in told
+    assert [v.version for v in a.history(10)] == [1] and b.current.version == 1
+    assert b.follow_file() is None  # said once
+
+
+def test_an_api_apply_on_the_leader_stands_through_a_restart_of_the_follower_and_a_failover(
+    tmp_path: Path,
+) -> None:
+    """Issue 38: a follower that restarted wrote its own catalog file into the store, and
+    after the next failover the fleet silently ran the old catalog."""
+    store = tmp_path / "store.sqlite"
+    a, b = host(tmp_path, "a", store, ONE), host(tmp_path, "b", store, ONE)
+    a.lead(1.0)
+    b.check_start()
+    applied = a.apply(TWO, "api", 2.0)
+    b.store.close()
+    b = CatalogKeeper(SqliteStore(store), b.file, tmp_path / "b" / "seen.sha256")  # restarted
+    b.check_start()
+    assert [v.version for v in b.history(10)] == [2, 1]  # it wrote nothing
+    assert b.lead(3.0) is None  # the failover: b leads, its file unchanged since it read it
+    assert b.current.digest == applied.catalog.digest and b.current_info.source == "api"
+    assert b.file is not None and b.file.read_text().endswith(TWO)  # the file shows it now
+    assert (tmp_path / "b" / "catalog.yaml.replaced").read_text() == ONE
+    assert b.check_file(4.0) is None  # and reading it back changes nothing
+
+
+def test_a_file_edited_while_its_control_plane_was_down_is_applied_when_it_leads(
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "store.sqlite"
+    a = host(tmp_path, "a", store, ONE)
+    a.lead(1.0)
+    a.store.close()
+    assert a.file is not None
+    a.file.write_text(TWO)
+    again = CatalogKeeper(SqliteStore(store), a.file, tmp_path / "a" / "seen.sha256")
+    applied = again.lead(2.0)
+    assert applied is not None and applied.changed and again.current.version == 2

@@ -40,7 +40,7 @@ TOKEN = "admin-token-123"
 def keeper(models: list[dict[str, object]]) -> CatalogKeeper:
     """A keeper on an in-memory store whose current catalog holds `models`."""
     k = CatalogKeeper(SqliteStore(":memory:"))
-    k.start(0.0)
+    k.lead(0.0)
     k.apply(yaml.safe_dump({"models": models}), "api", 0.0)
     return k
 
@@ -291,7 +291,7 @@ def test_marks_are_set_through_the_admin_api_and_outlive_a_restart(tmp_path: Pat
 
     def start() -> ControlPlane:
         catalogs = CatalogKeeper(SqliteStore(tmp_path / "store.sqlite"))
-        catalogs.start(clock.time())
+        catalogs.lead(clock.time())
         cp = ControlPlane(config, catalogs, clock=clock)
         for name in ("a", "b"):
             cp.state.take_report(report(name, SimulatedGpus("1x80GB")), catalogs.current, 0.0)
@@ -423,7 +423,7 @@ def test_only_a_push_the_router_took_confirms_and_a_restarted_router_is_pushed_a
 
     def start() -> tuple[ControlPlane, httpx.AsyncClient]:
         catalogs = CatalogKeeper(SqliteStore(tmp_path / "store.sqlite"))
-        catalogs.start(0.0)
+        catalogs.lead(0.0)
         catalogs.apply(yaml.safe_dump({"models": [{"name": "a", "engine": "sim"}]}), "api", 0.0)
         http = httpx.AsyncClient(transport=httpx.MockTransport(handle))
         return ControlPlane(config, catalogs, http=http), http

@@ -126,7 +126,7 @@ def test_a_cordon_from_the_page_needs_the_session_and_this_origin() -> None:
 
 def test_a_model_that_follows_its_load_shows_its_count_bounds_and_why() -> None:
     keeper = CatalogKeeper(SqliteStore(":memory:"))
-    keeper.start(0.0)
+    keeper.lead(0.0)
     scaled = {"min": 0, "max": 4, "target_in_flight": 8}
     keeper.apply(
         yaml.safe_dump({"models": [{"name": "auto", "engine": "sim", "autoscale": scaled}]}),

@@ -41,7 +41,7 @@ def test_a_router_s_ejection_is_an_event_once_and_shows_on_the_replica() -> None
     )
     http = httpx.AsyncClient(transport=httpx.MockTransport(router))
     catalogs = CatalogKeeper(SqliteStore(":memory:"))
-    catalogs.start(0.0)
+    catalogs.lead(0.0)
     catalogs.apply(yaml.safe_dump({"models": [{"name": "m", "engine": "sim"}]}), "api", 0.0)
     cp = ControlPlane(config, catalogs, http=http)
 

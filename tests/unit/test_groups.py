@@ -27,7 +27,7 @@ class Fleet:
 
     def __init__(self, nodes: int = 2) -> None:
         keeper = CatalogKeeper(SqliteStore(":memory:"))
-        keeper.start(0.0)
+        keeper.lead(0.0)
         models = [{"name": "wide", "engine": "sim", "shards": 2}]
         keeper.apply(yaml.safe_dump({"models": models}), "api", 0.0)
         self.cp = ControlPlane(ControlPlaneConfig(admin_token="t" * 8, settle_for=-1), keeper)

@@ -37,7 +37,7 @@ GPUS = SimulatedGpus("2x80GB")
 
 def keeper(models: list[dict[str, Any]]) -> CatalogKeeper:
     k = CatalogKeeper(SqliteStore(":memory:"))
-    k.start(0.0)
+    k.lead(0.0)
     k.apply(yaml.safe_dump({"models": models}), "api", 0.0)
     return k
 

@@ -58,7 +58,7 @@ def test_a_lost_gpu_is_shown_with_its_reason_and_nothing_lands_on_it() -> None:
     fake.gpus[1].lost = True
     source = NvmlGpus(fake.module())
     keeper = CatalogKeeper(SqliteStore(":memory:"))
-    keeper.start(0.0)
+    keeper.lead(0.0)
     models = [{"name": "m", "engine": "sim", "replicas": 2}]
     keeper.apply(yaml.safe_dump({"models": models}), "api", 0.0)
     cp = ControlPlane(ControlPlaneConfig(admin_token="t" * 8, settle_for=-1), keeper)

@@ -31,7 +31,7 @@ GPUS = SimulatedGpus("2x80GB")
 
 def fleet() -> ControlPlane:
     keeper = CatalogKeeper(SqliteStore(":memory:"))
-    keeper.start(0.0)
+    keeper.lead(0.0)
     # a on n1, b on n2
     models = [{"name": m, "engine": "sim", "replicas": 2, "node_labels": {"zone": m}} for m in "ab"]
     keeper.apply(yaml.safe_dump({"models": models}), "api", 0.0)
@@ -84,7 +84,7 @@ def test_the_pushed_body_is_the_snapshot() -> None:
 
 def test_adapters_are_assigned_by_the_control_plane_and_routed_where_they_are_loaded() -> None:
     keeper = CatalogKeeper(SqliteStore(":memory:"))
-    keeper.start(0.0)
+    keeper.lead(0.0)
     adapters = [{"name": n, "source": f"/lora/{n}"} for n in ("x", "y", "z")]
     model = {"name": "a", "engine": "sim", "replicas": 2, "max_loras": 1, "adapters": adapters}
     keeper.apply(yaml.safe_dump({"models": [model]}), "api", 0.0)
@@ -121,7 +121,7 @@ def test_adapters_are_assigned_by_the_control_plane_and_routed_where_they_are_lo
 
 def test_an_adapter_swap_leaves_the_routers_before_the_agent_unloads_it() -> None:
     keeper = CatalogKeeper(SqliteStore(":memory:"))
-    keeper.start(0.0)
+    keeper.lead(0.0)
     adapters = [{"name": n, "source": f"/lora/{n}"} for n in ("x", "y")]
     model = {"name": "a", "engine": "sim", "max_loras": 1, "adapters": adapters}
     keeper.apply(yaml.safe_dump({"models": [model]}), "api", 0.0)

@@ -113,7 +113,7 @@ class Fleet(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.keeper = CatalogKeeper(SqliteStore(":memory:"))
-        self.keeper.start(0.0)
+        self.keeper.lead(0.0)
         self.set_catalog(2, 1)
         config = ControlPlaneConfig(admin_token="admin-token-123", settle_for=-1, **self.timing)
         self.cp = ControlPlane(config, self.keeper)
@@ -336,7 +336,7 @@ def test_a_replica_with_a_shard_stopping_is_not_adopted_but_one_all_running_is()
     """After a restart the table is empty: a replica one of whose engines its agent is
     stopping stays out of it (it is on its way out), one whose shards all run is adopted."""
     keeper = CatalogKeeper(SqliteStore(":memory:"))
-    keeper.start(0.0)
+    keeper.lead(0.0)
     keeper.apply(yaml.safe_dump({"models": [{"name": "small", "engine": "sim"}]}), "api", 0.0)
     state = FleetState()
 

@@ -132,7 +132,14 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         what runs (LIVE_STATE) are redirected to the leader too."""
         path = request.url.path
         reading = request.method in READ_METHODS
-        if cp.acting() or (reading and not path.startswith(LIVE_STATE)):
+        if cp.acting():
+            return await call_next(request)
+        if reading and not path.startswith(LIVE_STATE):
+            try:
+                cp.read_desired()  # a follower answers what the store holds now
+            except StoreError as exc:
+                said = admin.ErrorAnswer(error=f"this control plane follows, and {exc}")
+                return _error(503, said, {"retry-after": "1"})
             return await call_next(request)
         if path in ("/ui/login", "/ui/logout"):
             return await call_next(request)
@@ -358,8 +365,6 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     async def status() -> admin.StatusAnswer:
         """Whether the control plane is settling, how many passes it made, what is current."""
         state = cp.state
-        if not cp.acting():  # the leader's counts, as it last stored them
-            cp.autoscaler.reload()
         return admin.StatusAnswer(
             settling=cp.settling(cp.clock.monotonic()),
             reconcile_passes=cp.passes,

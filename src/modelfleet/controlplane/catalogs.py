@@ -5,6 +5,15 @@ A `Catalog` never changes; `CatalogKeeper.current` is replaced whole by `apply`.
 is invisible to it. Two ways lead to `apply`: the catalog file (`check_file`, polled by the
 control plane) and the admin API. An invalid catalog, from either, changes nothing: it is
 recorded as the last rejection and the current catalog stays.
+
+Only a control plane that leads applies a catalog, its writes fenced to its term: a follower
+applies nothing, not even its own catalog file, and reads the store's (`reload`). Each
+control plane keeps, in its own state dir, the digest of its file's content as it last read
+or wrote it (`seen`): when it takes the lead (`lead`) its file is applied only if it changed
+since then (an edit made while it was down), so another control plane's catalog, applied
+since through the API, is not undone by a file that merely lagged behind. A file that holds
+another catalog than the current one is rewritten with the current one, its content kept
+beside it (`.replaced`), so that an edit starts from what is current.
 """
 
 from __future__ import annotations
@@ -23,12 +32,9 @@ from modelfleet.store import Rejection, Store, StoredCatalog, StoreError
 log = logging.getLogger("modelfleet.controlplane")
 
 API_SOURCE = "api"
-_FILE_DIGEST_KEY = "catalog_file_digest"
-# The two lines a catalog applied through the API gets on top when written to the file.
-_HEADER = (
-    "# Written by `modelfleet ctl catalog apply`",
-    "# Edit this file or apply another catalog: the newest change wins.",
-)
+# The first line of a catalog file modelfleet wrote, and the line after it.
+_WRITTEN = "# Written by "
+_EDIT = "# Edit this file or apply another catalog: the newest change wins."
 
 
 @dataclass(frozen=True)
@@ -47,22 +53,24 @@ class CurrentCatalog:
     catalog: Catalog
     applied_at: float
     source: str
+    text: str | None = None  # what it was applied from, as the store keeps it
 
 
 class CatalogKeeper:
     """Holds the current catalog and is the only thing that replaces it."""
 
-    def __init__(self, store: Store, file: Path | None = None) -> None:
+    def __init__(self, store: Store, file: Path | None = None, seen: Path | None = None) -> None:
         self.store = store
         self.file = file
+        self.seen = seen  # where the digest of the file's content last read is kept
         self._file_stat: tuple[int, int, int] | None = None
-        self.started: Applied | None = None  # the version `start` applied, if it made one
-        latest = store.latest_catalog()
-        self._current = _restore(latest) if latest else None
+        self._seen_digest = _read_digest(seen)
+        self._current: CurrentCatalog | None = None
+        self.reload()
 
     def reload(self) -> None:
-        """Take the store's latest catalog as current: another control plane, leading
-        before this one, may have applied a newer one."""
+        """Take the store's latest catalog as current: another control plane may have applied
+        a newer one (a follower's reads, a new term)."""
         latest = self.store.latest_catalog()
         if latest is not None:
             self._current = _restore(latest)
@@ -70,82 +78,168 @@ class CatalogKeeper:
     @property
     def current(self) -> Catalog:
         """The current catalog. Take it once per operation."""
-        if self._current is None:
-            raise RuntimeError("no catalog yet: call start() first")
-        return self._current.catalog
+        return self.current_info.catalog
 
     @property
     def current_info(self) -> CurrentCatalog:
         if self._current is None:
-            raise RuntimeError("no catalog yet: call start() first")
+            return CurrentCatalog(Catalog.new([]), 0.0, "nothing applied yet")
         return self._current
 
-    def start(self, now: float) -> None:
-        """Pick the catalog to start from.
+    @property
+    def has_catalog(self) -> bool:
+        """Whether any catalog was ever applied to the store (as this one last read it)."""
+        return self._current is not None
 
-        The last applied catalog in the store, unless the catalog file changed since it was
-        last read (or there is none stored): then the file, if it is valid. With nothing stored,
-        an invalid or unreadable file is an error (raised), since there is nothing to fall back
-        to; with something stored it is recorded as a rejection and the stored one stays.
-        No file and nothing stored starts from an empty catalog.
+    def check_start(self) -> None:
+        """At the start of the process, before it knows whether it leads. Applies nothing.
+
+        With nothing in the store, the catalog file must be there and valid (raises OSError
+        or CatalogInvalid): there is nothing else to start from. A control plane new to a
+        store that holds a catalog takes its file as read: the store's catalog stands, and
+        only an edit made from now on is applied when this one leads.
         """
         if self.file is None:
-            if self._current is None:
-                self._swap(Catalog.new([]), API_SOURCE, now)
             return
         if self._current is None:
-            text = self.file.read_text()  # OSError: the caller reports it
-            self.started = self._apply_file_text(text, now, strict=True)
-        else:
+            self.validate(self.file.read_text(), str(self.file))
+        elif self._seen_digest is None:
             try:
-                self.started = self.check_file(now)
+                self._note_seen(self.file.read_text())
             except OSError as exc:
                 log.warning(
-                    "catalog file %s unreadable (%s); starting from the store", self.file, exc
+                    "catalog file %s unreadable (%s); the store's catalog stands", self.file, exc
                 )
-        cur = self.current_info
-        log.info(
-            "catalog version %d (%s) from %s: %d model(s)",
-            cur.catalog.version,
-            cur.catalog.digest,
-            cur.source,
-            len(cur.catalog.models),
-        )
+
+    def lead(self, now: float) -> Applied | None:
+        """This control plane leads now: take the store's latest catalog, then apply the file
+        if nothing is stored or the file changed since this control plane last read it;
+        otherwise make the file hold the current catalog. Returns what was applied, if
+        anything. Raises StoreError; with nothing stored, CatalogInvalid or OSError too."""
+        self.reload()
+        if self.file is None:
+            if self._current is None:
+                return self._apply_new("models: []\n", API_SOURCE, now, write_file=False)
+            return None
+        try:
+            text = self._read_file()
+        except OSError as exc:
+            if self._current is None:
+                raise
+            log.warning(
+                "catalog file %s unreadable (%s); the store's catalog stays", self.file, exc
+            )
+            return None
+        if self._current is None or _text_digest(text) != self._seen_digest:
+            return self._apply_file_text(text, now, strict=self._current is None)
+        self._mirror(text, now)
+        return None
 
     def check_file(self, now: float) -> Applied | None:
-        """Apply the catalog file if its content changed since it was last read.
-
-        Returns what was applied, or None when the file did not change or was invalid (the
-        rejection is recorded and logged). Raises OSError when the file cannot be read.
-        """
-        if self.file is None:
+        """While leading: apply the catalog file if its content changed since it was last
+        read. Returns what was applied, or None when the file did not change or was invalid
+        (the rejection is recorded and logged). Raises OSError when the file cannot be read,
+        StoreError when the store cannot write (read again at the next call)."""
+        text = self._changed_text()
+        if text is None:
             return None
-        st = os.stat(self.file)
-        stat = (st.st_mtime_ns, st.st_size, st.st_ino)
-        if stat == self._file_stat:
-            return None
-        text = self.file.read_text()
-        self._file_stat = stat
         try:
             return self._apply_file_text(text, now, strict=False)
         except StoreError:
-            self._file_stat = None  # read again at the next poll, when the store may write
+            self._file_stat = None
             raise
 
+    def follow_file(self) -> str | None:
+        """While following: note a change of the catalog file, applying nothing. Returns what
+        to tell the operator when it holds a catalog other than the store's current one (an
+        edit that only the leader could apply); None when there is nothing to tell. Raises
+        OSError, StoreError."""
+        text = self._changed_text()
+        if text is None:
+            return None
+        self._note_seen(text)
+        self.reload()
+        try:
+            candidate = self.validate(text, str(self.file))
+        except CatalogInvalid:
+            return (
+                f"catalog file {self.file} changed and is invalid; not applied either way: "
+                "this control plane follows"
+            )
+        if candidate.digest == self.current.digest:
+            return None  # the leader wrote what is current, or an edit that changes nothing
+        return (
+            f"catalog file {self.file} changed while this control plane follows: not applied "
+            "(only the leader applies a catalog; when this one takes the lead, the file is made "
+            f"to hold the current catalog). Apply it with `modelfleet ctl catalog apply "
+            f"{self.file}`, or edit the leading control plane's file"
+        )
+
+    def _read_file(self) -> str:
+        assert self.file is not None
+        st = os.stat(self.file)
+        text = self.file.read_text()
+        self._file_stat = (st.st_mtime_ns, st.st_size, st.st_ino)
+        return text
+
+    def _changed_text(self) -> str | None:
+        """The file's text if it changed (by its stat, then its digest) since it was last
+        read, else None."""
+        if self.file is None:
+            return None
+        st = os.stat(self.file)
+        if (st.st_mtime_ns, st.st_size, st.st_ino) == self._file_stat:
+            return None
+        text = self._read_file()
+        return None if _text_digest(text) == self._seen_digest else text
+
+    def _note_seen(self, text: str) -> None:
+        self._seen_digest = _text_digest(text)
+        if self.seen is not None:
+            try:
+                write_atomic(self.seen, self._seen_digest + "\n")
+            except OSError as exc:  # read again, and applied again (the same: no change)
+                log.warning("cannot record the catalog file's digest in %s: %s", self.seen, exc)
+
     def _apply_file_text(self, text: str, now: float, strict: bool) -> Applied | None:
-        digest = _text_digest(text)
-        if digest == self.store.get_meta(_FILE_DIGEST_KEY) and self._current is not None:
-            return None  # this content was read before; an API apply since then stands
         try:
             applied = self.apply(text, str(self.file), now)
         except CatalogInvalid as exc:
-            self.store.set_meta(_FILE_DIGEST_KEY, digest)
+            self._note_seen(text)
             if strict:
                 raise
             log.error("%s; the current catalog stays", exc)
             return None
-        self.store.set_meta(_FILE_DIGEST_KEY, digest)
+        self._note_seen(text)
         return applied
+
+    def _mirror(self, text: str, now: float) -> None:
+        """Make the file hold the current catalog when it holds another (it lagged behind an
+        apply made through another control plane, or was edited while this one followed);
+        what it held is kept beside it."""
+        assert self.file is not None and self._current is not None
+        try:
+            held = self.validate(text, str(self.file)).digest
+        except CatalogInvalid:
+            held = None
+        if held == self.current.digest:
+            return
+        kept = self.file.with_name(self.file.name + ".replaced")
+        try:
+            write_atomic(kept, text, self.file.stat().st_mode & 0o777)
+        except OSError as exc:
+            log.error("cannot keep %s's content in %s (%s): left as it is", self.file, kept, exc)
+            return
+        cur = self._current
+        self._write_file(cur.catalog, cur.text or cur.catalog.to_yaml(), now, "taking the lead")
+        log.warning(
+            "catalog file %s held another catalog than the current one (version %d, from %s): "
+            "it holds the current one now; what it held is in %s",
+            self.file,
+            cur.catalog.version,
+            cur.source,
+            kept,
+        )
 
     def validate(self, text: str, source: str) -> Catalog:
         """Parse and validate without applying; raises CatalogInvalid."""
@@ -165,12 +259,23 @@ class CatalogKeeper:
             except StoreError as failed:  # the refusal stands; only its record is missing
                 log.warning("cannot record the rejected catalog: %s", failed)
             raise
-        previous = self._current.catalog if self._current else Catalog.new([])
+        previous = self.current
         if self._current is not None and candidate.digest == self._current.catalog.digest:
             return Applied(self._current.catalog, False, previous)
-        catalog = self._swap(candidate, source, now)
-        if source == API_SOURCE and self.file is not None:
-            self._write_file(catalog, text, now)
+        return self._apply_new(text, source, now, candidate=candidate)
+
+    def _apply_new(
+        self,
+        text: str,
+        source: str,
+        now: float,
+        candidate: Catalog | None = None,
+        write_file: bool = True,
+    ) -> Applied:
+        previous = self.current
+        catalog = self._swap(candidate or self.validate(text, source), source, now, text)
+        if source == API_SOURCE and self.file is not None and write_file:
+            self._write_file(catalog, text, now, "`modelfleet ctl catalog apply`")
         log.info(
             "catalog version %d (%s) applied from %s: %d model(s)",
             catalog.version,
@@ -180,20 +285,20 @@ class CatalogKeeper:
         )
         return Applied(catalog, True, previous)
 
-    def _write_file(self, catalog: Catalog, applied: str, now: float) -> None:
-        """Write a catalog applied through the API to the watched file too, atomically, so the
-        file and the API are one source of truth: a later edit of the file starts from what is
-        current, and the file, read back, changes nothing. The text is written as it was
-        applied, comments and order kept, under a header saying so (one header: a file
-        applied again does not gather them)."""
+    def _write_file(self, catalog: Catalog, applied: str, now: float, by: str) -> None:
+        """Write a catalog to the watched file too, atomically, so the file and the API are
+        one source of truth: a later edit of the file starts from what is current, and the
+        file, read back, changes nothing. The text is written as it was applied, comments and
+        order kept, under a header saying so (one header: a file applied again does not
+        gather them)."""
         assert self.file is not None
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
         lines = applied.splitlines(keepends=True)
-        while lines and lines[0].startswith(_HEADER):
+        while lines and lines[0].startswith((_WRITTEN, _EDIT)):
             lines.pop(0)
         body = "".join(lines)
         text = (
-            f"{_HEADER[0]}: catalog version {catalog.version}, {when}.\n{_HEADER[1]}\n"
+            f"{_WRITTEN}{by}: catalog version {catalog.version}, {when}.\n{_EDIT}\n"
             + body
             + ("" if body.endswith("\n") else "\n")
         )
@@ -211,12 +316,12 @@ class CatalogKeeper:
             return
         st = os.stat(self.file)
         self._file_stat = (st.st_mtime_ns, st.st_size, st.st_ino)
-        self.store.set_meta(_FILE_DIGEST_KEY, _text_digest(text))
+        self._note_seen(text)
 
-    def _swap(self, candidate: Catalog, source: str, now: float) -> Catalog:
-        version = self.store.add_catalog(candidate.digest, now, source, candidate.to_dict())
+    def _swap(self, candidate: Catalog, source: str, now: float, text: str | None) -> Catalog:
+        version = self.store.add_catalog(candidate.digest, now, source, candidate.to_dict(), text)
         catalog = candidate.with_version(version)
-        self._current = CurrentCatalog(catalog, now, source)  # the one swap
+        self._current = CurrentCatalog(catalog, now, source, text)  # the one swap
         return catalog
 
     def history(self, limit: int) -> list[StoredCatalog]:
@@ -228,8 +333,20 @@ class CatalogKeeper:
 
 def _restore(stored: StoredCatalog) -> CurrentCatalog:
     catalog = Catalog.from_dict(stored.body, version=stored.version, source="the store")
-    return CurrentCatalog(catalog, stored.applied_at, stored.source)
+    return CurrentCatalog(catalog, stored.applied_at, stored.source, stored.text)
 
 
 def _text_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_digest(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("cannot read %s (%s): the catalog file counts as changed", path, exc)
+        return None

@@ -175,6 +175,8 @@ class ControlPlaneConfig(BaseModel):
 
 DEFAULT_SETTLE_FOR_S = 10.0
 STORE_FILE = "store.sqlite"
+# In the state dir: the digest of the catalog file's content as this control plane last read it.
+CATALOG_SEEN_FILE = "catalog-file.sha256"
 PKI_DIR = "pki"  # in the state dir: the control plane's CA and its listeners' certificate
 ROUTING_EPOCH_KEY = "routing_epoch"  # in the store: one more at every start
 FLEET_CA_KEY = "fleet_ca"  # in the store: the CA every control plane on it signs with

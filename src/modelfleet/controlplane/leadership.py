@@ -150,7 +150,14 @@ class Leadership:
                     f"leads under epoch {lease.epoch}: {why}",
                 )
             if self.on_elected is not None:
-                self.on_elected(lease.epoch)
+                try:
+                    self.on_elected(lease.epoch)
+                except (StoreError, OSError) as exc:
+                    # The term cannot begin (the store or the catalog file failed it): it is
+                    # begun again at the next renewal, which finds the lease still its own.
+                    log.warning("cannot begin the term of epoch %d: %s", lease.epoch, exc)
+                    self.leading_epoch, self._act_until = None, -math.inf
+                    return False
         return True
 
     def release(self) -> None:

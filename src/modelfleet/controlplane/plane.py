@@ -174,8 +174,6 @@ class ControlPlane:
             "control-plane/self",
             f"{role}, catalog version {catalogs.current.version}",
         )
-        if catalogs.started is not None:  # the catalog file, read anew at this start
-            self.catalog_event(catalogs.started, catalogs.current_info.source)
 
     def acting(self) -> bool:
         """Whether this control plane leads now: only then does it reconcile, push tables,
@@ -183,11 +181,14 @@ class ControlPlane:
         return self.leadership.acting()
 
     def _elected(self, lease_epoch: int) -> None:
-        """A new term begins with this control plane leading: a routing epoch newer than any
-        a router holds, and a settling window (it adopts what agents report before it
-        plans)."""
-        if self.leadership.took_over:
-            self._reload_desired()
+        """A new term begins with this control plane leading: what is desired read again from
+        the store (another leader may have changed it), its catalog file applied if it changed
+        since this one last read it, a routing epoch newer than any a router holds, and a
+        settling window (it adopts what agents report before it plans)."""
+        self._reload_desired()
+        applied = self.catalogs.lead(self.clock.time())
+        if applied is not None:
+            self.catalog_event(applied, self.catalogs.current_info.source)
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
         self.publisher.new_term(epoch)
@@ -231,16 +232,22 @@ class ControlPlane:
 
     # -- marks -----------------------------------------------------------------------------
 
+    def read_desired(self) -> None:
+        """Read again what the store holds of what is desired (keys, join tokens and
+        credentials, the current catalog, the counts of autoscaled models): what a follower
+        answers is what the store holds at the time of the read, not what it read before."""
+        self.keys = KeyBook(self.store)
+        self.membership = Membership(self.store, self.ca)
+        self.catalogs.reload()
+        self.autoscaler.reload()
+
     def _reload_desired(self) -> None:
         """Read again what the leader before may have changed since this control plane read
         the store: keys, join tokens and credentials, marks, the current catalog."""
-        self.keys = KeyBook(self.store)
-        self.membership = Membership(self.store, self.ca)
+        self.read_desired()
         for node in list(self.state.marks):
             self.state.set_mark(node, NodeMark(Mark.NONE, None))
         self._load_marks()
-        self.catalogs.reload()
-        self.autoscaler.reload()
 
     def _load_marks(self) -> None:
         """Marks persist: take them from the store, deadlines moved onto the monotonic clock."""
@@ -756,10 +763,18 @@ class ControlPlane:
             await wait_set(self._wake, self.config.reconcile_interval)
 
     async def catalog_loop(self) -> None:
-        """Apply the catalog file whenever its content changes."""
+        """Apply the catalog file whenever its content changes, while leading; while
+        following, say once when it changed to a catalog only the leader could apply."""
         while True:
             await asyncio.sleep(self.config.catalog_poll_interval)
             if not self.acting():
+                try:
+                    told = self.catalogs.follow_file()
+                except (OSError, StoreError) as exc:
+                    told = f"cannot read the catalog file or the store's catalog: {exc}"
+                if told is not None and told != self._file_error:
+                    self._file_error = told
+                    log.warning("%s", told)
                 continue
             refused = self.store.last_rejection()
             try:

@@ -18,11 +18,16 @@ from pathlib import Path
 import httpx
 from starlette.applications import Starlette
 
-from modelfleet.clock import SYSTEM_CLOCK
 from modelfleet.controlplane.admin_api import create_admin_app
 from modelfleet.controlplane.agent_api import AgentApi, create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
-from modelfleet.controlplane.config import FLEET_CA_KEY, PKI_DIR, STORE_FILE, ControlPlaneConfig
+from modelfleet.controlplane.config import (
+    CATALOG_SEEN_FILE,
+    FLEET_CA_KEY,
+    PKI_DIR,
+    STORE_FILE,
+    ControlPlaneConfig,
+)
 from modelfleet.controlplane.dashboard import Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.pki import (
@@ -81,7 +86,8 @@ def create_apps(cp: ControlPlane, dashboard: Dashboard | None = None) -> tuple[A
 
 
 def open_catalogs(config: ControlPlaneConfig) -> CatalogKeeper:
-    """The store in the state dir and the catalog to start from (see `CatalogKeeper.start`).
+    """The store and the catalogs it holds (nothing is applied before this control plane
+    knows it leads: see `CatalogKeeper.lead`).
 
     Raises CatalogInvalid, StoreError or OSError when there is no catalog to start from.
     """
@@ -90,8 +96,8 @@ def open_catalogs(config: ControlPlaneConfig) -> CatalogKeeper:
         store = PostgresStore(config.store, bounds=Bounds.for_lease(config.lease_ttl))
     else:
         store = SqliteStore(config.state_dir / STORE_FILE)
-    keeper = CatalogKeeper(store, config.catalog)
-    keeper.start(SYSTEM_CLOCK.time())
+    keeper = CatalogKeeper(store, config.catalog, config.state_dir / CATALOG_SEEN_FILE)
+    keeper.check_start()
     return keeper
 
 

@@ -240,24 +240,12 @@ def print_catalog(data: admin.CatalogAnswer, console: Console) -> None:
 
 def catalog_yaml(data: admin.CatalogAnswer) -> str:
     """The catalog as a catalog file: what `ctl catalog apply` takes back as the same
-    catalog (fields it does not set left out)."""
-    import yaml
+    catalog."""
+    from modelfleet.catalog import Catalog
 
-    class Dumper(yaml.SafeDumper):
-        pass
-
-    def text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-        # PyYAML writes a NEL or a line or paragraph separator unescaped, and reads it back as
-        # a line break (found by the round-trip property test): such text is written escaped,
-        # in double quotes, as is any text with a character that does not print.
-        style = '"' if not value.isprintable() else None
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-    Dumper.add_representer(str, text)
     models = [m.model_dump(mode="json", exclude_none=True) for m in data.models]
     header = f"# catalog version {data.version}, digest {data.digest}\n"
-    body = yaml.dump({"models": models}, Dumper=Dumper, sort_keys=False, allow_unicode=True)
-    return header + body
+    return header + Catalog.new(models).to_yaml()
 
 
 def print_catalog_history(data: admin.CatalogHistory, console: Console) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 # The schema this modelfleet writes. One more with every change to the tables; each
 # implementation has one migration per version.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class StoredCatalog:
     digest: str
     applied_at: float  # wall-clock seconds (time.time())
     source: str  # "api" or the path of the catalog file
-    body: dict[str, Any]  # Catalog.to_dict(): what Catalog.new reads back to an equal catalog
+    body: dict[str, Any]  # Catalog.to_dict(): what Catalog.from_dict reads back as equal
+    text: str | None = None  # the file or request it was applied from (None: before schema 4)
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,16 @@ class Store(Protocol):
         file made read-only), with how many failed and since when; None while writes work."""
         ...
 
-    def add_catalog(self, digest: str, applied_at: float, source: str, body: dict[str, Any]) -> int:
-        """Record a newly applied catalog; returns its version, one more than the last."""
+    def add_catalog(
+        self,
+        digest: str,
+        applied_at: float,
+        source: str,
+        body: dict[str, Any],
+        text: str | None = None,
+    ) -> int:
+        """Record a newly applied catalog (and the `text` it was applied from); returns its
+        version, one more than the last."""
         ...
 
     def latest_catalog(self) -> StoredCatalog | None: ...

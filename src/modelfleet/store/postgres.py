@@ -128,6 +128,7 @@ CREATE TABLE control_planes (
     seen_at   DOUBLE PRECISION NOT NULL
 );
 """,
+    4: "ALTER TABLE catalogs ADD COLUMN IF NOT EXISTS text TEXT;",
 }
 DIALECT = Dialect(
     # The store's clock: the database server's, in seconds since the epoch.

@@ -173,15 +173,22 @@ class SqlStore(ABC):
 
     # -- catalogs, marks, meta --------------------------------------------------------------
 
-    def add_catalog(self, digest: str, applied_at: float, source: str, body: dict[str, Any]) -> int:
+    def add_catalog(
+        self,
+        digest: str,
+        applied_at: float,
+        source: str,
+        body: dict[str, Any],
+        text: str | None = None,
+    ) -> int:
         with self._write() as tx:
             if self.dialect.lock_catalogs is not None:
                 tx.execute(self.dialect.lock_catalogs)
             [(version,)] = tx.execute(
-                "INSERT INTO catalogs (version, digest, applied_at, source, body) "
-                "VALUES ((SELECT COALESCE(MAX(version), 0) + 1 FROM catalogs), ?, ?, ?, ?) "
+                "INSERT INTO catalogs (version, digest, applied_at, source, body, text) "
+                "VALUES ((SELECT COALESCE(MAX(version), 0) + 1 FROM catalogs), ?, ?, ?, ?, ?) "
                 "RETURNING version",
-                (digest, applied_at, source, json.dumps(body, sort_keys=True)),
+                (digest, applied_at, source, json.dumps(body, sort_keys=True), text),
             ).fetchall()
         return int(version)
 
@@ -191,11 +198,11 @@ class SqlStore(ABC):
 
     def catalog_history(self, limit: int) -> list[StoredCatalog]:
         rows = self._query(
-            "SELECT version, digest, applied_at, source, body FROM catalogs "
+            "SELECT version, digest, applied_at, source, body, text FROM catalogs "
             "ORDER BY version DESC LIMIT ?",
             (limit,),
         )
-        return [StoredCatalog(int(v), d, a, s, json.loads(b)) for v, d, a, s, b in rows]
+        return [StoredCatalog(int(v), d, a, s, json.loads(b), t) for v, d, a, s, b, t in rows]
 
     def set_rejection(self, rejection: Rejection) -> None:
         data = {"at": rejection.at, "source": rejection.source, "problems": rejection.problems}

@@ -117,6 +117,9 @@ CREATE TABLE IF NOT EXISTS control_planes (
     seen_at   REAL NOT NULL
 );
 """
+# Version 4: the text each catalog was applied from.
+_TEXT = "ALTER TABLE catalogs ADD COLUMN text TEXT"
+
 DIALECT = Dialect(
     # The store's clock, in seconds since the epoch: SQLite's own (the host's: it runs here).
     now="((julianday('now') - 2440587.5) * 86400.0)",
@@ -175,6 +178,9 @@ class SqliteStore(SqlStore):
                     for statement in script.split(";"):
                         if statement.strip():
                             self._db.execute(statement)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(catalogs)")}
+            if found < 4 and "text" not in columns:  # SQLite has no ADD COLUMN IF NOT EXISTS
+                self._db.execute(_TEXT)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._db.execute("COMMIT")
         except BaseException:
