@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
+
 from modelfleet.processes import free_port
 
 DATABASE = "modelfleet"
@@ -141,6 +143,17 @@ class PgServer:
             if time.monotonic() > deadline:
                 raise PgServerError(f"createdb failed: {done.stderr.strip()[-800:]}")
             time.sleep(0.2)
+
+    def pids(self) -> list[int]:
+        """The server's processes: the postmaster and every process it started (sessions,
+        writers). Empty when it does not run. Freezing them all (SIGSTOP) is a server that
+        takes connections and answers nothing, as a host that hangs."""
+        try:
+            postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+            parent = psutil.Process(postmaster)
+            return [postmaster, *(c.pid for c in parent.children(recursive=True))]
+        except (OSError, ValueError, IndexError, psutil.Error):
+            return []
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server (`mode`: smart, fast or immediate, as pg_ctl says)."""

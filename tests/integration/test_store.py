@@ -719,6 +719,101 @@ def test_a_catalog_applied_on_the_leader_stands_through_a_follower_restart_and_a
     assert "what it held is in" in procs.log("cp-b")
 
 
+def test_a_control_plane_outlasts_its_store_frozen_then_stopped_and_says_so(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Issue 38: PostgreSQL unreachable for about 20 s killed the leading control plane, and
+    while it was down no admin API answered (store calls on the event loop). Now, the server
+    frozen (SIGSTOP of it and its sessions), then stopped: the control plane stays up, `status`
+    answers within a second and says since when the store is unreachable, a change is refused
+    with 503 naming the store within a second, keys are listed from memory; once the server
+    is back it leads again and changes land."""
+    import os
+    import signal
+
+    import httpx
+    import yaml
+
+    from .conftest import wait_json
+
+    folder = Path(tempfile.mkdtemp(prefix="modelfleet-pg-outage-"))
+    server = PgServer(folder)
+    server.start()
+    token = "admin-token-of-the-test"
+    try:
+        catalog = tmp_path / "catalog.yaml"
+        catalog.write_text(yaml.safe_dump({"models": [{"name": "m", "engine": "sim"}]}))
+        config = {"state_dir": str(tmp_path / "state"), "catalog": str(catalog),
+                  "agent_port": 0, "admin_port": 0, "admin_token": token,
+                  "store": server.conninfo(), "lease_ttl": 1.5}  # fmt: skip
+        (tmp_path / "cp.yaml").write_text(yaml.safe_dump(config))
+        proc = procs.start("control-plane", "--config", str(tmp_path / "cp.yaml"),
+                           "--ready-file", str(tmp_path / "cp.json"), log="cp")  # fmt: skip
+        admin = httpx.Client(
+            base_url=wait_json(tmp_path / "cp.json", proc)["urls"]["admin"],
+            headers={"authorization": f"Bearer {token}"},
+            timeout=5,
+        )
+        assert admin.post("/v1/keys", json={"name": "before"}).status_code == 200
+
+        def timed(method: str, path: str, **kwargs: Any) -> httpx.Response:
+            began = time.monotonic()
+            answer = admin.request(method, path, **kwargs)
+            took = time.monotonic() - began
+            assert took < 1.0, f"{method} {path} took {took:.2f}s during the outage"
+            return answer
+
+        def status() -> dict[str, Any]:
+            answer: dict[str, Any] = timed("GET", "/v1/status").json()
+            return answer
+
+        def unreachable() -> bool:
+            return "unreachable since" in (status().get("store_problem") or "")
+
+        kept = ["before"]
+        for outage in ("frozen", "stopped"):
+            pids = server.pids()
+            if outage == "frozen":
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+            else:
+                server.stop("immediate")
+            try:
+                wait_for(f"status to say the store is unreachable ({outage})", unreachable, 15)
+                refused = timed("POST", "/v1/keys", json={"name": f"during-{outage}"})
+                assert refused.status_code == 503, refused.text
+                assert "postgresql://modelfleet:***@127.0.0.1" in refused.json()["error"]
+                listed = timed("GET", "/v1/keys").json()["keys"]
+                assert [k["name"] for k in listed] == kept
+                held = time.monotonic() + 6  # the lease runs out meanwhile, by any clock
+                while time.monotonic() < held:
+                    assert proc.poll() is None, procs.log("cp")[-3000:]
+                    assert unreachable()
+                    time.sleep(0.5)
+            finally:
+                if outage == "frozen":
+                    for pid in pids:
+                        os.kill(pid, signal.SIGCONT)
+                else:
+                    server.start()
+            wait_for(
+                f"the control plane leading again after the store was {outage}",
+                lambda: status()["leading"] and not status().get("store_problem"),
+                30,
+            )
+            made = admin.post("/v1/keys", json={"name": f"after-{outage}"})
+            assert made.status_code == 200, made.text
+            kept = sorted([*kept, f"after-{outage}"])
+        names = [k["name"] for k in admin.get("/v1/keys").json()["keys"]]
+        assert names == ["after-frozen", "after-stopped", "before"]
+        assert proc.poll() is None
+        said = procs.log("cp")
+        assert said.count("is unreachable: ") == 2, said[-3000:]  # once per outage
+    finally:
+        server.stop("immediate")
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_up_runs_three_control_planes_on_a_postgresql_of_its_own() -> None:
     """`up --control-planes 3 --store postgres`: a PostgreSQL in the state dir, three control
     planes on it, agents told every one. One leads; killed -9, another takes over, a change

@@ -17,8 +17,11 @@ from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.loads import Load, combine
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
+from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import AgentReport, LoadReport, ModelLoad
+
+from .awaited import Awaited
 
 TOKEN = "admin-token-123"
 SCALED = {
@@ -57,11 +60,18 @@ def keeper(store: SqliteStore) -> CatalogKeeper:
     return k
 
 
+def next_leader(store: SqliteStore) -> Autoscaler:
+    """An autoscaler as the next leader's term begins: with the counts the store keeps."""
+    scaler = Autoscaler(StoreCalls(store, 5.0), EventLog(store, time.time), time.time)
+    scaler.load(scaler.stored())
+    return scaler
+
+
 def test_counts_are_decided_stored_for_the_next_leader_and_evented(tmp_path: object) -> None:
     store = SqliteStore(":memory:")
     catalogs = keeper(store)
     events = EventLog(store, time.time, source="test")
-    scaler = Autoscaler(store, events, time.time)
+    scaler = Awaited(Autoscaler(StoreCalls(store, 5.0), events, time.time))
     catalog = catalogs.current
     assert scaler.wanted(catalog) == {"m": 0}
 
@@ -72,7 +82,8 @@ def test_counts_are_decided_stored_for_the_next_leader_and_evented(tmp_path: obj
     assert "up from zero" in scaler.scales["m"].reason
 
     # The next leader reads the same count from the store.
-    assert Autoscaler(store, events, time.time).wanted(catalog) == {"m": 3}
+    assert next_leader(store).wanted(catalog) == {"m": 3}
+    events.flush()
     scaled = [e for e in store.events(limit=50) if e.reason == "ReplicasScaled"]
     assert [e.message.split(":")[0] for e in scaled] == ["0 -> 3"]
     assert "load 5 on 0 replica(s)" in scaled[0].message
@@ -88,7 +99,7 @@ def test_counts_are_decided_stored_for_the_next_leader_and_evented(tmp_path: obj
     # A model gone from the catalog leaves the stored counts.
     catalogs.apply(yaml.safe_dump({"models": [{"name": "m", "engine": "sim"}]}), "api", 0.0)
     assert scaler.step(catalogs.current, None, 20.0) == []
-    assert Autoscaler(store, events, time.time).scales == {}
+    assert next_leader(store).scales == {}
 
 
 def test_requests_held_for_a_model_s_adapters_are_its_load() -> None:
@@ -97,7 +108,7 @@ def test_requests_held_for_a_model_s_adapters_are_its_load() -> None:
     catalogs.lead(0.0)
     with_adapters = {**SCALED, "adapters": [{"name": "x", "source": "/x"}]}
     catalogs.apply(yaml.safe_dump({"models": [with_adapters]}), "api", 0.0)
-    scaler = Autoscaler(store, EventLog(store, time.time, source="test"), time.time)
+    scaler = Awaited(Autoscaler(StoreCalls(store, 5.0), EventLog(store, time.time), time.time))
     # At zero replicas, a request for its adapter is held as the adapter's (the router
     # routes an adapter as a model of its own): it wakes the model from zero.
     assert scaler.step(catalogs.current, {"x": Load(total=1, held=1)}, 1.0) == ["m"]
@@ -143,7 +154,7 @@ def test_a_load_read_from_the_routers_places_replicas_and_shows_in_status() -> N
             assert time.monotonic() < deadline, "waited 10 s for the router's load"
             await asyncio.sleep(0.01)
         polling.cancel()
-        cp.autoscale_once(cp.clock.monotonic())
+        await cp.autoscale_once(cp.clock.monotonic())
         cp.reconcile_once(cp.clock.monotonic())
         assert sorted(r.replica.model for r in cp.state.replicas.values()) == ["m", "m"]
 

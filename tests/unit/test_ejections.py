@@ -53,7 +53,7 @@ def test_a_router_s_ejection_is_an_event_once_and_shows_on_the_replica() -> None
             await asyncio.sleep(0.01)
 
     def ejected_events() -> list[str]:
-        return [e.message for e in cp.store.events(limit=50) if e.reason == "ReplicaEjected"]
+        return [e.message for e in cp.read_events(limit=50) if e.reason == "ReplicaEjected"]
 
     async def go() -> None:
         nonlocal report

@@ -31,10 +31,12 @@ def test_a_repeat_counts_up_and_the_oldest_go_past_the_bound() -> None:
     log.warning("PushFailed", "router/r1", "unreachable")
     log.normal("PushConfirmed", "router/r1", "version 3")
     log.warning("PushFailed", "router/r1", "unreachable")  # not the last about r1: new
+    log.flush()  # what a control plane's writer does (`EventLog.run`), off its event loop
     [first, *_] = store.events()
     assert (first.reason, first.count, first.first_at, first.last_at) == ("PushFailed", 2, 100, 101)
     log.normal("NodeMarked", "node/a", "cordoned")
     log.normal("NodeMarked", "node/b", "cordoned")
+    log.flush()
     kept = store.events()
     assert [e.regarding for e in kept] == ["router/r1", "node/a", "node/b"]  # 3 kept
     assert [e.regarding for e in store.events("node")] == ["node/a", "node/b"]
@@ -45,7 +47,7 @@ def test_a_repeat_counts_up_and_the_oldest_go_past_the_bound() -> None:
 def test_changes_and_faults_are_events_an_operator_can_read() -> None:
     cp = control_plane()  # nodes a and b, a replica of small ready on a
     catalog = cp.catalogs.current
-    cp.set_mark("b", Mark.CORDONED, 0)
+    asyncio.run(cp.set_mark("b", Mark.CORDONED, 0))
     [(rid, _)] = list(cp.state.nodes["a"].shards)
     gpus = SimulatedGpus("2x80GB", {1: "XID 79"})
     assignment = next(a for a in cp.assignments.of("a", catalog).shards if a.replica_id == rid)
@@ -95,11 +97,11 @@ def test_a_drain_that_finished_and_pushes_a_router_missed_are_events() -> None:
     cp = control_plane()
     empty = AgentReport(node="c", boot_id="b", seq=1, address="127.0.0.1", gpus=[], shards=[])
     cp.state.take_report(empty, cp.catalogs.current, cp.clock.monotonic())
-    cp.set_mark("c", Mark.DRAINING, 0)
+    asyncio.run(cp.set_mark("c", Mark.DRAINING, 0))
     cp.reconcile_once(cp.clock.monotonic())
     cp.replan()
     cp.reconcile_once(cp.clock.monotonic())  # told once per drain
-    drained = [e for e in cp.store.events("node/c") if e.reason == "NodeDrained"]
+    drained = [e for e in cp.read_events("node/c") if e.reason == "NodeDrained"]
     assert len(drained) == 1 and drained[0].count == 1
 
     answers = iter([httpx.Response(500, text="down"), httpx.Response(500, text="down")])
@@ -119,7 +121,7 @@ def test_a_drain_that_finished_and_pushes_a_router_missed_are_events() -> None:
         await publisher._push(router)
 
     asyncio.run(go())
-    told = cp.store.events("router/http://r1")
+    told = cp.read_events("router/http://r1")
     assert [(e.reason, e.count) for e in told] == [("PushMissed", 2), ("PushConfirmed", 1)]
 
     # A router found unreachable by a check (killed, say) is told once per spell.
@@ -138,14 +140,14 @@ def test_a_drain_that_finished_and_pushes_a_router_missed_are_events() -> None:
             await publisher.check(r2)
 
     asyncio.run(checks())
-    told = cp.store.events("router/http://r2")
+    told = cp.read_events("router/http://r2")
     assert [(e.reason, e.count) for e in told] == [("PushMissed", 1), ("PushConfirmed", 1)]
     assert "unreachable: ConnectError" in told[0].message
 
 
 def test_a_control_plane_start_and_an_agent_run_anew_are_events() -> None:
     cp = control_plane()  # nodes a and b reported by agent run "b"
-    elected, started = cp.store.events("control-plane")
+    elected, started = cp.read_events("control-plane")
     assert elected.reason == "LeaderElected"
     assert elected.message == "leads under epoch 1: the first to lead on this store"
     assert started.reason == "ControlPlaneStarted"
@@ -154,7 +156,7 @@ def test_a_control_plane_start_and_an_agent_run_anew_are_events() -> None:
                         shards=[])  # fmt: skip
     cp.state.take_report(again, cp.catalogs.current, cp.clock.monotonic())
     cp.record_news()
-    told = [e for e in cp.store.events("node/a") if e.reason == "AgentRestarted"]
+    told = [e for e in cp.read_events("node/a") if e.reason == "AgentRestarted"]
     assert len(told) == 1 and told[0].message == "a new agent run, 0 shard(s) held"
 
 
@@ -173,7 +175,7 @@ def test_an_engine_restarted_between_two_reports_is_an_event_with_its_cause() ->
                          shards=[again])  # fmt: skip
     cp.state.take_report(report, catalog, cp.clock.monotonic())
     cp.record_news()
-    [restarted] = [e for e in cp.store.events(f"replica/{rid}") if e.reason == "ShardRestarted"]
+    [restarted] = [e for e in cp.read_events(f"replica/{rid}") if e.reason == "ShardRestarted"]
     assert restarted.type == "warning"
     assert restarted.message == (
         "shard 0 on a started again by its agent (1 restart(s)): exited: exit code -9"

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from modelfleet import admin
 from modelfleet.apikeys import hash_key
 from modelfleet.controlplane.keys import KeyBook, KeyRefused, parse_expiry
+from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import RoutedKey, RoutedModel, RoutingSnapshot
 
+from .awaited import Awaited
 from .router_kit import FakeClock, client_of, keyed, run
 from .test_admin_api import admin_client, control_plane
 
@@ -38,16 +41,21 @@ def test_an_expiry_is_a_duration_or_a_date_and_never_in_the_past() -> None:
         parse_expiry("next tuesday", NOW)
 
 
+def book_of(store: SqliteStore) -> Any:
+    """A book on `store` as a control plane reads it, its changes run to their end."""
+    return Awaited(KeyBook(StoreCalls(store, 5.0), store.api_keys()))
+
+
 def test_a_key_is_stored_by_its_hash_and_kept_across_restarts(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "store.db")
-    book = KeyBook(store)
+    book = book_of(store)
     request = admin.KeyCreate(name="alice", models=["small"], rpm=60, expires="30d")
     key, stored = book.create(request, MODELS, NOW)
     assert key.startswith("mf-") and stored.sha256 == hash_key(key)
     assert stored.prefix == key[:11] and stored.expires_at == NOW + 30 * 86400
     assert key not in (tmp_path / "store.db").read_bytes().decode(errors="replace")
     store.close()
-    again = KeyBook(SqliteStore(tmp_path / "store.db"))
+    again = book_of(SqliteStore(tmp_path / "store.db"))
     assert again.keys == {"alice": stored}
     [routed] = again.routed()
     assert routed == RoutedKey(
@@ -56,7 +64,7 @@ def test_a_key_is_stored_by_its_hash_and_kept_across_restarts(tmp_path: Path) ->
 
 
 def test_an_update_changes_what_it_names_and_clears_what_it_clears() -> None:
-    book = KeyBook(SqliteStore(":memory:"))
+    book = book_of(SqliteStore(":memory:"))
     _, first = book.create(admin.KeyCreate(name="k", rpm=60, tpm=1000), MODELS, NOW)
     changed = book.update("k", admin.KeyUpdate(max_concurrent=4, clear=["rpm"]), MODELS, NOW)
     assert (changed.rpm, changed.tpm, changed.max_concurrent) == (None, 1000, 4)
@@ -71,7 +79,7 @@ def test_an_update_changes_what_it_names_and_clears_what_it_clears() -> None:
 @pytest.mark.usefixtures("way")
 def test_bad_key_requests_are_refused_and_change_nothing() -> None:
     store = SqliteStore(":memory:")
-    book = KeyBook(store)
+    book = book_of(store)
     _, alice = book.create(admin.KeyCreate(name="alice", rpm=5), MODELS, NOW)
     refusals = [
         (409, "exists", lambda: book.create(admin.KeyCreate(name="alice"), MODELS, NOW)),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from modelfleet.controlplane.events import EventLog
-from modelfleet.controlplane.leadership import ACT_SHARE, Leadership, holder_name
+from modelfleet.controlplane.leadership import ACT_SHARE, Leadership, Turn, holder_name
 from modelfleet.store import Fenced
 from modelfleet.store.sqlite import SqliteStore
 
@@ -20,8 +20,9 @@ def test_a_leader_whose_lease_was_taken_stops_acting_and_says_so(tmp_path: Path)
     mine, theirs = SqliteStore(path), SqliteStore(path)
     clock = [100.0]
     ttl = 0.3
-    a = Leadership(mine, "cp-a", ttl, lambda: clock[0], EventLog(mine, time.time, source="a"))
-    assert a.renew() and a.acting() and a.leading_epoch == 1
+    events = EventLog(mine, time.time, source="a")
+    a = Leadership(mine, "cp-a", ttl, lambda: clock[0], events)
+    assert a.renew_now() is Turn.ELECTED and a.acting() and a.leading_epoch == 1
     clock[0] += ACT_SHARE * ttl  # no renewal since: it stops acting before the lease runs out
     assert not a.acting()
     deadline = time.monotonic() + 5
@@ -29,8 +30,9 @@ def test_a_leader_whose_lease_was_taken_stops_acting_and_says_so(tmp_path: Path)
         assert time.monotonic() < deadline, "the lease never ran out"
         time.sleep(0.02)
     b = Leadership(theirs, "cp-b", ttl, time.monotonic)
-    assert b.renew() and b.leading_epoch == 2
-    assert not a.renew() and a.leading_epoch is None and a.leader == "cp-b"
+    assert b.renew_now() is Turn.ELECTED and b.leading_epoch == 2
+    assert a.renew_now() is Turn.LOST and a.leading_epoch is None and a.leader == "cp-b"
+    events.flush()  # written by the log's own writer in a control plane
     lost = [e for e in theirs.events() if e.reason == "LeadershipLost"]
     assert [(e.regarding, e.message, e.source) for e in lost] == [
         ("control-plane/cp-a", "cp-b leads now, epoch 2", "a")
@@ -55,7 +57,7 @@ def test_two_state_dirs_at_one_path_on_one_host_never_share_a_lease(
     path = tmp_path / "store.sqlite"
     a = Leadership(SqliteStore(path), a_name, 30.0, time.monotonic)
     b = Leadership(SqliteStore(path), b_name, 30.0, time.monotonic)
-    assert a.renew() and a.leading_epoch == 1
-    assert not b.renew() and b.leading_epoch is None and b.leader == a_name
+    assert a.renew_now() is Turn.ELECTED and a.leading_epoch == 1
+    assert b.renew_now() is Turn.FOLLOWING and b.leading_epoch is None and b.leader == a_name
     again = Leadership(SqliteStore(path), a_again, 30.0, time.monotonic)
-    assert again.renew() and again.leading_epoch == 1  # its own lease, taken back at once
+    assert again.renew_now() is Turn.ELECTED and again.leading_epoch == 1  # its own, at once

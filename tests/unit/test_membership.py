@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
@@ -13,10 +14,21 @@ from hypothesis import strategies as st
 from modelfleet.controlplane.membership import Membership, MembershipRefused, token_state
 from modelfleet.joining import BadJoinToken, JoinToken, digest
 from modelfleet.pki import CertificateAuthority, PkiError, request
+from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import JoinRequest
 
+from .awaited import Awaited
+
 NOW = 1_800_000_000.0
+
+
+def book_of(store: SqliteStore, ca: CertificateAuthority | None) -> Any:
+    """A book on `store` as a control plane reads it, its changes run to their end."""
+    calls = StoreCalls(store, 5.0)
+    return Awaited(Membership(calls, ca, store.join_tokens(), store.credentials()))
+
+
 CA = CertificateAuthority.create("test CA", datetime.datetime.fromtimestamp(NOW, datetime.UTC))
 
 
@@ -52,7 +64,7 @@ def test_text_that_is_no_token_says_what_a_token_looks_like(text: str) -> None:
 def test_a_join_gives_a_credential_for_that_node_alone_and_a_certificate_of_the_ca(
     tmp_path: Path,
 ) -> None:
-    book = Membership(SqliteStore(tmp_path / "store.sqlite"), CA)
+    book = book_of(SqliteStore(tmp_path / "store.sqlite"), CA)
     token, stored = book.create_token(3600, 2, NOW)
     assert token.ca_fingerprint == CA.fingerprint and stored.sha256 == digest(token.secret)
     assert token.secret not in repr(stored)
@@ -68,7 +80,7 @@ def test_a_join_gives_a_credential_for_that_node_alone_and_a_certificate_of_the_
     assert book.tokens[token.id].uses_left == 1 and book.tokens[token.id].used == 1
 
     # The store keeps hashes only, and a control plane started again knows the same.
-    again = Membership(SqliteStore(tmp_path / "store.sqlite"), CA)
+    again = book_of(SqliteStore(tmp_path / "store.sqlite"), CA)
     assert again.node_of(answer.credential) == "b"
     assert again.tokens[token.id].uses_left == 1
     raw = (tmp_path / "store.sqlite").read_bytes()
@@ -76,7 +88,7 @@ def test_a_join_gives_a_credential_for_that_node_alone_and_a_certificate_of_the_
 
 
 def test_every_refused_join_says_why_and_changes_nothing() -> None:
-    book = Membership(SqliteStore(":memory:"), CA)
+    book = book_of(SqliteStore(":memory:"), CA)
     token, _ = book.create_token(60, 1, NOW)
     wrong_secret = str(JoinToken(token.id, "0" * 32, token.ca_fingerprint))
     assert "unknown or revoked" in refused(
@@ -100,7 +112,7 @@ def test_every_refused_join_says_why_and_changes_nothing() -> None:
 
 
 def test_a_revoked_credential_is_nobodys_and_its_node_may_join_anew() -> None:
-    book = Membership(SqliteStore(":memory:"), CA)
+    book = book_of(SqliteStore(":memory:"), CA)
     token, _ = book.create_token(None, None, NOW)
     first = book.join(str(token), join_request("b"), NOW)
     book.revoke_node("b")
@@ -111,7 +123,7 @@ def test_a_revoked_credential_is_nobodys_and_its_node_may_join_anew() -> None:
 
 
 def test_a_revoked_token_is_refused_and_the_token_states() -> None:
-    book = Membership(SqliteStore(":memory:"), CA)
+    book = book_of(SqliteStore(":memory:"), CA)
     token, stored = book.create_token(10, None, NOW)
     assert token_state(stored, NOW) == "usable" and token_state(stored, NOW + 10) == "expired"
     book.revoke_token(token.id)
@@ -122,7 +134,7 @@ def test_a_revoked_token_is_refused_and_the_token_states() -> None:
 
 
 def test_a_control_plane_without_a_ca_makes_no_tokens_and_takes_no_joins() -> None:
-    book = Membership(SqliteStore(":memory:"), None)
+    book = book_of(SqliteStore(":memory:"), None)
     refused(503, lambda: book.create_token(60, None, NOW))
     token = JoinToken.new(CA.fingerprint)
     refused(503, lambda: book.join(str(token), join_request("b"), NOW))

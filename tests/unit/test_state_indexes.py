@@ -6,6 +6,7 @@ is among those whose held heartbeats are answered: speed changes no decision."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import yaml
@@ -263,7 +264,7 @@ class Fleet(RuleBasedStateMachine):
     )
     def mark(self, node: str, mark: Mark, grace: int) -> None:
         if node in self.cp.state.nodes:
-            self.cp.set_mark(node, mark, grace)
+            asyncio.run(self.cp.set_mark(node, mark, grace))
 
     @rule(routed=st.integers(0, 50))
     def release(self, routed: int) -> None:
@@ -273,7 +274,7 @@ class Fleet(RuleBasedStateMachine):
     @rule(node=st.sampled_from(NODES))
     def delete_node(self, node: str) -> None:
         if node in self.cp.state.nodes:
-            self.cp.delete_node(node, force=True)
+            asyncio.run(self.cp.delete_node(node, force=True))
 
     @invariant()
     def every_changed_assignment_is_notified(self) -> None:

@@ -13,6 +13,7 @@ from modelfleet.router.usage import Usage, UsageLedger
 from modelfleet.simulator.engine import SimSettings
 from modelfleet.simulator.server import create_app as create_simulator
 from modelfleet.store import StoredUsage
+from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import RoutedModel, RoutingSnapshot
 
@@ -95,7 +96,9 @@ def test_the_control_plane_collects_what_the_router_counted_from_the_engines_usa
             store = SqliteStore(":memory:")
             async with httpx.AsyncClient(transport=httpx.MockTransport(to_router)) as http:
                 target = RouterTarget(url="http://router", token="push-token-123")
-                collector = UsageCollector([target], http, store, 1.0, lambda: wall.now)
+                collector = UsageCollector(
+                    [target], http, StoreCalls(store, 5.0), 1.0, lambda: wall.now
+                )
                 await collector.collect()  # stored; its acknowledgement is lost
                 await collector.collect()  # sent again: stored once, acknowledged
                 await collector.collect()  # nothing new

@@ -6,6 +6,7 @@ describes them all. Every error answer is an `ErrorAnswer` (`{"error": ...}`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any, TypeVar
@@ -135,11 +136,12 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         if cp.acting():
             return await call_next(request)
         if reading and not path.startswith(LIVE_STATE):
-            try:
-                cp.read_desired()  # a follower answers what the store holds now
-            except StoreError as exc:
-                said = admin.ErrorAnswer(error=f"this control plane follows, and {exc}")
-                return _error(503, said, {"retry-after": "1"})
+            # A follower answers what the store holds now. While the store cannot be read,
+            # nobody can change it either: what this one read last is answered. Status
+            # reads nothing of it, and answers at once whatever the store does.
+            if path != "/v1/status":
+                with contextlib.suppress(StoreError):
+                    await cp.read_desired()
             return await call_next(request)
         if path in ("/ui/login", "/ui/logout"):
             return await call_next(request)
@@ -153,6 +155,10 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             return _error(307, said, {"location": location})
         if reading:  # what runs, with no leader to ask: this one's own (empty) view
             return await call_next(request)
+        store = cp.calls.problem() if cp.calls.outage is not None else cp.leadership.problem
+        if store:  # it cannot renew its lease: nobody can change anything now
+            why = f"this control plane cannot take changes now: {store}"
+            return _error(503, admin.ErrorAnswer(error=why), {"retry-after": "1"})
         leader = cp.leadership.leader or "none yet"
         answer = admin.ErrorAnswer(
             error=f"this control plane follows (the leader is {leader}"
@@ -222,7 +228,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         except ValidationError as exc:
             raise Refused.because(400, f"malformed request: {_problems(exc.errors())}") from None
         try:
-            was = cp.mark_node(node, Mark(body.mark), body.grace_s)
+            was = await cp.mark_node(node, Mark(body.mark), body.grace_s)
         except MarkRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         grace = cp.config.drain_grace if body.grace_s is None else body.grace_s
@@ -245,7 +251,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             known = ", ".join(sorted(cp.state.nodes)) or "none has reported yet"
             raise Refused.because(404, f"no node {node!r} has reported (nodes: {known})")
         try:
-            retired = cp.delete_node(node, force)
+            retired = await cp.delete_node(node, force)
         except NodeBusy as exc:
             raise Refused.because(409, str(exc)) from None
         return admin.NodeDeleted(node=node, retired=retired)
@@ -312,7 +318,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=admin.MAX_HISTORY)] = 20,
     ) -> admin.CatalogHistory:
         """The last applied catalog versions, newest first."""
-        return views.history(cp.catalogs, limit)
+        return views.history(await cp.calls(cp.catalogs.history, limit))
 
     @app.put("/v1/catalog", responses=_errors(400, 413, 422, 503), openapi_extra=_CATALOG_BODY)
     async def put_catalog(request: Request, dry_run: bool = False) -> admin.CatalogChange:
@@ -338,7 +344,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
                     pending=pending,
                     adapters=adapters,
                 )
-            applied = cp.catalogs.apply(text, API_SOURCE, cp.clock.time())
+            applied = await cp.calls(cp.catalogs.apply, text, API_SOURCE, cp.clock.time())
         except CatalogInvalid as exc:
             if not dry_run:
                 cp.catalog_refused([str(p) for p in exc.problems], API_SOURCE)
@@ -379,7 +385,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             replicas=len(state.replicas),
             pending=sum(p.count for p in state.pending),
             frozen=cp.frozen,
-            store_problem=cp.store.write_problem() or cp.leadership.problem,
+            store_problem=cp.calls.problem() or cp.leadership.problem,
             store=cp.store.where,
             leading=cp.acting(),
             leader=cp.leadership.leader,
@@ -409,7 +415,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     @app.get("/v1/keys", responses=_errors())
     async def list_keys() -> admin.KeysAnswer:
         """The client API keys this control plane manages (never the keys themselves)."""
-        used = cp.store.usage_totals()
+        used = await cp.usage_totals()
         return admin.KeysAnswer(
             keys=[keys.info(k, used.get(name)) for name, k in sorted(cp.keys.keys.items())]
         )
@@ -425,7 +431,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         except BadDuration as exc:
             raise Refused.because(400, f"since: {exc}") from None
         start = int((cp.clock.time() - back) // 3600) * 3600
-        rows = cp.store.usage(key, model, start)
+        rows = await cp.calls(cp.store.usage, key, model, start)
         return admin.UsageAnswer(
             since=start,
             usage=[
@@ -450,7 +456,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         takes it with its next routing table."""
         body = await key_body(request, admin.KeyCreate)
         try:
-            key, stored = cp.keys.create(body, model_names(), cp.clock.time())
+            key, stored = await cp.keys.create(body, model_names(), cp.clock.time())
         except keys.KeyRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         cp.events.normal("KeyCreated", f"key/{stored.name}", f"prefix {stored.prefix}")
@@ -466,7 +472,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         """Change a key's models, limits or expiry."""
         body = await key_body(request, admin.KeyUpdate)
         try:
-            stored = cp.keys.update(name, body, model_names(), cp.clock.time())
+            stored = await cp.keys.update(name, body, model_names(), cp.clock.time())
         except keys.KeyRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         changed = ", ".join(sorted(body.model_dump(exclude_unset=True))) or "nothing"
@@ -478,7 +484,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     async def revoke_key(name: str) -> admin.KeyInfo:
         """Revoke a key: every router refuses it once it holds the next routing table."""
         try:
-            stored = cp.keys.revoke(name)
+            stored = await cp.keys.revoke(name)
         except keys.KeyRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         cp.events.normal("KeyRevoked", f"key/{name}", "revoked: every router refuses it next")
@@ -491,7 +497,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         its replicas are replaced elsewhere as a lost node's are. It comes back only by
         joining anew with a join token."""
         try:
-            replacing = cp.revoke_node(node)
+            replacing = await cp.revoke_node(node)
         except MembershipRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         return admin.NodeRevoked(node=node, replacing=replacing)
@@ -522,7 +528,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
                 raise Refused.because(400, f"ttl: {body.ttl!r} is no time at all")
         now = cp.clock.time()
         try:
-            token, stored = cp.membership.create_token(ttl, body.uses, now)
+            token, stored = await cp.membership.create_token(ttl, body.uses, now)
         except MembershipRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         info = token_info(stored, now).model_dump()
@@ -532,7 +538,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     async def revoke_join_token(token_id: str) -> admin.JoinTokenInfo:
         """Delete a join token: no node joins with it after this (those that did stay)."""
         try:
-            stored = cp.membership.revoke_token(token_id)
+            stored = await cp.membership.revoke_token(token_id)
         except MembershipRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         return token_info(stored, cp.clock.time())
@@ -591,7 +597,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             ),
         ] = None,
         since: str = "1h",
-        after: Annotated[int, Query(ge=0)] = 0,
+        after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> admin.EventsAnswer:
         """What happened, oldest first: events last seen from `since` ago (a duration: 10m,
@@ -600,7 +606,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             back = parse_duration(since)
         except BadDuration as exc:
             raise Refused.because(400, f"since: {exc}") from None
-        rows = cp.store.events(regarding, cp.clock.time() - back, after, limit)
+        rows = await cp.calls(cp.read_events, regarding, cp.clock.time() - back, after, limit)
         return admin.EventsAnswer(
             events=[
                 admin.EventInfo(
@@ -650,20 +656,18 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def _control_planes(cp: ControlPlane) -> list[admin.ControlPlaneInfo]:
-    """Every control plane on the store, read now (as last read when the store cannot be)."""
+    """Every control plane on the store, as the last lease renewal read them (no store call:
+    status answers at once whatever the store does), seen that much longer ago since."""
     leadership = cp.leadership
-    try:
-        planes = cp.store.control_planes()
-    except StoreError:
-        planes = leadership.planes
+    since = max(0.0, cp.clock.monotonic() - leadership.planes_read_at)
     return [
         admin.ControlPlaneInfo(
             name=p.name,
             agent_url=p.agent_url,
             admin_url=p.admin_url,
-            seen_ago_s=round(max(0.0, p.seen_ago_s), 3),
+            seen_ago_s=round(max(0.0, p.seen_ago_s + since), 3),
             leads=p.name == leadership.leader,
             answering=p.name == leadership.holder,
         )
-        for p in planes
+        for p in leadership.planes
     ]

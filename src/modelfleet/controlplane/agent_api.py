@@ -187,7 +187,7 @@ class AgentApi:
             return
         presented = bearer(header(scope, b"authorization")) or ""
         try:
-            answer = cp.join(presented, request)
+            answer = await cp.join(presented, request)
         except MembershipRefused as exc:
             client = scope.get("client") or ("?", 0)
             log.warning("refused a join of node %s from %s: %s", request.node, client[0], exc)

@@ -20,7 +20,8 @@ from modelfleet.autoscale import Trend, decide, up_due
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.loads import Load
-from modelfleet.store import Store, StoreError
+from modelfleet.store import StoreError
+from modelfleet.store.calls import StoreCalls
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -39,18 +40,22 @@ class Scale:
 class Autoscaler:
     """The counts of the models that follow their load, and the decisions that set them."""
 
-    def __init__(self, store: Store, events: EventLog, wall: Callable[[], float]) -> None:
-        self.store = store
+    def __init__(self, calls: StoreCalls, events: EventLog, wall: Callable[[], float]) -> None:
+        self.calls = calls
+        self.store = calls.store
         self.events = events
         self.wall = wall
         self.scales: dict[str, Scale] = {}
         self.trends: dict[str, Trend] = {}
         self.lately: dict[str, tuple[float, str]] = {}  # model -> (load, the last decision's why)
-        self.reload()
 
-    def reload(self) -> None:
-        """Take the counts from the store (a control plane that takes over, or starts)."""
-        raw = self.store.get_meta(STORE_KEY)
+    def stored(self) -> str | None:
+        """The counts as the store keeps them (store I/O: run off the event loop)."""
+        return self.store.get_meta(STORE_KEY)
+
+    def load(self, raw: str | None) -> None:
+        """Take the counts the store kept (`stored`): a term begins, or a follower reads. What
+        the trends were is not kept: a term starts them anew."""
         self.scales = {}
         self.trends = {}
         if raw is None:
@@ -90,7 +95,7 @@ class Autoscaler:
         ]
         return min(due, default=None)
 
-    def step(
+    async def step(
         self,
         catalog: Catalog,
         loads: Mapping[str, Load] | None,
@@ -135,7 +140,7 @@ class Autoscaler:
         kept.update(changed)
         body = {m: dataclasses.asdict(s) for m, s in kept.items()}
         try:
-            self.store.set_meta(STORE_KEY, json.dumps(body, sort_keys=True))
+            await self.calls(self.store.set_meta, STORE_KEY, json.dumps(body, sort_keys=True))
         except StoreError as exc:  # not leading any more, or the store cannot write
             log.warning("cannot store the autoscale counts (%s); nothing is scaled", exc)
             return []

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,14 +67,20 @@ class CatalogKeeper:
         self._file_stat: tuple[int, int, int] | None = None
         self._seen_digest = _read_digest(seen)
         self._current: CurrentCatalog | None = None
+        self._rejection: Rejection | None = None
+        # Its calls run in worker threads (the store's calls are off the event loop): one at
+        # a time, so that two applies never race. Reading `current` takes no lock.
+        self._lock = threading.RLock()
         self.reload()
 
     def reload(self) -> None:
-        """Take the store's latest catalog as current: another control plane may have applied
-        a newer one (a follower's reads, a new term)."""
-        latest = self.store.latest_catalog()
-        if latest is not None:
-            self._current = _restore(latest)
+        """Take the store's latest catalog (and last rejection) as current: another control
+        plane may have applied a newer one (a follower's reads, a new term)."""
+        with self._lock:
+            latest = self.store.latest_catalog()
+            if latest is not None:
+                self._current = _restore(latest)
+            self._rejection = self.store.last_rejection()
 
     @property
     def current(self) -> Catalog:
@@ -111,11 +118,7 @@ class CatalogKeeper:
                     "catalog file %s unreadable (%s); the store's catalog stands", self.file, exc
                 )
 
-    def lead(self, now: float) -> Applied | None:
-        """This control plane leads now: take the store's latest catalog, then apply the file
-        if nothing is stored or the file changed since this control plane last read it;
-        otherwise make the file hold the current catalog. Returns what was applied, if
-        anything. Raises StoreError; with nothing stored, CatalogInvalid or OSError too."""
+    def _lead_unlocked(self, now: float) -> Applied | None:
         self.reload()
         if self.file is None:
             if self._current is None:
@@ -135,11 +138,7 @@ class CatalogKeeper:
         self._mirror(text, now)
         return None
 
-    def check_file(self, now: float) -> Applied | None:
-        """While leading: apply the catalog file if its content changed since it was last
-        read. Returns what was applied, or None when the file did not change or was invalid
-        (the rejection is recorded and logged). Raises OSError when the file cannot be read,
-        StoreError when the store cannot write (read again at the next call)."""
+    def _check_file_unlocked(self, now: float) -> Applied | None:
         text = self._changed_text()
         if text is None:
             return None
@@ -149,11 +148,7 @@ class CatalogKeeper:
             self._file_stat = None
             raise
 
-    def follow_file(self) -> str | None:
-        """While following: note a change of the catalog file, applying nothing. Returns what
-        to tell the operator when it holds a catalog other than the store's current one (an
-        edit that only the leader could apply); None when there is nothing to tell. Raises
-        OSError, StoreError."""
+    def _follow_file_unlocked(self) -> str | None:
         text = self._changed_text()
         if text is None:
             return None
@@ -174,6 +169,36 @@ class CatalogKeeper:
             f"to hold the current catalog). Apply it with `modelfleet ctl catalog apply "
             f"{self.file}`, or edit the leading control plane's file"
         )
+
+    def lead(self, now: float) -> Applied | None:
+        """This control plane leads now: take the store's latest catalog, then apply the file
+        if nothing is stored or the file changed since this control plane last read it;
+        otherwise make the file hold the current catalog. Returns what was applied, if
+        anything. Raises StoreError; with nothing stored, CatalogInvalid or OSError too."""
+        with self._lock:
+            return self._lead_unlocked(now)
+
+    def check_file(self, now: float) -> Applied | None:
+        """While leading: apply the catalog file if its content changed since it was last
+        read. Returns what was applied, or None when the file did not change or was invalid
+        (the rejection is recorded and logged). Raises OSError when the file cannot be read,
+        StoreError when the store cannot write (read again at the next call)."""
+        with self._lock:
+            return self._check_file_unlocked(now)
+
+    def follow_file(self) -> str | None:
+        """While following: note a change of the catalog file, applying nothing. Returns what
+        to tell the operator when it holds a catalog other than the store's current one (an
+        edit that only the leader could apply); None when there is nothing to tell. Raises
+        OSError, StoreError."""
+        with self._lock:
+            return self._follow_file_unlocked()
+
+    def apply(self, text: str, source: str, now: float) -> Applied:
+        """Make the catalog in `text` current, unless it is invalid (raises CatalogInvalid).
+        A catalog with the same content as the current one is not a new version."""
+        with self._lock:
+            return self._apply_unlocked(text, source, now)
 
     def _read_file(self) -> str:
         assert self.file is not None
@@ -203,7 +228,7 @@ class CatalogKeeper:
 
     def _apply_file_text(self, text: str, now: float, strict: bool) -> Applied | None:
         try:
-            applied = self.apply(text, str(self.file), now)
+            applied = self._apply_unlocked(text, str(self.file), now)
         except CatalogInvalid as exc:
             self._note_seen(text)
             if strict:
@@ -245,16 +270,13 @@ class CatalogKeeper:
         """Parse and validate without applying; raises CatalogInvalid."""
         return Catalog.from_yaml(text, source=source)
 
-    def apply(self, text: str, source: str, now: float) -> Applied:
-        """Make the catalog in `text` current, unless it is invalid (raises CatalogInvalid).
-
-        A catalog with the same content as the current one is not a new version.
-        """
+    def _apply_unlocked(self, text: str, source: str, now: float) -> Applied:
         try:
             candidate = self.validate(text, source)
         except CatalogInvalid as exc:
+            rejection = Rejection(now, source, tuple(str(p) for p in exc.problems))
+            self._rejection = rejection
             try:
-                rejection = Rejection(now, source, tuple(str(p) for p in exc.problems))
                 self.store.set_rejection(rejection)
             except StoreError as failed:  # the refusal stands; only its record is missing
                 log.warning("cannot record the rejected catalog: %s", failed)
@@ -328,7 +350,8 @@ class CatalogKeeper:
         return self.store.catalog_history(limit)
 
     def last_rejection(self) -> Rejection | None:
-        return self.store.last_rejection()
+        """The last catalog refused, as this control plane last read or made it."""
+        return self._rejection
 
 
 def _restore(stored: StoredCatalog) -> CurrentCatalog:

@@ -39,6 +39,7 @@ from modelfleet.controlplane import views
 from modelfleet.controlplane.logs import LogUnanswered
 from modelfleet.controlplane.plane import ControlPlane, MarkRefused
 from modelfleet.fleet import Mark
+from modelfleet.store import StoredEvent, StoredUsage, StoreError
 from modelfleet.web import bearer_matches, read_at_most
 
 UI = Path(__file__).parent / "ui"
@@ -187,7 +188,7 @@ class Dashboard:
             if not self._signed_in(request):
                 return RedirectResponse("/ui/login", status_code=303)
             name = request.path_params.get("name", "")
-            html = self.render_part(part, name)
+            html = await self.render_part(part, name)
             if html is None:
                 return self._html("missing.html", {"what": f"{part} {name}"}, 404)
             # The stream is told what the page holds, and sends nothing until that changes.
@@ -224,7 +225,7 @@ class Dashboard:
         if mark is Mark.REVOKED:
             return Response("revoke a node with `ctl nodes revoke`\n", status_code=400)
         try:
-            self.cp.mark_node(request.path_params["name"], mark, None)
+            await self.cp.mark_node(request.path_params["name"], mark, None)
         except MarkRefused as exc:
             return Response(f"{exc}\n", status_code=exc.status)
         self._nudge()  # the live parts show it now, not at their next turn
@@ -236,40 +237,57 @@ class Dashboard:
 
     # -- live parts ------------------------------------------------------------------------
 
-    def part(self, part: str, name: str = "") -> dict[str, Any] | None:
+    async def stored(self, part: str, name: str) -> Stored:
+        """What a part shows of the store (events, usage), read off the event loop; during a
+        store outage, nothing, with why."""
+        cp, store = self.cp, self.cp.store
+        try:
+            if part == "events":
+                return Stored(events=await cp.calls(cp.read_events, None, 0.0, 0, EVENTS_SHOWN))
+            if part == "node":
+                return Stored(events=await cp.calls(cp.read_events, f"node/{name}", 0.0, 0, 50))
+            if part == "usage":
+                since = int((cp.clock.time() - 24 * 3600) // 3600) * 3600
+                usage = await cp.calls(store.usage, None, None, since)
+                return Stored(usage=usage, totals=await cp.calls(store.usage_totals))
+        except StoreError as exc:
+            return Stored(problem=str(exc))
+        return Stored()
+
+    def part(self, part: str, name: str, stored: Stored) -> dict[str, Any] | None:
         """What a page's live part shows now; None for a node or model there is not."""
         cp = self.cp
         if part == "overview":
             return self._overview()
         if part == "node":
-            return self._node(name)
+            return self._node(name, stored)
         if part == "model":
             return self._model(name)
         if part == "pending":
             return {"pending": views.replicas(cp.state, cp.catalogs.current).pending}
         if part == "events":
-            rows = cp.store.events(None, 0.0, 0, EVENTS_SHOWN)
-            return {"events": list(reversed(rows))}
+            return {"events": list(reversed(stored.events))}
         if part == "usage":
-            return self._usage()
+            return self._usage(stored)
         return None
 
-    def render_part(self, part: str, name: str) -> str | None:
+    async def render_part(self, part: str, name: str) -> str | None:
         """The live part rendered now, or as rendered last when nothing it shows has changed
         since (shared by every stream of it: viewers do not multiply the work)."""
         key = (part, name)
-        basis = self._basis(part, name)
+        stored = await self.stored(part, name)
+        basis = self._basis(part, name, stored)
         held = self._rendered.get(key)
         if held is not None and basis is not None and held[0] == basis:
             return held[1]
-        context = self.part(part, name)
+        context = self.part(part, name, stored)
         if context is None:
             return None
         html = self.env.get_template(f"_{part}.html").render(**context, name=name)
         self._rendered[key] = (basis, html)
         return html
 
-    def _basis(self, part: str, name: str) -> tuple[Any, ...] | None:
+    def _basis(self, part: str, name: str, stored: Stored) -> tuple[Any, ...] | None:
         """What a part is made from, in short: while it stays the same, so does the part.
         None: the part is made anew each time (events and usage, which are read from the
         store, cheaply)."""
@@ -294,15 +312,11 @@ class Dashboard:
             ),
         )
         if part == "node":
-            basis += (self._last_event_id(f"node/{name}"),)
+            basis += (stored.events[-1].id if stored.events else 0, stored.problem)
         if part == "model":
             points = cp.series.series.of(name)
             basis += (len(points), points[-1].at if points else None)
         return basis
-
-    def _last_event_id(self, regarding: str) -> int:
-        rows = self.cp.store.events(regarding, 0.0, 0, 1)
-        return rows[-1].id if rows else 0
 
     async def live(self, request: Request) -> Response:
         if not self._signed_in(request):
@@ -314,7 +328,7 @@ class Dashboard:
         async def stream() -> AsyncIterator[bytes]:
             last = request.query_params.get("had")  # the digest of what the page holds
             while not self.closing.is_set():
-                html = self.render_part(part, name)
+                html = await self.render_part(part, name)
                 html = html if html is not None else f"<p>{part} {name} is gone.</p>"
                 digest = _digest(html)
                 if digest != last:
@@ -380,7 +394,7 @@ class Dashboard:
             "pending": sum(p.count for p in cp.state.pending),
         }
 
-    def _node(self, name: str) -> dict[str, Any] | None:
+    def _node(self, name: str, stored: Stored) -> dict[str, Any] | None:
         cp = self.cp
         now = cp.clock.monotonic()
         node = next((n for n in views.nodes(cp.state, now).nodes if n.name == name), None)
@@ -388,11 +402,10 @@ class Dashboard:
             return None
         here = [r for r in views.replica_views(cp.state) if any(s.node == name for s in r.shards)]
         moving = ", ".join(f"{r.id} ({r.model})" for r in here) or "none"
-        events = cp.store.events(f"node/{name}", 0.0, 0, 50)
         return {
             "node": node,
             "replicas": here,
-            "events": list(reversed(events)),
+            "events": list(reversed(stored.events)),
             "confirm": {
                 "cordoned": f"Cordon {name}? New replicas go elsewhere; its {len(here)} "
                 "replica(s) stay and serve.",
@@ -428,11 +441,9 @@ class Dashboard:
             "interval": cp.series.series.interval,
         }
 
-    def _usage(self) -> dict[str, Any]:
+    def _usage(self, stored: Stored) -> dict[str, Any]:
         cp = self.cp
-        since = int((cp.clock.time() - 24 * 3600) // 3600) * 3600
-        rows = cp.store.usage(None, None, since)
-        used = cp.store.usage_totals()
+        rows, used = stored.usage, stored.totals
         keys = [(name, k, used.get(name)) for name, k in sorted(cp.keys.keys.items())]
         hours = sorted({r.hour for r in rows})
         series: dict[str, list[int | None]] = {}
@@ -444,6 +455,16 @@ class Dashboard:
             "keys": keys,
             "plot": json.dumps({"at": hours, "series": series}),
         }
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What a live part shows of the store, read for one rendering."""
+
+    events: list[StoredEvent] = field(default_factory=list)
+    usage: list[StoredUsage] = field(default_factory=list)
+    totals: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    problem: str | None = None  # why the store could not be read
 
 
 def _model_rows(cp: ControlPlane) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ the keys as they were.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -16,7 +17,8 @@ from typing import Any
 
 from modelfleet import admin
 from modelfleet.apikeys import hash_key, new_key
-from modelfleet.store import Store, StoredKey
+from modelfleet.store import StoredKey
+from modelfleet.store.calls import StoreCalls
 from modelfleet.units import BadDuration, parse_duration
 from modelfleet.wire import RoutedKey
 
@@ -80,13 +82,16 @@ def info(key: StoredKey, used: tuple[int, int, float] | None = None) -> admin.Ke
 
 
 class KeyBook:
-    """The managed keys: the store's, with a copy in memory for publishing."""
+    """The managed keys: the store's, with a copy in memory for publishing. Each change is
+    written to the store first (off the event loop, through `calls`), then kept in memory."""
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.keys = {k.name: k for k in store.api_keys()}
+    def __init__(self, calls: StoreCalls, keys: Iterable[StoredKey] = ()) -> None:
+        self.calls = calls
+        self.store = calls.store
+        self.keys = {k.name: k for k in keys}
+        self.writing = asyncio.Lock()  # one change at a time: each checks what the last made
 
-    def create(
+    async def _create(
         self, request: admin.KeyCreate, models: Iterable[str], now: float
     ) -> tuple[str, StoredKey]:
         """Make a key; returns the key itself (shown once) and what is stored of it."""
@@ -105,11 +110,11 @@ class KeyBook:
             created_at=now,
             expires_at=parse_expiry(request.expires, now) if request.expires else None,
         )
-        self.store.put_key(stored)
+        await self.calls(self.store.put_key, stored)
         self.keys[stored.name] = stored
         return key, stored
 
-    def update(
+    async def _update(
         self, name: str, request: admin.KeyUpdate, models: Iterable[str], now: float
     ) -> StoredKey:
         """Change a key's models, limits or expiry; what the request leaves out stays."""
@@ -130,16 +135,35 @@ class KeyBook:
             else:
                 changed[field] = value
         new = dataclasses.replace(old, **changed)
-        self.store.put_key(new)
+        await self.calls(self.store.put_key, new)
         self.keys[name] = new
         return new
 
-    def revoke(self, name: str) -> StoredKey:
+    async def _revoke(self, name: str) -> StoredKey:
         """Delete a key: no router takes it after its next push."""
         old = self._get(name)
-        self.store.delete_key(name)
+        await self.calls(self.store.delete_key, name)
         del self.keys[name]
         return old
+
+    async def create(
+        self, request: admin.KeyCreate, models: Iterable[str], now: float
+    ) -> tuple[str, StoredKey]:
+        """Make a key; returns the key itself (shown once) and what is stored of it."""
+        async with self.writing:
+            return await self._create(request, models, now)
+
+    async def update(
+        self, name: str, request: admin.KeyUpdate, models: Iterable[str], now: float
+    ) -> StoredKey:
+        """Change a key's models, limits or expiry; what the request leaves out stays."""
+        async with self.writing:
+            return await self._update(name, request, models, now)
+
+    async def revoke(self, name: str) -> StoredKey:
+        """Delete a key: no router takes it after its next push."""
+        async with self.writing:
+            return await self._revoke(name)
 
     def routed(self) -> list[RoutedKey]:
         """The keys as routers take them, in name order."""

@@ -21,16 +21,19 @@ every control plane with when it was last seen.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from modelfleet.controlplane.events import EventLog
 from modelfleet.statedir import instance_id
 from modelfleet.store import Lease, SeenControlPlane, Store, StoreError
+from modelfleet.store.calls import StoreCalls
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -47,8 +50,32 @@ def holder_name(state_dir: Path) -> str:
     return f"{socket.gethostname()}:{os.path.abspath(state_dir)}:{instance_id(state_dir)}"
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """What one renewal read from the store."""
+
+    before: Lease | None  # the lease before the take, when this one did not lead
+    lease: Lease  # after it
+    planes: list[SeenControlPlane]
+
+
+class Turn(enum.Enum):
+    """What a renewal found."""
+
+    ELECTED = "elected"  # a new term begins with this one leading: begin it
+    LEADING = "leading"  # the term goes on
+    LOST = "lost"  # another took the lease: the term this one led is over
+    FOLLOWING = "following"
+    UNKNOWN = "unknown"  # the store did not answer: acting stops when the lease runs out
+
+
 class Leadership:
-    """The lease as this control plane sees it, and whether it may act now."""
+    """The lease as this control plane sees it, and whether it may act now.
+
+    A renewal is store I/O (`exchange`, run off the event loop by `renew`) and then a
+    decision in memory (`take`). A new term is begun by the control plane (`Turn.ELECTED`);
+    one that cannot begin is given up (`abandon`) and begun again at the next renewal.
+    """
 
     def __init__(
         self,
@@ -57,14 +84,12 @@ class Leadership:
         ttl: float,
         monotonic: Callable[[], float],
         events: EventLog | None = None,
-        on_elected: Callable[[int], None] | None = None,
     ) -> None:
         self.store = store
         self.holder = holder
         self.ttl = ttl
         self.monotonic = monotonic
         self.events = events
-        self.on_elected = on_elected  # called with the epoch of each new term this one leads
         self.epoch = 0  # of the lease, as last seen
         self.leader = ""  # who holds it, as last seen
         self.leading_epoch: int | None = None  # the epoch of the term this one leads, if any
@@ -74,6 +99,7 @@ class Leadership:
         # at every renewal, so that followers can send agents and operators to the leader.
         self.urls: tuple[str, str] | None = None
         self.planes: list[SeenControlPlane] = []  # every control plane on the store, as read
+        self.planes_read_at = monotonic()  # when
         self._act_until = -math.inf
 
     @property
@@ -92,73 +118,97 @@ class Leadership:
                 return plane.agent_url if api == "agent" else plane.admin_url
         return None
 
-    def say_where(self, agent_url: str, admin_url: str) -> None:
+    async def say_where(self, agent_url: str, admin_url: str, calls: StoreCalls) -> None:
         """Where this one is reached, once it listens: said now and at every renewal."""
         self.urls = (agent_url, admin_url)
-        try:
-            self.store.see_control_plane(self.holder, agent_url, admin_url)
-            self.planes = self.store.control_planes()
-        except StoreError as exc:
-            log.warning("cannot say where this control plane is reached (tried again): %s", exc)
+        asked = self.monotonic()
 
-    def renew(self) -> bool:
-        """Take or renew the lease once; returns whether this control plane leads."""
+        def say() -> list[SeenControlPlane]:
+            self.store.see_control_plane(self.holder, agent_url, admin_url)
+            return self.store.control_planes()
+
+        try:
+            self.planes, self.planes_read_at = await calls(say), asked
+        except StoreError as exc:
+            log.warning("cannot say where this control plane is reached (said again): %s", exc)
+
+    def exchange(self) -> Exchange:
+        """Take or renew the lease in the store, say where this one is reached, and read
+        every control plane's. Store I/O only (a worker thread runs it); raises StoreError."""
+        before = self.store.lease() if self.leading_epoch is None else None
+        lease = self.store.take_lease(self.holder, self.ttl)
+        if self.urls is not None:
+            self.store.see_control_plane(self.holder, *self.urls)
+        return Exchange(before, lease, self.store.control_planes())
+
+    async def renew(self, calls: StoreCalls) -> Turn:
+        """One renewal, its store I/O off the event loop (tried during a store outage too:
+        it is what finds the store back)."""
         asked = self.monotonic()
         try:
-            before = self.store.lease() if self.leading_epoch is None else None
-            lease = self.store.take_lease(self.holder, self.ttl)
-            if self.urls is not None:
-                self.store.see_control_plane(self.holder, *self.urls)
-            self.planes = self.store.control_planes()
+            exchange = await calls.probe(self.exchange)
         except StoreError as exc:
-            if str(exc) != self.problem:
-                log.warning("cannot renew the lease: %s; acting stops when it runs out", exc)
-            self.problem = str(exc)
-            return self.acting()
+            return self._failed(exc)
+        return self.take(exchange, asked)
+
+    def renew_now(self) -> Turn:
+        """One renewal on this thread: at the start, before any event loop runs."""
+        asked = self.monotonic()
+        try:
+            exchange = self.exchange()
+        except StoreError as exc:
+            return self._failed(exc)
+        return self.take(exchange, asked)
+
+    def _failed(self, exc: StoreError) -> Turn:
+        if str(exc) != self.problem:
+            log.warning("cannot renew the lease: %s; acting stops when it runs out", exc)
+        self.problem = str(exc)
+        return Turn.UNKNOWN
+
+    def take(self, exchange: Exchange, asked: float) -> Turn:
+        """What the renewal asked at monotonic time `asked` found."""
+        lease, self.planes, self.planes_read_at = exchange.lease, exchange.planes, asked
         self.problem = ""
         self.leader, self.epoch = lease.holder, lease.epoch
         if lease.holder != self.holder:
-            if self.leading_epoch is not None:
-                lost, self.leading_epoch = self.leading_epoch, None
-                self._act_until = -math.inf
-                log.warning("lost the lease to %s (epoch %d): stopped acting", lease.holder,
-                            lease.epoch)  # fmt: skip
-                if self.events is not None:
-                    # Its own event, once it knows: the one write not fenced to the epoch it
-                    # lost (everything it may still have under way stays fenced).
-                    self.store.fence(None)
-                    try:
-                        self.events.warning(
-                            "LeadershipLost",
-                            f"control-plane/{self.holder}",
-                            f"{lease.holder} leads now, epoch {lease.epoch}",
-                        )
-                    finally:
-                        self.store.fence(lost)
-            return False
-        self._act_until = asked + ACT_SHARE * self.ttl
-        if self.leading_epoch != lease.epoch:
-            self.leading_epoch = lease.epoch
-            self.store.fence(lease.epoch)
-            why = _why_taken(before, self.holder)
-            self.took_over = before is not None and before.holder not in ("", self.holder)
-            log.info("leading under epoch %d (%s)", lease.epoch, why)
+            if self.leading_epoch is None:
+                return Turn.FOLLOWING
+            self.leading_epoch, self._act_until = None, -math.inf
+            log.warning("lost the lease to %s (epoch %d): stopped acting", lease.holder,
+                        lease.epoch)  # fmt: skip
             if self.events is not None:
-                self.events.normal(
-                    "LeaderElected",
+                # Its own event, once it knows: the one write not fenced to the epoch it
+                # lost (everything it may still have under way stays fenced).
+                self.events.warning(
+                    "LeadershipLost",
                     f"control-plane/{self.holder}",
-                    f"leads under epoch {lease.epoch}: {why}",
+                    f"{lease.holder} leads now, epoch {lease.epoch}",
+                    fenced=False,
                 )
-            if self.on_elected is not None:
-                try:
-                    self.on_elected(lease.epoch)
-                except (StoreError, OSError) as exc:
-                    # The term cannot begin (the store or the catalog file failed it): it is
-                    # begun again at the next renewal, which finds the lease still its own.
-                    log.warning("cannot begin the term of epoch %d: %s", lease.epoch, exc)
-                    self.leading_epoch, self._act_until = None, -math.inf
-                    return False
-        return True
+            return Turn.LOST
+        self._act_until = asked + ACT_SHARE * self.ttl
+        if self.leading_epoch == lease.epoch:
+            return Turn.LEADING
+        self.leading_epoch = lease.epoch
+        self.store.fence(lease.epoch)
+        why = _why_taken(exchange.before, self.holder)
+        before = exchange.before
+        self.took_over = before is not None and before.holder not in ("", self.holder)
+        log.info("leading under epoch %d (%s)", lease.epoch, why)
+        if self.events is not None:
+            self.events.normal(
+                "LeaderElected",
+                f"control-plane/{self.holder}",
+                f"leads under epoch {lease.epoch}: {why}",
+            )
+        return Turn.ELECTED
+
+    def abandon(self, why: str) -> None:
+        """The term just elected cannot begin (the store or the catalog file failed it): stop
+        acting; the next renewal, finding the lease still this one's, begins it again."""
+        log.warning("cannot begin the term of epoch %s: %s", self.leading_epoch, why)
+        self.leading_epoch, self._act_until = None, -math.inf
 
     def release(self) -> None:
         """Let the lease run out now, if this one holds it (an orderly stop)."""

@@ -9,14 +9,17 @@ Every refusal is a `MembershipRefused` carrying the HTTP status to answer, and c
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import hmac
+from collections.abc import Iterable
 
 from modelfleet import admin
 from modelfleet.joining import BadJoinToken, JoinToken, digest, new_credential
 from modelfleet.pki import CertificateAuthority, PkiError
-from modelfleet.store import Store, StoredCredential, StoredJoinToken
+from modelfleet.store import StoredCredential, StoredJoinToken
+from modelfleet.store.calls import StoreCalls
 from modelfleet.wire import JoinAnswer, JoinRequest
 
 
@@ -53,17 +56,48 @@ class Membership:
     """The join tokens and node credentials: the store's, with a copy in memory, so that the
     check on every report and heartbeat is a dictionary lookup."""
 
-    def __init__(self, store: Store, ca: CertificateAuthority | None) -> None:
-        self.store = store
+    def __init__(
+        self,
+        calls: StoreCalls,
+        ca: CertificateAuthority | None,
+        tokens: Iterable[StoredJoinToken] = (),
+        credentials: Iterable[StoredCredential] = (),
+    ) -> None:
+        self.calls = calls
+        self.store = calls.store
         self.ca = ca  # None: joins are refused (a control plane made without its CA, in tests)
-        self.tokens = {t.id: t for t in store.join_tokens()}
-        self.credentials = {c.node: c for c in store.credentials()}
+        self.tokens = {t.id: t for t in tokens}
+        self.credentials = {c.node: c for c in credentials}
         self._nodes = {c.sha256: c.node for c in self.credentials.values()}
+        # One change at a time: each checks what the last made (a token's uses, a name).
+        self.writing = asyncio.Lock()
 
-    def create_token(
+    async def create_token(
         self, ttl: float | None, uses: int | None, now: float
     ) -> tuple[JoinToken, StoredJoinToken]:
         """A new join token (shown once) and what is stored of it."""
+        async with self.writing:
+            return await self._create_token(ttl, uses, now)
+
+    async def revoke_token(self, token_id: str) -> StoredJoinToken:
+        """Delete a join token: nobody joins with it after this (nodes that joined stay)."""
+        async with self.writing:
+            return await self._revoke_token(token_id)
+
+    async def join(self, presented: str, request: JoinRequest, now: float) -> JoinAnswer:
+        """Exchange a join token for a new credential of `request.node`, and sign its admin
+        listener's certificate request."""
+        async with self.writing:
+            return await self._join(presented, request, now)
+
+    async def revoke_node(self, node: str) -> None:
+        """Delete `node`'s credential: nothing it sends is taken after this."""
+        async with self.writing:
+            await self._revoke_node(node)
+
+    async def _create_token(
+        self, ttl: float | None, uses: int | None, now: float
+    ) -> tuple[JoinToken, StoredJoinToken]:
         if self.ca is None:
             raise MembershipRefused(503, "this control plane has no CA to pin in a join token")
         token = JoinToken.new(self.ca.fingerprint)
@@ -74,23 +108,20 @@ class Membership:
             expires_at=None if ttl is None else now + ttl,
             uses_left=uses,
         )
-        self.store.put_join_token(stored)
+        await self.calls(self.store.put_join_token, stored)
         self.tokens[stored.id] = stored
         return token, stored
 
-    def revoke_token(self, token_id: str) -> StoredJoinToken:
-        """Delete a join token: nobody joins with it after this (nodes that joined stay)."""
+    async def _revoke_token(self, token_id: str) -> StoredJoinToken:
         token = self.tokens.get(token_id)
         if token is None:
             known = ", ".join(self.tokens) or "there are none"
             raise MembershipRefused(404, f"no join token {token_id!r} (tokens: {known})")
-        self.store.delete_join_token(token_id)
+        await self.calls(self.store.delete_join_token, token_id)
         del self.tokens[token_id]
         return token
 
-    def join(self, presented: str, request: JoinRequest, now: float) -> JoinAnswer:
-        """Exchange a join token for a new credential of `request.node`, and sign its admin
-        listener's certificate request."""
+    async def _join(self, presented: str, request: JoinRequest, now: float) -> JoinAnswer:
         if self.ca is None:
             raise MembershipRefused(503, "this control plane has no CA: it takes no joins")
         try:
@@ -119,7 +150,7 @@ class Membership:
         uses_left = None if stored.uses_left is None else stored.uses_left - 1
         used = dataclasses.replace(stored, uses_left=uses_left, used=stored.used + 1)
         record = StoredCredential(node, digest(credential), now, stored.id)
-        self.store.record_join(used, record)
+        await self.calls(self.store.record_join, used, record)
         self.tokens[used.id] = used
         self.credentials[node] = record
         self._nodes[record.sha256] = node
@@ -134,11 +165,10 @@ class Membership:
     def has_joined(self, node: str) -> bool:
         return node in self.credentials
 
-    def revoke_node(self, node: str) -> None:
-        """Delete `node`'s credential: nothing it sends is taken after this."""
+    async def _revoke_node(self, node: str) -> None:
         record = self.credentials.get(node)
         if record is None:
             raise MembershipRefused(404, f"node {node} holds no credential")
-        self.store.delete_credential(node)
+        await self.calls(self.store.delete_credential, node)
         del self.credentials[node]
         del self._nodes[record.sha256]

@@ -14,15 +14,17 @@ into it; `service.py` runs it all as a process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import time
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import httpx
 
-from modelfleet.catalog import Catalog
+from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.clock import SYSTEM_CLOCK, Clock, wait_set
 from modelfleet.controlplane.assignments import Assignments
 from modelfleet.controlplane.autoscaler import Autoscaler
@@ -35,7 +37,7 @@ from modelfleet.controlplane.config import (
 )
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.keys import KeyBook
-from modelfleet.controlplane.leadership import Leadership, holder_name
+from modelfleet.controlplane.leadership import Leadership, Turn, holder_name
 from modelfleet.controlplane.loads import LoadCollector
 from modelfleet.controlplane.logs import LogRelay
 from modelfleet.controlplane.membership import Membership, MembershipRefused
@@ -51,7 +53,15 @@ from modelfleet.fleet import Mark
 from modelfleet.pki import CertificateAuthority
 from modelfleet.reconcile import Move, Preview, plan, preview, rebalance, settling
 from modelfleet.residency import Want
-from modelfleet.store import StoredMark, StoreError
+from modelfleet.store import (
+    StoredCredential,
+    StoredEvent,
+    StoredJoinToken,
+    StoredKey,
+    StoredMark,
+    StoreError,
+)
+from modelfleet.store.calls import StoreCalls
 from modelfleet.wire import JoinAnswer, JoinRequest
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -59,6 +69,27 @@ MIN_AUTOSCALE_WAIT_S = 0.02  # a decision due already (and not taken: settling) 
 # A replica's adapter swap waits for every router to stop sending it requests for what it lets
 # go; a router that does not confirm holds it up no longer than this.
 ADAPTER_SWAP_GRACE_S = 5.0
+STORE_DEADLINE_S = 0.9  # the longest a store call is waited for (`StoreCalls`)
+
+
+@dataclass(frozen=True)
+class Desired:
+    """What is desired besides the catalog, as the store held it at one read."""
+
+    keys: list[StoredKey]
+    tokens: list[StoredJoinToken]
+    credentials: list[StoredCredential]
+    marks: list[StoredMark]
+    autoscale: str | None  # the autoscaled models' counts, as the autoscaler keeps them
+
+
+@dataclass(frozen=True)
+class TermStart:
+    """What a new term begins from (`ControlPlane._term_io`)."""
+
+    desired: Desired
+    applied: Applied | None  # the catalog file, applied as the term began
+    routing_epoch: int
 
 
 class MarkRefused(RuntimeError):
@@ -103,11 +134,16 @@ class ControlPlane:
         self._wake = asyncio.Event()
         self._http = http or httpx.AsyncClient(timeout=5)
         self.store = catalogs.store
-        self.keys = KeyBook(self.store)
+        # Every store call from here on runs off the event loop, bounded (`store/calls.py`):
+        # within a second, so that every request is answered within one, whatever the store
+        # does; and below the lease's TTL, so that a renewal never outlasts it.
+        deadline = min(STORE_DEADLINE_S, max(0.2, 2 * config.lease_ttl / 3))
+        self.calls = StoreCalls(self.store, deadline, clock.time)
+        self.keys = KeyBook(self.calls)
         self.ca = ca
-        self.membership = Membership(self.store, ca)
+        self.membership = Membership(self.calls, ca)
         self.usage = UsageCollector(
-            config.routers, self._http, self.store, config.usage_interval, clock.time
+            config.routers, self._http, self.calls, config.usage_interval, clock.time
         )
         self.series = RouterSeries(config.routers, self._http, config.series_interval, clock.time)
         self.metrics = ControlPlaneMetrics()
@@ -115,7 +151,7 @@ class ControlPlane:
             self.store, clock.time, source=f"control-plane {holder_name(config.state_dir)}"
         )
         self.loads = LoadCollector(config.routers, self._http, clock.monotonic, self.events)
-        self.autoscaler = Autoscaler(self.store, self.events, clock.time)
+        self.autoscaler = Autoscaler(self.calls, self.events, clock.time)
         self._silent: dict[str, set[str]] = {"stale": set(), "lost": set()}
         self._drained: set[str] = set()  # draining nodes told drained
         self.publisher = Publisher(
@@ -136,7 +172,6 @@ class ControlPlane:
             config.lease_ttl,
             clock.monotonic,
             self.events,
-            on_elected=self._elected,
         )
         # Took the lease from another control plane, and has heard from no node since.
         self._took_over = False
@@ -160,10 +195,18 @@ class ControlPlane:
         self.planned_models: int | None = None  # how many models the last plan planned
         self.frozen = ""  # the last pass's `Plan.frozen`: why nothing moves off lost nodes
         self._told_no_routers = False  # warned that autoscaled models have no load to follow
-        self._load_marks()
+        self._unmarked: set[str] = set()  # forgotten nodes whose marks the store still holds
+        self._usage_totals: dict[str, tuple[int, int, float]] = {}  # as last read
         self.retime()
         self.metrics.watch(self)
-        self.leadership.renew()  # leads from the start, unless another control plane does
+        # At the start, before any event loop runs: what is desired, and the lease (it leads
+        # from the start unless another control plane does).
+        self._take_desired(self._read_desired(), marks=True)
+        if self.leadership.renew_now() is Turn.ELECTED:
+            try:
+                self._begin_term(self._term_io())
+            except (StoreError, OSError, CatalogInvalid) as exc:
+                self.leadership.abandon(str(exc))
         role = (
             f"leading, routing epoch {self.publisher.epoch}"
             if self.leadership.leading_epoch is not None
@@ -180,28 +223,38 @@ class ControlPlane:
         apply catalogs, collect usage, answer agents and take writes."""
         return self.leadership.acting()
 
-    def _elected(self, lease_epoch: int) -> None:
-        """A new term begins with this control plane leading: what is desired read again from
-        the store (another leader may have changed it), its catalog file applied if it changed
-        since this one last read it, a routing epoch newer than any a router holds, and a
-        settling window (it adopts what agents report before it plans)."""
-        self._reload_desired()
+    def _term_io(self) -> TermStart:
+        """The store I/O a new term begins with (run off the event loop, but at the start):
+        what is desired read again (another leader may have changed it), this control
+        plane's catalog file applied if it changed since it last read it, and a routing epoch
+        newer than any a router holds, taken by a fenced write."""
+        desired = self._read_desired()
         applied = self.catalogs.lead(self.clock.time())
-        if applied is not None:
-            self.catalog_event(applied, self.catalogs.current_info.source)
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
-        self.publisher.new_term(epoch)
+        return TermStart(desired, applied, epoch)
+
+    def _begin_term(self, start: TermStart) -> None:
+        """A new term begins with this control plane leading, from what `_term_io` read: a
+        settling window (it adopts what agents report before it plans)."""
+        self._take_desired(start.desired, marks=True)
+        if start.applied is not None:
+            self.catalog_event(start.applied, self.catalogs.current_info.source)
+        self.publisher.new_term(start.routing_epoch)
         self.started_at = self.clock.monotonic()
         self._settled = False
         self._took_over = self.leadership.took_over
 
     async def lease_loop(self) -> None:
-        """Take or renew the lease every third of its TTL."""
+        """Take or renew the lease every third of its TTL; begin a term when elected."""
         while True:
             await asyncio.sleep(self.leadership.interval)
             was = self.acting()
-            self.leadership.renew()
+            if await self.leadership.renew(self.calls) is Turn.ELECTED:
+                try:
+                    self._begin_term(await self.calls(self._term_io))
+                except (StoreError, OSError, CatalogInvalid) as exc:
+                    self.leadership.abandon(str(exc))
             if self.acting() and not was:
                 self.wake()
 
@@ -232,31 +285,36 @@ class ControlPlane:
 
     # -- marks -----------------------------------------------------------------------------
 
-    def read_desired(self) -> None:
+    async def read_desired(self) -> None:
         """Read again what the store holds of what is desired (keys, join tokens and
         credentials, the current catalog, the counts of autoscaled models): what a follower
         answers is what the store holds at the time of the read, not what it read before."""
-        self.keys = KeyBook(self.store)
-        self.membership = Membership(self.store, self.ca)
-        self.catalogs.reload()
-        self.autoscaler.reload()
+        self._take_desired(await self.calls(self._read_desired), marks=False)
 
-    def _reload_desired(self) -> None:
-        """Read again what the leader before may have changed since this control plane read
-        the store: keys, join tokens and credentials, marks, the current catalog."""
-        self.read_desired()
+    def _read_desired(self) -> Desired:
+        """What is desired, as the store holds it now (store I/O: off the event loop)."""
+        self.catalogs.reload()
+        s = self.store
+        return Desired(
+            s.api_keys(), s.join_tokens(), s.credentials(), s.marks(), self.autoscaler.stored()
+        )
+
+    def _take_desired(self, desired: Desired, marks: bool) -> None:
+        """Hold what `_read_desired` read; with `marks`, the nodes' marks too (a term begins):
+        marks persist, their deadlines moved onto the monotonic clock."""
+        self.keys = KeyBook(self.calls, desired.keys)
+        self.membership = Membership(self.calls, self.ca, desired.tokens, desired.credentials)
+        self.autoscaler.load(desired.autoscale)
+        if not marks:
+            return
         for node in list(self.state.marks):
             self.state.set_mark(node, NodeMark(Mark.NONE, None))
-        self._load_marks()
-
-    def _load_marks(self) -> None:
-        """Marks persist: take them from the store, deadlines moved onto the monotonic clock."""
         wall, mono = self.clock.time(), self.clock.monotonic()
-        for m in self.store.marks():
+        for m in desired.marks:
             deadline = None if m.drain_deadline is None else mono + (m.drain_deadline - wall)
             self.state.set_mark(m.node, NodeMark(Mark(m.mark), deadline))
 
-    def mark_node(self, node: str, mark: Mark, grace: float | None) -> Mark:
+    async def mark_node(self, node: str, mark: Mark, grace: float | None) -> Mark:
         """An operator's cordon, drain (bounded by `grace` seconds, or the configured
         `drain_grace` when None) or uncordon of `node`; returns the mark it had. Raises
         MarkRefused for a node that never reported or was revoked."""
@@ -265,20 +323,20 @@ class ControlPlane:
             raise MarkRefused(404, f"no node {node!r} has reported (nodes: {known})")
         if self.state.nodes[node].mark.mark is Mark.REVOKED:
             raise MarkRefused(409, f"node {node} was revoked: it comes back only by joining anew")
-        return self.set_mark(node, mark, self.config.drain_grace if grace is None else grace)
+        grace = self.config.drain_grace if grace is None else grace
+        return await self.set_mark(node, mark, grace)
 
-    def set_mark(self, node: str, mark: Mark, grace: float) -> Mark:
+    async def set_mark(self, node: str, mark: Mark, grace: float) -> Mark:
         """Mark `node` (a drain bounded by `grace` seconds; 0: no bound), persist it, and
         return the mark it had."""
-        was = self.state.marks.get(node)
         wall, mono = self.clock.time(), self.clock.monotonic()
         bounded = mark is Mark.DRAINING and grace > 0
         if mark is Mark.NONE:
-            self.store.clear_mark(node)
+            await self.calls(self.store.clear_mark, node)
         else:
-            self.store.set_mark(
-                StoredMark(node, mark.value, wall, wall + grace if bounded else None)
-            )
+            stored = StoredMark(node, mark.value, wall, wall + grace if bounded else None)
+            await self.calls(self.store.set_mark, stored)
+        was = self.state.marks.get(node)  # as it is now, after the write
         self.state.set_mark(node, NodeMark(mark, mono + grace if bounded else None))
         self.wake()
         previous = was.mark if was else Mark.NONE
@@ -312,13 +370,14 @@ class ControlPlane:
             self.wake()
         return moves
 
-    def delete_node(self, node: str, force: bool) -> list[str]:
+    async def delete_node(self, node: str, force: bool) -> list[str]:
         """Forget `node`. Refused (NodeBusy) while replicas run on it, unless `force`: then
         they are taken out of service at once and placed anew elsewhere. Returns their ids."""
         held = self.state.holding(node)
         if held and not force:
             raise NodeBusy(node, held)
-        self.store.clear_mark(node)  # first: a store that cannot write changes nothing
+        await self.calls(self.store.clear_mark, node)  # first: a refused write changes nothing
+        held = self.state.holding(node)  # as it is now, after the write
         self.state.retire(held, f"node {node} deleted by an operator", self.clock.monotonic())
         self.state.forget(node)
         self.wake()
@@ -327,19 +386,19 @@ class ControlPlane:
         self.events.normal("NodeDeleted", f"node/{node}", f"deleted by an operator{retired}")
         return held
 
-    def join(self, token: str, request: JoinRequest) -> JoinAnswer:
+    async def join(self, token: str, request: JoinRequest) -> JoinAnswer:
         """Give a node its credential for a join token (MembershipRefused if not). A node
         revoked before, joining anew, is no longer revoked."""
-        answer = self.membership.join(token, request, self.clock.time())
+        answer = await self.membership.join(token, request, self.clock.time())
         node = request.node
         record = self.state.nodes.get(node)
         if record is not None and record.mark.mark is Mark.REVOKED:
-            self.set_mark(node, Mark.NONE, 0)
+            await self.set_mark(node, Mark.NONE, 0)
         log.info("node %s joined", node)
         self.events.normal("NodeJoined", f"node/{node}", "joined with a join token")
         return answer
 
-    def revoke_node(self, node: str) -> list[str]:
+    async def revoke_node(self, node: str) -> list[str]:
         """Cut `node` off: delete its credential, so that nothing it sends is taken, and mark
         it revoked, so that its replicas are replaced elsewhere as a lost node's are. Returns
         them. MembershipRefused when the node holds no credential (it reports with the fleet's
@@ -352,10 +411,10 @@ class ControlPlane:
                     "revoked for one node: change agent_token, or join nodes with join tokens",
                 )
             raise MembershipRefused(404, f"no node {node!r} has joined")
-        self.membership.revoke_node(node)
+        await self.membership.revoke_node(node)
         replacing = self.state.holding(node)
         if node in self.state.nodes:
-            self.set_mark(node, Mark.REVOKED, 0)
+            await self.set_mark(node, Mark.REVOKED, 0)
         moved = f"; its replicas are replaced elsewhere: {', '.join(replacing)}"
         log.warning(
             "node %s revoked: its credential is deleted%s", node, moved if replacing else ""
@@ -377,10 +436,7 @@ class ControlPlane:
                     "NodeForgotten", f"node/{name}", f"no report for {silent:.0f}s, no replica"
                 )
                 self.state.forget(name)
-                try:
-                    self.store.clear_mark(name)
-                except StoreError as exc:  # a mark of a node nobody knows does no harm
-                    log.warning("cannot clear the mark of forgotten node %s: %s", name, exc)
+                self._unmarked.add(name)  # its mark leaves the store after the pass
 
     async def preview(self, catalog: Catalog) -> Preview:
         """What the next passes would start and stop to make `catalog` true.
@@ -566,6 +622,21 @@ class ControlPlane:
             if spec.adapters
         }
 
+    def read_events(
+        self, regarding: str | None = None, since: float = 0.0, after: int = 0, limit: int = 1000
+    ) -> list[StoredEvent]:
+        """The store's events (as `Store.events`), with those noted so far written first: a
+        reader sees what happened up to its read (store I/O: off the event loop)."""
+        self.events.flush()
+        return self.store.events(regarding, since, after, limit)
+
+    async def usage_totals(self) -> dict[str, tuple[int, int, float]]:
+        """Every key's usage so far, read from the store now; as last read while the store
+        does not answer."""
+        with contextlib.suppress(StoreError):
+            self._usage_totals = await self.calls(self.store.usage_totals)
+        return self._usage_totals
+
     def replica_loads(self) -> dict[str, float]:
         """The requests each replica carries, as the routers last said (none: unknown)."""
         loads = self.loads.loads(self.clock.monotonic()) or {}
@@ -583,7 +654,7 @@ class ControlPlane:
                 models.add(record.replica.model)
         return models
 
-    def autoscale_once(self, now: float) -> None:
+    async def autoscale_once(self, now: float) -> None:
         """Decide the count of every model that follows its load; a change is planned at
         once."""
         if self.settling(now):
@@ -597,7 +668,7 @@ class ControlPlane:
                     "they keep their autoscale min",
                     ", ".join(scaled),
                 )
-        changed = self.autoscaler.step(
+        changed = await self.autoscaler.step(
             self.catalogs.current, self.loads.loads(now), now, self.replacing()
         )
         if changed:
@@ -616,7 +687,7 @@ class ControlPlane:
             await wait_set(self.loads.news, wait)
             self.loads.news.clear()
             if self.acting():
-                self.autoscale_once(self.clock.monotonic())
+                await self.autoscale_once(self.clock.monotonic())
                 if self.place_adapters():  # a router holds requests for an adapter
                     self.wake()
 
@@ -760,25 +831,39 @@ class ControlPlane:
             elif not self.settling(self.clock.monotonic()):
                 self.last_idle_pass_s = took
                 self.metrics.pass_seconds.labels("no").observe(took)
+            await self.clear_forgotten_marks()
             await wait_set(self._wake, self.config.reconcile_interval)
+
+    async def clear_forgotten_marks(self) -> None:
+        """Take the marks of the nodes a pass forgot out of the store (a mark of a node
+        nobody knows does no harm meanwhile: tried again after the next pass)."""
+        for node in list(self._unmarked):
+            try:
+                await self.calls(self.store.clear_mark, node)
+            except StoreError as exc:
+                log.debug("cannot clear the mark of forgotten node %s yet: %s", node, exc)
+                return
+            self._unmarked.discard(node)
 
     async def catalog_loop(self) -> None:
         """Apply the catalog file whenever its content changes, while leading; while
         following, say once when it changed to a catalog only the leader could apply."""
         while True:
             await asyncio.sleep(self.config.catalog_poll_interval)
+            if self.calls.outage is not None:
+                continue  # read once the store answers again: nothing could be applied
             if not self.acting():
                 try:
-                    told = self.catalogs.follow_file()
+                    told = await self.calls(self.catalogs.follow_file)
                 except (OSError, StoreError) as exc:
                     told = f"cannot read the catalog file or the store's catalog: {exc}"
                 if told is not None and told != self._file_error:
                     self._file_error = told
                     log.warning("%s", told)
                 continue
-            refused = self.store.last_rejection()
+            refused = self.catalogs.last_rejection()
             try:
-                applied = self.catalogs.check_file(self.clock.time())
+                applied = await self.calls(self.catalogs.check_file, self.clock.time())
                 self._file_error = ""
             except (OSError, StoreError) as exc:
                 if str(exc) != self._file_error:  # once per distinct error, not every poll
@@ -788,13 +873,21 @@ class ControlPlane:
                 continue
             if applied is not None:
                 self.catalog_event(applied, str(self.config.catalog))
-            rejection = self.store.last_rejection()
+            rejection = self.catalogs.last_rejection()
             if rejection is not None and rejection != refused:
                 self.catalog_refused(rejection.problems, rejection.source)
             if applied is not None and applied.changed:
                 self.wake()
 
     async def close(self) -> None:
-        self.leadership.release()
+        """At the stop: the lease let go and the events noted written, each bounded by the
+        store calls' deadline (a store that does not answer holds up no stop)."""
+        for last in (self.leadership.release, self.events.flush):
+            try:
+                await self.calls.probe(last)
+            except StoreError as exc:
+                log.warning("at the stop, the store did not answer: %s", exc)
         await self._http.aclose()
-        self.catalogs.store.close()
+        self.calls.close()
+        if self.calls.outage is None:
+            self.catalogs.store.close()

@@ -13,7 +13,9 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
@@ -40,7 +42,7 @@ from modelfleet.pki import (
     is_wildcard,
 )
 from modelfleet.serving import Listener, run_service
-from modelfleet.store import Store
+from modelfleet.store import Store, StoreError
 from modelfleet.store.postgres import Bounds, PostgresStore
 from modelfleet.store.sqlite import SqliteStore
 
@@ -75,6 +77,31 @@ async def keep_heap(cp: ControlPlane) -> None:
         if cp.plans != plans:
             plans = cp.plans
             gc.freeze()
+
+
+def outlasting_the_store(
+    loop: Callable[[], Coroutine[Any, Any, None]],
+) -> Callable[[], Coroutine[Any, Any, None]]:
+    """`loop`, begun again after a StoreError escaped it (with a backoff, said once per
+    error): a store that cannot be reached or written degrades what needs it, and never
+    ends the control plane (each loop handles the failures it expects; this is the net
+    under them)."""
+
+    async def outlasting() -> None:
+        failures, said = 0, ""
+        while True:
+            try:
+                await loop()
+                return
+            except StoreError as exc:
+                failures += 1
+                if str(exc) != said:
+                    said = str(exc)
+                    log.error("%s stopped on a store error (begun again): %s", name, exc)
+                await asyncio.sleep(min(5.0, 0.1 * 2**failures))
+
+    name = getattr(loop, "__qualname__", "a loop")
+    return outlasting
 
 
 def create_apps(cp: ControlPlane, dashboard: Dashboard | None = None) -> tuple[AgentApi, Starlette]:
@@ -142,7 +169,7 @@ async def serve(
         """Now that it listens: where agents and operators reach it, for the other control
         planes on the store to send them here when this one leads."""
         agent, admin = (advertised(config, li.url) for li in listeners)
-        cp.leadership.say_where(agent, admin)
+        await cp.leadership.say_where(agent, admin, cp.calls)
 
     await run_service(
         listeners,
@@ -151,14 +178,20 @@ async def serve(
         # The watch is a loop so that stopping the loops answers every held heartbeat before
         # the listeners wait for their requests to finish.
         loops=[
-            cp.lease_loop,
-            cp.reconcile_loop,
-            cp.publisher.run,
-            cp.catalog_loop,
-            cp.usage.run,
-            cp.series.run,
-            cp.loads.run,
-            cp.autoscale_loop,
+            *(
+                outlasting_the_store(loop)
+                for loop in (
+                    cp.lease_loop,
+                    cp.reconcile_loop,
+                    cp.publisher.run,
+                    cp.catalog_loop,
+                    cp.usage.run,
+                    cp.series.run,
+                    cp.loads.run,
+                    cp.autoscale_loop,
+                    lambda: cp.events.run(cp.calls),
+                )
+            ),
             cp.watch.run,
             dashboard.run,
             lambda: keep_heap(cp),

@@ -18,7 +18,8 @@ import httpx
 from pydantic import ValidationError
 
 from modelfleet.controlplane.config import RouterTarget
-from modelfleet.store import Store, StoredUsage, StoreError
+from modelfleet.store import StoredUsage, StoreError
+from modelfleet.store.calls import StoreCalls
 from modelfleet.wire import UsageAck, UsageReport
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -31,13 +32,14 @@ class UsageCollector:
         self,
         routers: Sequence[RouterTarget],
         http: httpx.AsyncClient,
-        store: Store,
+        calls: StoreCalls,
         interval: float,
         wall: Callable[[], float],
     ) -> None:
         self.routers = list(routers)
         self.http = http
-        self.store = store
+        self.calls = calls
+        self.store = calls.store
         self.interval = interval
         self.wall = wall
         self._failure = ""  # the last store failure logged, to log each only once
@@ -72,7 +74,7 @@ class UsageCollector:
                 for r in batch.rows
             ]  # fmt: skip
             try:
-                if self.store.add_usage(batch.run, batch.batch, rows, now):
+                if await self.calls(self.store.add_usage, batch.run, batch.batch, rows, now):
                     self.stored += 1
             except StoreError as exc:
                 # Not acknowledged: the router keeps the batch and sends it again.

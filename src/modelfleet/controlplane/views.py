@@ -14,6 +14,7 @@ from modelfleet.controlplane.state import FleetState
 from modelfleet.fleet import Mark, Replica
 from modelfleet.placement import NodeVerdict, Unplaceable, describe_need
 from modelfleet.reconcile import Preview
+from modelfleet.store import StoredCatalog
 from modelfleet.wire import Ejection, ShardReport, ShardState
 
 
@@ -311,7 +312,7 @@ def catalog(keeper: CatalogKeeper) -> admin.CatalogAnswer:
     )
 
 
-def history(keeper: CatalogKeeper, limit: int) -> admin.CatalogHistory:
+def history(stored: list[StoredCatalog]) -> admin.CatalogHistory:
     return admin.CatalogHistory(
         versions=[
             admin.CatalogVersion(
@@ -321,7 +322,7 @@ def history(keeper: CatalogKeeper, limit: int) -> admin.CatalogHistory:
                 source=v.source,
                 models=[m["name"] for m in v.body["models"]],
             )
-            for v in keeper.history(limit)
+            for v in stored
         ]
     )
 

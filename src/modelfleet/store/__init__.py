@@ -148,6 +148,11 @@ class StoreError(RuntimeError):
     A write that fails changes nothing."""
 
 
+class StoreUnreachable(StoreError):
+    """The store could not be reached, or did not answer in time: nothing is known to have
+    changed, and calls are refused at once until it answers again (`store/calls.py`)."""
+
+
 class Fenced(StoreError):
     """A write refused because this control plane's lease epoch is no longer the store's:
     another took the lease, and this one must stop acting."""
@@ -280,12 +285,13 @@ class Store(Protocol):
         """Every node's credential, by node."""
         ...
 
-    def add_event(self, event: StoredEvent, keep: int) -> int:
+    def add_event(self, event: StoredEvent, keep: int, fenced: bool = True) -> int:
         """Record a new event (its `id` is ignored); returns its id. The oldest go once more
-        than `keep` are kept."""
+        than `keep` are kept. Not `fenced`: written whoever leads (a leader saying it lost
+        the lease)."""
         ...
 
-    def repeat_event(self, event_id: int, count: int, at: float) -> None:
+    def repeat_event(self, event_id: int, count: int, at: float, fenced: bool = True) -> None:
         """The event `event_id` happened again: its count and last time."""
         ...
 

@@ -29,7 +29,13 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from modelfleet.pgserver import redacted
-from modelfleet.store import SCHEMA_VERSION, StoreError, WriteHealth, check_schema
+from modelfleet.store import (
+    SCHEMA_VERSION,
+    StoreError,
+    StoreUnreachable,
+    WriteHealth,
+    check_schema,
+)
 from modelfleet.store.sql import Dialect, SqlStore, Transaction
 
 __all__ = ["Bounds", "PostgresStore"]
@@ -225,7 +231,7 @@ class PostgresStore(SqlStore):
             self._pool.open(wait=True, timeout=bounds.connect + bounds.pool)
             self._migrate()
         except (psycopg.Error, PoolTimeout) as exc:
-            raise StoreError(f"cannot open the store {self.where}: {_said(exc)}") from exc
+            raise _failure("open", self.where, exc) from exc
 
     def _migrate(self) -> None:
         with self._pool.connection() as conn, conn.transaction():
@@ -247,14 +253,14 @@ class PostgresStore(SqlStore):
             with self._pool.connection() as conn, conn.transaction():
                 yield _Transaction(conn)
         except (psycopg.Error, PoolTimeout) as exc:
-            raise StoreError(f"cannot write the store {self.where}: {_said(exc)}") from exc
+            raise _failure("write", self.where, exc) from exc
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         try:
             with self._pool.connection() as conn:
                 return conn.execute(DIALECT.sql(sql), params).fetchall()
         except (psycopg.Error, PoolTimeout) as exc:
-            raise StoreError(f"cannot read the store {self.where}: {_said(exc)}") from exc
+            raise _failure("read", self.where, exc) from exc
 
     def close(self) -> None:
         self._pool.close()
@@ -270,6 +276,19 @@ class _Transaction:
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         with self._conn.cursor() as cursor:
             cursor.executemany(DIALECT.sql(sql), rows)
+
+
+def _failure(doing: str, where: str, exc: psycopg.Error | PoolTimeout) -> StoreError:
+    """The StoreError for `exc`: StoreUnreachable when the server could not be reached or the
+    connection broke (no SQLSTATE, class 08, or the server shutting down), otherwise the
+    server's own refusal."""
+    state = getattr(exc, "sqlstate", None)
+    unreachable = isinstance(exc, PoolTimeout) or (
+        isinstance(exc, psycopg.OperationalError)
+        and (state is None or state.startswith("08") or state.startswith("57P"))
+    )
+    kind = StoreUnreachable if unreachable else StoreError
+    return kind(f"cannot {doing} the store {where}: {_said(exc)}")
 
 
 def _said(exc: BaseException) -> str:

@@ -323,9 +323,9 @@ class SqlStore(ABC):
 
     # -- events ----------------------------------------------------------------------------
 
-    def add_event(self, event: StoredEvent, keep: int) -> int:
+    def add_event(self, event: StoredEvent, keep: int, fenced: bool = True) -> int:
         e = event
-        with self._write() as tx:
+        with self._write(fenced) as tx:
             [(new,)] = tx.execute(
                 "INSERT INTO events (type, reason, regarding, message, count, first_at, "
                 "last_at, source) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
@@ -335,8 +335,8 @@ class SqlStore(ABC):
             tx.execute("DELETE FROM events WHERE id <= ?", (int(new) - keep,))
         return int(new)
 
-    def repeat_event(self, event_id: int, count: int, at: float) -> None:
-        with self._write() as tx:
+    def repeat_event(self, event_id: int, count: int, at: float, fenced: bool = True) -> None:
+        with self._write(fenced) as tx:
             tx.execute(
                 "UPDATE events SET count = ?, last_at = ? WHERE id = ?", (count, at, event_id)
             )

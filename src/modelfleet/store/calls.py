@@ -1,0 +1,167 @@
+"""Store calls made off the event loop, each bounded by a deadline, and the store's outages.
+
+The stores are synchronous (one transaction per call). A control plane that called them on
+its event loop stopped answering anything while its PostgreSQL did not answer: a query sent
+to a frozen server waits as long as the server is frozen (its kernel still acknowledges what
+is sent, so no TCP timeout ends it). `StoreCalls` runs each call in a worker thread and waits
+for it no longer than its deadline. A call that does not answer in time, or fails to reach
+the store, opens an *outage*: from then on calls are refused at once (`StoreUnreachable`,
+naming the store and since when), so that nothing piles up behind a store that is gone and
+every request is answered within its deadline. One call at a time may still go through as a
+`probe` (the lease's renewal, every third of its TTL); the first that succeeds ends the
+outage. A refused call changed nothing; one that timed out may still land later, and is
+fenced like any other write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+from modelfleet.store import Store, StoreError, StoreUnreachable
+
+log = logging.getLogger("modelfleet.store")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Outage:
+    """The store unreachable: since when (wall-clock seconds) and why, as first seen."""
+
+    since: float
+    why: str
+
+
+class StoreCalls:
+    """Calls to `store`, each in a worker thread, waited for at most `deadline` seconds."""
+
+    def __init__(
+        self,
+        store: Store,
+        deadline: float,
+        wall: Callable[[], float] = time.time,
+        workers: int = 8,
+    ) -> None:
+        self.store = store
+        self.deadline = deadline
+        self.wall = wall
+        self.outage: Outage | None = None
+        self._pool = _DaemonPool(workers)
+        self._probing: asyncio.Future[Any] | None = None
+
+    async def __call__(
+        self,
+        fn: Callable[P, T],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """`fn(*args, **kwargs)`, run in a worker thread; StoreUnreachable at once during an
+        outage, or when it does not answer within the deadline."""
+        if self.outage is not None:
+            raise StoreUnreachable(self.refusal())
+        return await self._run(False, lambda: fn(*args, **kwargs))
+
+    async def probe(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """As a call, but tried during an outage too (one at a time): its success ends it."""
+        if self._probing is not None and not self._probing.done():
+            raise StoreUnreachable(self.refusal() if self.outage else "a probe is under way")
+        return await self._run(True, lambda: fn(*args, **kwargs))
+
+    async def _run(self, probing: bool, work: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.run_in_executor(self._pool, work)
+        if probing:
+            self._probing = future
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(future), self.deadline)
+        except TimeoutError:
+            why = f"no answer within {self.deadline:.1f}s"
+            self._down(why)
+            raise StoreUnreachable(f"the store {self.store.where}: {why}") from None
+        except StoreUnreachable as exc:
+            self._down(str(exc))
+            raise
+        except StoreError:
+            self._up()  # it answered: a refusal or a full disk is not an outage
+            raise
+        self._up()
+        return answer
+
+    def refusal(self) -> str:
+        """Why a call is refused during the outage."""
+        assert self.outage is not None
+        since = time.strftime("%H:%M:%S", time.localtime(self.outage.since))
+        ago = max(0.0, self.wall() - self.outage.since)
+        return (
+            f"the store {self.store.where} is unreachable since {since} ({ago:.0f}s): "
+            f"{self.outage.why}; nothing was changed, and it is tried again by itself"
+        )
+
+    def problem(self) -> str | None:
+        """What is wrong with the store now, for `ctl status`: unreachable, or cannot write."""
+        if self.outage is not None:
+            return self.refusal()
+        return self.store.write_problem()
+
+    def _down(self, why: str) -> None:
+        if self.outage is None:
+            self.outage = Outage(self.wall(), why)
+            log.warning("the store %s is unreachable: %s; retried by itself", self.store.where, why)
+
+    def _up(self) -> None:
+        if self.outage is not None:
+            lasted = self.wall() - self.outage.since
+            log.warning("the store %s answers again, after %.1fs", self.store.where, lasted)
+            self.outage = None
+
+    def close(self) -> None:
+        """Stop the workers once they are done; a call still waiting on a frozen store is
+        left behind (its thread does not hold up the process's exit)."""
+        self._pool.close()
+
+
+class _DaemonPool(concurrent.futures.Executor):
+    """Worker threads that never hold up the process's exit: the standard pool joins its
+    threads at exit, and one stuck in a call to a frozen store would hang a control plane's
+    stop for as long as the store is frozen."""
+
+    def __init__(self, workers: int) -> None:
+        self._jobs: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
+        ] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"store-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(
+        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((future, lambda: fn(*args, **kwargs)))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, work = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(work())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
