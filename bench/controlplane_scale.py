@@ -23,13 +23,14 @@ the routing tables the control plane pushes. For each size it prints:
 
 Then the growth ratio of each cost per tenfold of fleet size, and one JSON line with
 `cpu_s_per_s` and `report_p99_ms` (by size), `catalog_to_assignments_s_10000`,
-`adopt_s_10000`, `idle_pass_ms_10000` and `rss_mb_10000`.
+`adopt_s_10000`, `restart_churn_10000`, `idle_pass_ms_10000` and `rss_mb_10000`.
 
     python bench/controlplane_scale.py [--sizes 1000,5000,10000] [--steady 20] [--silence 90]
 
 Targets at 10,000 nodes: at most 0.5 CPU-seconds per second, report p99 within 50 ms, 1,000 new
-replicas assigned within 5 s, adoption after a restart within 10 s, an idle pass within 10 ms,
-RSS within 1 GB; every cost growing at most linearly. Needs about twice 10,000 file descriptors.
+replicas assigned within 5 s, adoption after a restart within 10 s with no replica started or
+stopped (`restart_churn` 0), an idle pass within 10 ms, RSS within 1 GB; every cost growing at
+most linearly. Needs about twice 10,000 file descriptors.
 """
 
 from __future__ import annotations
@@ -104,6 +105,13 @@ class Fleet:
         self.table: tuple[int, int] = (0, 0)  # the router's (epoch, endpoints)
         self.measuring = False
         self.lag_ms: list[float] = []  # this process's own event loop lag while measuring
+
+    def seen(self) -> str:
+        """The counters, for a wait that timed out."""
+        return (
+            f"beating {self.beating}, started {self.started}, dropped {self.dropped}, "
+            f"errors {self.errors}, table {self.table}"
+        )
 
     async def watch_lag(self) -> None:
         """How late this process's event loop wakes up: when it is late, so are the figures
@@ -262,12 +270,15 @@ def rss_mb(pid: int) -> float:
     return math.nan
 
 
-async def wait_for(what: str, done: Callable[[], bool], timeout: float) -> float:
-    """Seconds until `done()`; raises TimeoutError naming `what` after `timeout`."""
+async def wait_for(
+    what: str, done: Callable[[], bool], timeout: float, seen: Callable[[], str] = str
+) -> float:
+    """Seconds until `done()`; raises TimeoutError naming `what`, and what was `seen` by
+    then, after `timeout`."""
     began = time.perf_counter()
     while not done():
         if time.perf_counter() - began > timeout:
-            raise TimeoutError(f"waited {timeout:.0f}s for {what}")
+            raise TimeoutError(f"waited {timeout:.0f}s for {what}; {seen()}")
         await asyncio.sleep(0.02)
     return time.perf_counter() - began
 
@@ -351,7 +362,7 @@ async def measure(
                 600,
             )
             up_s = time.perf_counter() - began
-            await wait_for("every agent beating", lambda: fleet.beating == nodes, 120)
+            await wait_for("every agent beating", lambda: fleet.beating == nodes, 120, fleet.seen)
             # This process holds 10,000 simulated agents: kept out of its collector's sight,
             # as the control plane keeps its state, so that its pauses do not show as theirs.
             gc.freeze()
@@ -395,7 +406,7 @@ async def measure(
                 lambda: fleet.table[1] >= replicas,
                 120,
             )
-            await wait_for("every agent beating", lambda: fleet.beating == nodes, 120)
+            await wait_for("every agent beating", lambda: fleet.beating == nodes, 120, fleet.seen)
 
             # A restart on the same state dir, until every replica is adopted and routed.
             epoch = fleet.table[0]
@@ -408,7 +419,9 @@ async def measure(
             ready_s = time.perf_counter() - began
             for sim in sims:
                 sim.url = cp.urls["agent"]
-            await wait_for("every agent reporting again", lambda: fleet.beating == nodes, 300)
+            await wait_for(
+                "every agent reporting again", lambda: fleet.beating == nodes, 300, fleet.seen
+            )
             reported_s = time.perf_counter() - began
             await wait_for(
                 "a full routing table from the restarted control plane",
@@ -495,6 +508,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     results = {}
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     for size in sizes:
         log = args.logs / f"control-plane-{size}.log" if args.logs else None
         result = uvloop.run(
@@ -517,7 +532,7 @@ def main() -> None:
         "cpu_s_per_s": {str(s): results[s]["cpu_s_per_s"] for s in sizes},
         "report_p99_ms": {str(s): results[s]["report_p99_ms"] for s in sizes},
     }
-    for key in ("catalog_to_assignments_s", "adopt_s", "idle_pass_ms", "rss_mb"):
+    for key in ("catalog_to_assignments_s", "adopt_s", "restart_churn", "idle_pass_ms", "rss_mb"):
         summary[f"{key}_{sizes[-1]}"] = last[key]
     print(json.dumps(summary))
 

@@ -99,20 +99,22 @@ def settling(
     now: float,
     started_at: float,
     settle_for: float,
-    known_nodes: Collection[str],
-    reported_nodes: Collection[str],
+    bound: float,
+    quiet_since: float,
+    waited_reported: bool | None,
 ) -> bool:
-    """Whether the control plane is still in its settling window after a start.
+    """Whether a term is still in its settling window: it adopts what agents report, and
+    neither places nor tears down.
 
-    While settling it adopts what agents report but neither places nor tears down. The window
-    is `settle_for` seconds (negative: no window) and ends early once every node it knows of
-    has reported.
+    It ends once every node it waits for (those that held replicas, the known nodes) has
+    reported (`waited_reported`; None: it waits for no node by name); or once no node new to
+    the term has reported since `quiet_since` for `settle_for` seconds, so that a control
+    plane busy taking reports as fast as it can does not end it while they still come; and
+    `bound` seconds after `started_at` at most. `settle_for` negative: no window at all.
     """
-    if settle_for < 0:
+    if settle_for < 0 or waited_reported:
         return False
-    if known_nodes and set(known_nodes) <= set(reported_nodes):
-        return False
-    return now - started_at < settle_for
+    return now - quiet_since < settle_for and now - started_at < bound
 
 
 def plan(
@@ -482,13 +484,24 @@ def preview(
     now: float,
     stale_after: float,
     max_passes: int = 256,
+    *,
+    serving: Collection[str] | None = None,
+    failed: Mapping[str, str] = MappingProxyType({}),
+    avoid: Mapping[str, Mapping[str, str]] = MappingProxyType({}),
+    lost_after: float | None = None,
+    moving: Mapping[str, str] = MappingProxyType({}),
     wanted: Mapping[str, int] = MappingProxyType({}),
+    load: Mapping[str, float] = MappingProxyType({}),
+    asleep: Collection[str] = frozenset(),
 ) -> Preview:
     """Run `plan` pass after pass until nothing changes, as if every new replica served at once
     and every stopped one let go of its GPUs one pass after it was stopped.
 
-    This is what `ctl catalog apply --dry-run` prints. It is optimistic where the real fleet is
-    not: an engine that fails to start, or a node that stops reporting, changes the real course.
+    The first pass plans from what the control plane's next pass plans from (the keyword
+    arguments are `plan`'s; `serving` None: every replica in the table serves), so its
+    steps are what that pass does. This is what `ctl catalog apply` prints. It is optimistic
+    where the real fleet is not: an engine that fails to start, or a node that stops
+    reporting, changes the real course.
     """
     table = {r.id: r for r in replicas}
     steps: list[PreviewStep] = []
@@ -496,15 +509,22 @@ def preview(
     freeing: set[tuple[str, int]] = set()
     started = 0
     for step in range(1, max_passes + 1):
+        first = step == 1
         last = plan(
             catalog,
             list(table.values()),
-            set(table),
+            serving if first and serving is not None else set(table),
             nodes,
             set(busy) | freeing,
             now,
             stale_after,
+            failed if first else {},
+            avoid,
+            lost_after,
+            moving={rid: why for rid, why in moving.items() if rid in table},
             wanted=wanted,
+            load=load,
+            asleep=asleep,
         )
         if not last.changes:
             break

@@ -32,11 +32,11 @@ def small_disk(folder: Path, size: str) -> Iterator[Path]:
 def fill(folder: Path) -> Path:
     """Write to `folder` until its disk is full; returns the file that fills it."""
     filler = folder / "filler"
-    with filler.open("wb") as f:
+    # Unbuffered: a buffered file keeps what did not fit and raises ENOSPC again on close.
+    with filler.open("wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 65536)
-                f.flush()
         except OSError as exc:
             assert exc.errno == errno.ENOSPC, exc
     return filler

@@ -4,6 +4,7 @@ each test gets a database of its own). Every test runs against both."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sqlite3
@@ -25,6 +26,7 @@ from modelfleet.controlplane.catalogs import API_SOURCE, CatalogKeeper
 from modelfleet.pgserver import PgServer
 from modelfleet.store import (
     SCHEMA_VERSION,
+    EventWrite,
     Rejection,
     Store,
     StoredCredential,
@@ -36,6 +38,7 @@ from modelfleet.store import (
     StoreError,
 )
 from modelfleet.store.postgres import Bounds, PostgresStore
+from modelfleet.store.sql import EVENT_ROWS_PER_STATEMENT
 from modelfleet.store.sqlite import SqliteStore
 
 from ..catalog_kit import catalogs
@@ -208,14 +211,19 @@ def event(reason: str, regarding: str, at: float) -> StoredEvent:
 
 
 def test_events_are_kept_by_count_and_read_by_object_kind_time_and_id(store: Store) -> None:
-    ids = [
-        store.add_event(event("NodeMarked", "node/a", 10.0), keep=4),
-        store.add_event(event("NodeMarked", "node/b", 20.0), keep=4),
-        store.add_event(event("ReplicaPlaced", "replica/m-1", 30.0), keep=4),
-        store.add_event(event("NodeMarked", "node/ab", 40.0), keep=4),
-    ]
+    ids = store.write_events(
+        [EventWrite(event("NodeMarked", "node/a", 10.0)),
+         EventWrite(event("NodeMarked", "node/b", 20.0))],
+        keep=4,
+    )  # fmt: skip
+    ids += store.write_events(
+        [EventWrite(event("ReplicaPlaced", "replica/m-1", 30.0)),
+         EventWrite(event("NodeMarked", "node/ab", 40.0))],
+        keep=4,
+    )  # fmt: skip
     assert ids == sorted(ids) and len(set(ids)) == 4
-    store.repeat_event(ids[0], 3, 50.0)
+    again = dataclasses.replace(event("NodeMarked", "node/a", 10.0), count=3, last_at=50.0)
+    assert store.write_events([EventWrite(again, ids[0])], keep=4) == [ids[0]]
     [first] = store.events("node/a")
     assert (first.count, first.first_at, first.last_at) == (3, 10.0, 50.0)
     assert [e.regarding for e in store.events("node")] == ["node/a", "node/b", "node/ab"]
@@ -223,8 +231,24 @@ def test_events_are_kept_by_count_and_read_by_object_kind_time_and_id(store: Sto
     assert [e.id for e in store.events(since=25.0)] == [ids[0], ids[2], ids[3]]
     assert [e.id for e in store.events(after=ids[1])] == ids[2:]
     assert [e.id for e in store.events(limit=2)] == ids[2:]  # the newest, oldest first
-    store.add_event(event("NodeMarked", "node/c", 60.0), keep=4)  # the oldest goes
+    store.write_events([EventWrite(event("NodeMarked", "node/c", 60.0))], keep=4)  # oldest goes
     assert [e.regarding for e in store.events()] == ["node/b", "replica/m-1", "node/ab", "node/c"]
+
+
+def test_a_batch_of_events_larger_than_one_statement_gets_each_its_own_id(store: Store) -> None:
+    first = store.write_events(
+        [EventWrite(event("NodeMarked", f"node/{i}", 1.0)) for i in range(3)], keep=10_000
+    )
+    many = EVENT_ROWS_PER_STATEMENT * 2 + 7
+    writes = [EventWrite(event("ReplicaPlaced", f"replica/m-{i}", 2.0)) for i in range(many)]
+    again = dataclasses.replace(event("NodeMarked", "node/1", 1.0), count=5, last_at=3.0)
+    writes.insert(many // 2, EventWrite(again, first[1]))  # a count among the new ones
+    ids = store.write_events(writes, keep=10_000)
+    assert len(ids) == len(writes) and ids[many // 2] == first[1]
+    by_id = {e.id: e for e in store.events(limit=10_000)}
+    assert len(by_id) == many + 3
+    assert [by_id[i].regarding for i in ids] == [w.event.regarding for w in writes]
+    assert (by_id[first[1]].count, by_id[first[1]].last_at) == (5, 3.0)
 
 
 def test_usage_is_added_once_per_batch_and_summed(store: Store) -> None:
@@ -788,7 +812,7 @@ def test_a_control_plane_outlasts_its_store_frozen_then_stopped_and_says_so(
                 held = time.monotonic() + 6  # the lease runs out meanwhile, by any clock
                 while time.monotonic() < held:
                     assert proc.poll() is None, procs.log("cp")[-3000:]
-                    assert unreachable()
+                    assert unreachable(), f"{outage}: {status()}\n{procs.log('cp')[-3000:]}"
                     time.sleep(0.5)
             finally:
                 if outage == "frozen":
@@ -812,6 +836,122 @@ def test_a_control_plane_outlasts_its_store_frozen_then_stopped_and_says_so(
     finally:
         server.stop("immediate")
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_leader_frozen_then_elected_again_adopts_what_runs_and_restarts_nothing(
+    pg: PgServer, procs: Procs, tmp_path: Path
+) -> None:
+    """Issue 38's recipe: the leader frozen (SIGSTOP) past its lease, another takes over and
+    adopts, that one killed -9, the first thawed: it wins the lease again, under a new
+    epoch. It once acted on its old view: declared live nodes lost, restarted a replica the
+    catalog had retired and stopped a healthy one. Now it begins a term from nothing: it
+    settles until the nodes that held replicas report, adopts them, and restarts nothing."""
+    import os
+    import signal
+
+    import httpx
+    import yaml
+
+    from modelfleet.agent.records import recorded_engine_pids
+    from modelfleet.processes import stop_groups
+
+    from .conftest import wait_json
+
+    where, token, agent_token = fresh_database(pg), "admin-token-of-the-test", "a" * 20
+    catalog = tmp_path / "catalog.yaml"
+    model = {"name": "m", "engine": "sim", "replicas": 2}
+    catalog.write_text(yaml.safe_dump({"models": [model]}))
+    admins: dict[str, httpx.Client] = {}
+    agent_urls: list[str] = []
+    started: dict[str, subprocess.Popen[bytes]] = {}
+    for name in ("a", "b"):
+        config = {"state_dir": str(tmp_path / f"cp-{name}"), "agent_port": 0, "admin_port": 0,
+                  "admin_token": token, "agent_token": agent_token, "store": where,
+                  "lease_ttl": 1.5, "catalog": str(catalog), "node_stale_after": 2,
+                  "node_lost_after": 4, "node_forget_after": 600}  # fmt: skip
+        (tmp_path / f"cp-{name}.yaml").write_text(yaml.safe_dump(config))
+        ready = tmp_path / f"cp-{name}.json"
+        proc = procs.start("control-plane", "--config", str(tmp_path / f"cp-{name}.yaml"),
+                           "--ready-file", str(ready), log=f"cp-{name}")  # fmt: skip
+        urls = wait_json(ready, proc)["urls"]
+        started[name] = proc
+        agent_urls.append(urls["agent"])
+        admins[name] = httpx.Client(
+            base_url=urls["admin"], headers={"authorization": f"Bearer {token}"}, timeout=10
+        )
+    a, b = admins["a"], admins["b"]
+    nodes = ("n1", "n2")
+    for node in nodes:
+        procs.start(
+            "agent", "--control-plane", ",".join(agent_urls), "--node", node,
+            "--simulate-gpus", "1x80GB", "--token", agent_token, "--state-dir",
+            str(tmp_path / node), "--report-interval", "0.5", log=node,
+        )  # fmt: skip
+    try:
+
+        def ready_on(client: httpx.Client, count: int) -> dict[str, int] | None:
+            try:
+                reps = client.get("/v1/replicas").json()["replicas"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                return None
+            ready = {r["id"]: r["shards"][0]["pid"] for r in reps if r["state"] == "ready"}
+            everything = {r["id"] for r in reps}
+            return ready if len(ready) == count == len(everything) else None
+
+        before = wait_for("two replicas ready on a", lambda: ready_on(a, 2), 60)
+        os.kill(started["a"].pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            wait_for("b leading", lambda: b.get("/v1/status").json()["leading"], 20)
+            # The agents left the frozen leader for b within about a lease TTL (1.5 s) and a
+            # second: they once waited out a 12 s heartbeat timeout, b settled by its bound
+            # meanwhile and kept an empty roster, and a placed anew when it led again.
+            wait_for(
+                "both agents to report to b",
+                lambda: len([n for n in b.get("/v1/nodes").json()["nodes"] if n["ready"]]) == 2,
+                6,
+            )
+            assert wait_for("b adopting both", lambda: ready_on(b, 2), 60) == before
+            # While a is frozen the catalog changes: one replica retires. a's old view holds
+            # two, and nodes last heard from longer ago than node_lost_after.
+            one = yaml.safe_dump({"models": [{**model, "replicas": 1}]})
+            applied = b.put("/v1/catalog", content=one)
+            assert applied.status_code == 200, applied.text
+            kept = wait_for("b retiring one replica", lambda: ready_on(b, 1), 60)
+            wait_for(
+                "a frozen past node_lost_after",
+                lambda: time.monotonic() - frozen_at > 6 or None,
+                10,
+            )
+        finally:
+            os.kill(started["b"].pid, signal.SIGKILL)
+            started["b"].wait()
+            os.kill(started["a"].pid, signal.SIGCONT)
+        status = wait_for(
+            "a leading again, under a new epoch",
+            lambda: (s := a.get("/v1/status").json())["leading"] and s["lease_epoch"] == 3 and s,
+            20,
+        )
+        assert wait_for("a adopting the one kept", lambda: ready_on(a, 1), 60) == kept
+        wait_for(
+            "a's new term to plan once (and so to judge its nodes)",
+            lambda: a.get("/v1/status").json()["reconcile_plans"] >= 1,
+            30,
+        )
+        events = a.get("/v1/events", params={"limit": 1000}).json()["events"]
+        elected = max(
+            e["id"] for e in events
+            if e["reason"] == "LeaderElected" and "epoch 3" in e["message"]
+        )  # fmt: skip
+        after = [e for e in events if e["id"] > elected]
+        bad = {"NodeLost", "NodeStale", "ReplicaPlaced", "ReplicaRetiring", "ReplicaStopped"}
+        assert not [e for e in after if e["reason"] in bad], after
+        assert status["lease_epoch"] == 3
+        for node in nodes:
+            assert "refused an assignment" not in procs.log(node)
+    finally:
+        procs.stop_all()
+        stop_groups([pid for n in nodes for pid in recorded_engine_pids(tmp_path / n)], 10)
 
 
 def test_up_runs_three_control_planes_on_a_postgresql_of_its_own() -> None:

@@ -502,7 +502,7 @@ def test_a_slow_preview_and_a_hung_router_hold_up_neither_reports_nor_passes(
     """A dry run that takes long (hundreds of planner passes at a large fleet) runs off the
     event loop, and pushes to a router that never answers run in tasks of their own: agents'
     reports are answered and reconcile passes go on meanwhile."""
-    from modelfleet.controlplane import plane
+    from modelfleet.controlplane import term as plane
 
     release = threading.Event()
     real = plane.preview

@@ -299,7 +299,7 @@ def test_a_change_for_one_model_plans_that_model_only() -> None:
     for node, zone in (("n1", "a"), ("n2", "b")):
         cp.state.take_report(report(node, labels={"zone": zone}), cp.catalogs.current, 0.0)
     cp.reconcile_once(0.0)
-    assert cp.planned_models == 2  # the first pass plans everything
+    assert cp.term.planned_models == 2  # the first pass plans everything
     cp.reconcile_once(0.5)  # the replicas it placed are new to plan from: planned once more
     [on_n1] = [r.replica for r in cp.state.replicas.values() if r.replica.shards[0].node == "n1"]
     assigned = cp.assignments.of("n1", cp.catalogs.current).shards
@@ -308,11 +308,11 @@ def test_a_change_for_one_model_plans_that_model_only() -> None:
     cp.state.take_report(sent, cp.catalogs.current, 1.0)
     plans = cp.plans
     cp.reconcile_once(1.0)
-    assert cp.plans == plans + 1 and cp.planned_models == 1  # model a only
+    assert cp.plans == plans + 1 and cp.term.planned_models == 1  # model a only
     assert cp.state.replicas[on_n1.id].retiring.startswith("failed 3 times")
     cp.state.take_report(report("n3", labels={"zone": "b"}), cp.catalogs.current, 2.0)
     cp.reconcile_once(2.0)
-    assert cp.planned_models == 2  # a node came: every model may use it
+    assert cp.term.planned_models == 2  # a node came: every model may use it
 
 
 def test_settling_ends_when_every_known_node_reported_or_the_window_closes() -> None:
@@ -320,7 +320,7 @@ def test_settling_ends_when_every_known_node_reported_or_the_window_closes() -> 
     the settle window (here 10 s) is over; a node it does not name does not end it."""
     config = ControlPlaneConfig(admin_token=TOKEN, known_nodes=["n1", "n2"], settle_for=10)
     cp = ControlPlane(config, keeper([{"name": "m", "engine": "sim"}]))
-    start = cp.started_at
+    start = cp.term.started_at
     cp.state.take_report(report("n1"), cp.catalogs.current, start)
     cp.state.take_report(report("stranger"), cp.catalogs.current, start)
     assert cp.settling(start + 1)  # two reported, but not both of the known ones
@@ -332,9 +332,9 @@ def test_settling_ends_when_every_known_node_reported_or_the_window_closes() -> 
     assert cp.plans == 1
 
     alone = ControlPlane(config, keeper([{"name": "m", "engine": "sim"}]))
-    alone.state.take_report(report("n1"), alone.catalogs.current, alone.started_at)
-    assert alone.settling(alone.started_at + 9.9)
-    assert not alone.settling(alone.started_at + 10)  # the window is over
+    alone.state.take_report(report("n1"), alone.catalogs.current, alone.term.started_at)
+    assert alone.settling(alone.term.started_at + 9.9)
+    assert not alone.settling(alone.term.started_at + 10)  # the window is over
 
 
 def test_a_failed_exchange_is_described_never_as_nothing() -> None:

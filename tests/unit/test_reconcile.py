@@ -92,10 +92,12 @@ def test_gpus_still_held_by_a_stopping_engine_are_not_reused() -> None:
 
 
 def test_settling_window() -> None:
-    assert settling(NOW, 95, 10, ["n0", "n1"], ["n0"])
-    assert not settling(NOW, 95, 10, ["n0", "n1"], ["n0", "n1"])  # all known nodes reported
-    assert not settling(NOW, 80, 10, ["n0"], [])  # window over
-    assert not settling(NOW, 99, -1, ["n0"], [])  # negative: off
+    assert settling(NOW, 95, 10, 60, 95, False)
+    assert not settling(NOW, 95, 10, 60, 95, True)  # every node waited for reported
+    assert not settling(NOW, 80, 10, 60, 80, None)  # no new node for the window: over
+    assert settling(NOW, 50, 10, 60, 99, False)  # nodes still come: on, past the window
+    assert not settling(NOW, 40, 10, 60, 99, False)  # but not past the bound
+    assert not settling(NOW, 99, -1, 60, 99, False)  # negative: off
 
 
 def test_changed_arguments_replace_one_replica_at_a_time() -> None:

@@ -225,7 +225,7 @@ class Fleet(RuleBasedStateMachine):
             # The pass's first step, restarting broken groups, changes what it plans from:
             # taken first, so that the whole plan is made from the same (the pass finds
             # nothing more to restart).
-            cp.restart_groups()
+            cp.term.restart_groups()
         whole = None if cp.settling(self.now) else self.whole_plan()
         cp.reconcile_once(self.now)
         if whole is None:
@@ -234,13 +234,13 @@ class Fleet(RuleBasedStateMachine):
             # It did not plan: planning would have changed nothing, as of one reconcile interval
             # ago (what a time brings is planned for up to one interval late, so that nodes
             # going silent one by one are planned for together), or of the last plan if later.
-            at = max(cp.planned_at, self.now - cp.config.reconcile_interval)
+            at = max(cp.term.planned_at, self.now - cp.config.reconcile_interval)
             late = self.whole_plan(at)
             assert not late.new and not late.stop, late
             assert [(p.model, p.count) for p in late.pending] == [
                 (p.model, p.count) for p in state.pending
             ]
-        elif cp.planned_models != len(self.keeper.current.models):
+        elif cp.term.planned_models != len(self.keeper.current.models):
             # It planned some models: what it did is what planning them all would have done.
             made = Counter(
                 (r.replica.model, r.replica.shards)

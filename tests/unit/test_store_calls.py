@@ -78,6 +78,31 @@ def test_a_store_that_does_not_answer_opens_an_outage_and_every_call_is_refused_
     calls.close()
 
 
+def test_background_work_slower_than_the_deadline_is_waited_for_and_is_no_outage() -> None:
+    # Events written while 10,000 agents report: the worker thread gets little time, and a
+    # batch took seconds. Counted as an outage, it refused reports and lapsed the lease.
+    store = Frozen()
+    calls = StoreCalls(store, 0.1)  # type: ignore[arg-type]
+
+    async def go() -> None:
+        slow = asyncio.create_task(calls.background(store.get_meta, "k"))
+        await asyncio.sleep(0.3)  # three deadlines
+        assert not slow.done() and calls.outage is None
+        assert await calls(lambda: "other") == "other"  # other calls go on meanwhile
+        store.thawed.set()
+        assert await asyncio.wait_for(slow, 5) == "value"
+        assert calls.outage is None
+        store.thawed.clear()
+        with pytest.raises(StoreUnreachable):
+            await calls(store.get_meta, "k")  # a bounded call still opens the outage
+        with pytest.raises(StoreUnreachable, match="unreachable since"):
+            await calls.background(store.get_meta, "k")  # and background work waits it out
+        store.thawed.set()
+
+    asyncio.run(go())
+    calls.close()
+
+
 def test_a_refusal_by_a_store_that_answers_is_no_outage() -> None:
     class Full:
         where = "store.sqlite"

@@ -63,6 +63,14 @@ from modelfleet.wire import (
 
 log = logging.getLogger("modelfleet.agent")
 
+# With several control planes, one that does not answer in time is left for the next: it may be
+# frozen, or cut off, and a new leader takes its lease within the lease's TTL (3 s by default).
+# With one, there is nowhere else to go: it is given the time a busy one may need (a restart at
+# 10,000 nodes answers thousands of reports at once).
+PATIENCE_S = {"one": (10.0, 10.0), "several": (1.0, 3.0)}  # to connect, to answer
+# How much longer than the interval the control plane holds a heartbeat it is waited for.
+HOLD_MARGIN_S = {"one": 10.0, "several": 1.0}
+
 
 @dataclass(frozen=True)
 class AgentSettings:
@@ -105,10 +113,13 @@ class Agent:
         self._urls = settings.control_planes or (settings.control_plane,)
         self._at = 0  # the control plane it talks to now, in `_urls`
         self.epoch = 0  # the highest lease epoch of a leader it has taken an answer from
+        self._how_many = "several" if len(self._urls) > 1 else "one"
         self._cp = httpx.AsyncClient(
             base_url=settings.control_plane,
             headers=headers,
-            timeout=10,
+            timeout=httpx.Timeout(
+                PATIENCE_S[self._how_many][1], connect=PATIENCE_S[self._how_many][0]
+            ),
             verify=settings.verify if settings.verify is not None else True,
             transport=settings.transport,
         )
@@ -380,7 +391,9 @@ class Agent:
             node=self.settings.node, boot_id=self.boot_id, seq=seq, assignment=held.version
         )
         # The control plane holds the answer up to one interval: wait a little longer.
-        timeout = httpx.Timeout(10, read=held.heartbeat_interval + 10)
+        connect, within = PATIENCE_S[self._how_many]
+        read = held.heartbeat_interval + HOLD_MARGIN_S[self._how_many]
+        timeout = httpx.Timeout(within, connect=connect, read=read)
         sent = asyncio.ensure_future(
             self._cp.post("/v1/heartbeat", content=beat.model_dump_json(), timeout=timeout)
         )

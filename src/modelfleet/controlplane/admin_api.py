@@ -333,7 +333,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         try:
             if dry_run:
                 candidate = cp.catalogs.validate(text, API_SOURCE)
-                demand = cp.adapter_demand(candidate)
+                demand = cp.term.adapter_demand(candidate)
                 adapters = views.adapter_changes(cp.state, candidate, demand, cp.replica_loads())
                 moves, pending = views.steps(await cp.preview(candidate))
                 return admin.CatalogChange(
@@ -353,7 +353,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         if applied.changed:
             cp.wake()
         # The preview takes the table before anything is awaited: what the next passes do.
-        demand = cp.adapter_demand(applied.catalog)
+        demand = cp.term.adapter_demand(applied.catalog)
         adapters = views.adapter_changes(cp.state, applied.catalog, demand, cp.replica_loads())
         moves, pending = views.steps(await cp.preview(applied.catalog))
         return admin.CatalogChange(
@@ -456,7 +456,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         takes it with its next routing table."""
         body = await key_body(request, admin.KeyCreate)
         try:
-            key, stored = await cp.keys.create(body, model_names(), cp.clock.time())
+            key, stored = await cp.keys.create(body, model_names(), cp.store_time())
         except keys.KeyRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         cp.events.normal("KeyCreated", f"key/{stored.name}", f"prefix {stored.prefix}")
@@ -472,7 +472,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         """Change a key's models, limits or expiry."""
         body = await key_body(request, admin.KeyUpdate)
         try:
-            stored = await cp.keys.update(name, body, model_names(), cp.clock.time())
+            stored = await cp.keys.update(name, body, model_names(), cp.store_time())
         except keys.KeyRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         changed = ", ".join(sorted(body.model_dump(exclude_unset=True))) or "nothing"
@@ -505,7 +505,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
     @app.get("/v1/join-tokens", responses=_errors())
     async def join_tokens() -> admin.JoinTokensAnswer:
         """The join tokens (never their secrets): usable, expired or used up."""
-        now = cp.clock.time()
+        now = cp.store_time()
         tokens = cp.membership.tokens.values()
         return admin.JoinTokensAnswer(tokens=[token_info(t, now) for t in tokens])
 
@@ -526,7 +526,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
                 raise Refused.because(400, f"ttl: {exc}; or 'never'") from None
             if ttl <= 0:
                 raise Refused.because(400, f"ttl: {body.ttl!r} is no time at all")
-        now = cp.clock.time()
+        now = cp.store_time()
         try:
             token, stored = await cp.membership.create_token(ttl, body.uses, now)
         except MembershipRefused as exc:
@@ -541,7 +541,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             stored = await cp.membership.revoke_token(token_id)
         except MembershipRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
-        return token_info(stored, cp.clock.time())
+        return token_info(stored, cp.store_time())
 
     @app.get("/v1/logs/{replica}", responses=_errors(404, 504))
     async def logs(

@@ -20,11 +20,13 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
+import operator
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from modelfleet.store import Fenced, Store, StoredEvent, StoreError
+from modelfleet.store import EventWrite, Fenced, Store, StoredEvent, StoreError, StoreUnreachable
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -32,7 +34,7 @@ KEEP = 100_000
 SOURCE = "control-plane"
 MAX_PENDING = 10_000
 FLUSH_S = 0.1
-FLUSH_MOST = 200  # events one flush writes at most: each store call is short
+FLUSH_MOST = 500  # events one transaction writes at most: each store call is short
 
 
 @dataclass
@@ -102,42 +104,51 @@ class EventLog:
         self._wanted.set()
 
     def flush(self, most: int | None = None) -> None:
-        """Write the events noted and not yet written, in order, `most` of them at most (in a
-        worker thread, or where no event loop runs: tests). Stops at the first the store
-        refuses, logging it once per cause; those left are tried again at the next flush."""
+        """Write the events noted and not yet written, in order, in transactions of up to
+        FLUSH_MOST (in a worker thread, or where no event loop runs: tests), `most` at most.
+        Stops at the first batch the store refuses, logging it once per cause; what is left
+        is tried again at the next flush."""
         with self._flushing:
-            for _ in itertools.repeat(None) if most is None else range(most):
+            left = math.inf if most is None else most
+            while left > 0:
                 with self._lock:
                     if not self._pending:
                         return
-                    entry = self._pending[0]
-                    event, written = entry.event, entry.id
+                    head = self._pending[: int(min(left, FLUSH_MOST))]
+                    fenced = head[0].fenced
+                    batch = [*itertools.takewhile(operator.attrgetter("fenced"), head)]
+                    if not fenced:
+                        batch = [*itertools.takewhile(lambda e: not e.fenced, head)]
+                    writes = [EventWrite(e.event, e.id) for e in batch]
+                left -= len(batch)
                 try:
-                    if written is None:
-                        new = self.store.add_event(event, self.keep, entry.fenced)
-                    else:
-                        self.store.repeat_event(written, event.count, event.last_at, entry.fenced)
-                        new = written
+                    ids = self.store.write_events(writes, self.keep, fenced)
                 except Fenced:
-                    self._drop_first(entry)  # of a term that ended: never written
+                    self._settle(batch, None)  # of a term that ended: never written
                     continue
+                except StoreUnreachable:
+                    raise  # the caller's outage says it; swallowed, it read as an answer
                 except StoreError as exc:
                     if str(exc) != self._failure:
                         self._failure = str(exc)
                         log.warning("events wait to be written: %s", exc)
                     return
                 self._failure = ""
-                with self._lock:
-                    entry.id = new
-                    if entry.event == event and self._pending and self._pending[0] is entry:
-                        entry.dirty = False
-                        self._pending.pop(0)
+                self._settle(batch, [(w.event, i) for w, i in zip(writes, ids, strict=True)])
 
-    def _drop_first(self, entry: _Entry) -> None:
+    def _settle(self, batch: list[_Entry], written: list[tuple[StoredEvent, int]] | None) -> None:
+        """Take `batch` out of what waits, as `written` (event as written, its id), or as
+        dropped when None; one that happened again meanwhile waits on to be counted up."""
         with self._lock:
-            if self._pending and self._pending[0] is entry:
-                self._pending.pop(0)
+            done = set()
+            for n, entry in enumerate(batch):
+                if written is not None:
+                    event, entry.id = written[n]
+                    if entry.event != event:
+                        continue
                 entry.dirty = False
+                done.add(id(entry))
+            self._pending = [e for e in self._pending if id(e) not in done]
 
     async def run(self, call: Callable[[Callable[[], None]], Awaitable[None]]) -> None:
         """Flush through `call` (which runs it off the event loop) whenever events are noted,
@@ -147,10 +158,13 @@ class EventLog:
             await self._wanted.wait()
             self._wanted.clear()
             with contextlib.suppress(StoreError):  # said by flush or by the outage: tried again
-                await call(functools.partial(self.flush, FLUSH_MOST))
+                await call(functools.partial(self.flush, FLUSH_MOST))  # one transaction
             if self.dropped > said:
                 log.warning(
-                    "%d event(s) were dropped while the store could not write", self.dropped - said
+                    "%d event(s) were dropped: more than %d waited to be written (the store "
+                    "could not write them, or not as fast as they came)",
+                    self.dropped - said,
+                    MAX_PENDING,
                 )
                 said = self.dropped
             if self._pending:

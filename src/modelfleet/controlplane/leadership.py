@@ -101,6 +101,7 @@ class Leadership:
         self.planes: list[SeenControlPlane] = []  # every control plane on the store, as read
         self.planes_read_at = monotonic()  # when
         self._act_until = -math.inf
+        self._store_clock: tuple[float, float] | None = None  # the store's time, when read
 
     @property
     def interval(self) -> float:
@@ -109,6 +110,14 @@ class Leadership:
     def acting(self) -> bool:
         """Whether this control plane leads now and may act."""
         return self.monotonic() < self._act_until
+
+    def store_time(self) -> float | None:
+        """The store's clock now, as the last renewal read it and the monotonic clock moved
+        on since (off by that renewal's round trip at most); None before any renewal."""
+        if self._store_clock is None:
+            return None
+        read, asked = self._store_clock
+        return read + (self.monotonic() - asked)
 
     def leader_url(self, api: str) -> str | None:
         """Where the leader, as last seen, serves `api` ("agent" or "admin"); None when there
@@ -169,6 +178,7 @@ class Leadership:
     def take(self, exchange: Exchange, asked: float) -> Turn:
         """What the renewal asked at monotonic time `asked` found."""
         lease, self.planes, self.planes_read_at = exchange.lease, exchange.planes, asked
+        self._store_clock = (lease.store_now, asked)
         self.problem = ""
         self.leader, self.epoch = lease.holder, lease.epoch
         if lease.holder != self.holder:
@@ -187,12 +197,21 @@ class Leadership:
                     fenced=False,
                 )
             return Turn.LOST
+        # It could not renew in time, by more than a TTL (frozen, or cut off from the store):
+        # agents were turned away meanwhile, and its view of them is stale.
+        lapsed = asked - self._act_until > self.ttl
         self._act_until = asked + ACT_SHARE * self.ttl
-        if self.leading_epoch == lease.epoch:
+        if self.leading_epoch == lease.epoch and not lapsed:
             return Turn.LEADING
+        why = _why_taken(exchange.before, self.holder)
+        if self.leading_epoch == lease.epoch:
+            # Frozen, or cut off from the store, past what its lease let it do; nobody took
+            # the lease meanwhile. What it saw before is stale (nodes seem long silent): a new
+            # term begins, as after an election.
+            why = "its own lease, renewed after its acting lapsed"
+            log.warning("acting lapsed under epoch %d; a new term begins", lease.epoch)
         self.leading_epoch = lease.epoch
         self.store.fence(lease.epoch)
-        why = _why_taken(exchange.before, self.holder)
         before = exchange.before
         self.took_over = before is not None and before.holder not in ("", self.holder)
         log.info("leading under epoch %d (%s)", lease.epoch, why)

@@ -1,25 +1,25 @@
-"""`ControlPlane`: the control plane's state and its loops, around `FleetState`, the
-`CatalogKeeper` and the pure planner.
+"""`ControlPlane`: the control plane as a whole, for as long as its process runs.
 
-The reconcile loop runs every `reconcile_interval` seconds and at once after a report, a mark
-or a catalog swap that changed something. A pass plans only when something it plans from
-changed since the last one that did, or a time it plans by came (a node goes silent, a drain's
-grace ends), or `reconcile_full_interval` has passed: an idle pass at any fleet size costs next
-to nothing. Each pass that changes the routing table is pushed to every router
-(`publisher.py`). A replica taken out of service is stopped only after every
-router has confirmed a table without it. The listeners (`agent_api.py`, `admin_api.py`) call
-into it; `service.py` runs it all as a process.
+It holds what outlives a term: the store and its calls, what is desired (the catalog, keys,
+join tokens and credentials), the lease, the publisher, the routers' loads and usage, the
+event log, and its loops. What it learns of the fleet while it leads belongs to its `Term`
+(`term.py`), made anew at each election and dropped with the lease. The reconcile loop runs
+every `reconcile_interval` seconds and at once after a report, a mark or a catalog swap that
+changed something; each pass that changes the routing table is pushed to every router
+(`publisher.py`), and a replica taken out of service is stopped only after every router has
+confirmed a table without it. The listeners (`agent_api.py`, `admin_api.py`) call into it;
+`service.py` runs it all as a process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import json
 import logging
 import math
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -30,7 +30,6 @@ from modelfleet.controlplane.assignments import Assignments
 from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.catalogs import Applied, CatalogKeeper
 from modelfleet.controlplane.config import (
-    DEFAULT_SETTLE_FOR_S,
     ROUTING_EPOCH_KEY,
     ControlPlaneConfig,
     Heartbeats,
@@ -47,12 +46,12 @@ from modelfleet.controlplane.records import NodeMark
 from modelfleet.controlplane.routing import RoutingTable
 from modelfleet.controlplane.series import RouterSeries
 from modelfleet.controlplane.state import FleetState
+from modelfleet.controlplane.term import Term
 from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.controlplane.watch import AssignmentWatch
 from modelfleet.fleet import Mark
 from modelfleet.pki import CertificateAuthority
-from modelfleet.reconcile import Move, Preview, plan, preview, rebalance, settling
-from modelfleet.residency import Want
+from modelfleet.reconcile import Move, Preview
 from modelfleet.store import (
     StoredCredential,
     StoredEvent,
@@ -66,10 +65,9 @@ from modelfleet.wire import JoinAnswer, JoinRequest
 
 log = logging.getLogger("modelfleet.controlplane")
 MIN_AUTOSCALE_WAIT_S = 0.02  # a decision due already (and not taken: settling) waits this
-# A replica's adapter swap waits for every router to stop sending it requests for what it lets
-# go; a router that does not confirm holds it up no longer than this.
-ADAPTER_SWAP_GRACE_S = 5.0
 STORE_DEADLINE_S = 0.9  # the longest a store call is waited for (`StoreCalls`)
+ROSTER_KEY = "roster"  # in the store: the nodes that hold replicas (`keep_roster`)
+ROSTER_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +88,7 @@ class TermStart:
     desired: Desired
     applied: Applied | None  # the catalog file, applied as the term began
     routing_epoch: int
+    roster: frozenset[str] | None  # the nodes that held replicas, as the term before kept them
 
 
 class MarkRefused(RuntimeError):
@@ -125,12 +124,6 @@ class ControlPlane:
         self.config = config
         self.catalogs = catalogs
         self.clock = clock
-        self.state = FleetState(stale_after=config.node_stale_after)
-        self.assignments = Assignments(self.state)
-        self.routing = RoutingTable(self.state)
-        self.started_at = clock.monotonic()
-        self.settle_for = config.settle_for or DEFAULT_SETTLE_FOR_S
-        self._settled = False
         self._wake = asyncio.Event()
         self._http = http or httpx.AsyncClient(timeout=5)
         self.store = catalogs.store
@@ -151,9 +144,6 @@ class ControlPlane:
             self.store, clock.time, source=f"control-plane {holder_name(config.state_dir)}"
         )
         self.loads = LoadCollector(config.routers, self._http, clock.monotonic, self.events)
-        self.autoscaler = Autoscaler(self.calls, self.events, clock.time)
-        self._silent: dict[str, set[str]] = {"stale": set(), "lost": set()}
-        self._drained: set[str] = set()  # draining nodes told drained
         self.publisher = Publisher(
             config.routers,
             self._http,
@@ -173,35 +163,22 @@ class ControlPlane:
             clock.monotonic,
             self.events,
         )
-        # Took the lease from another control plane, and has heard from no node since.
-        self._took_over = False
         self.watch = AssignmentWatch()
+        self._beginning = False  # a term's store I/O under way: elected, not acting yet
         self.logs = LogRelay(self.watch)
         self._file_error = ""
-        self.passes = 0  # reconcile passes made (after settling), for operators and tests
-        self.plans = 0  # those of them that planned: the others had nothing new to plan from
         self.last_plan_s: float | None = None  # how long the last pass that planned took
         self.last_idle_pass_s: float | None = None  # and the last that did not
-        # What the last pass that planned planned from (the table's change count, the
-        # catalog's digest), when it ran, and the next time a pass must plan with nothing new.
-        self._planned: tuple[int, str] | None = None
-        self._planned_at = 0.0
-        self._due = 0.0
-        # What the last pass that planned the whole fleet planned from: when only the routing
-        # stamps of some models moved on since, the next plans those models only.
-        self._planned_whole: tuple[int, str, int] | None = None  # membership, catalog, stamp
-        self._planned_stamp = 0
-        self._whole_at = 0.0
-        self.planned_models: int | None = None  # how many models the last plan planned
-        self.frozen = ""  # the last pass's `Plan.frozen`: why nothing moves off lost nodes
         self._told_no_routers = False  # warned that autoscaled models have no load to follow
-        self._unmarked: set[str] = set()  # forgotten nodes whose marks the store still holds
         self._usage_totals: dict[str, tuple[int, int, float]] = {}  # as last read
-        self.retime()
+        self._roster: tuple[frozenset[str] | None, float] = (None, -math.inf)  # stored, when
+        # What this control plane knows of the fleet: a term of its own while it leads, one
+        # that acts on nothing while it follows (`Term`).
+        self.term = self._new_term(None, None)
         self.metrics.watch(self)
         # At the start, before any event loop runs: what is desired, and the lease (it leads
         # from the start unless another control plane does).
-        self._take_desired(self._read_desired(), marks=True)
+        self._take_desired(self._read_desired(), marks=False)
         if self.leadership.renew_now() is Turn.ELECTED:
             try:
                 self._begin_term(self._term_io())
@@ -218,66 +195,116 @@ class ControlPlane:
             f"{role}, catalog version {catalogs.current.version}",
         )
 
+    def store_time(self) -> float:
+        """Now, by the store's clock, for the expiries this control plane writes (keys, join
+        tokens): another control plane checks them after a failover, and a host clock 120 s
+        ahead made a join token expired right after one. Its own clock before the first
+        renewal."""
+        now = self.leadership.store_time()
+        return self.clock.time() if now is None else now
+
     def acting(self) -> bool:
         """Whether this control plane leads now: only then does it reconcile, push tables,
         apply catalogs, collect usage, answer agents and take writes."""
-        return self.leadership.acting()
+        return self.leadership.acting() and not self._beginning
+
+    @property
+    def state(self) -> FleetState:
+        """What this control plane knows of the fleet in its term now."""
+        return self.term.state
+
+    @property
+    def assignments(self) -> Assignments:
+        return self.term.assignments
+
+    @property
+    def routing(self) -> RoutingTable:
+        return self.term.routing
+
+    @property
+    def autoscaler(self) -> Autoscaler:
+        return self.term.autoscaler
+
+    def _new_term(self, epoch: int | None, start: TermStart | None) -> Term:
+        autoscaler = Autoscaler(self.calls, self.events, self.clock.time)
+        return Term(
+            epoch,
+            self.clock.monotonic(),
+            self.config,
+            self.events,
+            self.publisher,
+            self.loads,
+            autoscaler,
+            self.clock.monotonic,
+            roster=None if start is None else start.roster,
+            took_over=self.leadership.took_over,
+        )
 
     def _term_io(self) -> TermStart:
         """The store I/O a new term begins with (run off the event loop, but at the start):
-        what is desired read again (another leader may have changed it), this control
-        plane's catalog file applied if it changed since it last read it, and a routing epoch
-        newer than any a router holds, taken by a fenced write."""
+        what is desired read again (another leader may have changed it), the nodes that held
+        replicas (the roster the term before kept), this control plane's catalog file applied
+        if it changed since it last read it, and a routing epoch newer than any a router
+        holds, taken by a fenced write."""
         desired = self._read_desired()
+        roster = self.store.get_meta(ROSTER_KEY)
         applied = self.catalogs.lead(self.clock.time())
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
-        return TermStart(desired, applied, epoch)
+        held = None if roster is None else frozenset(json.loads(roster))
+        return TermStart(desired, applied, epoch, held)
 
     def _begin_term(self, start: TermStart) -> None:
-        """A new term begins with this control plane leading, from what `_term_io` read: a
-        settling window (it adopts what agents report before it plans)."""
+        """A new term begins with this control plane leading, from what `_term_io` read, and
+        from nothing else: what the term before learned is dropped. It settles (adopts what
+        agents report before it plans) and publishes no table until nodes report."""
+        self.term = self._new_term(self.leadership.leading_epoch, start)
+        self._roster = (start.roster, self.clock.monotonic())
         self._take_desired(start.desired, marks=True)
         if start.applied is not None:
             self.catalog_event(start.applied, self.catalogs.current_info.source)
         self.publisher.new_term(start.routing_epoch)
-        self.started_at = self.clock.monotonic()
-        self._settled = False
-        self._took_over = self.leadership.took_over
+        log.info(
+            "term of epoch %s begins: settling until %s node(s) report",
+            self.term.epoch,
+            "the roster's " + str(len(start.roster)) if start.roster is not None else "the",
+        )
+
+    def _end_term(self) -> None:
+        """The lease is lost: what this term learned is dropped; a follower's term acts on
+        nothing."""
+        self.term = self._new_term(None, None)
 
     async def lease_loop(self) -> None:
         """Take or renew the lease every third of its TTL; begin a term when elected."""
         while True:
             await asyncio.sleep(self.leadership.interval)
-            was = self.acting()
-            if await self.leadership.renew(self.calls) is Turn.ELECTED:
-                try:
-                    self._begin_term(await self.calls(self._term_io))
-                except (StoreError, OSError, CatalogInvalid) as exc:
-                    self.leadership.abandon(str(exc))
-            if self.acting() and not was:
-                self.wake()
+            await self.renew_lease()
+
+    async def renew_lease(self) -> Turn:
+        """One renewal of the lease, and what it means for the term."""
+        was = self.acting()
+        turn = await self.leadership.renew(self.calls)
+        if turn is Turn.ELECTED:
+            # Not acting until the term has begun: a key made meanwhile went into the keys
+            # the term then replaced with what it had read before (the store kept it; this
+            # control plane's answers lost it until the next term).
+            self._beginning = True
+            try:
+                self._begin_term(await self.calls(self._term_io))
+            except (StoreError, OSError, CatalogInvalid) as exc:
+                self.leadership.abandon(str(exc))
+            finally:
+                self._beginning = False
+        elif turn is Turn.LOST:
+            self._end_term()
+        if self.acting() and not was:
+            self.wake()
+        return turn
 
     def wake(self) -> None:
         """Run the next reconcile pass now: something it plans from has changed."""
         self._wake.set()
-
-    def retime(self) -> Heartbeats:
-        """The heartbeat interval and silences for the fleet's size now (the state's stale
-        time follows them)."""
-        timing = self.config.heartbeats(len(self.state.nodes))
-        self.state.stale_after = timing.stale_after
-        return timing
-
-    @property
-    def planned_at(self) -> float:
-        """When the last pass that planned ran."""
-        return self._planned_at
-
-    def replan(self) -> None:
-        """Make the next pass plan, the whole fleet, even when nothing it plans from changed."""
-        self._planned = None
-        self._planned_whole = None
 
     def notify_assignments(self) -> None:
         """Answer the heartbeats held for nodes whose assignment may have changed."""
@@ -307,8 +334,6 @@ class ControlPlane:
         self.autoscaler.load(desired.autoscale)
         if not marks:
             return
-        for node in list(self.state.marks):
-            self.state.set_mark(node, NodeMark(Mark.NONE, None))
         wall, mono = self.clock.time(), self.clock.monotonic()
         for m in desired.marks:
             deadline = None if m.drain_deadline is None else mono + (m.drain_deadline - wall)
@@ -347,29 +372,6 @@ class ControlPlane:
         )
         return previous
 
-    def rebalance(self, model: str | None, dry_run: bool) -> tuple[Move, ...]:
-        """The moves that even out spread models over the nodes that can host them (one
-        model, or all); unless `dry_run`, each moving replica is replaced elsewhere,
-        make-before-break and `max_parallel` at a time, as in a drain."""
-        s = self.state
-        moves = rebalance(
-            self.catalogs.current,
-            s.planned(),
-            s.node_list(),
-            s.busy_slots(),
-            self.clock.monotonic(),
-            s.stale_after,
-            None if model is None else {model},
-        )
-        if not dry_run:
-            for move in moves:
-                s.move(move.replica_id, move.reason)
-                log.info(
-                    "moving replica %s off %s: %s", move.replica_id, move.from_node, move.reason
-                )
-            self.wake()
-        return moves
-
     async def delete_node(self, node: str, force: bool) -> list[str]:
         """Forget `node`. Refused (NodeBusy) while replicas run on it, unless `force`: then
         they are taken out of service at once and placed anew elsewhere. Returns their ids."""
@@ -389,7 +391,7 @@ class ControlPlane:
     async def join(self, token: str, request: JoinRequest) -> JoinAnswer:
         """Give a node its credential for a join token (MembershipRefused if not). A node
         revoked before, joining anew, is no longer revoked."""
-        answer = await self.membership.join(token, request, self.clock.time())
+        answer = await self.membership.join(token, request, self.store_time())
         node = request.node
         record = self.state.nodes.get(node)
         if record is not None and record.mark.mark is Mark.REVOKED:
@@ -424,203 +426,65 @@ class ControlPlane:
         )
         return replacing
 
-    def forget_silent(self, now: float) -> None:
-        """Forget nodes silent for `node_forget_after` that hold no replica."""
-        for name in self.state.silent_for(self.config.node_forget_after, now):
-            if not self.state.holding(name):
-                silent = now - self.state.nodes[name].received
-                log.info(
-                    "node %s forgotten: no report for %.0fs and no replica on it", name, silent
-                )
-                self.events.normal(
-                    "NodeForgotten", f"node/{name}", f"no report for {silent:.0f}s, no replica"
-                )
-                self.state.forget(name)
-                self._unmarked.add(name)  # its mark leaves the store after the pass
-
     async def preview(self, catalog: Catalog) -> Preview:
-        """What the next passes would start and stop to make `catalog` true.
+        """What the next passes would start and stop to make `catalog` true, the first
+        exactly as the next pass plans it (`Term.preview_work`), worked out in a worker
+        thread so that agents' reports and the reconcile loop go on meanwhile."""
+        return await asyncio.to_thread(self.term.preview_work(catalog, self.clock.monotonic()))
 
-        A preview plans up to hundreds of passes: it runs in a worker thread, on a copy of
-        what it reads (the table and the nodes are immutable values), so agents' reports and
-        the reconcile loop go on meanwhile.
-        """
-        s = self.state
-        args = (catalog, s.planned(), s.node_list(), s.busy_slots(), self.clock.monotonic())
-        wanted = self.autoscaler.wanted(catalog)
+    # -- reconcile and publish: the term's, for this control plane's loops and tests ------
 
-        def work() -> Preview:
-            done = preview(*args, s.stale_after, wanted=wanted)
-            for pending in done.pending:
-                _ = pending.explanation  # worked out here, not when the answer is built
-            return done
+    @property
+    def passes(self) -> int:
+        return self.term.passes
 
-        return await asyncio.to_thread(work)
+    @property
+    def plans(self) -> int:
+        return self.term.plans
 
-    # -- reconcile and publish -----------------------------------------------------------
+    @property
+    def frozen(self) -> str:
+        return self.term.frozen
 
     def settling(self, now: float) -> bool:
-        """Whether the settling window after the start is still open; once closed, it stays
-        closed (and this costs nothing more)."""
-        if self._settled:
-            return False
-        known: Collection[str] = self.config.known_nodes
-        reported: Collection[str] = self.state.nodes.keys()
-        if len(reported) < len(known):
-            # Some known node has not reported: only the window counts, and the names are not
-            # compared (on every report of 10,000 nodes coming back, that comparison was most
-            # of a restart's cost).
-            known = reported = ()
-        self._settled = not settling(now, self.started_at, self.settle_for, known, reported)
-        return not self._settled
+        return self.term.settling(now)
 
     def reconcile_once(self, now: float) -> None:
-        """One pass: plan against what is known, carry the plan out (unless settling, or
-        nothing it plans from changed since the last pass that planned)."""
-        if self.settling(now):
-            return
-        self.passes += 1
-        s = self.state
-        catalog = self.catalogs.current
-        timing = self.retime()
-        planned_from = (s.version, catalog.digest)
-        safety_net = now - self._whole_at >= self.config.reconcile_full_interval
-        if now >= self._due:
-            # Nodes heard from since the due time was worked out moved it on.
-            self._due = self._next_due(self._planned_at, timing)
-        due = now >= self._due
-        if planned_from == self._planned and not safety_net and not due:
-            return
-        self.plans += 1
-        # Only some models changed (their replicas, or reports of nodes holding them), and
-        # nothing that concerns every model (another catalog, a node come or gone, a time come):
-        # those are planned, with the ones left pending (what changed may make room for them).
-        whole = (s.membership, catalog.digest, s.stamp)
-        models: set[str] | None = None
-        if (
-            self._planned_whole is not None
-            and self._planned_whole[:2] == whole[:2]
-            and not safety_net
-            and not due
-        ):
-            models = {m.name for m in catalog.models if s.rerouted_at(m.name) > self._planned_stamp}
-            models |= {p.model for p in s.pending}
-        self.planned_models = len(catalog.models) if models is None else len(models)
-        if models is None:
-            self._whole_at = now
-        self.forget_silent(now)
-        self.note_silences(now, timing)
-        self.note_drains()
-        # Taken before the plan is carried out: what it changes is planned from once more, so
-        # anything a pass leaves for the next (a replacement held back) is not left waiting.
-        self._planned, self._planned_at = (s.version, catalog.digest), now
-        self._planned_whole, self._planned_stamp = whole, s.stamp
-        self.restart_groups()
-        failed = {}
-        for rid, (node, why) in s.failing(self.config.max_failures).items():
-            model = s.replicas[rid].replica.model
-            s.keep_off(model, node, why, now + self.config.failure_avoid)
-            failed[rid] = why
-            self.events.warning("ModelKeptOff", f"node/{node}", f"{model} kept off: {why}")
-        decided = plan(
-            catalog,
-            s.planned(),
-            s.serving(),
-            s.node_list(),
-            s.busy_slots(),
-            now,
-            s.stale_after,
-            failed,
-            s.avoiding(now),
-            timing.lost_after,
-            models,
-            s.moving,
-            self.autoscaler.wanted(catalog),
-            self.replica_loads(),
-            s.asleep(),
-        )
-        if decided.frozen != self.frozen:
-            if decided.frozen:
-                log.warning("%s", decided.frozen)
-                self.events.warning("FleetFrozen", "fleet/all", decided.frozen)
-            else:
-                log.info("nodes report again: lost nodes are handled as usual")
-                self.events.normal("FleetThawed", "fleet/all", "nodes report again")
-            self.frozen = decided.frozen
-        for stop in decided.stop:
-            log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
-            self.events.normal("ReplicaRetiring", f"replica/{stop.replica_id}", stop.reason)
-        for sleep in decided.sleep:
-            log.info("putting replica %s to sleep: %s", sleep.replica_id, sleep.reason)
-            self.events.normal("ReplicaSleeping", f"replica/{sleep.replica_id}", sleep.reason)
-        for wake in decided.wake:
-            log.info("waking replica %s: %s", wake.replica_id, wake.reason)
-            self.events.normal("ReplicaWaking", f"replica/{wake.replica_id}", wake.reason)
-        before = s.pending
-        if models is not None:  # the models not planned keep what they had pending
-            kept = tuple(p for p in before if p.model not in models)
-            decided = dataclasses.replace(decided, pending=kept + decided.pending)
-        created = s.apply(decided, catalog, now, self.config.retire_timeout)
-        for replica, planned in zip(created, decided.new, strict=True):
-            where = ", ".join(f"{p.node}{list(p.gpus)}" for p in replica.shards)
-            log.info("placed %s (%s) on %s", replica.id, replica.model, where)
-            self.events.normal(
-                "ReplicaPlaced",
-                f"replica/{replica.id}",
-                f"{replica.model} on {where}: {planned.reason}",
-            )
-        # Pending replicas are logged when their count changes, without the explanation: it
-        # judges every node, and at 10,000 nodes going silent, working it out for each model at
-        # each pass kept the control plane busy for minutes (even with the line not logged).
-        was = {p.model: p.count for p in before}
-        for p in decided.pending:
-            if was.get(p.model) != p.count:
-                log.info(
-                    "%d replica(s) of %s pending; `modelfleet ctl explain %s` says why",
-                    p.count,
-                    p.model,
-                    p.model,
-                )
-                self.events.warning(
-                    "ReplicaPending",
-                    f"model/{p.model}",
-                    f"{p.count} replica(s) cannot be placed now: `ctl explain-placement "
-                    f"{p.model}` says why",
-                )
-        self._due = self._next_due(now, timing)
+        self.term.reconcile_once(self.catalogs.current, now)
+
+    def replan(self) -> None:
+        self.term.replan()
+
+    def retime(self) -> Heartbeats:
+        return self.term.retime()
+
+    def place_adapters(self) -> bool:
+        return self.term.place_adapters(self.catalogs.current)
+
+    def publish(self) -> None:
+        self.term.publish(self.catalogs.current, self.keys.routed())
+
+    def release_retired(self, now: float) -> None:
+        self.term.release_retired(now)
+
+    def record_news(self) -> None:
+        self.term.record_news()
+
+    def replica_loads(self) -> dict[str, float]:
+        return self.term.replica_loads()
+
+    def rebalance(self, model: str | None, dry_run: bool) -> tuple[Move, ...]:
+        """See `Term.rebalance`; a move is planned at once."""
+        moves = self.term.rebalance(self.catalogs.current, model, dry_run)
+        if not dry_run:
+            self.wake()
+        return moves
 
     def _routers_confirmed(self) -> None:
         """Every router holds the current table: an adapter swap waiting for it goes on now
         (not at the next pass)."""
         if self.state.swaps_waiting():
             self.wake()
-
-    def place_adapters(self) -> bool:
-        """Decide which LoRA adapters each replica holds, from the requests the routers hold
-        for adapters no replica holds (the agents told load and unload). True: a replica was
-        told another set."""
-        if self.settling(self.clock.monotonic()):
-            return False
-        catalog = self.catalogs.current
-        demand = self.adapter_demand(catalog)
-        now = self.clock.monotonic()
-        busy = self.replica_loads()
-        return self.state.place_adapters(catalog, demand, now, ADAPTER_SWAP_GRACE_S, busy) > 0
-
-    def adapter_demand(self, catalog: Catalog) -> dict[str, dict[str, Want]]:
-        """Model -> adapter -> how much it is wanted: the requests the routers hold for it
-        (waiting for it to be loaded somewhere) and how long the oldest has waited, and how
-        many a second they were asked for it lately."""
-        loads = self.loads.loads(self.clock.monotonic()) or {}
-        return {
-            spec.name: {
-                a.name: Want(loads[a.name].held, loads[a.name].rate, loads[a.name].waited)
-                for a in spec.adapters
-                if a.name in loads
-            }
-            for spec in catalog.models
-            if spec.adapters
-        }
 
     def read_events(
         self, regarding: str | None = None, since: float = 0.0, after: int = 0, limit: int = 1000
@@ -637,23 +501,6 @@ class ControlPlane:
             self._usage_totals = await self.calls(self.store.usage_totals)
         return self._usage_totals
 
-    def replica_loads(self) -> dict[str, float]:
-        """The requests each replica carries, as the routers last said (none: unknown)."""
-        loads = self.loads.loads(self.clock.monotonic()) or {}
-        return {rid: n for load in loads.values() for rid, n in load.replicas.items()}
-
-    def replacing(self) -> set[str]:
-        """Models with a replica being replaced: on a draining node, or being moved."""
-        s = self.state
-        draining = {n for n, m in s.marks.items() if m.mark is Mark.DRAINING}
-        models = set()
-        for rid, record in s.replicas.items():
-            if record.retiring:
-                continue
-            if rid in s.moving or any(p.node in draining for p in record.replica.shards):
-                models.add(record.replica.model)
-        return models
-
     async def autoscale_once(self, now: float) -> None:
         """Decide the count of every model that follows its load; a change is planned at
         once."""
@@ -669,7 +516,7 @@ class ControlPlane:
                     ", ".join(scaled),
                 )
         changed = await self.autoscaler.step(
-            self.catalogs.current, self.loads.loads(now), now, self.replacing()
+            self.catalogs.current, self.loads.loads(now), now, self.term.replacing()
         )
         if changed:
             self.replan()
@@ -690,56 +537,6 @@ class ControlPlane:
                 await self.autoscale_once(self.clock.monotonic())
                 if self.place_adapters():  # a router holds requests for an adapter
                     self.wake()
-
-    def restart_groups(self) -> None:
-        """Restart together every shard of each replica of several shards one shard of which
-        failed (as LeaderWorkerSet recreates a group): it left the routers' table with the
-        report that said so. After `max_failures` restarts in a row that never served, it is
-        left to `failing`: placed anew elsewhere, its model kept off the node."""
-        s = self.state
-        for rid, why in s.broken_groups().items():
-            record = s.replicas[rid]
-            if record.group_restarts >= self.config.max_failures:
-                continue
-            count = s.restart_group(rid, why)
-            log.warning(
-                "replica %s: %s; restarting its %d shards together, rank 0 first (%d in a row)",
-                rid,
-                why,
-                len(record.replica.shards),
-                count,
-            )
-            self.events.warning(
-                "ShardsRestarted",
-                f"replica/{rid}",
-                f"{why}; all shards restarted ({count} in a row)",
-            )
-
-    def _next_due(self, since: float, timing: Heartbeats) -> float:
-        """The time from `since` on at which a pass must plan though nothing new came: a node
-        goes stale, lost or forgettable, a drain's grace ends, a model may go back on a node.
-
-        Those that come within one reconcile interval of the first are planned for together:
-        10,000 nodes going silent cross their thresholds one by one, and a whole plan for each
-        kept the control plane planning back to back.
-        """
-        spans = (timing.stale_after, timing.lost_after, self.config.node_forget_after)
-        times = [self.state.next_silence(since, spans), self.state.avoided_until()]
-        times += [m.drain_deadline for m in self.state.marks.values()]
-        first = min((t for t in times if t is not None and t >= since), default=math.inf)
-        return first + self.config.reconcile_interval
-
-    def release_retired(self, now: float) -> None:
-        """Let go of the retiring replicas every router has stopped routing to, and tell the
-        agents of those put to sleep to put them to sleep."""
-        self.state.swap_adapters(self.publisher.routed_version(), now)
-        for rid, why in self.state.tell_sleepers(self.publisher.routed_version(), now):
-            log.info("replica %s is out of every routing table; its engine sleeps (%s)", rid, why)
-        for rid, why in self.state.release(self.publisher.routed_version(), now):
-            log.info("replica %s is out of every routing table; stopping it (%s)", rid, why)
-            self.events.normal(
-                "ReplicaStopped", f"replica/{rid}", f"out of every router's table; stopping: {why}"
-            )
 
     def catalog_event(self, applied: Applied, source: str) -> None:
         """The event of a catalog applied: its version, from where, what it changes."""
@@ -766,50 +563,6 @@ class ControlPlane:
         )
         self.events.warning("CatalogRefused", "catalog/refused", f"from {source}: {shown}")
 
-    def note_silences(self, now: float, timing: Heartbeats) -> None:
-        """Event the nodes that went stale or lost since the last look (those heard from
-        again are told by the state, `NodeBack`)."""
-        for kind, span in (("stale", timing.stale_after), ("lost", timing.lost_after)):
-            silent = set(self.state.silent_for(span, now))
-            for node in sorted(silent - self._silent[kind]):
-                quiet = now - self.state.nodes[node].received
-                self.events.warning(
-                    f"Node{kind.capitalize()}", f"node/{node}", f"no word for {quiet:.0f}s"
-                )
-            self._silent[kind] = silent
-
-    def note_drains(self) -> None:
-        """Event each draining node that holds nothing any more, once per drain."""
-        draining = {n for n, m in self.state.marks.items() if m.mark is Mark.DRAINING}
-        self._drained &= draining
-        for node in sorted(draining - self._drained):
-            if not self.state.on_node(node):
-                self._drained.add(node)
-                self.events.normal("NodeDrained", f"node/{node}", "drained: nothing runs there")
-
-    def record_news(self) -> None:
-        """Take the events the state noted into the event log."""
-        news, self.state.news = self.state.news, []
-        for kind, reason, regarding, message in news:
-            self.events.record(kind, reason, regarding, message)
-
-    def publish(self) -> None:
-        """Publish the routing table; the publisher's tasks push it to the routers.
-
-        Nothing is published while settling: the table is still empty of what agents have yet
-        to report, and a router keeps serving from the one it holds.
-        """
-        if self.settling(self.clock.monotonic()):
-            return
-        if self._took_over and not self.state.nodes:
-            # It took the lease from another and no node has reported to it yet: a table now
-            # would be empty of every replica; each router keeps serving from the one it holds.
-            return
-        catalog = self.catalogs.current
-        models = self.routing.models(catalog, self.autoscaler.wanted(catalog))
-        self.publisher.publish(catalog.version, models, self.keys.routed())
-        self.state.mark_unrouted(self.publisher.version)
-
     async def reconcile_loop(self) -> None:
         while True:
             if not self.acting():  # a follower plans nothing
@@ -832,18 +585,38 @@ class ControlPlane:
                 self.last_idle_pass_s = took
                 self.metrics.pass_seconds.labels("no").observe(took)
             await self.clear_forgotten_marks()
+            await self.keep_roster()
             await wait_set(self._wake, self.config.reconcile_interval)
 
     async def clear_forgotten_marks(self) -> None:
         """Take the marks of the nodes a pass forgot out of the store (a mark of a node
         nobody knows does no harm meanwhile: tried again after the next pass)."""
-        for node in list(self._unmarked):
+        term = self.term
+        for node in list(term.forgotten):
             try:
                 await self.calls(self.store.clear_mark, node)
             except StoreError as exc:
                 log.debug("cannot clear the mark of forgotten node %s yet: %s", node, exc)
                 return
-            self._unmarked.discard(node)
+            term.forgotten.discard(node)
+
+    async def keep_roster(self) -> None:
+        """Keep in the store the nodes that hold replicas (at most every ROSTER_EVERY_S, and
+        never while settling, when what is known is partial): the next term, here or on
+        another control plane, settles until they have reported."""
+        now = self.clock.monotonic()
+        stored, at = self._roster
+        if self.term.settling(now) or now - at < ROSTER_EVERY_S:
+            return
+        roster = self.term.roster_now(now)
+        if roster == stored:
+            return
+        try:
+            await self.calls(self.store.set_meta, ROSTER_KEY, json.dumps(sorted(roster)))
+        except StoreError as exc:
+            log.debug("cannot keep the roster yet: %s", exc)
+            return
+        self._roster = (roster, now)
 
     async def catalog_loop(self) -> None:
         """Apply the catalog file whenever its content changes, while leading; while

@@ -162,7 +162,7 @@ async def serve(
         catalog.version,
         len(catalog.models),
         total,
-        cp.settle_for,
+        cp.term.settle_for,
     )
 
     async def say_where() -> None:
@@ -189,7 +189,7 @@ async def serve(
                     cp.series.run,
                     cp.loads.run,
                     cp.autoscale_loop,
-                    lambda: cp.events.run(cp.calls),
+                    lambda: cp.events.run(cp.calls.background),
                 )
             ),
             cp.watch.run,

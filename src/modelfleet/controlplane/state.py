@@ -10,6 +10,7 @@ routing table (`routing.py`), the admin API's views (`views.py`); its records ar
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 from collections import Counter
@@ -100,6 +101,8 @@ class FleetState:
     # replica id -> the nodes of its shards, for replicas dropped from the table (the newest
     # MAX_DROPPED): their engines' logs stay on those nodes, for `ctl logs`.
     dropped: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # When a node new to this memory last reported (settling waits while they still come).
+    newest_node_at: float = -math.inf
 
     @property
     def version(self) -> int:
@@ -239,6 +242,7 @@ class FleetState:
             )
         if before is None:
             self._names = None
+            self.newest_node_at = now
         taken = before.reports + 1 if before else 1
         self.nodes[report.node] = NodeRecord(
             report, now, self.marks.get(report.node, NO_MARK), taken, before.beats if before else 0
@@ -669,6 +673,10 @@ class FleetState:
     def holding(self, node: str) -> list[str]:
         """The replicas in service (not retiring) with a shard on `node`."""
         return sorted(rid for rid in self._on_node.get(node, ()) if not self.replicas[rid].retiring)
+
+    def holding_nodes(self) -> frozenset[str]:
+        """The nodes with a shard of some replica in the table."""
+        return frozenset(self._on_node)
 
     def forget(self, node: str) -> None:
         """Drop a node: its last report and its mark. An agent that reports again is new."""

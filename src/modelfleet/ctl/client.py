@@ -5,9 +5,12 @@ Where to find the admin API, in order: `--admin URL --token T`, then the variabl
 `modelfleet up`. An https:// admin API is checked against the control plane's own CA:
 `--ca FILE`, then `MODELFLEET_CA`, then up.json's `ca_file`.
 
-Several control planes on one store: `--admin URL1,URL2,...`. ctl uses any that answers. A
-follower redirects a change to the leader (307), and ctl sends it there; one that does not know
-where the leader is answers 503, and ctl sends the change on to the next URL.
+Several control planes on one store: `--admin URL1,URL2,...`. ctl uses any that answers,
+asking the one that answered last first. A follower redirects a change to the leader (307),
+and ctl sends it there; one that does not know where the leader is answers 503, and ctl sends
+the change on to the next URL, going round them for up to FOLLOW_FOR_S (an election). A dead
+control plane costs a refused connection, a frozen one CONNECT_TIMEOUT_S or READ_TIMEOUT_S.
+A change sent that got no answer is never sent again: it may have been made.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import ssl
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -29,12 +33,28 @@ from modelfleet.pki import PkiError, client_context
 Answer = TypeVar("Answer", bound=BaseModel)
 
 
+# With several admin APIs: a frozen one must not cost a whole request timeout each, and an
+# election (a few seconds) is waited out by going round them again.
+CONNECT_TIMEOUT_S = 1.0
+READ_TIMEOUT_S = 5.0
+FOLLOW_FOR_S = 10.0
+ROUND_PAUSE_S = 0.2
+
+
 class CtlError(Exception):
     """A failure ctl reports as one line and a non-zero exit."""
 
 
 class Unreachable(CtlError):
     """The admin API did not answer at all (not started yet, or not reachable from here)."""
+
+
+class _NotSent(Unreachable):
+    """No connection was made: the request was surely not taken."""
+
+
+class _Unanswered(Unreachable):
+    """A connection was made and no answer came: a change may have been taken."""
 
 
 class CatalogRefused(CtlError):
@@ -94,8 +114,9 @@ def resolve_target(
 class AdminClient:
     """The admin API of one control plane, one method per route."""
 
-    def __init__(self, target: AdminTarget) -> None:
+    def __init__(self, target: AdminTarget, follow_for: float = FOLLOW_FOR_S) -> None:
         self.target = target
+        self.follow_for = follow_for  # with several admin APIs: how long to look for a leader
         self._at = 0  # the admin API that answered last, in target.urls
         self._verify: ssl.SSLContext | None = None
         if target.ca is not None:
@@ -116,39 +137,83 @@ class AdminClient:
         content_type: str = "application/json",
     ) -> Answer:
         """Call the admin API; every failure becomes a one-line CtlError (CatalogRefused when
-        a catalog was refused). With several admin APIs, the next is tried when one does not
-        answer, or follows and so refuses a change."""
+        a catalog was refused). With several admin APIs, ctl goes round them for up to
+        `follow_for` seconds until one answers: a read is asked again anywhere, a change only
+        where it surely was not taken (no connection was made, or a follower refused it)."""
         urls = self.target.urls
-        failed: CtlError = Unreachable("no admin API given")
+        several = len(urls) > 1
+        timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S) if several else 10.0
+        deadline = time.monotonic() + (self.follow_for if several else 0.0)
+        failed: dict[str, str] = {}  # each admin API's last failure, said when all fail
+        while True:
+            for turn in range(len(urls)):
+                at = (self._at + turn) % len(urls)
+                try:
+                    where, response = self._send(urls[at], method, path, content, params,
+                                                 content_type, timeout)  # fmt: skip
+                except _NotSent as exc:
+                    failed[urls[at]] = str(exc)
+                    continue
+                except _Unanswered as exc:
+                    if method == "GET":
+                        failed[urls[at]] = str(exc)
+                        continue
+                    raise Unreachable(
+                        f"{exc}; the change may have been made: look (a read) before sending "
+                        "it again"
+                    ) from exc.__cause__
+                if (
+                    response.status_code == 503
+                    and b"this control plane follows" in response.content
+                ):
+                    try:
+                        self._answer(answer, where, path, response)
+                    except CtlError as refused:
+                        failed[urls[at]] = str(refused)
+                    continue
+                self._at = at
+                return self._answer(answer, where, path, response)
+            if time.monotonic() + ROUND_PAUSE_S >= deadline:
+                if not several:
+                    raise Unreachable(failed[urls[0]] if urls else "no admin API given")
+                raise Unreachable(
+                    f"no admin API answered within {self.follow_for:.0f}s: "
+                    + "; ".join(failed.values())
+                )
+            time.sleep(ROUND_PAUSE_S)
+
+    def _send(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        content: bytes | None,
+        params: dict[str, str] | None,
+        content_type: str,
+        timeout: float | httpx.Timeout,
+    ) -> tuple[str, httpx.Response]:
+        """One request to `url`, and on to the leader a follower names (307): where it was
+        answered, and the answer. `_NotSent` when no connection was made (nothing was taken),
+        `_Unanswered` when one was and no answer came."""
         headers = {"authorization": f"Bearer {self.target.token}", "content-type": content_type}
         verify = self._verify if self._verify is not None else True
-        for turn in range(len(urls)):
-            url = urls[(self._at + turn) % len(urls)]
-            try:
+        try:
+            response = httpx.request(
+                method, url + path, content=content, params=params, headers=headers,
+                timeout=timeout, verify=verify,
+            )  # fmt: skip
+            location = response.headers.get("location")
+            if response.status_code == 307 and location:
+                url = location.removesuffix(path)
                 response = httpx.request(
-                    method, url + path, content=content, params=params, headers=headers,
-                    timeout=10, verify=verify,
+                    method, location, content=content, params=params, headers=headers,
+                    timeout=timeout, verify=verify,
                 )  # fmt: skip
-                location = response.headers.get("location")
-                if response.status_code == 307 and location:  # a follower names the leader
-                    url = location.removesuffix(path)
-                    response = httpx.request(
-                        method, location, content=content, params=params, headers=headers,
-                        timeout=10, verify=verify,
-                    )  # fmt: skip
-            except httpx.HTTPError as exc:
-                failed = Unreachable(f"cannot reach the admin API at {url}: {exc}")
-                failed.__cause__ = exc
-                continue
-            if response.status_code == 503 and b"this control plane follows" in response.content:
-                try:
-                    self._answer(answer, url, path, response)
-                except CtlError as refused:
-                    failed = refused
-                continue
-            self._at = (self._at + turn) % len(urls)
-            return self._answer(answer, url, path, response)
-        raise failed
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise _NotSent(f"cannot reach the admin API at {url}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise _Unanswered(f"no answer from the admin API at {url}: {exc}") from exc
+        return url, response
 
     def _answer(
         self, answer: type[Answer], url: str, path: str, response: httpx.Response

@@ -14,6 +14,7 @@ store whose schema is newer than this modelfleet knows is refused (`check_schema
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -121,6 +122,15 @@ class StoredEvent:
 
 
 @dataclass(frozen=True)
+class EventWrite:
+    """One event to write: a new one (`id` None; the event's own id is ignored), or one that
+    happened again (`id` its row: its count and last time are written)."""
+
+    event: StoredEvent
+    id: int | None = None
+
+
+@dataclass(frozen=True)
 class Lease:
     """The control planes' lease: who leads, under which epoch, for how much longer.
 
@@ -130,6 +140,9 @@ class Lease:
     holder: str  # "" when nobody has held it yet
     epoch: int  # one more at every change of holder: the fencing token
     remaining_s: float  # until it runs out, by the store's clock; <= 0: it has run out
+    # The store's clock as it read the lease, in seconds since the epoch: the one clock every
+    # control plane on the store shares, for the times they write (expiries).
+    store_now: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -285,14 +298,12 @@ class Store(Protocol):
         """Every node's credential, by node."""
         ...
 
-    def add_event(self, event: StoredEvent, keep: int, fenced: bool = True) -> int:
-        """Record a new event (its `id` is ignored); returns its id. The oldest go once more
-        than `keep` are kept. Not `fenced`: written whoever leads (a leader saying it lost
-        the lease)."""
-        ...
-
-    def repeat_event(self, event_id: int, count: int, at: float, fenced: bool = True) -> None:
-        """The event `event_id` happened again: its count and last time."""
+    def write_events(
+        self, writes: Sequence[EventWrite], keep: int, fenced: bool = True
+    ) -> list[int]:
+        """In one transaction, record new events and count up those that happened again;
+        returns each one's id, in order. The oldest go once more than `keep` are kept. Not
+        `fenced`: written whoever leads (a leader saying it lost the lease)."""
         ...
 
     def events(

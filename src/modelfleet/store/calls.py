@@ -3,14 +3,15 @@
 The stores are synchronous (one transaction per call). A control plane that called them on
 its event loop stopped answering anything while its PostgreSQL did not answer: a query sent
 to a frozen server waits as long as the server is frozen (its kernel still acknowledges what
-is sent, so no TCP timeout ends it). `StoreCalls` runs each call in a worker thread and waits
-for it no longer than its deadline. A call that does not answer in time, or fails to reach
-the store, opens an *outage*: from then on calls are refused at once (`StoreUnreachable`,
-naming the store and since when), so that nothing piles up behind a store that is gone and
-every request is answered within its deadline. One call at a time may still go through as a
-`probe` (the lease's renewal, every third of its TTL); the first that succeeds ends the
-outage. A refused call changed nothing; one that timed out may still land later, and is
-fenced like any other write.
+is sent, so no TCP timeout ends it). `StoreCalls` runs each call in a worker thread and
+waits for it no longer than its deadline. A call that does not answer in time, or fails to
+reach the store, opens an *outage*: from then on calls are refused at once
+(`StoreUnreachable`, naming the store and since when), so that nothing piles up behind a
+store that is gone and every request is answered within its deadline. One call at a time may
+still go through as a `probe` (the lease's renewal, every third of its TTL); the first that
+succeeds ends the outage. Work nobody waits on (writing events) goes as `background`: waited
+for however long it takes, as slowness under load is no outage. A refused call changed
+nothing; one that timed out may still land later, and is fenced like any other write.
 """
 
 from __future__ import annotations
@@ -76,13 +77,25 @@ class StoreCalls:
             raise StoreUnreachable(self.refusal() if self.outage else "a probe is under way")
         return await self._run(True, lambda: fn(*args, **kwargs))
 
-    async def _run(self, probing: bool, work: Callable[[], T]) -> T:
+    async def background(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """As a call, but waited for however long it takes: work nobody waits on (writing
+        events). Its slowness is no outage: a control plane busy with 10,000 agents' reports
+        gave a worker thread so little time that a batch of events took seconds, and each
+        such batch, counted as an outage, refused the reports and lapsed the lease. A store
+        that fails to answer it (StoreUnreachable) still opens one."""
+        if self.outage is not None:
+            raise StoreUnreachable(self.refusal())
+        return await self._run(False, lambda: fn(*args, **kwargs), bounded=False)
+
+    async def _run(self, probing: bool, work: Callable[[], T], bounded: bool = True) -> T:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.run_in_executor(self._pool, work)
         if probing:
             self._probing = future
         try:
-            answer = await asyncio.wait_for(asyncio.shield(future), self.deadline)
+            answer = await asyncio.wait_for(
+                asyncio.shield(future), self.deadline if bounded else None
+            )
         except TimeoutError:
             why = f"no answer within {self.deadline:.1f}s"
             self._down(why)
@@ -91,7 +104,11 @@ class StoreCalls:
             self._down(str(exc))
             raise
         except StoreError:
-            self._up()  # it answered: a refusal or a full disk is not an outage
+            # It answered: a refusal or a full disk is no outage. Not said of background work:
+            # begun before an outage and stuck in it, its failure came as the server went
+            # away, and ended the outage that had just begun.
+            if bounded:
+                self._up()
             raise
         self._up()
         return answer

@@ -144,6 +144,7 @@ DIALECT = Dialect(
     # Two leaders' catalogs (one of them fenced out) must not both take MAX + 1.
     lock_catalogs="LOCK TABLE catalogs IN EXCLUSIVE MODE",
     placeholder="%s",
+    last_id=None,
 )
 
 

@@ -20,9 +20,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from modelfleet.store import (
+    EventWrite,
     Fenced,
     Lease,
     Rejection,
@@ -38,8 +39,14 @@ from modelfleet.store import (
     fenced_message,
 )
 
+T = TypeVar("T")
+
 # A batch seen longer ago than this is forgotten: no router resends one that old.
 BATCH_MEMORY_S = 86400.0
+
+# Rows per statement when events are written in bulk: 8 parameters each stays far below
+# SQLite's limit of 32,766 parameters a statement.
+EVENT_ROWS_PER_STATEMENT = 500
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,10 @@ class Dialect:
     share_row: str  # appended to a SELECT whose row must not change until the commit
     lock_catalogs: str | None  # run before a catalog's version is taken as MAX + 1
     placeholder: str  # what the database's driver takes for a parameter: "?" or "%s"
+    # The id of the last row this connection inserted, as an SQL expression, where one
+    # INSERT numbers its rows one after another (SQLite, under its one write lock); None
+    # where another writer's rows may come between them (PostgreSQL): there RETURNING id.
+    last_id: str | None
 
     def sql(self, text: str) -> str:
         """`text`, written with `?` for each parameter, in this driver's placeholders."""
@@ -136,7 +147,7 @@ class SqlStore(ABC):
                     "UPDATE lease SET holder = ?, epoch = ?, expires_at = ? WHERE id = 1",
                     (held, epoch, expires_at),
                 )
-        return Lease(held, epoch, expires_at - now)
+        return Lease(held, epoch, expires_at - now, float(now))
 
     def release_lease(self, holder: str) -> None:
         with self._write(fenced=False) as tx:
@@ -149,7 +160,7 @@ class SqlStore(ABC):
         [(held, epoch, expires_at, now)] = self._query(
             f"SELECT holder, epoch, expires_at, {self.dialect.now} FROM lease WHERE id = 1"
         )
-        return Lease(held, int(epoch), expires_at - now)
+        return Lease(held, int(epoch), expires_at - now, float(now))
 
     def see_control_plane(self, name: str, agent_url: str, admin_url: str) -> None:
         with self._write(fenced=False) as tx:
@@ -323,23 +334,53 @@ class SqlStore(ABC):
 
     # -- events ----------------------------------------------------------------------------
 
-    def add_event(self, event: StoredEvent, keep: int, fenced: bool = True) -> int:
-        e = event
+    def write_events(
+        self, writes: Sequence[EventWrite], keep: int, fenced: bool = True
+    ) -> list[int]:
+        # A few statements for the whole batch, not one per event: a worker thread gives up
+        # the GIL around every statement (and every row one returns), and a control plane
+        # busy with 10,000 agents' reports took up to 5 ms to hand it back each time, so 500
+        # events one by one held SQLite's write lock for seconds, and the lease renewal
+        # waiting behind it timed out.
+        counted = [(w.id, w.event.count, w.event.last_at) for w in writes if w.id is not None]
+        fresh = [w.event for w in writes if w.id is None]
+        new_ids: list[int] = []
         with self._write(fenced) as tx:
-            [(new,)] = tx.execute(
-                "INSERT INTO events (type, reason, regarding, message, count, first_at, "
-                "last_at, source) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                (e.type, e.reason, e.regarding, e.message, e.count, e.first_at, e.last_at,
-                 e.source),
-            ).fetchall()  # fmt: skip
-            tx.execute("DELETE FROM events WHERE id <= ?", (int(new) - keep,))
-        return int(new)
+            for rows in _chunks(counted, EVENT_ROWS_PER_STATEMENT):
+                tx.execute(
+                    "WITH seen (id, count, last_at) AS (VALUES "
+                    + ", ".join(["(?, ?, ?)"] * len(rows))
+                    + ") UPDATE events SET count = seen.count, last_at = seen.last_at "
+                    "FROM seen WHERE events.id = seen.id",
+                    [value for row in rows for value in row],
+                )
+            for events in _chunks(fresh, EVENT_ROWS_PER_STATEMENT):
+                new_ids += self._insert_events(tx, events)
+            if new_ids:
+                tx.execute("DELETE FROM events WHERE id <= ?", (new_ids[-1] - keep,))
+        given = iter(new_ids)
+        return [w.id if w.id is not None else next(given) for w in writes]
 
-    def repeat_event(self, event_id: int, count: int, at: float, fenced: bool = True) -> None:
-        with self._write(fenced) as tx:
-            tx.execute(
-                "UPDATE events SET count = ?, last_at = ? WHERE id = ?", (count, at, event_id)
-            )
+    def _insert_events(self, tx: Transaction, events: Sequence[StoredEvent]) -> list[int]:
+        """Insert `events`, in one statement; their ids, in their order."""
+        insert = (
+            "INSERT INTO events (type, reason, regarding, message, count, first_at, last_at, "
+            "source) VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(events))
+        )
+        values = [value for e in events for value in (
+            e.type, e.reason, e.regarding, e.message, e.count, e.first_at, e.last_at,
+            e.source)]  # fmt: skip
+        if self.dialect.last_id is not None:
+            # Not RETURNING: SQLite's driver steps once per row returned, giving up the GIL
+            # each time, and a busy event loop kept it waiting up to 5 ms for each.
+            tx.execute(insert, values)
+            [(last,)] = tx.execute(f"SELECT {self.dialect.last_id}").fetchall()
+            return list(range(int(last) - len(events) + 1, int(last) + 1))
+        # RETURNING's order is not promised, but PostgreSQL numbers the rows of one INSERT
+        # in the order of its VALUES (another writer's may come between them): ascending.
+        return sorted(
+            int(id_) for (id_,) in tx.execute(insert + " RETURNING id", values).fetchall()
+        )
 
     def events(
         self, regarding: str | None = None, since: float = 0.0, after: int = 0, limit: int = 1000
@@ -413,3 +454,9 @@ def _put_join_token(tx: Transaction, t: StoredJoinToken) -> None:
         "expires_at = excluded.expires_at, uses_left = excluded.uses_left, used = excluded.used",
         (t.id, t.sha256, t.created_at, t.expires_at, t.uses_left, t.used),
     )
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    """`items` in consecutive slices of at most `size`."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

@@ -127,6 +127,7 @@ DIALECT = Dialect(
     share_row="",
     lock_catalogs=None,
     placeholder="?",
+    last_id="last_insert_rowid()",
 )
 
 

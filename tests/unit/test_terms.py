@@ -1,0 +1,218 @@
+"""Each term starts fresh (`controlplane/term.py`): a control plane that leads again, after
+an election or after its acting lapsed, knows nothing of the fleet it saw before; it settles
+until the nodes that held replicas report, and publishes no table before. Issue 38: a control
+plane that won the lease again pushed a table 40 ms after, declared live nodes lost ("no word
+for 131 s") and stopped a healthy replica."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import yaml
+
+from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.config import ControlPlaneConfig
+from modelfleet.controlplane.leadership import Turn
+from modelfleet.controlplane.plane import ROSTER_EVERY_S, ControlPlane
+from modelfleet.store.sqlite import SqliteStore
+from modelfleet.wire import AgentReport, ShardReport, ShardState
+
+from .test_controlplane import FakeClock
+
+TOKEN = "admin-token-123"
+MODEL = {"name": "m", "engine": "sim", "replicas": 2}
+
+
+def start(folder: Path, clock: FakeClock, **config: object) -> ControlPlane:
+    """A control plane on the store in `folder` (its state dir too)."""
+    catalogs = CatalogKeeper(SqliteStore(folder / "store.sqlite"))
+    if not catalogs.has_catalog:
+        catalogs.lead(clock.time())
+        catalogs.apply(yaml.safe_dump({"models": [MODEL]}), "api", clock.time())
+    settings = ControlPlaneConfig(
+        admin_token=TOKEN, state_dir=folder / "state", lease_ttl=3.0, **config
+    )
+    return ControlPlane(settings, catalogs, clock=clock)
+
+
+class Agents:
+    """Nodes a and b: each runs what it was assigned (every shard ready at once) and reports
+    what it runs, to whichever term asks."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.seq = 0
+        self.running: dict[str, list[ShardReport]] = {"a": [], "b": []}
+
+    def report(self) -> None:
+        cp, self.seq = self.cp, self.seq + 1
+        catalog = cp.catalogs.current
+        for node, shards in self.running.items():
+            report = AgentReport(node=node, boot_id="b", seq=self.seq, address="127.0.0.1",
+                                 gpus=SimulatedGpus("1x80GB").gpus(), shards=shards)  # fmt: skip
+            cp.state.take_report(report, catalog, cp.clock.monotonic())
+
+    def run_assigned(self) -> None:
+        catalog = self.cp.catalogs.current
+        for node in self.running:
+            self.running[node] = [
+                ShardReport.of(a, ShardState.READY, port=9000 + a.rank, pid=100)
+                for a in self.cp.assignments.of(node, catalog).shards
+            ]
+        self.report()
+
+
+def test_a_control_plane_whose_acting_lapsed_begins_a_new_term_from_nothing(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    cp = start(tmp_path, clock, settle_for=5)
+    first, agents = cp.term, Agents(cp)
+    agents.report()
+    clock.advance(6)
+    agents.report()
+    cp.reconcile_once(clock.monotonic())  # settled: places both replicas
+    agents.run_assigned()
+    cp.reconcile_once(clock.monotonic())
+    assert len(cp.state.replicas) == 2 and cp.plans >= 1
+
+    async def frozen_then_thawed() -> Turn:
+        clock.advance(131)  # SIGSTOPped past its lease; nobody else took it
+        return await cp.renew_lease()
+
+    assert asyncio.run(frozen_then_thawed()) is Turn.ELECTED
+    assert cp.term is not first and cp.term.epoch == first.epoch  # the same lease, a new term
+    assert cp.state.nodes == {} and cp.state.replicas == {}  # nothing of what it saw
+    now = clock.monotonic()
+    assert cp.settling(now)
+    cp.reconcile_once(now)
+    cp.publish()
+    assert cp.passes == 0 and cp.publisher.version == 0  # no plan, no table
+    # Its agents report again: their replicas are adopted, nothing placed or stopped, and no
+    # node is taken for lost.
+    agents.report()
+    cp.reconcile_once(clock.monotonic())
+    cp.record_news()
+    events = [e.reason for e in cp.read_events()]
+    assert "NodeLost" not in events and "NodeStale" not in events
+    ids = sorted(cp.state.replicas)
+    assert len(ids) == 2 and sorted(first.state.replicas) == ids
+
+
+def test_a_term_settles_until_the_nodes_that_held_replicas_report_and_no_longer(
+    tmp_path: Path,
+) -> None:
+    """The roster the term before kept: a new leader (no known_nodes given) settles until
+    those nodes have reported, then plans at once, without waiting out a timer."""
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    cp = start(tmp_path, clock, settle_for=30)
+    agents = Agents(cp)
+    agents.report()
+    clock.advance(31)
+    agents.report()
+    cp.reconcile_once(clock.monotonic())
+    agents.run_assigned()
+    clock.advance(ROSTER_EVERY_S)
+    asyncio.run(cp.keep_roster())
+    assert cp.store.get_meta("roster") == '["a", "b"]'
+    cp.store.close()
+
+    clock.advance(1)
+    again = start(tmp_path, clock, settle_for=30)  # a restart: a new term, the roster read
+    assert again.term.roster == frozenset({"a", "b"})
+    catalog = again.catalogs.current
+    report = AgentReport(node="a", boot_id="b", seq=9, address="127.0.0.1",
+                         gpus=SimulatedGpus("1x80GB").gpus(), shards=[])  # fmt: skip
+    again.state.take_report(report, catalog, clock.monotonic())
+    clock.advance(1)
+    assert again.settling(clock.monotonic())  # b, which held replicas, has not reported
+    report = report.model_copy(update={"node": "b"})
+    again.state.take_report(report, catalog, clock.monotonic())
+    assert not again.settling(clock.monotonic())  # both did: settled, long before 30 s
+
+
+def test_a_term_that_settled_by_its_bound_keeps_waiting_for_the_roster_it_began_with(
+    tmp_path: Path,
+) -> None:
+    """Its agents still talked to a frozen leader when the bound passed: the roster it keeps
+    still names the nodes it waited for and never heard (until they would be forgotten), or
+    the term after it would settle at once and place anew what those nodes run."""
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    timing = {
+        "settle_for": 5,
+        "node_stale_after": 5,
+        "node_lost_after": 10,
+        "node_forget_after": 100,
+    }
+    cp = start(tmp_path, clock, **timing)
+    cp.store.set_meta("roster", '["a", "b"]')
+    cp.store.close()
+    again = start(tmp_path, clock, **timing)
+    assert again.term.roster == frozenset({"a", "b"})
+    clock.advance(11)  # the bound: nobody reported
+    assert not again.settling(clock.monotonic())
+    clock.advance(ROSTER_EVERY_S)
+    asyncio.run(again.keep_roster())
+    assert again.store.get_meta("roster") == '["a", "b"]'
+    report = AgentReport(node="a", boot_id="b", seq=1, address="127.0.0.1", gpus=[], shards=[])
+    again.state.take_report(report, again.catalogs.current, clock.monotonic())
+    assert again.term.roster_now(clock.monotonic()) == frozenset({"b"})  # a holds nothing
+    clock.advance(100)
+    assert again.term.roster_now(clock.monotonic()) == frozenset()
+
+
+def test_a_term_settles_while_new_nodes_still_come_and_not_past_its_bound(
+    tmp_path: Path,
+) -> None:
+    """Without a roster or known nodes: the window is `settle_for` past the last new node, so
+    a control plane still taking reports does not end it; `node_lost_after` at most."""
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    cp = start(tmp_path, clock, settle_for=10, node_lost_after=60)
+    catalog = cp.catalogs.current
+    for i in range(8):  # a node every 8 s: the window never closes
+        clock.advance(8)
+        report = AgentReport(node=f"n{i}", boot_id="b", seq=1, address="127.0.0.1",
+                             gpus=[], shards=[])  # fmt: skip
+        cp.state.take_report(report, catalog, clock.monotonic())
+        assert cp.settling(clock.monotonic()) == (clock.monotonic() - cp.term.started_at < 60)
+    clock.advance(10)
+    assert not cp.settling(clock.monotonic())
+
+
+def test_a_control_plane_that_lost_the_lease_drops_its_term(tmp_path: Path) -> None:
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    cp = start(tmp_path, clock, settle_for=-1)
+    Agents(cp).report()
+    cp.reconcile_once(clock.monotonic())
+    assert cp.state.replicas
+    other = SqliteStore(tmp_path / "store.sqlite")
+    other.release_lease("nobody")  # (not its holder: nothing happens)
+    cp.store.release_lease(cp.leadership.holder)  # as if it ran out
+    assert other.take_lease("another", 30.0).holder == "another"
+    assert asyncio.run(cp.renew_lease()) is Turn.LOST
+    assert cp.state.replicas == {} and cp.term.epoch is None and not cp.acting()
+
+
+def test_a_control_plane_elected_takes_no_change_until_its_term_has_begun(
+    tmp_path: Path,
+) -> None:
+    """A key made while the new term read the store went into the keys the term then
+    replaced with what it had read: the store kept it, the leader's answers lost it."""
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    cp = start(tmp_path, clock, settle_for=5)
+    assert cp.acting()
+    seen: list[bool] = []
+    read = cp._term_io
+
+    def watched() -> object:
+        seen.append(cp.acting())  # while the term's store I/O is under way
+        return read()
+
+    cp._term_io = watched  # type: ignore[method-assign]
+    clock.advance(131)  # frozen past its lease; nobody took it
+
+    assert asyncio.run(cp.renew_lease()) is Turn.ELECTED
+    assert seen == [False] and cp.acting()
