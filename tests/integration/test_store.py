@@ -494,6 +494,30 @@ def test_control_planes_say_where_they_are_and_when_they_were_seen(
         other.close()
 
 
+def start_control_plane(
+    procs: Procs, tmp_path: Path, name: str, token: str, config: dict[str, Any] | None = None
+) -> tuple[subprocess.Popen[bytes], dict[str, str], Any]:
+    """Control plane `name`, of `config` written to cp-NAME.yaml (or of the one written
+    before), started under `procs` and ready: its process, its URLs and an httpx client of
+    its admin API."""
+    import httpx
+    import yaml
+
+    from .conftest import wait_json
+
+    if config is not None:
+        (tmp_path / f"cp-{name}.yaml").write_text(yaml.safe_dump(config))
+    ready = tmp_path / f"cp-{name}.json"
+    ready.unlink(missing_ok=True)
+    proc = procs.start("control-plane", "--config", str(tmp_path / f"cp-{name}.yaml"),
+                       "--ready-file", str(ready), log=f"cp-{name}")  # fmt: skip
+    urls = wait_json(ready, proc)["urls"]
+    admin = httpx.Client(
+        base_url=urls["admin"], headers={"authorization": f"Bearer {token}"}, timeout=10
+    )
+    return proc, urls, admin
+
+
 def test_two_control_planes_on_one_store_one_leads_and_the_other_takes_over(
     pg: PgServer, procs: Procs, tmp_path: Path
 ) -> None:
@@ -610,8 +634,6 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
     from modelfleet.agent.records import recorded_engine_pids
     from modelfleet.processes import free_port, stop_groups
 
-    from .conftest import wait_json
-
     where = fresh_database(pg)
     token, agent_token = "admin-token-of-the-test", "agent-token-of-the-test"
     catalog = tmp_path / "catalog.yaml"
@@ -627,16 +649,10 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
             "lease_ttl": 1.5, "settle_for": 2,
             **({"catalog": str(catalog)} if name == "a" else {}),
         }  # fmt: skip
-        (tmp_path / f"cp-{name}.yaml").write_text(yaml.safe_dump(config))
-        ready = tmp_path / f"cp-{name}.json"
-        proc = procs.start("control-plane", "--config", str(tmp_path / f"cp-{name}.yaml"),
-                           "--ready-file", str(ready), log=f"cp-{name}")  # fmt: skip
-        urls = wait_json(ready, proc)["urls"]
-        started[name] = proc
-        agent_urls.append(urls["agent"])
-        admins[name] = httpx.Client(
-            base_url=urls["admin"], headers={"authorization": f"Bearer {token}"}, timeout=10
+        started[name], urls, admins[name] = start_control_plane(
+            procs, tmp_path, name, token, config
         )
+        agent_urls.append(urls["agent"])
     a, b = admins["a"], admins["b"]
     assert a.get("/v1/status").json()["leading"] and not b.get("/v1/status").json()["leading"]
     agent_dir = tmp_path / "agent"
@@ -689,19 +705,10 @@ def test_a_catalog_applied_on_the_leader_stands_through_a_follower_restart_and_a
     import httpx
     import yaml
 
-    from .conftest import wait_json
-
     where, token = fresh_database(pg), "admin-token-of-the-test"
 
     def start(name: str) -> tuple[subprocess.Popen[bytes], httpx.Client]:
-        ready = tmp_path / f"cp-{name}.json"
-        ready.unlink(missing_ok=True)
-        proc = procs.start("control-plane", "--config", str(tmp_path / f"cp-{name}.yaml"),
-                           "--ready-file", str(ready), log=f"cp-{name}")  # fmt: skip
-        admin = wait_json(ready, proc)["urls"]["admin"]
-        client = httpx.Client(
-            base_url=admin, headers={"authorization": f"Bearer {token}"}, timeout=10
-        )
+        proc, _, client = start_control_plane(procs, tmp_path, name, token)
         return proc, client
 
     for name in ("a", "b"):
@@ -855,8 +862,6 @@ def test_a_leader_frozen_then_elected_again_adopts_what_runs_and_restarts_nothin
     from modelfleet.agent.records import recorded_engine_pids
     from modelfleet.processes import stop_groups
 
-    from .conftest import wait_json
-
     where, token, agent_token = fresh_database(pg), "admin-token-of-the-test", "a" * 20
     catalog = tmp_path / "catalog.yaml"
     model = {"name": "m", "engine": "sim", "replicas": 2}
@@ -869,16 +874,10 @@ def test_a_leader_frozen_then_elected_again_adopts_what_runs_and_restarts_nothin
                   "admin_token": token, "agent_token": agent_token, "store": where,
                   "lease_ttl": 1.5, "catalog": str(catalog), "node_stale_after": 2,
                   "node_lost_after": 4, "node_forget_after": 600}  # fmt: skip
-        (tmp_path / f"cp-{name}.yaml").write_text(yaml.safe_dump(config))
-        ready = tmp_path / f"cp-{name}.json"
-        proc = procs.start("control-plane", "--config", str(tmp_path / f"cp-{name}.yaml"),
-                           "--ready-file", str(ready), log=f"cp-{name}")  # fmt: skip
-        urls = wait_json(ready, proc)["urls"]
-        started[name] = proc
-        agent_urls.append(urls["agent"])
-        admins[name] = httpx.Client(
-            base_url=urls["admin"], headers={"authorization": f"Bearer {token}"}, timeout=10
+        started[name], urls, admins[name] = start_control_plane(
+            procs, tmp_path, name, token, config
         )
+        agent_urls.append(urls["agent"])
     a, b = admins["a"], admins["b"]
     nodes = ("n1", "n2")
     for node in nodes:

@@ -10,19 +10,16 @@ import datetime
 import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.controlplane.service import create_apps
 from modelfleet.pki import CertificateAuthority
 from modelfleet.store.sqlite import SqliteStore
 
+from .test_admin_api import TOKEN, admin_client
 from .test_controlplane import FakeClock
-
-TOKEN = "admin-token-123"
 
 
 def start(folder: Path, name: str, clock: FakeClock, ca: CertificateAuthority) -> ControlPlane:
@@ -34,15 +31,6 @@ def start(folder: Path, name: str, clock: FakeClock, ca: CertificateAuthority) -
     return ControlPlane(settings, catalogs, clock=clock, ca=ca)
 
 
-def admin(cp: ControlPlane) -> httpx.AsyncClient:
-    _, app = create_apps(cp)
-    return httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://cp",
-        headers={"authorization": f"Bearer {TOKEN}"},
-    )
-
-
 def test_expiries_are_written_and_read_by_the_stores_clock_not_the_hosts(tmp_path: Path) -> None:
     ca = CertificateAuthority.create("test CA", datetime.datetime.now(datetime.UTC))
     behind = FakeClock(wall=time.time() - 60, mono=100.0)  # SQLite's clock is this host's
@@ -52,7 +40,7 @@ def test_expiries_are_written_and_read_by_the_stores_clock_not_the_hosts(tmp_pat
     assert first.acting() and not second.acting()
 
     async def go() -> None:
-        async with admin(first) as a:
+        async with admin_client(first) as a:
             made = await a.post("/v1/join-tokens", json={"ttl": "30s"})
             assert made.status_code == 200, made.text
             key = await a.post("/v1/keys", json={"name": "k", "expires": "1h"})
@@ -61,7 +49,7 @@ def test_expiries_are_written_and_read_by_the_stores_clock_not_the_hosts(tmp_pat
         # second's own clock (60 s ahead) it would have run out.
         assert abs(made.json()["expires_at"] - (time.time() + 30)) < 10
         assert abs(key.json()["expires_at"] - (time.time() + 3600)) < 10
-        async with admin(second) as b:  # a follower answers what the store holds
+        async with admin_client(second) as b:  # a follower answers what the store holds
             [listed] = (await b.get("/v1/join-tokens")).json()["tokens"]
         assert listed["state"] == "usable", listed
 
