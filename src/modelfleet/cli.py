@@ -6,8 +6,10 @@ not pay for the control plane's imports.
 
 from __future__ import annotations
 
+import logging
 import ssl
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -18,6 +20,10 @@ from modelfleet.ctl.commands import fail, with_options_first
 
 if TYPE_CHECKING:
     from modelfleet.agent.credential import Credential
+
+log = logging.getLogger("modelfleet.controlplane")
+
+STORE_RETRY_S = 2.0  # a control plane starting: how often it tries a store not reachable yet
 
 app = typer.Typer(
     help="modelfleet: serve LLMs on a fleet of GPU machines.",
@@ -149,7 +155,7 @@ def control_plane(
     from modelfleet.pki import PkiError
     from modelfleet.serving import configure_logging, run_fast
     from modelfleet.statedir import StateDirBusy, StateDirLock
-    from modelfleet.store import StoreError
+    from modelfleet.store import StoreError, StoreUnreachable
 
     configure_logging(log_level)
     try:
@@ -166,12 +172,26 @@ def control_plane(
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot use the state dir {cfg.state_dir}, where the store lives: {exc}")
-    try:
-        catalogs = open_catalogs(cfg)
-    except (CatalogInvalid, StoreError) as exc:
-        fail(str(exc))
-    except OSError as exc:
-        fail(f"cannot read the catalog file {cfg.catalog}: {exc}")
+    # A store that cannot be reached yet is waited for (said once): a control plane started
+    # while its PostgreSQL was down or frozen exited, and came back only if a supervisor
+    # started it again. Anything else the store says (a newer schema, a refused password)
+    # ends the start, naming it.
+    waiting = ""
+    while True:
+        try:
+            catalogs = open_catalogs(cfg)
+            break
+        except StoreUnreachable as exc:
+            if not waiting:
+                log.warning("%s; waiting for it (tried every %.0fs)", exc, STORE_RETRY_S)
+            waiting = str(exc)
+            time.sleep(STORE_RETRY_S)
+        except (CatalogInvalid, StoreError) as exc:
+            fail(str(exc))
+        except OSError as exc:
+            fail(f"cannot read the catalog file {cfg.catalog}: {exc}")
+    if waiting:
+        log.warning("the store answers: starting")
     try:
         ca = fleet_ca(cfg, catalogs.store)
         tls = listener_certificate(cfg, ca) if cfg.serves_tls else None

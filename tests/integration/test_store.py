@@ -1075,3 +1075,43 @@ def test_control_planes_with_tls_on_one_store_share_the_fleet_ca(
     assert refused.returncode != 0
     said = refused.stderr
     assert own in said and ready["cp-a"]["ca_fingerprint"] in said and "move" in said, said
+
+
+def test_a_control_plane_started_while_its_store_is_down_waits_for_it(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """The nemesis started a control plane while PostgreSQL was frozen: it exited (code 2),
+    and only a supervisor starting it again brought it back. Now it says once that it waits
+    for its store, and starts as soon as the store answers."""
+    import yaml
+
+    from .conftest import wait_json
+
+    folder = Path(tempfile.mkdtemp(prefix="modelfleet-pg-late-"))
+    server = PgServer(folder)
+    server.start()
+    conninfo = server.conninfo()
+    server.stop("immediate")
+    try:
+        config = {"state_dir": str(tmp_path / "state"), "agent_port": 0, "admin_port": 0,
+                  "admin_token": "admin-token-of-the-test", "store": conninfo,
+                  "catalog": str(tmp_path / "catalog.yaml")}  # fmt: skip
+        (tmp_path / "catalog.yaml").write_text("models: []\n")
+        (tmp_path / "cp.yaml").write_text(yaml.safe_dump(config))
+        ready = tmp_path / "cp.json"
+        proc = procs.start("control-plane", "--config", str(tmp_path / "cp.yaml"),
+                           "--ready-file", str(ready), log="cp")  # fmt: skip
+
+        def said_or_gone() -> bool:
+            return "waiting for it" in procs.log("cp") or proc.poll() is not None
+
+        wait_for("the control plane to say it waits for its store", said_or_gone, 30)
+        assert proc.poll() is None, procs.log("cp")[-3000:]
+        assert not ready.exists()
+        server.start()
+        wait_json(ready, proc, timeout=60)
+        said = procs.log("cp")
+        assert said.count("waiting for it") == 1, said[-3000:]  # said once, not per try
+    finally:
+        server.stop("immediate")
+        shutil.rmtree(folder, ignore_errors=True)
