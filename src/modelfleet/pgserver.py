@@ -4,8 +4,9 @@ start one for the PostgreSQL store (`start`, through pg_ctl); `up --store postgr
 its state dir as a process of its fleet (`init`, `server_command`, `create_database`).
 
 PostgreSQL refuses to run as root: run as root, the server runs as the `postgres` user
-(`runuser`), and its folder is handed to that user, which must be able to reach it (a folder
-under a private one, such as pytest's temporary folders, it cannot).
+(`runuser` for its one-shot programs, `setpriv` for the server `up` runs), and its folder is
+handed to that user, which must be able to reach it (a folder under a private one, such as
+pytest's temporary folders, it cannot).
 """
 
 from __future__ import annotations
@@ -95,9 +96,14 @@ class PgServer:
     def server_command(self) -> list[str]:
         """The server in the foreground (as the `postgres` user when we are root), on
         `port`: for a process manager to run, stop (SIGTERM: once its clients are gone) and
-        restart."""
+        restart. `setpriv` becomes the server (it execs); `runuser` stayed its parent, and
+        once the server had been stopped (SIGSTOP) and continued, runuser stopped itself as
+        su does and never reaped it: the server's exit went unseen."""
         command = [str(bin_dir() / "postgres"), "-D", str(self.data), *self._options()]
-        return ["runuser", "-u", RUN_AS, "--", *command] if os.geteuid() == 0 else command
+        if os.geteuid() != 0:
+            return command
+        become = [f"--reuid={RUN_AS}", f"--regid={RUN_AS}", "--init-groups"]
+        return ["setpriv", *become, "--", *command]
 
     def init(self) -> bool:
         """Make the server's files if its folder has none; returns whether it made them (then

@@ -295,7 +295,7 @@ class Nemesis:
         deadline, engines = time.monotonic() + settle_s, -1
         while time.monotonic() < deadline:
             recorded = [p for pids in self.running.fleet.engine_pids().values() for p in pids]
-            engines = sum(1 for pid in recorded if _alive(pid))
+            engines = sum(1 for pid in recorded if alive(pid))
             if engines == shards:
                 return []
             time.sleep(0.2)
@@ -316,7 +316,7 @@ class Nemesis:
         ]
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -960,6 +960,8 @@ def test_up_runs_three_control_planes_on_a_postgresql_of_its_own() -> None:
     import os
     import signal
 
+    import psutil
+
     from .conftest import fleet_of
 
     folder = Path(tempfile.mkdtemp(prefix="modelfleet-up-pg-"))
@@ -1005,6 +1007,18 @@ def test_up_runs_three_control_planes_on_a_postgresql_of_its_own() -> None:
             marks = {n["name"]: n["mark"] for n in json.loads(nodes.stdout)["nodes"]}
             assert marks["node-2"] == "cordoned"
             server = next(c for c in fleet.fleet.children if c.role == "postgres")
+            # The server paused by its pid (kill -STOP, as an operator or a debugger does)
+            # and continued, then stopped: its exit is seen, for `up` to start it again. Run
+            # as root under runuser, the wrapper stopped itself as su does when it saw the
+            # server stopped, stayed stopped, and never reaped it.
+            [pidfile] = folder.rglob("postmaster.pid")
+            postmaster = int(pidfile.read_text().split()[0])
+            head = psutil.Process(server.proc.pid)
+            os.kill(postmaster, signal.SIGSTOP)
+            wait_for("the server seen stopped", lambda: head.status() == psutil.STATUS_STOPPED, 10)
+            os.kill(postmaster, signal.SIGCONT)
+            os.kill(postmaster, signal.SIGINT)  # fast shutdown
+            wait_for("the stopped server's exit", lambda: server.proc.poll() is not None, 30)
         assert server.proc.poll() is not None  # stopped with the fleet
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -21,6 +21,7 @@ from modelfleet.controlplane import views
 from modelfleet.controlplane.autoscaler import Scale
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
+from modelfleet.controlplane.loads import Load
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.controlplane.views import replica_views
@@ -615,5 +616,55 @@ def test_a_replica_put_to_sleep_leaves_the_routers_before_its_agent_is_told() ->
         assert told() == [(True, False)]  # woken, the same replica: nothing placed anew
         assert len(cp.state.replicas) == 1
         await http.aclose()
+
+    asyncio.run(go())
+
+
+def test_the_replica_ctl_catalog_apply_shows_stopping_is_the_one_the_pass_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Scaled down from three to two, the replica shown to stop (dry run, then the apply's own
+    answer) is the one the next pass stops: the least loaded, as the routers say. A preview
+    that planned without the loads showed the newest and the pass stopped another."""
+    config = ControlPlaneConfig(admin_token=TOKEN, insecure_agent_api=True, settle_for=-1)
+    catalogs = keeper([{"name": "a", "engine": "sim", "replicas": 3}])
+    cp = ControlPlane(config, catalogs)
+    _, admin_app = create_apps(cp)
+    gpus = {n: SimulatedGpus("1x80GB") for n in ("n1", "n2", "n3")}
+
+    async def go() -> None:
+        now = time.monotonic()
+        for node, g in gpus.items():
+            cp.state.take_report(report(node, g), catalogs.current, now)
+        cp.reconcile_once(now)
+        for node, g in gpus.items():
+            cp.state.take_report(serving_report(cp, node, 2, g), catalogs.current, now)
+        ids = sorted(cp.state.replicas)
+        assert len(ids) == 3 and all(cp.state.is_serving(rid) for rid in ids)
+        # Loads that make "least loaded" and "newest" name different replicas.
+        newest = min(ids, key=lambda rid: (-cp.state.replicas[rid].replica.created, rid))
+        least = next(rid for rid in ids if rid != newest)
+        carried = {rid: 0.0 if rid == least else 5.0 for rid in ids}
+        monkeypatch.setattr(
+            cp.loads, "loads", lambda _now: {"a": Load(total=10.0, replicas=carried)}
+        )
+        admin = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=admin_app),
+            base_url="http://cp",
+            headers={"authorization": f"Bearer {TOKEN}"},
+        )
+        scaled = yaml.safe_dump({"models": [{"name": "a", "engine": "sim", "replicas": 2}]})
+        try:
+            answers = [
+                (await admin.put(f"/v1/catalog?dry_run={dry}", content=scaled)).json()
+                for dry in ("true", "false")
+            ]
+        finally:
+            await admin.aclose()
+        for answer in answers:
+            assert [(s["action"], s["id"]) for s in answer["steps"]] == [("stop", least)], answer
+        cp.reconcile_once(time.monotonic())
+        retiring = [v.id for v in replica_views(cp.state) if v.state == "retiring"]
+        assert retiring == [least]
 
     asyncio.run(go())
