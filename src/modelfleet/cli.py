@@ -350,9 +350,11 @@ def agent(
     if address is None:
         address = _address_towards(url)
     verify: ssl.SSLContext | None
+    join_token = None
     if join is not None:
         joined = _joined(join, token, node, address, agent_dir, report_interval)
-        token, verify = joined.credential, client_context(joined.ca.encode())
+        join_token, token = token, joined.credential
+        verify = client_context(joined.ca.encode())
         admin_tls = joined.tls_files(agent_dir)
     else:
         verify, admin_tls = _ca_context(url, ca), None
@@ -366,6 +368,7 @@ def agent(
         control_planes=tuple(urls),
         node=node,
         token=token,
+        join_token=join_token,
         verify=verify,
         admin_tls=admin_tls,
         state_dir=agent_dir,
@@ -681,7 +684,11 @@ def _joined(
         fail(f"--token: {exc}")
     except (JoinFailed, PkiError, OSError) as exc:
         fail(f"cannot join: {exc}")
-    typer.echo(f"joined the fleet at {url} as node {node}", err=True)
+    typer.echo(
+        f"joined the fleet at {url} as node {node}; its certificate names "
+        f"{', '.join(joined.names())}",
+        err=True,
+    )
     return joined
 
 

@@ -8,6 +8,11 @@ cryptography is the `cryptography` package's: an ECDSA P-256 key per certificate
 signatures, X.509 v3 with the names a server is reached by (DNS names and IP addresses) as
 subject alternative names.
 
+A node's certificate (signed at its join) names the node, not just where it is: a DNS name
+of its own under `node.modelfleet.invalid` and a SPIFFE-style URI, besides the one address
+the control plane lets it have. Clients of a node check its name (`node_host`), so a node's
+certificate can pass for no other node, nor for a control plane or a router.
+
 The CA's fingerprint is the SHA-256 of its public key (the DER SubjectPublicKeyInfo), written
 `sha256:<hex>`, as kubeadm's discovery hash is: it stays the same if the CA's certificate is
 ever issued again with the same key.
@@ -19,7 +24,9 @@ import datetime
 import hashlib
 import ipaddress
 import os
+import re
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +38,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
 _CA_YEARS = 10
-_LEEWAY = datetime.timedelta(minutes=5)
-MAX_NAMES = 16  # hosts one certificate may name  # clocks of the fleet's machines differ a little
+_LEEWAY = datetime.timedelta(minutes=5)  # clocks of the fleet's machines differ a little
+MAX_NAMES = 16  # hosts one certificate may name
+NODE_DOMAIN = "node.modelfleet.invalid"
+_PLAIN_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 
 class PkiError(Exception):
@@ -205,29 +214,83 @@ class CertificateAuthority:
             )
         )
 
-    def sign(self, csr_pem: bytes, now: datetime.datetime, days: int = 365) -> bytes:
-        """A server certificate (PEM) for the key and the names of a certificate signing
-        request (`request`), valid `days` from `now`. PkiError if the request is unreadable,
-        not signed by its own key, or names nothing (or more than MAX_NAMES)."""
-        try:
-            csr = x509.load_pem_x509_csr(csr_pem)
-        except ValueError as exc:
-            raise PkiError(f"the certificate request is unreadable: {exc}") from exc
-        if not csr.is_signature_valid:
-            raise PkiError("the certificate request is not signed by the key it names")
-        try:
-            names = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        except x509.ExtensionNotFound:
-            raise PkiError("the certificate request names no host to be reached by") from None
-        if not 0 < len(names) <= MAX_NAMES:
-            raise PkiError(f"a certificate request may name 1 to {MAX_NAMES} hosts")
-        key = csr.public_key()
-        if not isinstance(key, ec.EllipticCurvePublicKey):
-            raise PkiError("the certificate request's key is not an EC key")
+    def sign_node(
+        self,
+        request: CertificateRequest,
+        node: str,
+        addresses: Sequence[str],
+        now: datetime.datetime,
+        days: int = 365,
+    ) -> bytes:
+        """The certificate (PEM) of node `node`'s listeners, for the key of `request`: it
+        names the node (`node_host`, `node_uri`) and `addresses`, nothing else, whatever the
+        request asked for (the caller decides which addresses the node may serve on)."""
+        names: list[x509.GeneralName] = [
+            x509.DNSName(node_host(node)),
+            x509.UniformResourceIdentifier(node_uri(node)),
+            *(x509.IPAddress(ipaddress.ip_address(a)) for a in addresses),
+        ]
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_host(node))])
         cert = self._builder(
-            x509.Name(csr.subject), key, now, days, x509.SubjectAlternativeName(names), False
+            subject, request.key, now, days, x509.SubjectAlternativeName(names), False
         )
         return cert.sign(self._key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+@dataclass(frozen=True)
+class CertificateRequest:
+    """A certificate signing request, read and checked: its key, and the names it asks for
+    (DNS names and IP addresses, as text)."""
+
+    key: ec.EllipticCurvePublicKey
+    names: tuple[str, ...]
+
+
+def read_request(csr_pem: bytes) -> CertificateRequest:
+    """The request in `csr_pem`. PkiError if it is unreadable, not signed by its own key, not
+    for an EC key, or names nothing (or more than MAX_NAMES, or something neither a DNS name
+    nor an IP address)."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as exc:
+        raise PkiError(f"the certificate request is unreadable: {exc}") from exc
+    if not csr.is_signature_valid:
+        raise PkiError("the certificate request is not signed by the key it names")
+    try:
+        alt = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        raise PkiError("the certificate request names no host to be reached by") from None
+    if not 0 < len(alt) <= MAX_NAMES:
+        raise PkiError(f"a certificate request may name 1 to {MAX_NAMES} hosts")
+    names = []
+    for name in alt:
+        if not isinstance(name, (x509.DNSName, x509.IPAddress)):
+            raise PkiError(f"the certificate request names {name}: only hosts and addresses")
+        names.append(str(name.value))
+    key = csr.public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise PkiError("the certificate request's key is not an EC key")
+    return CertificateRequest(key, tuple(names))
+
+
+def node_host(node: str) -> str:
+    """The DNS name a node's certificate names it by, under NODE_DOMAIN, which never resolves
+    (RFC 2606 reserves `.invalid`). A client that reaches a node's listener, at whatever
+    address, checks the certificate against this name: it says which node answers, which an
+    address cannot (a node may move, and a certificate for an address could be another's).
+    A node name that is a plain lowercase DNS label is itself; any other is written as `x--`
+    and the hex of its UTF-8 bytes (in labels of at most 60), so that names differing only in
+    case never share one."""
+    if _PLAIN_LABEL.fullmatch(node) and "--" not in node:
+        return f"{node}.{NODE_DOMAIN}"
+    hexed = node.encode().hex()
+    labels = [hexed[i : i + 60] for i in range(0, len(hexed), 60)]
+    return ".".join(["x--" + labels[0], *labels[1:], NODE_DOMAIN])
+
+
+def node_uri(node: str) -> str:
+    """The URI a node's certificate names it by, as SPIFFE's identities are written."""
+    return f"spiffe://modelfleet/node/{node}"
 
 
 def request(names: list[str]) -> tuple[bytes, bytes]:

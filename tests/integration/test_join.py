@@ -22,13 +22,14 @@ import yaml
 from modelfleet.agent.credential import CREDENTIAL_FILE
 from modelfleet.agent.records import recorded_engine_pids
 from modelfleet.joining import JoinToken
-from modelfleet.pki import client_context
+from modelfleet.pki import client_context, node_host, request
 from modelfleet.processes import stop_groups
-from modelfleet.wire import AgentReport
+from modelfleet.wire import AgentReport, JoinAnswer, JoinRequest
 
 from .conftest import Procs, wait_for, wait_json
 
 ADMIN_TOKEN = "admin-token-of-the-test"
+SHARED_TOKEN = "shared-agent-token-of-the-test"
 
 
 class Fleet:
@@ -42,7 +43,7 @@ class Fleet:
         config = {
             "catalog": "catalog.yaml", "state_dir": "state", "admin_token": ADMIN_TOKEN,
             "tls": "on", "agent_port": 0, "admin_port": 0, "heartbeat_interval": 0.5,
-            "settle_for": -1,
+            "settle_for": -1, "agent_token": SHARED_TOKEN,
         }  # fmt: skip
         (folder / "cp.yaml").write_text(yaml.safe_dump(config))
         ready = folder / "cp.json"
@@ -96,6 +97,19 @@ class Fleet:
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
 
+    def join_raw(self, token: str, node: str, names: list[str]) -> tuple[httpx.Response, bytes]:
+        """A join as an attacker holding `token` makes it: its own certificate request for
+        `names`. The answer, and the private key of the request."""
+        key, csr = request(names)
+        answer = httpx.post(
+            self.agent_url + "/v1/join",
+            content=JoinRequest(node=node, csr=csr.decode()).model_dump_json(),
+            headers={"authorization": f"Bearer {token}"},
+            verify=self.ca,
+            timeout=10,
+        )
+        return answer, key
+
     def credential(self, node: str) -> str:
         kept = json.loads((self.folder / node / CREDENTIAL_FILE).read_text())
         return str(kept["credential"])
@@ -147,18 +161,21 @@ def test_an_agent_joins_with_a_token_and_then_speaks_only_as_its_own_node(fleet:
     used_up = fleet.run_agent("c", token)
     assert used_up.returncode == 2 and "used up" in used_up.stderr, used_up.stderr
 
-    # The agent's admin API serves TLS with a certificate of the fleet's CA, and takes the
-    # node's credential.
+    # The agent's admin API serves TLS with a certificate of the fleet's CA that names node b
+    # (checked by that name), and takes the node's credential. It does not name 127.0.0.1:
+    # the control plane is reached there, and a node's certificate must not pass for it.
     admin = b["urls"]["admin"]
     assert admin.startswith("https://127.0.0.1:")
     credential_b = fleet.credential("b")
-    gpus = httpx.get(
-        admin + "/v1/gpus",
-        headers={"authorization": f"Bearer {credential_b}"},
-        verify=fleet.ca,
-        timeout=10,
-    )
+    with httpx.Client(verify=fleet.ca, timeout=10) as client:
+        gpus = client.get(
+            admin + "/v1/gpus",
+            headers={"authorization": f"Bearer {credential_b}"},
+            extensions={"sni_hostname": node_host("b")},
+        )
     assert gpus.status_code == 200 and len(gpus.json()["gpus"]) == 1
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(admin + "/v1/gpus", verify=fleet.ca, timeout=10)
     with pytest.raises(httpx.TransportError):
         httpx.get(admin.replace("https://", "http://") + "/v1/gpus", timeout=5)
 
@@ -214,3 +231,123 @@ def test_a_revoked_node_is_cut_off_at_once_and_its_replica_served_elsewhere(
         "NodeJoined",
         "NodeRevoked",
     ]
+
+
+def test_a_join_token_buys_no_certificate_ctl_or_an_agent_would_take_for_the_control_plane(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Issue 39: a join whose certificate request named the control plane's own address got a
+    fleet-CA certificate for it, and ctl then sent the admin token to an impostor serving
+    it. Now the certificate names the node, and not the address the control plane is
+    reached by: an impostor serving it is refused by ctl before anything is sent."""
+    import http.server
+    import ssl
+    import threading
+
+    from cryptography import x509
+
+    answer, key = fleet.join_raw(fleet.join_token(uses=1), "mallory", ["127.0.0.1"])
+    assert answer.status_code == 200, answer.text
+    joined = JoinAnswer.model_validate_json(answer.content)
+    cert = x509.load_pem_x509_certificate(joined.cert.encode())
+    alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert alt.get_values_for_type(x509.IPAddress) == []
+    assert alt.get_values_for_type(x509.DNSName) == [node_host("mallory")]
+
+    (tmp_path / "mallory.crt").write_text(joined.cert)
+    (tmp_path / "mallory.key").write_bytes(key)
+    heard: list[str] = []
+
+    class Impostor(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            heard.append(self.headers.get("authorization", ""))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "mallory.crt", tmp_path / "mallory.key")
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"https://127.0.0.1:{server.server_address[1]}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFLEET_")}
+        done = subprocess.run(
+            [sys.executable, "-m", "modelfleet", "ctl", "--admin", url, "--token", ADMIN_TOKEN,
+             "--ca", str(fleet.ca_file), "status"],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert done.returncode != 0 and "certificate" in done.stderr.lower(), done.stderr
+        assert heard == []  # the admin token never reached it
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    # A request for a host name (the control plane's, a wildcard) is refused outright.
+    for name in ("localhost", "*.example"):
+        refused, _ = fleet.join_raw(fleet.join_token(uses=1), "mallory-2", [name])
+        assert refused.status_code == 400 and "never a host name" in refused.text, refused.text
+
+
+def test_a_join_never_takes_the_name_of_a_node_that_reports_with_the_shared_token(
+    fleet: Fleet,
+) -> None:
+    """Issue 39: a join under node-2, a node already reporting (with the fleet's shared
+    agent token), got a credential, and the real agent was refused from then on. A name the
+    fleet knows is refused (409); the node keeps reporting."""
+    shared = fleet.procs.start(
+        "agent", "--control-plane", fleet.agent_url, "--node", "node-2", "--simulate-gpus",
+        "1x80GB", "--state-dir", str(fleet.folder / "node-2"), "--ca", str(fleet.ca_file),
+        "--token", SHARED_TOKEN, "--ready-file", str(fleet.folder / "node-2.json"),
+        log="agent-node-2",
+    )  # fmt: skip
+    wait_json(fleet.folder / "node-2.json", shared)
+    answer, _ = fleet.join_raw(fleet.join_token(uses=1), "node-2", ["127.0.0.1"])
+    assert answer.status_code == 409, answer.text
+    assert "node node-2 is a node of the fleet already" in answer.json()["error"]
+    nodes = {n["name"]: n for n in fleet.ctl_json("nodes")["nodes"]}
+    assert set(nodes) == {"node-2"} and nodes["node-2"]["ready"], nodes
+    assert "refused" not in fleet.procs.log("agent-node-2")
+
+
+def test_a_revoked_agent_says_so_once_and_joins_anew_when_given_a_new_token(
+    fleet: Fleet,
+) -> None:
+    """Issue 39: a revoked agent logged a generic "wrong agent token" every 2 s and never said
+    it was revoked; re-added with the README's steps (revoke, then the agent run with a new
+    token) it kept its refused credential and ignored the token, forever. Now it says once
+    that it was revoked, waits longer after each refusal, and joins anew with a token given."""
+    b = fleet.start_agent("b", fleet.join_token(uses=1), "agent-b")
+    revoked = fleet.ctl("nodes", "revoke", "b")
+    assert revoked.returncode == 0, revoked.stderr
+
+    def refusals() -> int:
+        page = httpx.get(
+            fleet.admin_url + "/metrics",
+            headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+            verify=fleet.ca,
+            timeout=10,
+        ).text
+        line = next(
+            (x for x in page.splitlines() if x.startswith("modelfleet_controlplane_agent_"
+             "requests_refused_total") and 'why="credential"' in x),
+            "x 0",
+        )  # fmt: skip
+        return int(float(line.split()[-1]))
+
+    wait_for("the revoked agent refused three times", lambda: refusals() >= 3, 60)
+    said = fleet.procs.log("agent-b")
+    assert said.count("node b was revoked") == 1, said[-2000:]
+    assert "refuses this agent: node b was revoked" in said
+    assert "wrong agent token" not in said
+
+    stop_groups([b["pid"]], grace=20)
+    again = fleet.start_agent("b", fleet.join_token(uses=1), "agent-b-again")
+    assert "joined anew as node b with the join token given" in fleet.procs.log("agent-b-again")
+    nodes = {n["name"]: n for n in fleet.ctl_json("nodes")["nodes"]}
+    assert nodes["b"]["mark"] == "none" and nodes["b"]["ready"], nodes
+    assert again["node"] == "b"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from modelfleet.controlplane.membership import Membership, MembershipRefused, token_state
 from modelfleet.joining import BadJoinToken, JoinToken, digest
-from modelfleet.pki import CertificateAuthority, PkiError, request
+from modelfleet.pki import CertificateAuthority, PkiError, node_host, read_request, request
 from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import JoinRequest
@@ -21,6 +21,7 @@ from modelfleet.wire import JoinRequest
 from .awaited import Awaited
 
 NOW = 1_800_000_000.0
+SOURCE = "10.0.0.7"  # where the joins come from
 
 
 def book_of(store: SqliteStore, ca: CertificateAuthority | None) -> Any:
@@ -69,7 +70,7 @@ def test_a_join_gives_a_credential_for_that_node_alone_and_a_certificate_of_the_
     assert token.ca_fingerprint == CA.fingerprint and stored.sha256 == digest(token.secret)
     assert token.secret not in repr(stored)
 
-    answer = book.join(str(token), join_request("b"), NOW + 1)
+    answer = book.join(str(token), join_request("b"), NOW + 1, SOURCE)
     assert answer.node == "b" and answer.ca == CA.cert_pem.decode()
     assert book.node_of(answer.credential) == "b"
     assert book.node_of(answer.credential + "x") is None
@@ -92,21 +93,23 @@ def test_every_refused_join_says_why_and_changes_nothing() -> None:
     token, _ = book.create_token(60, 1, NOW)
     wrong_secret = str(JoinToken(token.id, "0" * 32, token.ca_fingerprint))
     assert "unknown or revoked" in refused(
-        401, lambda: book.join(wrong_secret, join_request("b"), NOW)
+        401, lambda: book.join(wrong_secret, join_request("b"), NOW, SOURCE)
     )
-    assert "not a join token" in refused(401, lambda: book.join("mfnode.x", join_request("b"), NOW))
+    assert "not a join token" in refused(
+        401, lambda: book.join("mfnode.x", join_request("b"), NOW, SOURCE)
+    )
     bad_csr = JoinRequest(node="b", csr="-----BEGIN CERTIFICATE REQUEST-----\nnope")
-    assert "csr:" in refused(400, lambda: book.join(str(token), bad_csr, NOW))
-    expired = refused(401, lambda: book.join(str(token), join_request("b"), NOW + 60))
+    assert "csr:" in refused(400, lambda: book.join(str(token), bad_csr, NOW, SOURCE))
+    expired = refused(401, lambda: book.join(str(token), join_request("b"), NOW + 60, SOURCE))
     assert "is expired" in expired
     assert book.tokens[token.id].uses_left == 1 and not book.credentials  # none of it counted
 
-    answer = book.join(str(token), join_request("b"), NOW)
+    answer = book.join(str(token), join_request("b"), NOW, SOURCE)
     other, _ = book.create_token(None, None, NOW)
-    assert "used up" in refused(401, lambda: book.join(str(token), join_request("c"), NOW))
+    assert "used up" in refused(401, lambda: book.join(str(token), join_request("c"), NOW, SOURCE))
     # A node that joined cannot be claimed again by whoever holds another token.
     assert "has joined already" in refused(
-        409, lambda: book.join(str(other), join_request("b"), NOW)
+        409, lambda: book.join(str(other), join_request("b"), NOW, SOURCE)
     )
     assert book.node_of(answer.credential) == "b"
 
@@ -114,11 +117,11 @@ def test_every_refused_join_says_why_and_changes_nothing() -> None:
 def test_a_revoked_credential_is_nobodys_and_its_node_may_join_anew() -> None:
     book = book_of(SqliteStore(":memory:"), CA)
     token, _ = book.create_token(None, None, NOW)
-    first = book.join(str(token), join_request("b"), NOW)
+    first = book.join(str(token), join_request("b"), NOW, SOURCE)
     book.revoke_node("b")
     assert book.node_of(first.credential) is None and not book.has_joined("b")
     assert "holds no credential" in refused(404, lambda: book.revoke_node("b"))
-    second = book.join(str(token), join_request("b"), NOW)
+    second = book.join(str(token), join_request("b"), NOW, SOURCE)
     assert book.node_of(second.credential) == "b" and second.credential != first.credential
 
 
@@ -128,7 +131,7 @@ def test_a_revoked_token_is_refused_and_the_token_states() -> None:
     assert token_state(stored, NOW) == "usable" and token_state(stored, NOW + 10) == "expired"
     book.revoke_token(token.id)
     assert "unknown or revoked" in refused(
-        401, lambda: book.join(str(token), join_request("b"), NOW)
+        401, lambda: book.join(str(token), join_request("b"), NOW, SOURCE)
     )
     assert "no join token" in refused(404, lambda: book.revoke_token(token.id))
 
@@ -137,18 +140,64 @@ def test_a_control_plane_without_a_ca_makes_no_tokens_and_takes_no_joins() -> No
     book = book_of(SqliteStore(":memory:"), None)
     refused(503, lambda: book.create_token(60, None, NOW))
     token = JoinToken.new(CA.fingerprint)
-    refused(503, lambda: book.join(str(token), join_request("b"), NOW))
+    refused(503, lambda: book.join(str(token), join_request("b"), NOW, SOURCE))
 
 
-def test_a_certificate_request_is_signed_only_as_it_was_made() -> None:
-    _, csr = request(["node-b.example", "10.0.0.7"])
-    signed = x509.load_pem_x509_certificate(CA.sign(csr, datetime.datetime.now(datetime.UTC)))
-    alt = signed.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert alt.get_values_for_type(x509.DNSName) == ["node-b.example"]
+def names_in(answer: Any) -> tuple[list[str], list[str], list[str]]:
+    """The DNS names, IP addresses and URIs a join's certificate names."""
+    cert = x509.load_pem_x509_certificate(answer.cert.encode())
+    cert.verify_directly_issued_by(CA.cert)
+    alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return (
+        alt.get_values_for_type(x509.DNSName),
+        [str(ip) for ip in alt.get_values_for_type(x509.IPAddress)],
+        alt.get_values_for_type(x509.UniformResourceIdentifier),
+    )
+
+
+def test_a_node_certificate_names_the_node_and_only_the_address_it_joined_from() -> None:
+    """Issue 39: a join token bought a certificate for whatever names its request asked for,
+    the control plane's own address among them, and ctl then sent the admin token to an
+    impostor. A node's certificate names the node, and of the addresses asked for only the
+    one it joined from, unless a control plane or router is reached there."""
+    book = book_of(SqliteStore(":memory:"), CA)
+    token, _ = book.create_token(None, None, NOW)
+    answer = book.join(str(token), join_request("b", ("10.0.0.7", "10.0.0.1")), NOW, SOURCE)
+    assert names_in(answer) == (
+        ["b.node.modelfleet.invalid"],
+        ["10.0.0.7"],  # 10.0.0.1 (another machine's) left out
+        ["spiffe://modelfleet/node/b"],
+    )
+    # Joined from where a control plane is reached: the node's name only.
+    shared_host = book.join(
+        str(token), join_request("c", (SOURCE,)), NOW, SOURCE, reserved={"10.0.0.7", "cp.lan"}
+    )
+    assert names_in(shared_host)[1] == []
+    # Over IPv6, an IPv4 client is seen as a mapped address: the same address.
+    mapped = book.join(str(token), join_request("d"), NOW, "::ffff:10.0.0.7")
+    assert names_in(mapped)[1] == ["10.0.0.7"]
+    for asked in ("cp.lan", "*.lan", "0.0.0.0"):
+        bad = join_request("e", (asked,))
+        why = refused(400, lambda bad=bad: book.join(str(token), bad, NOW, SOURCE))
+        assert f"naming {asked!r}" in why and "never a host name" in why
+    assert not book.has_joined("e")
+
+
+def test_node_names_map_to_distinct_dns_names() -> None:
+    assert node_host("gpu-7") == "gpu-7.node.modelfleet.invalid"
+    assert node_host("GPU-7") != node_host("gpu-7")  # names differ by case: never one host
+    long = "N" + "x" * 62
+    assert all(len(label) <= 63 for label in node_host(long).split("."))
+    assert len({node_host(n) for n in ("a--b", "x--61", "a", "A", "a.b", "a_b")}) == 6
+
+
+def test_a_certificate_request_must_be_signed_by_its_own_key() -> None:
+    _, csr = request(["10.0.0.7"])
+    assert read_request(csr).names == ("10.0.0.7",)
     # Another key's signature over the same request: refused.
-    _, other = request(["node-b.example", "10.0.0.7"])
+    _, other = request(["10.0.0.7"])
     tampered = csr[: csr.index(b"-----END")][:-40] + other[other.index(b"-----END") - 40 :]
     with pytest.raises(PkiError):
-        CA.sign(tampered, datetime.datetime.now(datetime.UTC))
+        read_request(tampered)
     with pytest.raises(PkiError, match="1 to 16 hosts"):
         request([])

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+from cryptography import x509
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from modelfleet.files import write_atomic
@@ -47,6 +48,13 @@ class Credential(BaseModel):
     ca: str
     cert: str
     key: str = Field(repr=False)
+
+    def names(self) -> list[str]:
+        """What its certificate names: the node's DNS name, then its addresses."""
+        cert = x509.load_pem_x509_certificate(self.cert.encode())
+        alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        ips = [str(ip) for ip in alt.get_values_for_type(x509.IPAddress)]
+        return [*alt.get_values_for_type(x509.DNSName), *ips]
 
     def tls_files(self, state_dir: Path) -> TlsFiles:
         """The admin listener's certificate and key, written as files (0600) for it."""

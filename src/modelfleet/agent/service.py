@@ -16,6 +16,7 @@ seen comes from a leader that lost its lease without knowing yet, and is refused
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import json
 import logging
@@ -38,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from modelfleet.agent.credential import JoinFailed, Unreachable, join
 from modelfleet.agent.gpus import BadGpuSpec, GpuSource, SimulatedGpus
 from modelfleet.agent.heartbeat import needs_report, retry_delay
 from modelfleet.agent.logs import read_log, shard_log
@@ -48,7 +50,8 @@ from modelfleet.clock import wait_set
 from modelfleet.engine_metrics import translate
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
 from modelfleet.files import write_json_atomic
-from modelfleet.pki import TlsFiles
+from modelfleet.joining import BadJoinToken, JoinToken
+from modelfleet.pki import PkiError, TlsFiles
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import bearer_matches, error_response, json_response
 from modelfleet.wire import (
@@ -70,6 +73,7 @@ log = logging.getLogger("modelfleet.agent")
 PATIENCE_S = {"one": (10.0, 10.0), "several": (1.0, 3.0)}  # to connect, to answer
 # How much longer than the interval the control plane holds a heartbeat it is waited for.
 HOLD_MARGIN_S = {"one": 10.0, "several": 1.0}
+REFUSED_WAIT_MAX_S = 60.0  # the longest wait between tries while the control plane refuses it
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,9 @@ class AgentSettings:
     control_planes: tuple[str, ...] = ()
     # How it reaches the control plane; None: the network (tests pass httpx.MockTransport).
     transport: httpx.AsyncBaseTransport | None = None
+    # The join token the agent was given (`--join`): once the control plane refuses the kept
+    # credential (the node revoked, and re-added), the agent joins anew with it.
+    join_token: str | None = field(default=None, repr=False)
 
 
 class Agent:
@@ -131,6 +138,9 @@ class Agent:
         )
         self._group = asyncio.TaskGroup()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._refusal: str | None = None  # why the control plane refuses this agent, as said
+        self._refusals = 0  # refusals in a row: each waits longer
+        self._tokens_tried: set[str] = set()
 
     async def __aenter__(self) -> Agent:
         await self._group.__aenter__()
@@ -335,17 +345,68 @@ class Agent:
                 return None
             if response.status_code != 307 or not self._follow(response):
                 break
+        if response.status_code == 401:
+            await self._refused(response)
+            return None
         if response.status_code != 200:
             log.warning("control plane refused report %d: %s", report.seq, response.text[:300])
             if response.status_code == 503:
                 self._next_control_plane()
             return None
+        self._accepted()
         try:
             assignment = NodeAssignment.model_validate_json(response.content)
         except ValidationError as exc:
             log.warning("control plane answered with no assignment: %s", exc)
             return None
         return assignment if self.took_epoch(assignment.epoch) else None
+
+    async def _refused(self, response: httpx.Response) -> None:
+        """The control plane refuses this agent's token or credential (401): say so once,
+        clearly; join anew when a join token was given that was not tried yet; and wait
+        longer after each refusal in a row (up to REFUSED_WAIT_MAX_S), so that a revoked node
+        neither floods its log nor the control plane."""
+        why = _error_of(response)
+        if why != self._refusal:
+            log.error(
+                "the control plane at %s refuses this agent: %s. Nothing it sends is taken; "
+                "its engines keep running.",
+                self.control_plane,
+                why,
+            )
+            self._refusal = why
+        token = self.settings.join_token
+        if token is not None and token not in self._tokens_tried:
+            self._tokens_tried.add(token)
+            if await self._join_anew(token):
+                return
+        self._refusals += 1
+        wait = min(REFUSED_WAIT_MAX_S, self.settings.report_interval * 2**self._refusals)
+        await self._pause(wait)
+
+    async def _join_anew(self, token: str) -> bool:
+        """Join again with `token`, taking the new credential; whether it joined."""
+        s = self.settings
+        try:
+            parsed = JoinToken.parse(token)
+            joined = await asyncio.to_thread(
+                join, s.control_plane, parsed, s.node, [s.address], s.state_dir
+            )
+        except (BadJoinToken, JoinFailed, Unreachable, PkiError, OSError) as exc:
+            log.error("cannot join anew with the join token given: %s", exc)
+            return False
+        self.settings = dataclasses.replace(s, token=joined.credential)
+        self._cp.headers["authorization"] = f"Bearer {joined.credential}"
+        self._refusal, self._refusals = None, 0
+        log.info("joined anew as node %s with the join token given", s.node)
+        return True
+
+    def _accepted(self) -> None:
+        """The control plane takes what this agent sends (again)."""
+        if self._refusal is not None:
+            log.info("the control plane at %s takes this agent's reports again",
+                     self.control_plane)  # fmt: skip
+        self._refusal, self._refusals = None, 0
 
     async def engine_metrics(self) -> bytes:
         """What this node's engines say of themselves, under `modelfleet_engine_*` names
@@ -417,6 +478,9 @@ class Agent:
             return Beat.REPORT
         if response.status_code == 307 and self._follow(response):
             return Beat.REPORT  # to the leader, at once
+        if response.status_code == 401:
+            await self._refused(response)
+            return Beat.REPORT
         if response.status_code != 200:
             log.warning("control plane refused heartbeat %d: %s", seq, response.text[:300])
             if response.status_code == 503:
@@ -563,6 +627,15 @@ async def serve(
             await agent.report_loop(ready_file, {li.name: li.url for li in listeners})
 
         await run_service(listeners, loops=[loop])
+
+
+def _error_of(response: httpx.Response) -> str:
+    """The error a control plane's answer carries, or its text."""
+    try:
+        said = response.json().get("error")
+    except (ValueError, AttributeError):
+        said = None
+    return str(said) if said else response.text.strip()[:300]
 
 
 def describe(exc: httpx.HTTPError) -> str:

@@ -106,13 +106,7 @@ class AgentApi:
         holder = self._holder(scope)
         if holder is None:
             self.cp.metrics.refused.labels("credential").inc()
-            await send_json(
-                send,
-                401,
-                error_json(
-                    "missing or wrong agent token, or a node credential not (or no longer) valid"
-                ),
-            )
+            await send_json(send, 401, error_json(self._why_refused(scope)))
             return
         status, body = await serve(scope, receive, holder)
         if not self.cp.acting():  # it stopped leading while the answer was made (a long poll)
@@ -146,6 +140,22 @@ class AgentApi:
             matches = bearer_matches(header(scope, b"authorization"), config.agent_token)
             return ANY_NODE if matches else None
         return ANY_NODE if config.insecure_agent_api else None
+
+    def _why_refused(self, scope: Scope) -> str:
+        """Why a request carries no token or credential taken here, for its agent to say."""
+        presented = bearer(header(scope, b"authorization"))
+        if presented is None or not presented.startswith(CREDENTIAL_PREFIX):
+            return "missing or wrong agent token"
+        node = self.cp.membership.revoked_node(presented)
+        if node is not None:
+            return (
+                f"node {node} was revoked: its credential is taken no more; it comes back only "
+                "by joining anew, with a new join token"
+            )
+        return (
+            "this node credential is not valid here (its node was revoked, or it is of another "
+            "fleet): join anew with a new join token"
+        )
 
     def _refuse_as(self, holder: str, node: str, scope: Scope) -> Answer | None:
         """Why a request carrying `holder`'s credential may not speak for `node`, if so."""
@@ -186,10 +196,10 @@ class AgentApi:
             await send_json(send, *request)
             return
         presented = bearer(header(scope, b"authorization")) or ""
+        client = scope.get("client") or ("?", 0)
         try:
-            answer = await cp.join(presented, request)
+            answer = await cp.join(presented, request, client[0])
         except MembershipRefused as exc:
-            client = scope.get("client") or ("?", 0)
             log.warning("refused a join of node %s from %s: %s", request.node, client[0], exc)
             await send_json(send, exc.status, error_json(str(exc)))
             return

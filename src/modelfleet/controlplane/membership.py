@@ -13,11 +13,12 @@ import asyncio
 import dataclasses
 import datetime
 import hmac
-from collections.abc import Iterable
+import ipaddress
+from collections.abc import Collection, Iterable
 
 from modelfleet import admin
 from modelfleet.joining import BadJoinToken, JoinToken, digest, new_credential
-from modelfleet.pki import CertificateAuthority, PkiError
+from modelfleet.pki import CertificateAuthority, PkiError, read_request
 from modelfleet.store import StoredCredential, StoredJoinToken
 from modelfleet.store.calls import StoreCalls
 from modelfleet.wire import JoinAnswer, JoinRequest
@@ -52,6 +53,42 @@ def token_info(token: StoredJoinToken, now: float) -> admin.JoinTokenInfo:
     )
 
 
+def node_addresses(
+    node: str, asked: Iterable[str], source: str, reserved: Collection[str]
+) -> list[str]:
+    """The addresses node `node`'s certificate may name of those its request `asked` for: the
+    one it joined from (`source`), unless a control plane or router is reached there
+    (`reserved`: its certificate would pass for theirs). Any other address is left out (the
+    node is still reached, and checked, by its name); a host name or a wildcard asked for is
+    refused (MembershipRefused 400): nothing but an attempt on another's name asks for one."""
+    joined_from = _address(source)
+    theirs = {_address(r) for r in reserved}
+    kept = []
+    for name in asked:
+        address = _address(name)
+        if address is None:
+            raise MembershipRefused(
+                400,
+                f"csr: node {node} asks for a certificate naming {name!r}; a node's certificate "
+                "names the node and the address it joins from, never a host name or a wildcard",
+            )
+        if address == joined_from and address not in theirs:
+            kept.append(str(address))
+    return kept
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`text` as an address (an IPv4 address mapped into IPv6 as itself); None when it is no
+    address, or the unspecified one."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return None if address.is_unspecified else address
+
+
 class Membership:
     """The join tokens and node credentials: the store's, with a copy in memory, so that the
     check on every report and heartbeat is a dictionary lookup."""
@@ -69,6 +106,9 @@ class Membership:
         self.tokens = {t.id: t for t in tokens}
         self.credentials = {c.node: c for c in credentials}
         self._nodes = {c.sha256: c.node for c in self.credentials.values()}
+        # Credentials revoked since this control plane started (digest -> node): a refusal
+        # can then say so. Those revoked before are refused as unknown.
+        self._revoked: dict[str, str] = {}
         # One change at a time: each checks what the last made (a token's uses, a name).
         self.writing = asyncio.Lock()
 
@@ -84,11 +124,20 @@ class Membership:
         async with self.writing:
             return await self._revoke_token(token_id)
 
-    async def join(self, presented: str, request: JoinRequest, now: float) -> JoinAnswer:
-        """Exchange a join token for a new credential of `request.node`, and sign its admin
-        listener's certificate request."""
+    async def join(
+        self,
+        presented: str,
+        request: JoinRequest,
+        now: float,
+        source: str,
+        reserved: Collection[str] = (),
+    ) -> JoinAnswer:
+        """Exchange a join token for a new credential of `request.node`, and sign its
+        listeners' certificate request (`node_addresses` says what it names), the join having
+        come from address `source`; `reserved`: the hosts a control plane or router is reached
+        by."""
         async with self.writing:
-            return await self._join(presented, request, now)
+            return await self._join(presented, request, now, source, reserved)
 
     async def revoke_node(self, node: str) -> None:
         """Delete `node`'s credential: nothing it sends is taken after this."""
@@ -121,7 +170,14 @@ class Membership:
         del self.tokens[token_id]
         return token
 
-    async def _join(self, presented: str, request: JoinRequest, now: float) -> JoinAnswer:
+    async def _join(
+        self,
+        presented: str,
+        request: JoinRequest,
+        now: float,
+        source: str,
+        reserved: Collection[str],
+    ) -> JoinAnswer:
         if self.ca is None:
             raise MembershipRefused(503, "this control plane has no CA: it takes no joins")
         try:
@@ -142,10 +198,12 @@ class Membership:
                 f"revoke it first (`modelfleet ctl nodes revoke {node}`), or pick another name",
             )
         try:
-            when = datetime.datetime.fromtimestamp(now, datetime.UTC)
-            cert = self.ca.sign(request.csr.encode(), when)
+            asked = read_request(request.csr.encode())
         except PkiError as exc:
             raise MembershipRefused(400, f"csr: {exc}") from None
+        addresses = node_addresses(node, asked.names, source, reserved)
+        when = datetime.datetime.fromtimestamp(now, datetime.UTC)
+        cert = self.ca.sign_node(asked, node, addresses, when)
         credential = new_credential()
         uses_left = None if stored.uses_left is None else stored.uses_left - 1
         used = dataclasses.replace(stored, uses_left=uses_left, used=stored.used + 1)
@@ -162,6 +220,11 @@ class Membership:
         """The node `credential` was given to; None if it is nobody's (or was revoked)."""
         return self._nodes.get(digest(credential))
 
+    def revoked_node(self, credential: str) -> str | None:
+        """The node `credential` was given to, if it was revoked since this control plane
+        started."""
+        return self._revoked.get(digest(credential))
+
     def has_joined(self, node: str) -> bool:
         return node in self.credentials
 
@@ -172,3 +235,4 @@ class Membership:
         await self.calls(self.store.delete_credential, node)
         del self.credentials[node]
         del self._nodes[record.sha256]
+        self._revoked[record.sha256] = node

@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -388,17 +389,40 @@ class ControlPlane:
         self.events.normal("NodeDeleted", f"node/{node}", f"deleted by an operator{retired}")
         return held
 
-    async def join(self, token: str, request: JoinRequest) -> JoinAnswer:
-        """Give a node its credential for a join token (MembershipRefused if not). A node
+    async def join(self, token: str, request: JoinRequest, source: str) -> JoinAnswer:
+        """Give a node its credential for a join token, the join having come from address
+        `source` (MembershipRefused if not). A name the fleet knows is never given again: a
+        node that reports (with the shared agent token too), or one the term waits for; a node
         revoked before, joining anew, is no longer revoked."""
-        answer = await self.membership.join(token, request, self.store_time())
         node = request.node
-        record = self.state.nodes.get(node)
-        if record is not None and record.mark.mark is Mark.REVOKED:
+        mark = self.state.marks.get(node)
+        revoked = mark is not None and mark.mark is Mark.REVOKED
+        known = node in self.state.nodes or node in (self.term.roster or ())
+        if known and not revoked and not self.membership.has_joined(node):
+            raise MembershipRefused(
+                409,
+                f"node {node} is a node of the fleet already (it reports with the shared agent "
+                f"token): pick another name, or, once that machine is gone for good, delete it "
+                f"(`modelfleet ctl nodes delete {node}`) and join again",
+            )
+        answer = await self.membership.join(
+            token, request, self.store_time(), source, self.reserved_names()
+        )
+        if revoked:
             await self.set_mark(node, Mark.NONE, 0)
         log.info("node %s joined", node)
         self.events.normal("NodeJoined", f"node/{node}", "joined with a join token")
         return answer
+
+    def reserved_names(self) -> set[str]:
+        """The hosts a control plane or router of this fleet is reached by: a node's
+        certificate names none of them."""
+        names = set(self.config.certificate_names())
+        urls = [r.url for r in self.config.routers]
+        for plane in self.leadership.planes:
+            urls += [plane.agent_url, plane.admin_url]
+        names.update(host for url in urls if (host := urlsplit(url).hostname))
+        return names
 
     async def revoke_node(self, node: str) -> list[str]:
         """Cut `node` off: delete its credential, so that nothing it sends is taken, and mark
