@@ -410,6 +410,7 @@ def router(
     from modelfleet.config import ConfigError, load_config
     from modelfleet.pki import PkiError, server_context
     from modelfleet.router.service import RouterConfig, serve
+    from modelfleet.router.workers import PortHeld
     from modelfleet.serving import configure_logging, run_fast
 
     configure_logging(log_level)
@@ -437,7 +438,10 @@ def router(
             "manages): every request will be refused (401)",
             err=True,
         )
-    run_fast(serve(cfg, ready_file))
+    try:
+        run_fast(serve(cfg, ready_file))
+    except PortHeld as exc:
+        fail(str(exc))
 
 
 @app.command()

@@ -10,6 +10,8 @@ mistaken for the one that was started.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import random
 import signal
@@ -23,6 +25,7 @@ from typing import Literal
 
 import psutil
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 # How much of a log file `log_tail` reads back from its end.
 _TAIL_BYTES = 256 * 1024
 
@@ -98,6 +101,45 @@ def free_port(host: str, band: PortBand = "any") -> int:
         sock.bind((host, 0))
         fallback: int = sock.getsockname()[1]
         return fallback
+
+
+def port_holders(host: str, port: int) -> list[int] | None:
+    """None when nothing listens on `host:port`; else the pids of the processes that do (empty
+    when they cannot be told). A socket bound with SO_REUSEPORT shares a port with whoever else
+    set it, without a word: this is how to find out before."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT, not LISTEN
+    try:
+        probe.bind((host, port))
+        return None
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+    finally:
+        probe.close()
+    try:
+        listening = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return []
+    return sorted(
+        {
+            c.pid
+            for c in listening
+            if c.pid is not None
+            and c.status == psutil.CONN_LISTEN
+            and c.laddr
+            and c.laddr[1] == port
+        }
+    )
+
+
+def die_with_parent(parent: int) -> bool:
+    """Have the kernel send this process SIGTERM when its parent dies (PR_SET_PDEATHSIG);
+    False when `parent` is not its parent any more (it died before this was asked)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    return os.getppid() == parent
 
 
 def log_tail(path: Path, lines: int) -> list[str]:

@@ -136,7 +136,7 @@ def fleet(procs: Procs, tmp_path: Path) -> Any:
     # Engines outlive their agents by design: once the agents have stopped (and recorded
     # them), the engines they started are ended too, by their process groups.
     procs.stop_all()
-    for node in ("b", "c"):
+    for node in ("b", "c", "node-2"):
         stop_groups(recorded_engine_pids(tmp_path / node), grace=10)
 
 

@@ -4,8 +4,11 @@ streaming through it, a replica killed mid-run, a huge body refused unread."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -210,3 +213,53 @@ def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Pa
     proc.terminate()
     assert proc.wait(timeout=60) == 0
     assert not folder.exists()
+
+
+def test_router_workers_end_with_their_parent_and_no_router_starts_beside_them(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Issue 39: with `workers: N`, kill -9 of the router's parent left its workers serving
+    the port with no parent, and a router started again shared the port with them (they never
+    got new tables or keys). Now the workers end with their parent, and a router refuses a
+    client port that another process holds, naming it."""
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "port": 0,
+                "push_port": 0,
+                "push_token": "push-token-0123456789",
+                "workers": 2,
+                "api_keys": [{"name": "t", "key": KEY}],
+                "models": [],
+            }
+        )
+    )
+    ready = tmp_path / "router.json"
+    proc = procs.start("router", "--config", str(config), "--ready-file", str(ready), log="router")
+    found = wait_json(ready, proc, timeout=60)
+    workers = [psutil.Process(pid) for pid in found["workers"]]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_for(
+        "the workers to end with their parent",
+        lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers),
+        30,
+    )
+
+    # A port held by another process (as orphaned workers held it): refused, naming it.
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        data = yaml.safe_load(config.read_text())
+        config.write_text(yaml.safe_dump({**data, "port": holder.getsockname()[1]}))
+        done = subprocess.run(
+            [sys.executable, "-m", "modelfleet", "router", "--config", str(config)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode != 0
+        assert f"is held by pid {os.getpid()}" in done.stderr, done.stderr
+    finally:
+        holder.close()

@@ -15,8 +15,9 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,7 @@ from modelfleet.files import write_json_atomic
 from modelfleet.http1 import Bounds
 from modelfleet.openai_api import error_response
 from modelfleet.pki import TlsFiles, is_loopback
+from modelfleet.processes import die_with_parent
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.cold import ColdHold
 from modelfleet.router.engine_load import read_engine_load
@@ -139,6 +141,10 @@ class RouterConfig(BaseModel):
     # Set too: a worker's push API is its parent's alone, plain HTTP on 127.0.0.1 (the parent
     # serves the push API to the control plane, with TLS where the router's host needs it).
     parent_push: bool = False
+    # Set too: the parent's pid. A worker ends when its parent does (the kernel tells it, and
+    # it checks every second): a worker left behind served the port with no new tables or
+    # keys, beside the next router started on it.
+    parent_pid: int | None = None
     # Set too: the folder of the workers' ready files. A scrape of /metrics on the client port
     # (which lands on any one worker) answers the sum over every worker, read from each
     # one's push API.
@@ -621,6 +627,15 @@ def create_apps(router: Router) -> tuple[ClientApp, Starlette]:
     return ClientApp(proxy, rest), create_push_app(router, router.config.push_token)
 
 
+async def watch_parent(parent: int, every: float = 1.0) -> None:
+    """A worker whose parent is gone stops as SIGTERM stops it (the kernel's PR_SET_PDEATHSIG
+    does the same; this is for a parent whose death it missed)."""
+    while os.getppid() == parent:
+        await asyncio.sleep(every)
+    log.error("router worker: its parent %d is gone; stopping", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 async def serve(config: RouterConfig, ready_file: Path | None) -> None:
     """Run a router until SIGINT/SIGTERM."""
     if config.workers > 1:
@@ -642,6 +657,13 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
         ]
         await serve_workers(data, config, ready_file)
         return
+    loops: list[Callable[[], Coroutine[Any, Any, None]]] = []
+    parent = config.parent_pid
+    if parent is not None:
+        if not die_with_parent(parent):
+            log.error("router worker: its parent %d is gone; stopping", parent)
+            return
+        loops.append(lambda: watch_parent(parent))
     router = Router(config)
     client, push = create_apps(router)
     listeners = [
@@ -670,6 +692,6 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
     await run_service(
         listeners,
         ready_file=ready_file,
-        loops=[router.watch_engines, router.watch_load],
+        loops=[router.watch_engines, router.watch_load, *loops],
         on_stop=router.close,
     )

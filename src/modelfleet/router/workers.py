@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -27,6 +28,7 @@ import aiohttp
 import yaml
 
 from modelfleet.files import private_dir
+from modelfleet.processes import port_holders
 from modelfleet.router.metrics import summed
 from modelfleet.router.push import PushUnavailable, create_push_app
 from modelfleet.serving import Listener, run_service
@@ -46,6 +48,10 @@ if TYPE_CHECKING:
     from modelfleet.router.service import RouterConfig
 
 log = logging.getLogger("modelfleet.router")
+
+
+class PortHeld(Exception):
+    """The client port is held by another process: the router does not start on it."""
 
 
 class _Worker:
@@ -101,6 +107,7 @@ class Workers:
                 "reuse_port": True,
                 "parent_push": True,
                 "peers_dir": str(self.folder),
+                "parent_pid": os.getpid(),
                 "table_file": table_file,
             }
             worker.config_file.write_text(yaml.safe_dump(data))
@@ -312,6 +319,14 @@ async def serve_workers(
     """Run `config.workers` router processes on one client port (each serving TLS with the
     client certificate where there is one), and the push API in this one."""
     host, token = config.host, config.push_token
+    held = port_holders(host, config.port) if config.port else None
+    if held is not None:
+        who = f" by pid {', '.join(map(str, held))}" if held else ""
+        raise PortHeld(
+            f"port {config.port} on {host} is held{who}: with SO_REUSEPORT the workers would "
+            "share it without a word (workers a killed router left behind?); stop that, then "
+            "start the router again"
+        )
     reserved = reserve_port(host, config.port)
     port = reserved.getsockname()[1]
     parent = Workers(config_data, config.workers, token)
