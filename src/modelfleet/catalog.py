@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -437,8 +439,34 @@ def _duration(value: object) -> object:
     return value
 
 
+# A model's or adapter's name, as a catalog gives it and a request asks for it: it becomes a
+# metric label, a usage row, a path an engine may load from and text on the dashboard.
+NAME_MAX = 128
+_NAME_PART = r"[A-Za-z0-9][A-Za-z0-9_.:@+-]*"
+_NAME = re.compile(rf"{_NAME_PART}(/{_NAME_PART})*")
+
+
+def name_problem(name: str) -> str | None:
+    """What is wrong with `name` as a model's or adapter's name; None when nothing is."""
+    if len(name) > NAME_MAX:
+        return f"{reprlib.repr(name)} is {len(name)} characters long; a name has at most {NAME_MAX}"
+    if not _NAME.fullmatch(name):
+        return (
+            f"{name!r} is no name: letters, digits and . _ - : @ + in parts split by /, each "
+            "part starting with a letter or digit (such as meta-llama/Llama-3.1-8B)"
+        )
+    return None
+
+
+def _name(value: str) -> str:
+    if (problem := name_problem(value)) is not None:
+        raise PydanticCustomError("name", problem)
+    return value
+
+
 _Seconds = Annotated[float, BeforeValidator(_duration)]
 _Text = Annotated[str, StringConstraints(strip_whitespace=False, min_length=1, pattern=r"\S")]
+_Name = Annotated[str, AfterValidator(_name)]
 
 
 class _AutoscaleInput(BaseModel):
@@ -457,7 +485,7 @@ class _AdapterInput(BaseModel):
     """One of a model's `adapters` as a catalog file writes it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    name: Annotated[str, StringConstraints(pattern=r"^\S+$", max_length=200)]
+    name: _Name
     source: _Text
     max_rank: PositiveInt | None = None
 
@@ -469,7 +497,7 @@ class _ModelInput(BaseModel):
     """One model as a catalog file writes it: what `Catalog.new` validates each entry with."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-    name: Annotated[str, StringConstraints(pattern=r"^\S+$", max_length=200)]
+    name: _Name
     engine: Engine
     source: _Text | None = None
     args: list[_Scalar] = []
@@ -504,7 +532,7 @@ _ADAPTER_KEYS = tuple(_AdapterInput.model_fields)
 
 # What each field must be, said to an operator whose value pydantic refused.
 _EXPECTED = {
-    "name": "must be a non-empty string without spaces, of at most 200 characters",
+    "name": "must be a name (letters, digits and . _ - : @ + in parts split by /)",
     "source": "must be a non-empty string",
     "args": "must be a list of strings",
     "env": "must be a mapping of strings to strings",
@@ -534,7 +562,7 @@ _EXPECTED = {
     "max_lora_rank": "must be a positive integer (the largest rank of its adapters)",
 }
 _ADAPTER_EXPECTED = {
-    "name": "must be a non-empty string without spaces, of at most 200 characters",
+    "name": "must be a name (letters, digits and . _ - : @ + in parts split by /)",
     "source": "must be a non-empty string (a path on the nodes, or a name the engine resolves)",
     "max_rank": "must be a positive integer",
 }
@@ -571,6 +599,8 @@ def _problem_message(key: str, error: ErrorDetails, raw: Mapping[str, Any]) -> s
             return f"#{number + 1}: {inner}: {_unknown_key_message(inner, _ADAPTER_KEYS)}"
         if kind == "missing":
             return f"#{number + 1}: {inner}: missing"
+        if kind == "name":
+            return f"#{number + 1}: {inner}: {error['msg']}"
         expected = _ADAPTER_EXPECTED.get(inner, error["msg"])
         return f"#{number + 1}: {inner}: {expected}, got {_REPR.repr(entry.get(inner))}"
     if kind == "extra_forbidden":
@@ -582,7 +612,7 @@ def _problem_message(key: str, error: ErrorDetails, raw: Mapping[str, Any]) -> s
         close = difflib.get_close_matches(engine, ENGINES, n=1) if isinstance(engine, str) else []
         hint = f"; did you mean '{close[0]}'?" if close else ""
         return f"unknown engine {_REPR.repr(engine)}; one of {', '.join(ENGINES)}{hint}"
-    if key == "gpu_memory" or kind == "duration":
+    if key == "gpu_memory" or kind in ("duration", "name"):
         return error["msg"]
     return f"{_EXPECTED.get(key, error['msg'])}, got {_REPR.repr(raw.get(key))}"
 

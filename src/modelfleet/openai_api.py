@@ -7,6 +7,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from modelfleet.catalog import name_problem
 from modelfleet.web import JSON
 
 
@@ -56,6 +57,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a string", param="model")
+    if (problem := name_problem(model)) is not None:
+        raise BadRequest(f"'model': {problem}", param="model")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be true or false", param="stream")
     return body

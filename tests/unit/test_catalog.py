@@ -65,6 +65,22 @@ def test_unknown_key_gets_did_you_mean() -> None:
     assert (name, field) == ("m", "replica") and "did you mean 'replicas'" in message
 
 
+@pytest.mark.parametrize("bad", ["../../etc", "<script>", "a b", "/abs", "x" * 129, "m/", ""])
+def test_a_name_is_letters_digits_and_a_few_marks_in_parts(bad: str) -> None:
+    """Issue 39: `../../etc` and `<script>` were accepted as model and adapter names (they
+    become labels, paths and dashboard text)."""
+    [(_, field, message)] = problems_of([model(name=bad)])
+    assert field == "name" and "name" in message, message
+    adapter = {"name": bad, "source": "/models/a"}
+    [(_, field, message)] = problems_of([model(adapters=[adapter])])
+    assert field == "adapters" and message.startswith("#1: name: ") and "name" in message[10:]
+
+
+@pytest.mark.parametrize("good", ["meta-llama/Llama-3.1-8B-Instruct", "qwen:7b", "a_b@v2+x"])
+def test_names_that_models_are_known_by_are_taken(good: str) -> None:
+    assert Catalog.new([model(name=good)]).get(good) is not None
+
+
 def test_missing_name_is_reported_by_position() -> None:
     [(name, field, message)] = problems_of([model(), {"engine": "sim"}])
     assert (name, field) == ("#2", "name") and "missing" in message

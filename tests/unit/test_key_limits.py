@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -100,6 +101,33 @@ def test_a_token_limit_is_held_by_the_reservation_and_settled_to_the_engines_usa
                 refused = await c.post("/v1/completions", json={**body, "max_tokens": 700})
                 assert refused.status_code == 429 and refused.json()["error"]["type"] == "tokens"
                 assert "1000 tokens per minute" in refused.json()["error"]["message"]
+
+    run(go())
+
+
+@pytest.mark.usefixtures("way")
+def test_a_request_reserves_the_largest_output_bound_it_names() -> None:
+    """Issue 39: `max_tokens: 1` with `max_completion_tokens: 900` reserved 1 token and used
+    900 (the engine obeys either): 9,010 tokens in a second on a 1,000 tpm key. The larger
+    bound is reserved, so the request is refused before it runs."""
+    wall = FakeClock()
+    wall.now = T0
+
+    async def go() -> None:
+        async with serving(create_simulator(SimSettings(model="m", ttft=0, itl=0))) as engine:
+            router, client = limited(engine, wall, tpm=1000)
+            async with client as c:
+                key = router.keys.check("Bearer alice-key", T0)
+                assert not isinstance(key, str)
+                held = await router.limits.admit(key, 400, "in flight elsewhere", T0)
+                assert isinstance(held, Ticket)
+                body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+                refused = await c.post(
+                    "/v1/completions", json={**body, "max_completion_tokens": 900}
+                )
+                assert refused.status_code == 429, refused.text
+                assert refused.json()["error"]["type"] == "tokens"
+                assert (await c.post("/v1/completions", json=body)).status_code == 200
 
     run(go())
 
@@ -299,5 +327,40 @@ def test_a_step_that_fails_in_a_callback_is_a_500_that_holds_nothing(
                 after = await c.post("/v1/completions", json=body)  # the only slot is free
                 assert after.status_code == 200, after.text
                 assert not failures
+
+    run(go())
+
+
+@pytest.mark.usefixtures("way")
+def test_a_model_name_the_table_does_not_know_makes_no_label_and_no_usage_row() -> None:
+    """Issue 39: any key holder's model name, existing or not, became a permanent metric
+    label and usage row (18 series each; a 20,000-character name broke `ctl usage`). A name
+    the table does not know is counted under the one label "-"; a name that is no name (too
+    long, or of characters a name does not have) is refused (400) saying why."""
+    wall = FakeClock()
+    wall.now = T0
+
+    async def go() -> None:
+        async with serving(create_simulator(SimSettings(model="m", ttft=0, itl=0))) as engine:
+            router, client = limited(engine, wall)
+            async with client as c:
+                for name in ("nope", "llama/nope:v2"):
+                    body = {"model": name, "prompt": "hi", "max_tokens": 1}
+                    assert (await c.post("/v1/completions", json=body)).status_code == 404
+                for name in ("x" * 20_000, "<script>", "../../etc"):
+                    body = {"model": name, "prompt": "hi", "max_tokens": 1}
+                    refused = await c.post("/v1/completions", json=body)
+                    assert refused.status_code == 400, refused.text
+                    assert refused.json()["error"]["param"] == "model"
+                    assert len(refused.text) < 1000  # the name is not echoed whole
+                ok = {"model": "m", "prompt": "hi", "max_tokens": 1}
+                assert (await c.post("/v1/completions", json=ok)).status_code == 200
+                page = (await c.get("/metrics")).text
+            await until_settled(router)
+            labels = set(re.findall(r'model="([^"]*)"', page))
+            assert labels <= {"m", "-"} and "m" in labels, labels
+            batch = router.ledger.take()
+            assert batch is not None
+            assert sorted({row.model for row in batch.rows}) == ["-", "m"]
 
     run(go())

@@ -153,7 +153,9 @@ class Proxy:
             body = parse_body(raw)
         except BadRequest as exc:
             return Refusal(400, str(exc), "invalid_request_error", "invalid", param=exc.param)
-        ex.model = model = body["model"]
+        # The model is recorded on `ex` (metric labels, usage rows) only once the table knows
+        # it: any name a key holder sends once became a label and a usage row for good.
+        model = body["model"]
         ex.key = key.name
         if path != "/v1/embeddings":
             try:
@@ -165,7 +167,7 @@ class Proxy:
         endpoints = table.models.get(model)
         if endpoints is None and (adapter := table.adapter_alias(model)) is not None:
             # "base:adapter": the engine knows the adapter by its own name.
-            body["model"] = ex.model = model = adapter
+            body["model"] = model = adapter
             raw = json.dumps(body).encode()
             endpoints = table.models.get(model)
         if endpoints is None and routes.awaiting_table:
@@ -185,6 +187,7 @@ class Proxy:
                 code="model_not_found",
                 param="model",
             )
+        ex.model = model
         route = table.routes[model]
         if model in table.parents:
             self.parts.asked.note(model, self.parts.clock())
@@ -330,13 +333,20 @@ def _prompt(body: dict[str, Any], path: str) -> str:
 
 def _token_estimate(body: dict[str, Any], prompt: str, path: str, default_max: int) -> int:
     """What a request may use at most, for token limits before its usage is known: the
-    prompt at about four characters a token, and every choice's `max_tokens`."""
+    prompt at about four characters a token, and every choice's output bound: the largest
+    of `max_tokens` and `max_completion_tokens` (an engine obeys either; the smaller one
+    once reserved 1 token for a request that used 900), `default_max` when it names none."""
     if path == "/v1/embeddings":
         return len(str(body.get("input", ""))) // 4 + 1
-    asked = body.get("max_tokens") or body.get("max_completion_tokens") or default_max
+    bounds = [
+        v
+        for k in ("max_tokens", "max_completion_tokens")
+        if isinstance(v := body.get(k), int) and not isinstance(v, bool)
+    ]
+    asked = max(bounds) if bounds else default_max
     n = body.get("n") or 1
-    if not isinstance(asked, int) or not isinstance(n, int):
-        asked, n = default_max, 1
+    if not isinstance(n, int):
+        n = 1
     return len(prompt) // 4 + 1 + asked * max(1, n)
 
 
