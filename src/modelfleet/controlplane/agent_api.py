@@ -30,6 +30,7 @@ request objects) is what the garbage collector scans and what a restart of 10,00
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -196,16 +197,26 @@ class AgentApi:
             await send_json(send, *request)
             return
         presented = bearer(header(scope, b"authorization")) or ""
-        client = scope.get("client") or ("?", 0)
+        source = (scope.get("client") or ("?", 0))[0]
+        wait = cp.doors.wait("join", source)
+        if wait > 0:
+            why = f"too many failed joins from {source}: try again in {math.ceil(wait)}s"
+            retry = [(b"retry-after", b"%d" % math.ceil(wait))]
+            await send_json(send, 429, error_json(why), retry)
+            return
         try:
-            answer = await cp.join(presented, request, client[0])
+            answer = await cp.join(presented, request, source)
         except MembershipRefused as exc:
-            log.warning("refused a join of node %s from %s: %s", request.node, client[0], exc)
+            if exc.status == 401:  # a token that is not one: what a guesser gets
+                cp.doors.failed("join", source, f"node {request.node}: {exc}")
+            else:
+                log.warning("refused a join of node %s from %s: %s", request.node, source, exc)
             await send_json(send, exc.status, error_json(str(exc)))
             return
         except StoreError as exc:
             await send_json(send, 503, error_json(str(exc)))
             return
+        cp.doors.succeeded("join", source)
         await send_json(send, 200, answer.model_dump_json().encode())
 
     async def report(self, scope: Scope, receive: Receive, holder: str) -> Answer:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -149,10 +150,20 @@ class Dashboard:
         return self._html("login.html", {"error": ""})
 
     async def login(self, request: Request) -> Response:
+        source = request.client.host if request.client else "?"
+        doors = self.cp.doors
+        wait = doors.wait("sign-in", source)
+        if wait > 0:
+            error = f"Too many wrong tokens from here: try again in {math.ceil(wait)} s."
+            answer = self._html("login.html", {"error": error}, 429)
+            answer.headers["retry-after"] = str(math.ceil(wait))
+            return answer
         form = await _form(request)
         token = form.get("token", "")
         if not bearer_matches(f"Bearer {token}", self.cp.config.admin_token):
+            doors.failed("sign-in", source, "not the admin token")
             return self._html("login.html", {"error": "That is not the admin token."}, 401)
+        doors.succeeded("sign-in", source)
         response = RedirectResponse("/ui/", status_code=303)
         response.set_cookie(
             COOKIE,

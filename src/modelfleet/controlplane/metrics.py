@@ -46,6 +46,13 @@ class ControlPlaneMetrics:
             ["why"],
             registry=r,
         )
+        self.throttled = Counter(
+            "modelfleet_controlplane_throttled",
+            "Tries refused unheard at a door that takes a secret from anyone (join, dashboard "
+            "sign-in) while their address waits after failing again and again, by door.",
+            ["door"],
+            registry=r,
+        )
         self.pass_seconds = Histogram(
             "modelfleet_controlplane_reconcile_pass_seconds",
             "How long a reconcile pass took; planned: whether it planned (the others had "

@@ -35,6 +35,7 @@ from modelfleet.controlplane.config import (
     ControlPlaneConfig,
     Heartbeats,
 )
+from modelfleet.controlplane.doors import Doors
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.keys import KeyBook
 from modelfleet.controlplane.leadership import Leadership, Turn, holder_name
@@ -141,6 +142,7 @@ class ControlPlane:
         )
         self.series = RouterSeries(config.routers, self._http, config.series_interval, clock.time)
         self.metrics = ControlPlaneMetrics()
+        self.doors = Doors(self.metrics, clock.monotonic)
         self.events = EventLog(
             self.store, clock.time, source=f"control-plane {holder_name(config.state_dir)}"
         )
