@@ -34,6 +34,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+from modelfleet import yamltext
 from modelfleet.autoscale import Policy
 from modelfleet.units import BadDuration, BadSize, parse_duration, parse_size
 
@@ -297,7 +298,7 @@ class Catalog:
     def from_yaml(cls, text: str, version: int = 1, source: str = "catalog") -> Catalog:
         """Parse a catalog file (`models:` and a list of models) and validate it."""
         try:
-            data = yaml.safe_load(text)
+            data = yamltext.load(text)
         except yaml.YAMLError as exc:
             raise CatalogInvalid([Problem("-", "-", f"not valid YAML: {exc}")], source) from exc
         if data is None:

@@ -8,10 +8,9 @@ from typing import TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from modelfleet import yamltext
+
 T = TypeVar("T", bound=BaseModel)
-# libyaml's parser where PyYAML was built with it: the pure-Python one took half a second over
-# a control plane's config naming 10,000 known nodes.
-SafeLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class ConfigError(ValueError):
@@ -21,7 +20,7 @@ class ConfigError(ValueError):
 def load_config(path: Path, model: type[T]) -> T:
     """Read `path` as YAML and validate it as `model`; raise ConfigError naming each bad field."""
     try:
-        data = yaml.load(path.read_text(), Loader=SafeLoader) or {}
+        data = yamltext.load(path.read_text()) or {}
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:

@@ -266,7 +266,8 @@ def test_what_a_fuzzer_and_a_hand_found_gets_a_400_naming_the_field() -> None:
                 )
                 assert refused.status_code == 422, refused.text
                 problem = refused.json()["problems"][0]
-                assert problem["field"] in ("name", "args", "env")
+                # libyaml refuses the lone surrogate's escape where it is (line and column).
+                assert "invalid Unicode character escape" in problem["message"], problem
             strange = await c.get("/v1/replicas/a%0Ab/c")
             assert strange.status_code == 404 and "no such path" in strange.json()["error"]
             wrong = await c.request("TRACE", "/v1/keys")

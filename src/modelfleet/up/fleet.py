@@ -14,6 +14,7 @@ import httpx
 import psycopg
 import yaml
 
+from modelfleet import yamltext
 from modelfleet.apikeys import hash_key
 from modelfleet.catalog import Catalog
 from modelfleet.files import private_dir, write_atomic
@@ -256,7 +257,7 @@ def _start_postgres(fleet: Fleet, state_dir: Path, port: int) -> str:
 
 def _reads(path: Path) -> Any:
     try:
-        return yaml.safe_load(path.read_text())
+        return yamltext.load(path.read_text())
     except (OSError, yaml.YAMLError):
         return None
 
