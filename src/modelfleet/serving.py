@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import math
 import os
+import resource
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import uvicorn
 import uvloop
 
 from modelfleet.files import write_json_atomic
@@ -29,6 +29,7 @@ from modelfleet.http1 import Bounds, Cycle, Http1Server
 from modelfleet.pki import TlsFiles, server_context
 
 log = logging.getLogger("modelfleet")
+FILES_RESERVED = 512  # open files a service keeps for what is not a client connection
 
 
 @dataclass
@@ -42,12 +43,10 @@ class Listener:
     # Several processes may listen on the port (each such listener says so): the kernel
     # spreads new connections over them.
     reuse_port: bool = False
-    # The HTTP server: uvicorn, or the lean one of `http1.py` for the router's client
-    # listener, where the benchmark showed uvicorn's share of each request.
-    server: Literal["uvicorn", "http1"] = "uvicorn"
-    # On the lean server: gets each small POST before the app does (`Http1Server.take`).
+    # Gets each small POST before the app does (`Http1Server.take`).
     take: Callable[[Cycle], bool] | None = field(default=None, repr=False)
-    bounds: Bounds = field(default_factory=Bounds)  # on the lean server: what a client may cost
+    # What a client may cost: a slow head or body, its size, the connections (`http1.Bounds`).
+    bounds: Bounds = field(default_factory=Bounds)
     sock: socket.socket | None = field(default=None, repr=False)
     # The certificate and key it serves TLS with (`pki.py`); None: plain HTTP.
     tls: TlsFiles | None = None
@@ -77,14 +76,6 @@ class Listener:
         return f"{scheme}://{host}:{self.port}"
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server without its own signal handling: `run_service` owns the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 class ServiceFailed(RuntimeError):
     """A part of a service (a background loop, a listener) failed and the service stopped:
     its process exits non-zero, so that whoever supervises it sees a failure."""
@@ -95,6 +86,30 @@ def run_fast(main: Coroutine[Any, Any, None]) -> None:
     router's CPU per request, bench/router.py). A service that stopped because a part of it
     failed exits with status 1."""
     run_service_loop(main, fast=True)
+
+
+def fit_to_open_files(listeners: list[Listener], reserve: int = FILES_RESERVED) -> None:
+    """Raise this process's open-file limit to its hard limit, and lower the listeners'
+    connection caps (in proportion) where together they would pass it, less `reserve` for
+    everything else the process opens: a cap above the limit is none (20,100 half-sent
+    requests once took every file descriptor of a control plane)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    budget = max(len(listeners) * 16, soft - reserve)
+    wanted = sum(li.bounds.max_connections for li in listeners)
+    if wanted <= budget:
+        return
+    for li in listeners:
+        cap = max(16, li.bounds.max_connections * budget // wanted)
+        li.bounds = dataclasses.replace(li.bounds, max_connections=cap)
+    log.info(
+        "connection caps lowered to %s, to fit %d open files",
+        ", ".join(f"{li.name} {li.bounds.max_connections}" for li in listeners),
+        soft,
+    )
 
 
 def run_service_loop(main: Coroutine[Any, Any, None], fast: bool = False) -> None:
@@ -136,39 +151,14 @@ async def run_service(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    servers: list[_Server] = []
-    server_tasks: list[asyncio.Task[None]] = []
     lean: list[Http1Server] = []
+    fit_to_open_files(listeners)
     for listener in listeners:
         sock = listener.sock or listener.bind()
-        if listener.server == "http1":
-            tls = server_context(listener.tls) if listener.tls is not None else None
-            http1 = Http1Server(listener.app, take=listener.take, bounds=listener.bounds, tls=tls)
-            await http1.start(sock)
-            lean.append(http1)
-            continue
-        config = uvicorn.Config(
-            listener.app,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            timeout_graceful_shutdown=math.ceil(drain_timeout),
-            timeout_keep_alive=30,
-            ssl_certfile=listener.tls.cert if listener.tls is not None else None,
-            ssl_keyfile=listener.tls.key if listener.tls is not None else None,
-        )
-        server = _Server(config)
-        servers.append(server)
-        server_tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
-
-    while not all(s.started for s in servers):
-        if any(t.done() for t in server_tasks):
-            for t in server_tasks:
-                failed = t.exception() if t.done() else None
-                if failed is not None:
-                    raise failed
-            raise RuntimeError("a listener stopped during start-up")
-        await asyncio.sleep(0.01)
+        tls = server_context(listener.tls) if listener.tls is not None else None
+        http1 = Http1Server(listener.app, take=listener.take, bounds=listener.bounds, tls=tls)
+        await http1.start(sock)
+        lean.append(http1)
 
     loop_tasks = [asyncio.create_task(fn()) for fn in loops or []]
     if on_ready is not None:
@@ -181,21 +171,17 @@ async def run_service(
         log.info("%s listening on %s", listener.name, listener.url)
 
     stop_waiter = asyncio.create_task(stop.wait())
-    watched: set[asyncio.Task[Any]] = {stop_waiter, *server_tasks, *loop_tasks}
+    watched: set[asyncio.Task[Any]] = {stop_waiter, *loop_tasks}
     # A background loop with nothing to do returns (the router's engine watch with
-    # `watch_interval: 0`): the service goes on. A signal, a loop that fails or a listener
-    # that stops ends it.
+    # `watch_interval: 0`): the service goes on. A signal or a loop that fails ends it.
     failure: BaseException | None = None
     while True:
         done, watched = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         ended = [t for t in done if t is stop_waiter or t.cancelled() or t.exception()]
-        ended += [t for t in done if t in server_tasks]
         for task in ended:
             if task is not stop_waiter and not task.cancelled() and task.exception():
                 failure = failure or task.exception()
                 log.error("a part of the service failed; shutting down", exc_info=task.exception())
-            elif task in server_tasks:
-                failure = failure or RuntimeError("a listener stopped")
         if ended:
             break
 
@@ -204,11 +190,7 @@ async def run_service(
     for task in loop_tasks:
         task.cancel()
     await asyncio.gather(*loop_tasks, return_exceptions=True)
-    for server in servers:
-        server.should_exit = True
-    await asyncio.gather(
-        *server_tasks, *(h.shutdown(drain_timeout) for h in lean), return_exceptions=True
-    )
+    await asyncio.gather(*(h.shutdown(drain_timeout) for h in lean), return_exceptions=True)
     if on_stop is not None:
         await on_stop()
     stop_waiter.cancel()

@@ -513,3 +513,60 @@ def test_an_engine_gets_an_explicit_environment_not_its_agents(
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["FROM_CATALOG"] == "yes"
     assert env["HF_TOKEN"] == "hf-token-passed-on" and env["PATH"] == os.environ["PATH"]
     assert "MODELFLEET_AGENT_TOKEN" not in env and "SOME_CLOUD_KEY" not in env
+
+
+def test_every_listener_closes_a_slow_head_and_refuses_an_oversized_one(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Issue 39: the control plane's listeners (and the agent's admin API, and the engine
+    simulator) never closed a slowloris; 20,100 half-sent requests took every file
+    descriptor. Each now has the router's bounds: a head not in within 10 s gets 408 and the
+    connection closed; a head over 64 KB gets 431."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    engine, _ = start_engine(procs, tmp_path, "m")
+    (tmp_path / "catalog.yaml").write_text("models: []\n")
+    config = {"catalog": str(tmp_path / "catalog.yaml"), "state_dir": str(tmp_path / "cp"),
+              "admin_token": "admin-token-of-the-test", "agent_token": "a" * 20,
+              "agent_port": 0, "admin_port": 0}  # fmt: skip
+    (tmp_path / "cp.yaml").write_text(yaml.safe_dump(config))
+    cp = procs.start("control-plane", "--config", str(tmp_path / "cp.yaml"), "--ready-file",
+                     str(tmp_path / "cp.json"), log="cp")  # fmt: skip
+    urls = wait_json(tmp_path / "cp.json", cp)["urls"]
+    agent = procs.start(
+        "agent", "--control-plane", urls["agent"], "--node", "n", "--simulate-gpus", "1x80GB",
+        "--token", "a" * 20, "--state-dir", str(tmp_path / "n"), "--admin-port", "0",
+        "--ready-file", str(tmp_path / "agent.json"), log="agent",
+    )  # fmt: skip
+    agent_admin = wait_json(tmp_path / "agent.json", agent)["urls"]["admin"]
+    targets = {"engine": engine, "cp agent API": urls["agent"], "cp admin API": urls["admin"],
+               "agent admin API": agent_admin}  # fmt: skip
+    found: dict[str, tuple[str, str]] = {}
+
+    def attack(name: str, url: str) -> None:
+        where = urlsplit(url)
+        address = (where.hostname or "127.0.0.1", where.port or 80)
+        with socket.create_connection(address, timeout=30) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # and no more
+            answer = slow.recv(200).decode(errors="replace")
+            closed = slow.recv(200) == b""
+        with socket.create_connection(address, timeout=30) as big:
+            big.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Big: " + b"y" * 70_000)
+            too_big = big.recv(200).decode(errors="replace")
+        found[name] = (answer.splitlines()[0] if answer else f"closed={closed}",
+                       too_big.splitlines()[0] if too_big else "")  # fmt: skip
+        if not closed:
+            found[name] = ("not closed", found[name][1])
+
+    threads = [threading.Thread(target=attack, args=item) for item in targets.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert found == {
+        name: ("HTTP/1.1 408 Request Timeout", "HTTP/1.1 431 Request Header Fields Too Large")
+        for name in targets
+    }, found
+    assert httpx.get(engine + "/health", timeout=10).status_code == 200  # it still serves

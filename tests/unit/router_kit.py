@@ -50,7 +50,7 @@ class LaneTransport(httpx.AsyncBaseTransport):
 
     async def start(self) -> str:
         if self.server is None:
-            listener = Listener("router", self.app, server="http1")
+            listener = Listener("router", self.app)
             sock = listener.bind()
             self.server = Http1Server(self.app, take=self.app.proxy.take)
             await self.server.start(sock)

@@ -103,7 +103,7 @@ async def lane_server(router: Any) -> AsyncIterator[tuple[Http1Server, httpx.Asy
     """`router`'s client app on the lean server, which hands requests to `Proxy.take`; a
     client of it."""
     app, _ = create_apps(router)
-    listener = Listener("router", app, server="http1")
+    listener = Listener("router", app)
     sock = listener.bind()
     server = Http1Server(app, take=app.proxy.take)
     await server.start(sock)

@@ -50,7 +50,7 @@ async def serve(
     take: Callable[[Cycle], bool] | None = None,
     **bounds: Any,
 ) -> AsyncIterator[Served]:
-    listener = Listener("test", app, server="http1")
+    listener = Listener("test", app)
     sock = listener.bind()
     server = Http1Server(app, take=take, bounds=Bounds(keep_alive=keep_alive, **bounds))
     await server.start(sock)
@@ -364,7 +364,7 @@ async def _test_shutdown_drains_in_flight_and_closes_idle() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"done"})
 
-    listener = Listener("test", slow, server="http1")
+    listener = Listener("test", slow)
     server = Http1Server(slow)
     await server.start(listener.bind())
     idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", listener.port)
@@ -396,7 +396,7 @@ def test_service_outlives_a_loop_that_returns_and_stops_on_sigterm() -> None:
         async def nothing_to_do() -> None:
             returned.set()
 
-        listener = Listener("test", echo, server="http1")
+        listener = Listener("test", echo)
         listener.bind()
         service = asyncio.ensure_future(run_service([listener], loops=[nothing_to_do]))
         await asyncio.wait_for(returned.wait(), 5)
@@ -576,10 +576,32 @@ def test_a_service_whose_loop_fails_stops_in_order_and_exits_non_zero() -> None:
         stopped.append("on_stop")
 
     async def service() -> None:
-        listener = Listener("test", echo, server="http1")
+        listener = Listener("test", echo)
         listener.bind()
         await run_service([listener], loops=[failing], on_stop=on_stop)
 
     with pytest.raises(SystemExit) as exited:
         run_service_loop(service())
     assert exited.value.code == 1 and stopped == ["on_stop"]
+
+
+def test_connection_caps_are_lowered_to_fit_the_open_file_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cap above the open-file limit is no cap: files run out first (20,100 half-sent
+    requests once took every file descriptor of a control plane)."""
+    import resource
+
+    from modelfleet.serving import fit_to_open_files
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (4096, 4096))
+    listeners = [
+        Listener("agent", None, bounds=Bounds(max_connections=50_000)),
+        Listener("admin", None, bounds=Bounds(max_connections=1_000)),
+    ]
+    fit_to_open_files(listeners, reserve=512)
+    caps = [li.bounds.max_connections for li in listeners]
+    assert sum(caps) <= 4096 - 512 and caps[0] > 20 * caps[1] > 0, caps
+    roomy = [Listener("engine", None, bounds=Bounds(max_connections=100))]
+    fit_to_open_files(roomy, reserve=512)
+    assert roomy[0].bounds.max_connections == 100

@@ -86,10 +86,9 @@ APP = Starlette(routes=[Route("/scheme", _scheme)])
 def test_listeners_given_a_certificate_serve_tls_only_and_clients_verify_it(
     tmp_path: Path,
 ) -> None:
-    """Both servers a service may run (uvicorn, the lean one) serve TLS with a certificate of
-    the fleet's CA: a client that trusts the CA gets its answer; one that trusts another CA,
-    or reaches a server by a name its certificate does not hold, is refused; plain HTTP gets
-    no answer."""
+    """A service's listener serves TLS with a certificate of the fleet's CA: a client that
+    trusts the CA gets its answer; one that trusts another CA, or reaches a server by a name
+    its certificate does not hold, is refused; plain HTTP gets no answer."""
     now = datetime.datetime.now(datetime.UTC)
     ca = CertificateAuthority.load_or_create(tmp_path / "pki", "fleet", now)
     ours = ca.issue(["127.0.0.1"], now).write(tmp_path / "tls", "ours")
@@ -98,9 +97,8 @@ def test_listeners_given_a_certificate_serve_tls_only_and_clients_verify_it(
 
     async def test() -> None:
         listeners = [
-            Listener("uvicorn", APP, tls=ours),
-            Listener("lean", APP, server="http1", tls=ours),
-            Listener("misnamed", APP, server="http1", tls=misnamed),
+            Listener("lean", APP, tls=ours),
+            Listener("misnamed", APP, tls=misnamed),
         ]
         ready = tmp_path / "ready.json"
         service = asyncio.ensure_future(run_service(listeners, ready_file=ready))
@@ -115,7 +113,7 @@ def test_listeners_given_a_certificate_serve_tls_only_and_clients_verify_it(
             strangers = httpx.AsyncClient(verify=client_context(other.cert_pem))
             plain = httpx.AsyncClient()
             async with trusting, strangers, plain:
-                for name in ("uvicorn", "lean"):
+                for name in ("lean",):
                     url = urls[name]
                     assert url.startswith("https://127.0.0.1:"), url
                     answer = await trusting.get(url + "/scheme")

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 
+from modelfleet import http1
 from modelfleet.controlplane.admin_api import create_admin_app
 from modelfleet.controlplane.agent_api import AgentApi, create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
@@ -56,6 +57,10 @@ log = logging.getLogger("modelfleet.controlplane")
 # hold no reference cycles, so it is frozen out of the collector's sight after each pass
 # that planned, young objects are collected less often, and a full collection (cycles that
 # went out of use among frozen objects) runs every FULL_COLLECTION_S.
+# Connections each listener takes at once (fewer where the open-file limit says so): an agent
+# holds one (its heartbeat waits there), an operator's dashboard or ctl a few.
+AGENT_CONNECTIONS = 50_000
+ADMIN_CONNECTIONS = 1_000
 GC_THRESHOLDS = (50_000, 20, 100)
 FULL_COLLECTION_S = 600.0
 
@@ -152,9 +157,11 @@ async def serve(
             ", ".join(config.certificate_names()),
         )
     listeners = [
-        Listener("agent", agent_app, config.host, config.agent_port, tls=tls),
-        Listener("admin", admin_app, config.host, config.admin_port, tls=tls),
-    ]
+        Listener("agent", agent_app, config.host, config.agent_port, tls=tls,
+                 bounds=http1.Bounds(max_connections=AGENT_CONNECTIONS)),
+        Listener("admin", admin_app, config.host, config.admin_port, tls=tls,
+                 bounds=http1.Bounds(max_connections=ADMIN_CONNECTIONS)),
+    ]  # fmt: skip
     catalog = catalogs.current
     total = sum(m.replicas for m in catalog.models)
     log.info(

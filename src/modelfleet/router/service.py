@@ -673,7 +673,6 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
             config.host,
             config.port,
             reuse_port=config.reuse_port,
-            server="http1",
             tls=config.client_tls,
             take=client.proxy.take,
             bounds=Bounds(
@@ -683,11 +682,7 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
                 max_connections=config.max_connections,
             ),
         ),
-        # The push API on the lean server too: uvicorn's server wakes every 0.1 s for
-        # housekeeping, a third of an idle router's CPU.
-        Listener(
-            "push", push, config.push_host, config.push_port, server="http1", tls=config.push_tls
-        ),
+        Listener("push", push, config.push_host, config.push_port, tls=config.push_tls),
     ]
     await run_service(
         listeners,

@@ -264,13 +264,8 @@ def create_app(settings: SimSettings) -> Starlette:
 
         sink = OtlpSink(settings.otlp_endpoint, "modelfleet-engine-sim")
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        yield
-        if sink is not None:
-            await asyncio.to_thread(sink.close)  # sends what it still holds
-
-    app = Starlette(routes=routes, exception_handlers={404: not_found}, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers={404: not_found})
+    app.state.sink = sink  # closed when the simulator stops (`serve`): sends what it holds
     if sink is not None:
         app.add_middleware(_Traced, sink=sink, model=settings.model)
     if settings.api_key is not None:
@@ -453,5 +448,14 @@ async def serve(
             "RuntimeError: CUDA error: out of memory (simulated fault: exit-at-start)", flush=True
         )
         raise SystemExit(1)
-    listener = Listener("engine", create_app(settings), host, port)
-    await run_service([listener], ready_file=ready_file, drain_timeout=drain_timeout)
+    app = create_app(settings)
+    sink: SpanSink | None = app.state.sink
+
+    async def stopped() -> None:
+        if sink is not None:
+            await asyncio.to_thread(sink.close)
+
+    listener = Listener("engine", app, host, port)
+    await run_service(
+        [listener], ready_file=ready_file, drain_timeout=drain_timeout, on_stop=stopped
+    )
