@@ -59,6 +59,7 @@ import yaml
 from aiohttp import web
 
 from modelfleet.agent.heartbeat import retry_delay
+from modelfleet.files import write_atomic
 from modelfleet.router.upstream import UpstreamError, Upstreams
 from modelfleet.wire import (
     AgentReport,
@@ -343,7 +344,7 @@ async def measure(
             # Settling ends once every node has reported: what an operator lists does it.
             "known_nodes": names,
         }
-        (folder / "control-plane.yaml").write_text(yaml.safe_dump(config))
+        write_atomic(folder / "control-plane.yaml", yaml.safe_dump(config))  # it holds tokens
         cp = ControlPlaneProcess(folder)
         await cp.start()
         client = Upstreams(connect_timeout=10, idle_timeout=120)

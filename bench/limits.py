@@ -41,6 +41,7 @@ import httpx
 import yaml
 from router import Processes, free_port, start_redis, start_sims, wait_ready
 
+from modelfleet.files import write_atomic
 from modelfleet.router.limits import RedisLimits, Ticket
 from modelfleet.router.table import ApiKey
 
@@ -95,7 +96,7 @@ def start_router(procs: Processes, engine: str, instant: str, store: str) -> str
         ],
     }
     path = procs.tmp / "router.yaml"
-    path.write_text(yaml.safe_dump(config))
+    write_atomic(path, yaml.safe_dump(config))  # 0600: it holds tokens
     procs.start("router", [sys.executable, "-m", "modelfleet", "router", "--config", str(path)])
     url = f"http://127.0.0.1:{port}"
     wait_ready(procs, "the router", url + "/health")

@@ -59,6 +59,7 @@ import httpx
 import psutil
 import yaml
 
+from modelfleet.files import write_atomic
 from modelfleet.processes import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -214,7 +215,7 @@ def start_modelfleet(
             for i, key in enumerate(LIMITED_KEYS)
         ]
     path = procs.tmp / f"router-{port}.yaml"
-    path.write_text(yaml.safe_dump(config))
+    write_atomic(path, yaml.safe_dump(config))  # 0600: it holds tokens
     pid = procs.start(
         f"{name}-{port}",
         [sys.executable, "-m", "modelfleet", "router", "--config", str(path),
@@ -263,7 +264,7 @@ def start_litellm(procs: Processes, engines: list[str]) -> Target | None:
         "litellm_settings": {"telemetry": False},
     }
     path = procs.tmp / "litellm.yaml"
-    path.write_text(yaml.safe_dump(config))
+    write_atomic(path, yaml.safe_dump(config))  # 0600: it holds tokens
     pid = procs.start(
         "litellm",
         [str(binary), "--config", str(path), "--host", "127.0.0.1", "--port", str(port),

@@ -232,8 +232,13 @@ def agent(
         typer.Option(
             envvar="MODELFLEET_AGENT_TOKEN",
             help="With --join: the join token (not needed once joined). With "
-            "--control-plane: the fleet's shared agent token.",
+            "--control-plane: the fleet's shared agent token. Any local user can read a "
+            "command line: give it by --token-file or MODELFLEET_AGENT_TOKEN instead.",
         ),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="A file holding --token (readable by its owner alone)."),
     ] = None,
     ca: Annotated[
         Path | None,
@@ -338,6 +343,10 @@ def agent(
         if not sep or not key:
             fail(f"--label {item!r}: write KEY=VALUE")
         labels.append((key, value))
+    if token_file is not None:
+        if token is not None:
+            fail("give --token (or MODELFLEET_AGENT_TOKEN) or --token-file, not both")
+        token = _secret_from(token_file, "--token-file")
     agent_dir = state_dir or Path(".modelfleet") / "agents" / node
     try:
         lock = StateDirLock(agent_dir, f"the agent of {node}").acquire()
@@ -644,6 +653,22 @@ def engine_sim(
         lora_load_delay=lora_load_delay,
     )
     run_fast(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
+
+
+def _secret_from(path: Path, option: str) -> str:
+    """The secret in file `path`, which its group and others may not read."""
+    from modelfleet.config import ConfigError, owner_only
+
+    try:
+        owner_only(path, [option])
+        text = path.read_text().strip()
+    except ConfigError as exc:
+        fail(f"{option}: {exc}")
+    except OSError as exc:
+        fail(f"{option}: cannot read {path}: {exc.strerror}")
+    if not text:
+        fail(f"{option}: {path} is empty")
+    return text
 
 
 def _ca_context(url: str, ca: Path | None) -> ssl.SSLContext | None:

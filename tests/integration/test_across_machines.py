@@ -112,9 +112,15 @@ def run_the_readme(fleet: Fleet, setup: str, agent: str, use: str, add: str, rem
     key = a.run('echo "KEY=$KEY"').strip().splitlines()[-1].removeprefix("KEY=")
     assert key.startswith("mf-")
 
+    # The files that hold tokens are their owner's alone (a service refuses them otherwise).
+    modes = fleet.in_host("a", "stat", "-c", "%a %n", "control-plane.yaml", "router.yaml")
+    assert modes.split() == ["600", "control-plane.yaml", "600", "router.yaml"], modes
+
     fleet.agent_dirs.append(tmp_agent_dir(fleet, "b", "gpu-1"))
     fleet.shell("b", NODE="gpu-1", TOKEN=token).run(agent)
     wait_for("both replicas to serve on gpu-1", lambda: fleet.serving_on("gpu-1") == 2, 90, 0.5)
+    # The join token is on no command line, for `ps` to show.
+    assert token not in fleet.in_host("b", "ps", "-eo", "args")
     used = a.run(use)
     assert '"choices"' in used, used[-2000:]
 
