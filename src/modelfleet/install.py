@@ -41,6 +41,56 @@ _DESCRIPTIONS: dict[Role, str] = {
 }
 
 
+# What every unit may not do (`systemd-analyze security` scores it): gain privileges, write
+# outside its state dir and its own /tmp, keep a capability, make sockets but IP, Unix and
+# netlink ones (glibc's getaddrinfo asks netlink), touch the kernel's settings.
+_HARDENING = [
+    "NoNewPrivileges=yes",
+    "ProtectSystem=strict",
+    "ReadWritePaths=/var/lib/modelfleet",
+    "PrivateTmp=yes",
+    "UMask=0077",
+    "CapabilityBoundingSet=",
+    "AmbientCapabilities=",
+    "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX AF_NETLINK",
+    "SystemCallArchitectures=native",
+    "ProtectKernelTunables=yes",
+    "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes",
+    "ProtectClock=yes",
+    "ProtectHostname=yes",
+    "RestrictNamespaces=yes",
+    "RestrictRealtime=yes",
+    "RestrictSUIDSGID=yes",
+    "LockPersonality=yes",
+    "KeyringMode=private",
+    "RemoveIPC=yes",
+    "ProtectProc=invisible",
+]
+# The control plane and the router need no device, no home folder, and no system call a
+# service does not make.
+_SERVICE_HARDENING = [
+    "ProtectHome=yes",
+    "PrivateDevices=yes",
+    "DevicePolicy=closed",
+    "ProcSubset=pid",
+    "SystemCallFilter=@system-service",
+    "SystemCallErrorNumber=EPERM",
+]
+# The agent's engines read model files (which may live under /home), need the GPUs, and make
+# system calls no list foresees (JIT compilers, NUMA binding): no filter for them.
+_AGENT_HARDENING = [
+    "ProtectHome=read-only",
+    "DevicePolicy=closed",
+    "DeviceAllow=/dev/nvidiactl rw",
+    "DeviceAllow=/dev/nvidia-uvm rw",
+    "DeviceAllow=/dev/nvidia-uvm-tools rw",
+    "DeviceAllow=char-nvidia-frontend rw",
+    "DeviceAllow=char-nvidia-caps rw",
+]
+
+
 class InstallError(Exception):
     """Options that cannot make a working unit; the message says which and what to do."""
 
@@ -95,9 +145,13 @@ def systemd_unit(
         "TimeoutStopSec=60",
         "LimitNOFILE=65536",
     ]
+    service += _HARDENING
     if role == "agent":
         # Engines outlive their agent: only the agent is stopped (see the module's docstring).
         service.append("KillMode=process")
+        service += _AGENT_HARDENING
+    else:
+        service += _SERVICE_HARDENING
     text = "\n".join(
         [
             "[Unit]",
