@@ -605,3 +605,41 @@ def test_connection_caps_are_lowered_to_fit_the_open_file_limit(
     roomy = [Listener("engine", None, bounds=Bounds(max_connections=100))]
     fit_to_open_files(roomy, reserve=512)
     assert roomy[0].bounds.max_connections == 100
+
+
+def test_an_answered_request_leaves_nothing_for_the_garbage_collector() -> None:
+    """A request's objects go when it is answered, without the collector: its scope held
+    its cycle and the cycle its scope, and the control plane, which collects fully once in
+    ten minutes and freezes its heap after each pass, grew by megabytes a second at 10,000
+    agents."""
+    import gc
+
+    from modelfleet.http1 import Cycle
+
+    async def answer(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def go() -> int:
+        listener = Listener("test", answer)
+        sock = listener.bind()
+        server = Http1Server(answer)
+        await server.start(sock)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            for _ in range(200):
+                writer.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi")
+                await reader.readuntil(b"ok")
+            writer.close()
+            return sum(1 for o in gc.get_objects() if isinstance(o, Cycle))
+        finally:
+            await server.shutdown(1.0)
+
+    gc.collect()
+    gc.disable()
+    try:
+        left = asyncio.run(go())
+    finally:
+        gc.enable()
+    assert left <= 2, f"{left} requests' cycles wait for the garbage collector"
