@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -143,10 +144,9 @@ def complete_on_a_new_connection(router: str) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Path) -> None:
-    """`workers: 2`: two processes accept on the client port, and a table pushed to the
-    parent reaches both (a worker that missed it would answer 404 for the new model)."""
-    engine, _ = engine_of(procs, tmp_path, "m", "engine")
+def two_workers(procs: Procs, tmp_path: Path) -> tuple[Path, subprocess.Popen[bytes], Any]:
+    """A router of `workers: 2` with the client key `KEY` and no model, started and ready:
+    its config file, its process and its ready file."""
     config = tmp_path / "router.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -162,7 +162,14 @@ def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Pa
     )
     ready = tmp_path / "router.json"
     proc = procs.start("router", "--config", str(config), "--ready-file", str(ready), log="router")
-    urls = wait_json(ready, proc, timeout=60)
+    return config, proc, wait_json(ready, proc, timeout=60)
+
+
+def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Path) -> None:
+    """`workers: 2`: two processes accept on the client port, and a table pushed to the
+    parent reaches both (a worker that missed it would answer 404 for the new model)."""
+    engine, _ = engine_of(procs, tmp_path, "m", "engine")
+    _, proc, urls = two_workers(procs, tmp_path)
     router, push = urls["urls"]["router"], urls["urls"]["push"]
     workers = [psutil.Process(pid) for pid in urls["workers"]]
     assert len(workers) == 2
@@ -222,22 +229,7 @@ def test_router_workers_end_with_their_parent_and_no_router_starts_beside_them(
     the port with no parent, and a router started again shared the port with them (they never
     got new tables or keys). Now the workers end with their parent, and a router refuses a
     client port that another process holds, naming it."""
-    config = tmp_path / "router.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "port": 0,
-                "push_port": 0,
-                "push_token": "push-token-0123456789",
-                "workers": 2,
-                "api_keys": [{"name": "t", "key": KEY}],
-                "models": [],
-            }
-        )
-    )
-    ready = tmp_path / "router.json"
-    proc = procs.start("router", "--config", str(config), "--ready-file", str(ready), log="router")
-    found = wait_json(ready, proc, timeout=60)
+    config, proc, found = two_workers(procs, tmp_path)
     workers = [psutil.Process(pid) for pid in found["workers"]]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
