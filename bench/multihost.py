@@ -24,10 +24,13 @@ reported), requests, failed (outside the partition and group scenarios), partiti
 that started after the cut: the target is that only those in flight on C at the cut fail),
 heal_duplicates_left (replicas beyond the catalog's, and engines left on C, once C is back),
 group_restart_s (rank 1 killed until the replica serves again), group_failed,
-impersonation_refused.
+impersonation_refused, engine_tls (every replica's endpoint was https, behind its node's
+gate, and no HTTP request line crossed hosts B and C in clear: tcpdump on both all along) and
+plaintext_prompt_seen (the clients' prompt in those captures).
 
 Targets: failed 0, partition_failed_late 0, heal_duplicates_left 0, group_restart_s <= 15,
-join_s <= 5, impersonation_refused true, tls true.
+join_s <= 5, impersonation_refused true, tls true, engine_tls true, plaintext_prompt_seen
+false.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from typing import Any
 import httpx
 
 from modelfleet.agent.records import recorded_engine_pids
-from modelfleet.hosts import Hosts, Shell, call_in, netns_unavailable, shell_blocks
+from modelfleet.hosts import Capture, Hosts, Shell, call_in, netns_unavailable, shell_blocks
 from modelfleet.pki import client_context
 from modelfleet.processes import running, stop_groups
 from modelfleet.wire import AgentReport
@@ -65,6 +68,7 @@ LISTENERS = {
     "router client API": "https://10.10.0.1:8080/health",
     "router push API": "https://10.10.0.1:8081/v1/routing/held",
 }
+PROMPT = b"Hello"  # what the openai client asks (tests/integration/openai_client.py)
 GROUP_CATALOG = """models:
   - {name: chat, engine: sim, replicas: 1}
   - {name: wide, engine: sim, shards: 2}
@@ -89,6 +93,8 @@ class Bench:
         self.loads: list[subprocess.Popen[bytes]] = []
         self.admin_token = ""
         self.key = ""
+        self.captures: dict[str, Capture] = {}
+        self.endpoints: set[str] = set()  # every endpoint a replica was shown at
         self.ca = folder / "a" / "state" / "pki" / "ca.crt"
 
     def shell(self, host: str, **env: str) -> Shell:
@@ -115,7 +121,9 @@ class Bench:
         return [r for r in self.admin("/v1/replicas")["replicas"] if r["model"] == model]
 
     def ready(self, model: str) -> list[dict[str, Any]]:
-        return [r for r in self.replicas(model) if r["state"] == "ready"]
+        ready = [r for r in self.replicas(model) if r["state"] == "ready"]
+        self.endpoints.update(r["endpoint"] for r in ready)
+        return ready
 
     def load(self, model: str, rate: float, name: str) -> tuple[Path, Path]:
         """Start the openai client on host A sending `rate` requests/s to `model`."""
@@ -134,6 +142,8 @@ class Bench:
         for path in self.folder.glob("*.jsonl"):
             (self.folder / f"stop-{path.stem}").touch()
         stop_groups([p.pid for p in self.loads], grace=40)
+        for capture in self.captures.values():
+            capture.stop()
         for shell in self.shells.values():
             shell.end()
         for host, node in NODES.items():
@@ -151,6 +161,8 @@ class Bench:
         self.admin_token, self.key = env[-2], env[-1]
 
         join_s = 0.0
+        for host in NODES:
+            self.captures[host] = Capture(self.net.netns(host), self.folder / f"{host}.pcap")
         for host, node in NODES.items():
             began = time.monotonic()
             self.shell(host, NODE=node, TOKEN=token).run(agent)
@@ -185,6 +197,13 @@ class Bench:
         failed_outside = [o for o in outside if o["error"]]
         for o in failed_outside[:5] + in_partition[:3] + in_group[:3]:
             print(f"  failed: {o}")
+        crossed = [capture.stop() for capture in self.captures.values()]
+        plain_requests = sum(c.count(b"POST /v1/") for c in crossed)
+        prompt_seen = any(PROMPT in c for c in crossed)
+        https = sorted(self.endpoints) and all(e.startswith("https://") for e in self.endpoints)
+        print(f"engine hops: endpoints {sorted(self.endpoints)}; captured "
+              f"{sum(map(len, crossed))} bytes on B and C, {plain_requests} request lines "
+              f"in clear, prompt seen {prompt_seen}")  # fmt: skip
         return {
             "tls": tls,
             "join_s": round(join_s, 3),
@@ -197,6 +216,8 @@ class Bench:
             "group_restart_s": group["restart_s"],
             "group_failed": len(in_group),
             "impersonation_refused": refused,
+            "engine_tls": bool(https) and plain_requests == 0,
+            "plaintext_prompt_seen": prompt_seen,
         }
 
     def _has_node(self, node: str) -> bool:
@@ -342,6 +363,8 @@ def main() -> int:
         "join_s": result["join_s"] <= 5,
         "impersonation_refused": result["impersonation_refused"],
         "tls": result["tls"],
+        "engine_tls": result["engine_tls"],
+        "plaintext_prompt_seen": not result["plaintext_prompt_seen"],
     }
     for name, met in targets.items():
         print(f"target {name}: {'met' if met else 'MISSED'} ({result[name]})")

@@ -312,7 +312,7 @@ def agent(
         SimulatedGpus,
     )
     from modelfleet.agent.service import AgentSettings, serve
-    from modelfleet.agent.supervisor import SupervisorSettings
+    from modelfleet.agent.supervisor import EngineTls, SupervisorSettings
     from modelfleet.pki import client_context, is_loopback
     from modelfleet.serving import configure_logging, run_service_loop
     from modelfleet.statedir import StateDirBusy, StateDirLock
@@ -359,12 +359,14 @@ def agent(
     if address is None:
         address = _address_towards(url)
     verify: ssl.SSLContext | None
-    join_token = None
+    join_token, engine_tls = None, None
     if join is not None:
         joined = _joined(join, token, node, address, agent_dir, report_interval)
         join_token, token = token, joined.credential
         verify = client_context(joined.ca.encode())
         admin_tls = joined.tls_files(agent_dir)
+        if not is_loopback(address):  # engines other machines reach: behind gates
+            engine_tls = EngineTls(admin_tls, joined.ca_file(agent_dir))
     else:
         verify, admin_tls = _ca_context(url, ca), None
     if admin_port is not None and admin_tls is None and not is_loopback(address):
@@ -386,6 +388,7 @@ def agent(
         report_interval=report_interval,
         supervisor=SupervisorSettings(
             engine_host=address,
+            engine_tls=engine_tls,
             stop_grace=stop_grace,
             backoff_base=backoff_base,
             backoff_max=backoff_max,
@@ -521,6 +524,36 @@ def install_systemd(
         f"then: cp {written[0]} /etc/systemd/system/ && systemctl daemon-reload && "
         f"systemctl enable --now {unit.name}"
     )
+
+
+@app.command(
+    "engine-gate",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def engine_gate(
+    ctx: typer.Context,
+    listen: Annotated[str, typer.Option(help="HOST:PORT the gate serves TLS on.")],
+    engine_port: Annotated[int, typer.Option(help="The engine's port on 127.0.0.1.")],
+    cert: Annotated[Path, typer.Option(help="The node's certificate (PEM).")],
+    key: Annotated[Path, typer.Option(help="Its private key (PEM).")],
+    ca: Annotated[Path, typer.Option(help="The fleet's CA: routers' certificates of it pass.")],
+) -> None:
+    """Start an engine (the command after `--`) on loopback behind a TLS gate that lets in
+    only the fleet's routers; exit as the engine exits. The agent runs it for every engine
+    other machines reach."""
+    from modelfleet.agent.gate import GateSettings, run_gate
+    from modelfleet.pki import TlsFiles
+    from modelfleet.serving import configure_logging
+
+    configure_logging("info")
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        fail(f"--listen {listen!r}: give HOST:PORT")
+    if not ctx.args:
+        fail("give the engine's command after --")
+    settings = GateSettings(host.strip("[]"), int(port), engine_port, TlsFiles(cert, key), ca,
+                            list(ctx.args))  # fmt: skip
+    raise typer.Exit(run_gate(settings))
 
 
 @app.command("engine-sim")

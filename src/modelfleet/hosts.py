@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -240,3 +241,35 @@ class Shell:
         psutil.wait_procs(alive, timeout=10)
         self.proc.wait(timeout=10)
         self._out.close()
+
+
+class Capture:
+    """tcpdump on one host's links to the others (loopback left out: there an agent reaches
+    its own engines): what crossed the network while the capture ran, in `captured()`.
+    Needs tcpdump (Debian's package)."""
+
+    def __init__(self, netns: str, file: Path) -> None:
+        self.file = file
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", netns, "tcpdump", "-i", "any", "-U", "-s", "0",
+             "-w", str(file), "tcp and not net 127.0.0.0/8"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+        assert self.proc.stderr is not None
+        heard = b""
+        for _ in range(5):  # "listening on any, ..." once it captures (lines before it vary)
+            heard += self.proc.stderr.readline()
+            if b"listening" in heard:
+                return
+        self.stop()
+        raise HostsFailed(f"tcpdump in {netns} did not start: {heard.decode(errors='replace')}")
+
+    def stop(self) -> bytes:
+        """End the capture (by its process group); every byte it wrote (packet headers
+        included: search it for what must not be there)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        return self.file.read_bytes() if self.file.exists() else b""

@@ -26,6 +26,7 @@ import ipaddress
 import os
 import re
 import ssl
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,9 @@ _CA_YEARS = 10
 _LEEWAY = datetime.timedelta(minutes=5)  # clocks of the fleet's machines differ a little
 MAX_NAMES = 16  # hosts one certificate may name
 NODE_DOMAIN = "node.modelfleet.invalid"
+# What a router's client certificate names it by, and all an engine's gate lets in: no other
+# certificate of the CA names it (a node's is signed for its own name, whatever it asks for).
+ROUTER_URI = "spiffe://modelfleet/router"
 _PLAIN_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 
@@ -214,6 +218,15 @@ class CertificateAuthority:
             )
         )
 
+    def issue_router_client(self, now: datetime.datetime, days: int = 365) -> Issued:
+        """The certificate routers present to engines' gates (`ROUTER_URI`, for a client)."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "modelfleet router")])
+        alt = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(ROUTER_URI)])
+        cert = self._builder(subject, key.public_key(), now, days, alt, client=True)
+        signed = cert.sign(self._key, hashes.SHA256())
+        return Issued(signed.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
     def sign_node(
         self,
         request: CertificateRequest,
@@ -353,6 +366,41 @@ def client_context(ca_pem: bytes) -> ssl.SSLContext:
     except (UnicodeDecodeError, ssl.SSLError) as exc:
         raise PkiError(f"the CA certificate given is unusable: {exc}") from exc
     return context
+
+
+def client_context_with(ca_pem: bytes, identity: Issued) -> ssl.SSLContext:
+    """`client_context(ca_pem)` that also presents `identity` (a client certificate). The
+    ssl module loads a certificate only from files: they are written in a private temporary
+    folder and removed once read."""
+    context = client_context(ca_pem)
+    with tempfile.TemporaryDirectory(prefix="modelfleet-tls-") as folder:
+        files = identity.write(Path(folder), "client")
+        try:
+            context.load_cert_chain(files.cert, files.key)
+        except ssl.SSLError as exc:
+            raise PkiError(f"the client certificate given is unusable: {exc}") from exc
+    return context
+
+
+def gate_context(files: TlsFiles, ca: Path) -> ssl.SSLContext:
+    """The TLS context of an engine's gate: it presents `files` and lets in only clients
+    with a certificate of the CA in `ca` (which of those it serves, `is_router` says)."""
+    context = server_context(files)
+    context.verify_mode = ssl.CERT_REQUIRED
+    try:
+        context.load_verify_locations(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise PkiError(f"cannot use {ca} as the CA of the gate's clients: {exc}") from exc
+    return context
+
+
+def is_router(peer: dict[str, object] | None) -> bool:
+    """Whether a verified client certificate (as `SSLObject.getpeercert()` gives it) is a
+    router's: it names ROUTER_URI."""
+    if not peer:
+        return False
+    names = peer.get("subjectAltName", ())
+    return isinstance(names, tuple) and ("URI", ROUTER_URI) in names
 
 
 def is_loopback(host: str) -> bool:

@@ -64,6 +64,9 @@ class ShardReport(_Message):
     engine_digest: str
     state: ShardState
     port: int | None = None
+    # Its port serves TLS with the node's certificate, to the fleet's routers only (the
+    # engine's gate, `agent/gate.py`): routers reach it by https and check the node's name.
+    tls: bool = False
     # Rank 0 of a replica of several shards: the port its engine's peers rendezvous at.
     dist_port: int | None = None
     pid: int | None = None
@@ -98,6 +101,12 @@ class ShardReport(_Message):
             generation=a.generation,
             **seen,
         )
+
+
+def engine_endpoint(address: str, port: int, tls: bool) -> str:
+    """The base URL routers reach an engine at: https for one behind its node's gate."""
+    host = f"[{address}]" if ":" in address else address
+    return f"{'https' if tls else 'http'}://{host}:{port}"
 
 
 class AgentReport(_Message):
@@ -252,6 +261,9 @@ class RoutedModel(_Message):
     # of a static router config that has no key
     keys: dict[str, str] = Field(default_factory=dict, repr=False)
     replicas: dict[str, str] = Field(default_factory=dict)  # endpoint -> replica id
+    # https endpoint -> the node whose gate serves it: its certificate must name that node
+    # (`pki.node_host`), whatever address it is reached at.
+    nodes: dict[str, str] = Field(default_factory=dict)
     routing: Routing = "least_load"
     # Seconds to the first byte of an answer before another replica is tried; None: the
     # router's own default.
@@ -287,6 +299,16 @@ class RoutedKey(_Message):
     expires_at: float | None = None  # wall-clock seconds
 
 
+class EngineClient(_Message):
+    """What a router needs to reach engines behind their gates: the fleet's CA (PEM), which
+    their certificates are checked against, and a router's client certificate and its key
+    (`pki.CertificateAuthority.issue_router_client`), which the gates let in."""
+
+    ca: str
+    cert: str
+    key: str = Field(repr=False)
+
+
 class RoutingSnapshot(_Message):
     """A whole routing table. (epoch, version) orders tables: the epoch grows at every start
     of the control plane, the version at every change within one."""
@@ -295,6 +317,8 @@ class RoutingSnapshot(_Message):
     version: int = Field(ge=0)
     catalog_version: int = 0
     models: list[RoutedModel]
+    # From a control plane with a CA: how to reach engines behind gates (https endpoints).
+    engine_client: EngineClient | None = None
     # The keys the control plane manages, besides those of the router's own config.
     keys: list[RoutedKey] = Field(default_factory=list)
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from modelfleet.agent.records import recorded_engine_pids
-from modelfleet.hosts import Hosts, Shell, netns_unavailable, shell_blocks
+from modelfleet.hosts import Capture, Hosts, Shell, netns_unavailable, shell_blocks
 from modelfleet.processes import stop_groups
 
 from .conftest import wait_for
@@ -121,12 +121,27 @@ def run_the_readme(fleet: Fleet, setup: str, agent: str, use: str, add: str, rem
     wait_for("both replicas to serve on gpu-1", lambda: fleet.serving_on("gpu-1") == 2, 90, 0.5)
     # The join token is on no command line, for `ps` to show.
     assert token not in fleet.in_host("b", "ps", "-eo", "args")
-    used = a.run(use)
-    assert '"choices"' in used, used[-2000:]
-
     ca = str(fleet.folder / "a" / "state" / "pki" / "ca.crt")
-    answer = fleet.in_host("a", sys.executable, str(CLIENT), ROUTER, ca, key, "chat", "once")
-    assert answer.strip(), "the openai client got an empty answer"
+    wire = Capture(fleet.net.netns("b"), fleet.folder / "b.pcap")  # the GPU host's network
+    try:
+        used = a.run(use)
+        assert '"choices"' in used, used[-2000:]
+        answer = fleet.in_host("a", sys.executable, str(CLIENT), ROUTER, ca, key, "chat", "once")
+        assert answer.strip(), "the openai client got an empty answer"
+    finally:
+        crossed = wire.stop()
+    # The router reached gpu-1's engines over TLS (their node's name is in the handshake) and
+    # the prompt ("Hello") and the engines' keys never crossed in clear.
+    assert b"Hello" not in crossed and b"mfe-" not in crossed
+    assert b"gpu-1.node.modelfleet.invalid" in crossed
+
+    # Another host, holding no router certificate, gets no answer from an engine on any path
+    # real vLLM serves, with TLS or without.
+    endpoints = [r["endpoint"] for r in fleet.replicas() if r["state"] == "ready"]
+    assert endpoints and all(e.startswith("https://10.10.0.2:") for e in endpoints), endpoints
+    (fleet.folder / "c").mkdir(exist_ok=True)
+    tried = fleet.in_host("c", "sh", "-c", stranger_requests(endpoints[0]), timeout=120)
+    assert tried.split() == ["refused"] * 2 * len(VLLM_PATHS), tried
 
     # Requests all along while a host is added and another removed: none may fail.
     stop, out = fleet.folder / "stop-load", fleet.folder / "load.jsonl"
@@ -157,6 +172,29 @@ def run_the_readme(fleet: Fleet, setup: str, agent: str, use: str, add: str, rem
     assert len(done) > 20 and failed == [], failed
     served_by = {o["replica"] for o in done}
     assert len(served_by) >= 3, served_by  # gpu-1's replicas, then their replacements
+
+
+# Every path real vLLM 0.32 serves; it checks its key on /v1 paths only.
+VLLM_PATHS = ["/invocations", "/pooling", "/score", "/rerank", "/tokenize", "/detokenize",
+              "/classify", "/health", "/metrics", "/version", "/ping", "/v1/chat/completions",
+              "/v1/completions", "/v1/models"]  # fmt: skip
+
+
+def stranger_requests(endpoint: str) -> str:
+    """A shell script that POSTs a chat request with no key to every path of `endpoint`, by
+    https and by plain http, and prints `refused` for each that got no HTTP answer at all."""
+    port = endpoint.rsplit(":", 1)[1]
+    body = json.dumps({"model": "chat", "messages": [{"role": "user", "content": "hi"}]})
+    lines = []
+    for path in VLLM_PATHS:
+        for scheme, flags in (("https", "-k"), ("http", "")):
+            url = f"{scheme}://10.10.0.2:{port}{path}"
+            lines.append(
+                f"code=$(curl -s {flags} -o /dev/null -w '%{{http_code}}' --max-time 10 "
+                f"-H 'content-type: application/json' -d '{body}' {url}); "
+                f'if [ "$code" = 000 ]; then echo refused; else echo "{url}:$code"; fi'
+            )
+    return "\n".join(lines)
 
 
 def tmp_agent_dir(fleet: Fleet, host: str, node: str) -> Path:

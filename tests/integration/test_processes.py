@@ -385,7 +385,7 @@ def test_a_failure_while_supervising_fails_the_shard_with_its_reason(tmp_path: P
     class Broken:
         name = "broken"
 
-        def launch(self, *_: object) -> Launch:
+        def launch(self, *_: object, **__: object) -> Launch:
             raise RuntimeError("the driver broke")
 
     def assignment(rid: str) -> ShardAssignment:

@@ -165,6 +165,8 @@ def test_a_refused_connection_and_a_bad_answer_raise_upstream_errors() -> None:
             with pytest.raises(UpstreamError, match="unreadable"):
                 await Upstreams(connect_timeout=5).post(url, "/", b"{}", [])
         with pytest.raises(UpstreamError, match="only http"):
+            await Upstreams(connect_timeout=5).post("ftp://127.0.0.1:1", "/", b"{}", [])
+        with pytest.raises(UpstreamError, match="no client certificate or node name"):
             await Upstreams(connect_timeout=5).post("https://127.0.0.1:1", "/", b"{}", [])
 
     run(test())

@@ -27,6 +27,7 @@ log = logging.getLogger("modelfleet.agent")
 
 CREDENTIAL_FILE = "credential.json"  # in the agent's state dir, 0600
 ADMIN_TLS_STEM = "admin"  # admin.crt and admin.key beside it
+FLEET_CA_FILE = "fleet-ca.crt"  # the fleet's CA, for its engines' gates
 
 
 class JoinFailed(Exception):
@@ -62,6 +63,12 @@ class Credential(BaseModel):
         write_atomic(files.key, self.key)
         write_atomic(files.cert, self.cert)
         return files
+
+    def ca_file(self, state_dir: Path) -> Path:
+        """The fleet's CA certificate, written as a file for the engines' gates."""
+        path = state_dir / FLEET_CA_FILE
+        write_atomic(path, self.ca)
+        return path
 
 
 def load(state_dir: Path) -> Credential | None:

@@ -29,6 +29,7 @@ class EngineRecord(BaseModel):
     pid: int | None = None
     process_started: float | None = None  # the process's start time (psutil's create_time)
     port: int | None = None
+    local_port: int | None = None  # behind a gate (`gate.py`): the engine's own, on loopback
     dist_port: int | None = None
     argv: list[str] = []
     health_path: str | None = "/health"

@@ -395,6 +395,8 @@ class Agent:
         except (BadJoinToken, JoinFailed, Unreachable, PkiError, OSError) as exc:
             log.error("cannot join anew with the join token given: %s", exc)
             return False
+        joined.tls_files(s.state_dir)  # new certificates: the engines started from now use them
+        joined.ca_file(s.state_dir)
         self.settings = dataclasses.replace(s, token=joined.credential)
         self._cp.headers["authorization"] = f"Bearer {joined.credential}"
         self._refusal, self._refusals = None, 0
@@ -415,7 +417,7 @@ class Agent:
 
         async def page(shard: Shard) -> tuple[dict[str, str], str] | None:
             a = shard.assignment
-            url = f"http://{self.settings.supervisor.engine_host}:{shard.port}/metrics"
+            url = shard.local_url + "/metrics"
             headers = {"authorization": f"Bearer {shard.engine_key}"} if shard.engine_key else {}
             try:
                 answer = await self._probe.get(url, headers=headers, timeout=1.0)

@@ -9,10 +9,12 @@ report carries the last lines of the engine's log.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +28,11 @@ from modelfleet.agent.logs import LogMarks, rotate, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import EngineRecord
 from modelfleet.backoff import Backoff
-from modelfleet.engines import EngineDriver, NoDriver
+from modelfleet.engines import EngineDriver, Launch, NoDriver
 from modelfleet.engines.base import engine_environment
 from modelfleet.files import open_private_log
 from modelfleet.network import interface_of
+from modelfleet.pki import TlsFiles
 from modelfleet.processes import ProcessId, free_port, log_tail, stop_groups
 from modelfleet.wire import MAX_LOG_TAIL_LINES, ShardAssignment, ShardReport, ShardState
 
@@ -39,8 +42,18 @@ ENGINE_KEY_PREFIX = "mfe-"  # an engine's key, recognisable to secret scanners
 
 
 @dataclass(frozen=True)
+class EngineTls:
+    """The node's certificate and key, and the fleet's CA: an agent that has them starts
+    every engine that serves HTTP on loopback behind a gate on `engine_host` (`gate.py`)."""
+
+    files: TlsFiles
+    ca: Path
+
+
+@dataclass(frozen=True)
 class SupervisorSettings:
     engine_host: str = "127.0.0.1"
+    engine_tls: EngineTls | None = None  # None: engines listen on engine_host themselves
     probe_interval: float = 0.25  # while starting
     watch_interval: float = 0.5  # once ready: how often its exit is looked for
     # Once ready, its health is probed this often; this many failed probes in a row (each
@@ -59,6 +72,18 @@ class SupervisorSettings:
     @property
     def backoff(self) -> Backoff:
         return Backoff(self.backoff_base, self.backoff_max, self.healthy_reset)
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def gated(launch: Launch, tls: EngineTls, listen: str, engine_port: int) -> Launch:
+    """`launch` wrapped in a gate (`gate.py`) that serves `listen` ("host:port") with TLS to
+    the fleet's routers and relays to the engine on loopback `engine_port`."""
+    argv = [sys.executable, "-m", "modelfleet", "engine-gate", "--listen", listen]
+    argv += ["--engine-port", str(engine_port), "--ca", str(tls.ca)]
+    argv += ["--cert", str(tls.files.cert), "--key", str(tls.files.key), "--", *launch.argv]
+    return dataclasses.replace(launch, argv=argv)
 
 
 class EngineProcess(Protocol):
@@ -113,7 +138,8 @@ class Shard:
         self.last_failure = ""  # and in words, kept after a restart
         self.state = ShardState.STARTING
         self.error = ""
-        self.port: int | None = None
+        self.port: int | None = None  # where routers reach it
+        self.local_port: int | None = None  # behind a gate: the engine's own, on loopback
         self.proc: EngineProcess | None = None
         self.process: ProcessId | None = None  # the engine's identity, for a later adoption
         self.argv: list[str] = []
@@ -155,6 +181,7 @@ class Shard:
             self.assignment,
             self.state,
             port=self.port,
+            tls=self.local_port is not None,
             dist_port=self.dist_port,
             pid=self.proc.pid if self.proc else None,
             restarts=self.restarts,
@@ -183,6 +210,7 @@ class Shard:
             pid=self.process.pid if self.process else None,
             process_started=self.process.started if self.process else None,
             port=self.port,
+            local_port=self.local_port,
             dist_port=self.dist_port,
             argv=self.argv,
             health_path=self.health_path,
@@ -204,6 +232,7 @@ class Shard:
         self.proc = Adopted(process)
         self.process = process
         self.port = record.port
+        self.local_port = record.local_port
         self.dist_port = record.dist_port or self.dist_port
         self.argv = list(record.argv)
         self.health_path = record.health_path
@@ -236,7 +265,7 @@ class Shard:
         if self.state is not ShardState.READY or self.port is None:
             return None
         headers = {"authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
-        return EngineAt(f"http://{self.settings.engine_host}:{self.port}", headers)
+        return EngineAt(self.local_url, headers)
 
     # -- sleep mode (`idle_action: sleep`) -------------------------------------------------
 
@@ -271,7 +300,7 @@ class Shard:
         """POST `path` to the engine (sleep and wake wait for what runs to end, and for the
         memory to be freed or filled); None when it answered 200, else why not."""
         headers = {"authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
-        url = f"http://{self.settings.engine_host}:{self.port}{path}"
+        url = self.local_url + path
         try:
             answer = await self._http.post(
                 url, headers=headers, timeout=self.assignment.startup_timeout
@@ -282,7 +311,7 @@ class Shard:
 
     async def _is_sleeping(self) -> bool:
         headers = {"authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
-        url = f"http://{self.settings.engine_host}:{self.port}/is_sleeping"
+        url = self.local_url + "/is_sleeping"
         try:
             answer = await self._http.get(url, headers=headers, timeout=5)
             return answer.status_code == 200 and answer.json().get("is_sleeping") is True
@@ -290,7 +319,15 @@ class Shard:
             return False
 
     def _health_url(self) -> str:
-        return f"http://{self.settings.engine_host}:{self.port}{self.health_path or ''}"
+        return self.local_url + (self.health_path or "")
+
+    @property
+    def local_url(self) -> str:
+        """Where this agent reaches its engine: on loopback behind a gate, else where it
+        listens."""
+        if self.local_port is not None:
+            return f"http://127.0.0.1:{self.local_port}"
+        return f"http://{self.settings.engine_host}:{self.port}"
 
     @property
     def leader(self) -> str | None:
@@ -384,16 +421,28 @@ class Shard:
         if isinstance(self.driver, NoDriver):
             self._fail("cannot-start", str(self.driver))
             return False
-        host = self.settings.engine_host
+        host, tls = self.settings.engine_host, self.settings.engine_tls
         self.port = free_port(host, "engines")
+        self.local_port = free_port(LOOPBACK, "engines") if tls is not None else None
         key = ENGINE_KEY_PREFIX + secrets.token_urlsafe(24)
         try:
-            launch = self.driver.launch(self.assignment, host, self.port, self.leader, key)
+            launch = self.driver.launch(
+                self.assignment,
+                host if tls is None else LOOPBACK,
+                self.port if self.local_port is None else self.local_port,
+                self.leader,
+                key,
+                address=host,
+            )
         except NoDriver as exc:
             self._fail("cannot-start", str(exc))
             return False
-        self.argv = launch.argv
         self.health_path = launch.health_path
+        if tls is not None and launch.health_path is not None:
+            launch = gated(launch, tls, f"{host}:{self.port}", self.local_port or 0)
+        elif tls is not None:  # it serves no HTTP (a worker rank): nothing to gate
+            self.port, self.local_port = self.local_port, None
+        self.argv = launch.argv
         try:
             rotate(self.log_path)  # the run before's output is kept for `ctl logs --previous`
             self.log_marks.restart()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import math
@@ -63,7 +64,7 @@ from modelfleet.store import (
     StoreError,
 )
 from modelfleet.store.calls import StoreCalls
-from modelfleet.wire import JoinAnswer, JoinRequest
+from modelfleet.wire import EngineClient, JoinAnswer, JoinRequest
 
 log = logging.getLogger("modelfleet.controlplane")
 MIN_AUTOSCALE_WAIT_S = 0.02  # a decision due already (and not taken: settling) waits this
@@ -156,6 +157,7 @@ class ControlPlane:
             self.events,
             acting=self.acting,
             confirmed=self._routers_confirmed,
+            engine_client=None if ca is None else router_client(ca),
         )
         self.usage.acting = self.acting
         self.loads.acting = self.acting
@@ -690,3 +692,12 @@ class ControlPlane:
         self.calls.close()
         if self.calls.outage is None:
             self.catalogs.store.close()
+
+
+def router_client(ca: CertificateAuthority) -> EngineClient:
+    """What this control plane sends its routers to reach engines behind gates: the CA, and
+    a router certificate issued at its start (by the wall clock: it is checked by others)."""
+    issued = ca.issue_router_client(datetime.datetime.now(datetime.UTC))
+    return EngineClient(
+        ca=ca.cert_pem.decode(), cert=issued.cert_pem.decode(), key=issued.key_pem.decode()
+    )

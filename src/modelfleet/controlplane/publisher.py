@@ -26,7 +26,7 @@ from modelfleet.clock import wait_set
 from modelfleet.controlplane.config import RouterTarget
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.metrics import ControlPlaneMetrics
-from modelfleet.wire import RoutedKey, RoutedModel, RoutingAck, RoutingSnapshot
+from modelfleet.wire import EngineClient, RoutedKey, RoutedModel, RoutingAck, RoutingSnapshot
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -44,7 +44,9 @@ class Publisher:
         events: EventLog | None = None,
         acting: Callable[[], bool] = lambda: True,
         confirmed: Callable[[], None] = lambda: None,
+        engine_client: EngineClient | None = None,
     ) -> None:
+        self.engine_client = engine_client  # sent with every table: routers need it at once
         self.acting = acting  # only a leading control plane pushes or asks
         self._on_confirmed = confirmed  # told when every router holds the current table
         self.metrics = metrics or ControlPlaneMetrics()
@@ -85,7 +87,11 @@ class Publisher:
         self.version += 1
         # The body of a `RoutingSnapshot`, put together from each model's JSON.
         head = RoutingSnapshot(
-            epoch=self.epoch, version=self.version, catalog_version=catalog_version, models=[]
+            epoch=self.epoch,
+            version=self.version,
+            catalog_version=catalog_version,
+            models=[],
+            engine_client=self.engine_client,
         ).model_dump_json(exclude={"models", "keys"})
         keys_json = TypeAdapter(list[RoutedKey]).dump_json(keys).decode()
         models_json = ",".join(self._model_json(m) for m in models)

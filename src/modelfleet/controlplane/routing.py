@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.controlplane.state import FleetState
-from modelfleet.wire import AdapterState, RoutedModel
+from modelfleet.wire import AdapterState, RoutedModel, engine_endpoint
 
 
 class RoutingTable:
@@ -54,6 +54,7 @@ def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel
     endpoints: list[str] = []
     keys: dict[str, str] = {}
     ids: dict[str, str] = {}
+    nodes: dict[str, str] = {}
     adapters: dict[str, list[str]] = {a.name: [] for a in spec.adapters}
     errors: dict[str, str] = {}
     for rid in state.of_model(spec.name):
@@ -73,9 +74,11 @@ def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel
             seen = first.shard(rid, 0)
             if seen is None or seen.port is None:
                 continue
-            endpoint = f"http://{first.report.address}:{seen.port}"
+            endpoint = engine_endpoint(first.report.address, seen.port, seen.tls)
             endpoints.append(endpoint)
             ids[endpoint] = rid
+            if seen.tls:
+                nodes[endpoint] = shards[0].node
             if seen.engine_key is not None:
                 keys[endpoint] = seen.engine_key
             for held in seen.adapters:
@@ -88,6 +91,7 @@ def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel
         endpoints=sorted(endpoints),
         keys=keys,
         replicas=ids,
+        nodes=nodes,
         routing=spec.routing,
         first_byte_timeout=spec.first_byte_timeout,
         max_tokens_cap=spec.max_tokens_cap,

@@ -15,7 +15,7 @@ from modelfleet.fleet import Mark, Replica
 from modelfleet.placement import NodeVerdict, Unplaceable, describe_need
 from modelfleet.reconcile import Preview
 from modelfleet.store import StoredCatalog
-from modelfleet.wire import Ejection, ShardReport, ShardState
+from modelfleet.wire import Ejection, ShardReport, ShardState, engine_endpoint
 
 
 def verdict(v: NodeVerdict) -> admin.NodeVerdict:
@@ -180,8 +180,10 @@ def replica_view(
     shown = replica_state(state, record)
     endpoint = None
     if shown == "ready":
-        leader = state.nodes[shards[0].node].report.address
-        endpoint = f"http://{leader}:{shards[0].port}"
+        node = state.nodes[shards[0].node]
+        seen = node.shard(record.replica.id, 0)
+        if seen is not None and seen.port is not None:
+            endpoint = engine_endpoint(node.report.address, seen.port, seen.tls)
     r = record.replica
     return admin.ReplicaInfo(
         id=r.id,

@@ -50,10 +50,18 @@ class EngineDriver(Protocol):
     adapter_api: AdapterApi | None  # None: it cannot load adapters at run time
 
     def launch(
-        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+        self,
+        shard: ShardAssignment,
+        host: str,
+        port: int,
+        leader: str | None,
+        key: str,
+        address: str | None = None,
     ) -> Launch:
-        """The command for `shard`, serving on host:port. `leader` is where the replica's
-        shard 0 meets its peers ("host:port"), for a replica of several shards. `key` is the
+        """The command for `shard`, serving HTTP on host:port. `leader` is where the replica's
+        shard 0 meets its peers ("host:port"), for a replica of several shards; `address`
+        where its peers reach this shard (the node's address; `host` when None: an engine
+        behind a gate serves HTTP on loopback). `key` is the
         engine's own API key: it must refuse requests without it (its health check aside);
         passed by environment where the engine reads one, so that `ps` does not show it.
         Raises NoDriver when the engine cannot be started here."""

@@ -19,7 +19,13 @@ class CommandDriver:
     adapter_api: AdapterApi | None = None
 
     def launch(
-        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+        self,
+        shard: ShardAssignment,
+        host: str,
+        port: int,
+        leader: str | None,
+        key: str,
+        address: str | None = None,
     ) -> Launch:
         template = shard.command or ""
         fields = {

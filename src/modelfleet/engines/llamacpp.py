@@ -16,7 +16,13 @@ class LlamaCppDriver:
     adapter_api: AdapterApi | None = None
 
     def launch(
-        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+        self,
+        shard: ShardAssignment,
+        host: str,
+        port: int,
+        leader: str | None,
+        key: str,
+        address: str | None = None,
     ) -> Launch:
         native = shutil.which("llama-server")
         if native is not None:

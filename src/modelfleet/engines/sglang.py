@@ -17,7 +17,13 @@ class SglangDriver:
     adapter_api: AdapterApi | None = AdapterApi("/load_lora_adapter", "/unload_lora_adapter")
 
     def launch(
-        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+        self,
+        shard: ShardAssignment,
+        host: str,
+        port: int,
+        leader: str | None,
+        key: str,
+        address: str | None = None,
     ) -> Launch:
         importable("sglang", "SGLang")
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", shard.source]

@@ -13,7 +13,13 @@ class SimDriver:
     adapter_api: AdapterApi | None = VLLM_ADAPTERS
 
     def launch(
-        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+        self,
+        shard: ShardAssignment,
+        host: str,
+        port: int,
+        leader: str | None,
+        key: str,
+        address: str | None = None,
     ) -> Launch:
         argv = [sys.executable, "-m", "modelfleet", "engine-sim", "--model", shard.model]
         argv += ["--host", host, "--port", str(port)]

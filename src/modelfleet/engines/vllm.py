@@ -24,7 +24,13 @@ class VllmDriver:
     adapter_api: AdapterApi | None = VLLM_ADAPTERS
 
     def launch(
-        self, shard: ShardAssignment, host: str, port: int, leader: str | None, key: str
+        self,
+        shard: ShardAssignment,
+        host: str,
+        port: int,
+        leader: str | None,
+        key: str,
+        address: str | None = None,
     ) -> Launch:
         argv = [executable("vllm"), "serve", shard.source, "--host", host, "--port", str(port)]
         argv += ["--served-model-name", shard.model]
@@ -32,7 +38,8 @@ class VllmDriver:
         health: str | None = "/health"
         peers: dict[str, str] = {}
         if shard.num_shards > 1:
-            peers["VLLM_HOST_IP"] = host  # the address its peers reach it at, not a guess
+            # The address its peers reach it at, not a guess.
+            peers["VLLM_HOST_IP"] = address or host
             master_host, master_port = split_leader(shard, leader)
             argv += ["--pipeline-parallel-size", str(shard.num_shards)]
             argv += ["--nnodes", str(shard.num_shards), "--node-rank", str(shard.rank)]

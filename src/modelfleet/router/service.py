@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -37,7 +38,14 @@ from modelfleet.clock import wait_set
 from modelfleet.files import write_json_atomic
 from modelfleet.http1 import Bounds
 from modelfleet.openai_api import error_response
-from modelfleet.pki import TlsFiles, is_loopback
+from modelfleet.pki import (
+    Issued,
+    PkiError,
+    TlsFiles,
+    client_context_with,
+    is_loopback,
+    node_host,
+)
 from modelfleet.processes import die_with_parent
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.cold import ColdHold
@@ -55,6 +63,7 @@ from modelfleet.tracing import SpanSink
 from modelfleet.web import json_response
 from modelfleet.wire import (
     Ejection,
+    EngineClient,
     LoadReport,
     ModelLoad,
     RoutedModel,
@@ -211,6 +220,11 @@ class Router:
         self.wall = wall  # the clock of key expiry
         self._own_keys = [k.to_key() for k in config.api_keys]
         seed = self._restore() or RoutingSnapshot(version=0, models=config.models)
+        self.upstreams = Upstreams(config.connect_timeout)  # the data path's connections
+        self._engine_client: EngineClient | None = None
+        self._engine_tls: ssl.SSLContext | None = None
+        self._engine_names: dict[str, str] = {}
+        self._reach_engines(seed)
         self.snapshot = seed
         self.table = RoutingTable.from_snapshot(seed)
         self.keys = self._key_ring(seed)
@@ -221,7 +235,6 @@ class Router:
         self.metrics = RouterMetrics(
             in_flight=self.balancer.in_flight, held=lambda: self.cold.held_total
         )
-        self.upstreams = Upstreams(config.connect_timeout)  # the data path's connections
         self.limits: Limits = (
             RedisLimits.from_url(config.limits_store, config.limits_fail == "open")
             if config.limits_store
@@ -308,6 +321,7 @@ class Router:
         if snapshot.epoch != held[0] or not self.pushed:
             log.info("took a table of routing epoch %d, version %d", snapshot.epoch,
                      snapshot.version)  # fmt: skip
+        self._reach_engines(snapshot)
         self.snapshot = snapshot
         self.table = RoutingTable.from_snapshot(snapshot)
         self.keys = self._key_ring(snapshot)
@@ -317,6 +331,32 @@ class Router:
             write_json_atomic(self.config.table_file, snapshot.model_dump(mode="json"))
         self.cold.release_all()
         return True
+
+    def _reach_engines(self, snapshot: RoutingSnapshot) -> None:
+        """Take what `snapshot` says of reaching engines behind gates: a new client context
+        when the control plane sent another certificate, and each https endpoint's node."""
+        client = snapshot.engine_client
+        if client != self._engine_client:
+            self._engine_client = client
+            self._engine_tls = None
+            if client is not None:
+                try:
+                    issued = Issued(client.cert.encode(), client.key.encode())
+                    self._engine_tls = client_context_with(client.ca.encode(), issued)
+                except PkiError as exc:
+                    log.error("cannot use the engine client certificate pushed: %s", exc)
+        names = {e: node_host(n) for m in snapshot.models for e, n in m.nodes.items()}
+        if names != self._engine_names or self._engine_tls is not self.upstreams.tls:
+            self._engine_names = names
+            self.upstreams.use_tls(self._engine_tls, names)
+
+    def engine_tls(self, endpoint: str) -> dict[str, Any]:
+        """What aiohttp needs to reach `endpoint` (scrapes and probes): for an https one,
+        the client context and the node name its certificate must carry."""
+        name = self._engine_names.get(endpoint)
+        if name is None or self._engine_tls is None:
+            return {}
+        return {"ssl": self._engine_tls, "server_hostname": name}
 
     def _key_ring(self, snapshot: RoutingSnapshot) -> KeyRing:
         """The keys of the router's own config and those the control plane pushed."""
@@ -444,7 +484,9 @@ class Router:
 
     async def _read_load(self, endpoint: str, timeout: aiohttp.ClientTimeout) -> None:
         try:
-            async with self.session.get(endpoint + "/metrics", timeout=timeout) as answer:
+            async with self.session.get(
+                endpoint + "/metrics", timeout=timeout, **self.engine_tls(endpoint)
+            ) as answer:
                 self._unanswered.pop(endpoint, None)
                 if answer.status != 200:
                     return
@@ -473,7 +515,9 @@ class Router:
 
     async def _probe(self, endpoint: str, timeout: aiohttp.ClientTimeout) -> None:
         try:
-            async with self.session.get(endpoint + "/health", timeout=timeout) as answer:
+            async with self.session.get(
+                endpoint + "/health", timeout=timeout, **self.engine_tls(endpoint)
+            ) as answer:
                 healthy = answer.status == 200
         except (TimeoutError, aiohttp.ClientError):
             healthy = False

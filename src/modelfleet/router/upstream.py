@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+
+# Where an endpoint is reached: host, port, and for https the name its certificate must carry.
+Address = tuple[str, int, str | None]
 
 # Past this many unread bytes the connection stops reading until the reader catches up.
 _HIGH_WATER = 1 << 20
@@ -158,7 +162,7 @@ class Connection(asyncio.Protocol):
 class Answer:
     """An engine's answer: status and headers at once, the body as it arrives."""
 
-    def __init__(self, upstreams: Upstreams, key: tuple[str, int], conn: Connection) -> None:
+    def __init__(self, upstreams: Upstreams, key: Address, conn: Connection) -> None:
         self._upstreams = upstreams
         self._key = key
         self._conn = conn
@@ -220,18 +224,46 @@ class Upstreams:
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.clock = clock
-        self._idle: dict[tuple[str, int], list[tuple[Connection, float]]] = {}
-        self._addresses: dict[str, tuple[str, int]] = {}
+        self._idle: dict[Address, list[tuple[Connection, float]]] = {}
+        self._addresses: dict[str, Address] = {}
+        self._tls: ssl.SSLContext | None = None
+        self._names: Mapping[str, str] = {}
 
-    def _address(self, endpoint: str) -> tuple[str, int]:
+    def use_tls(self, context: ssl.SSLContext | None, names: Mapping[str, str]) -> None:
+        """Reach https endpoints with `context` (the fleet's CA, a router's certificate),
+        checking that each answers with a certificate for the name `names` gives it (its
+        node's, `pki.node_host`). Connections already made stay, and so does what an endpoint
+        no longer named resolves to: a request in flight to it still reads its answer."""
+        self._tls, self._names = context, names
+        for endpoint, name in names.items():
+            known = self._addresses.get(endpoint)
+            if known is not None and known[2] != name:
+                del self._addresses[endpoint]
+
+    @property
+    def tls(self) -> ssl.SSLContext | None:
+        """The client context https endpoints are reached with (`use_tls`)."""
+        return self._tls
+
+    def _address(self, endpoint: str) -> Address:
         address = self._addresses.get(endpoint)
         if address is None:
             parts = urlsplit(endpoint)
-            if parts.scheme != "http" or parts.hostname is None:
+            if parts.scheme not in ("http", "https") or parts.hostname is None:
                 raise UpstreamError(
-                    f"cannot send to {endpoint!r}: only http://host:port", unsent=True
+                    f"cannot send to {endpoint!r}: only http:// or https://host:port",
+                    unsent=True,
                 )
-            address = (parts.hostname, parts.port or 80)
+            name = None
+            if parts.scheme == "https":
+                name = self._names.get(endpoint)
+                if self._tls is None or name is None:
+                    raise UpstreamError(
+                        f"cannot reach {endpoint}: no client certificate or node name for it "
+                        "from the control plane yet",
+                        unsent=True,
+                    )
+            address = (parts.hostname, parts.port or (443 if name else 80), name)
             self._addresses[endpoint] = address
         return address
 
@@ -294,21 +326,25 @@ class Upstreams:
         """The answer on `conn` (from `send`), once its head is in."""
         return Answer(self, self._address(endpoint), conn)
 
-    async def _connect(self, key: tuple[str, int]) -> Connection:
+    async def _connect(self, key: Address) -> Connection:
         loop = asyncio.get_running_loop()
+        host, port, name = key
+        context = None if name is None else self._tls
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: Connection(loop), *key)
+                _, conn = await loop.create_connection(
+                    lambda: Connection(loop), host, port, ssl=context, server_hostname=name
+                )
         except TimeoutError as exc:
             raise UpstreamError(
                 f"no connection to {key[0]}:{key[1]} within {self.connect_timeout:g} s",
                 unsent=True,
             ) from exc
-        except OSError as exc:
+        except (OSError, ssl.SSLError) as exc:  # ssl.CertificateError is an OSError too
             raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc}", unsent=True) from exc
         return conn
 
-    def _take_idle(self, key: tuple[str, int]) -> Connection | None:
+    def _take_idle(self, key: Address) -> Connection | None:
         idle = self._idle.get(key)
         now = self.clock()
         while idle:
@@ -319,7 +355,7 @@ class Upstreams:
             conn.close()
         return None
 
-    def _give_back(self, key: tuple[str, int], conn: Connection) -> None:
+    def _give_back(self, key: Address, conn: Connection) -> None:
         now = self.clock()
         idle = self._idle.setdefault(key, [])
         # The oldest idle connections sit at the front; those past their time are closed.
@@ -335,9 +371,7 @@ class Upstreams:
         self._idle.clear()
 
 
-def _head(
-    address: tuple[str, int], path: str, length: int, headers: Sequence[tuple[str, str]]
-) -> bytes:
+def _head(address: Address, path: str, length: int, headers: Sequence[tuple[str, str]]) -> bytes:
     """A POST's request line and headers."""
     head = [f"POST {path} HTTP/1.1\r\nhost: {address[0]}:{address[1]}\r\n"]
     head += [f"{name}: {value}\r\n" for name, value in headers]
