@@ -496,34 +496,56 @@ def install_systemd(
     role: Annotated[str, typer.Option(help="control-plane, router or agent.")],
     out: Annotated[Path, typer.Option(help="The folder to write the unit (and env file) to.")],
     env_dir: Annotated[
+        Path,
+        typer.Option(help="Where the env file (0600) will live, for the unit to name."),
+    ] = Path("/etc/modelfleet"),
+    user: Annotated[
+        str,
+        typer.Option(
+            help="Run the service as this user (`root`: as root); a sysusers.d file "
+            "that makes it is written beside the unit."
+        ),
+    ] = "modelfleet",
+    program: Annotated[
         Path | None,
-        typer.Option(help="Where the env file will live (by default --out, made absolute)."),
+        typer.Option(
+            help="The `modelfleet` executable the unit runs (absolute; the user must "
+            "be able to run it). By default the one beside this Python."
+        ),
     ] = None,
-    user: Annotated[str | None, typer.Option(help="Run the service as this user.")] = None,
 ) -> None:
     """Write a systemd unit running `modelfleet ROLE` with the options given after `--`,
     e.g. `install systemd --role agent --out DIR -- --control-plane URL --node gpu-1 --ca
     FILE --token T`. Secrets (the agent's --token) go to an env file of mode 0600."""
-    from modelfleet.install import ROLES, InstallError, systemd_unit, write_unit
+    from modelfleet.install import ROLES, InstallError, check_runnable, systemd_unit, write_unit
 
     if role not in ROLES:
         fail(f"--role {role!r}: one of {', '.join(ROLES)}")
+    runs_as = None if user == "root" else user
+    beside = Path(sys.executable).parent / "modelfleet"
+    command = [str(program or beside)] if program or beside.exists() else None
     try:
+        check_runnable(Path(command[0]) if command else Path(sys.executable), runs_as)
         unit = systemd_unit(
             role,  # checked against ROLES above
             list(context.args),
-            (env_dir or out).absolute(),
-            user=user,
+            env_dir.absolute(),
+            program=command,
+            user=runs_as,
         )
         written = write_unit(unit, out)
     except (InstallError, OSError) as exc:
         fail(str(exc))
     for path in written:
         typer.echo(path)
-    typer.echo(
-        f"then: cp {written[0]} /etc/systemd/system/ && systemctl daemon-reload && "
-        f"systemctl enable --now {unit.name}"
-    )
+    steps = []
+    if runs_as is not None:
+        steps.append(f"cp {out}/sysusers.d/{runs_as}.conf /etc/sysusers.d/ && systemd-sysusers")
+    if unit.env_name is not None:
+        steps.append(f"install -D -m 600 {out / unit.env_name} {env_dir / unit.env_name}")
+    steps.append(f"cp {written[0]} /etc/systemd/system/ && systemctl daemon-reload")
+    steps.append(f"systemctl enable --now {unit.name}")
+    typer.echo("then: " + " && ".join(steps))
 
 
 @app.command(

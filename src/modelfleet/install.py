@@ -2,9 +2,12 @@
 
 One unit per role (`modelfleet-control-plane.service`, `modelfleet-router.service`,
 `modelfleet-agent.service`), each restarted whenever it exits (`Restart=always`), its working
-directory `/var/lib/modelfleet` (made by systemd: `StateDirectory=`). A secret given among the
-role's options (the agent's `--token`) goes to an environment file of mode 0600 beside the
-unit, not into the unit, which anyone on the machine may read.
+directory `/var/lib/modelfleet` (made by systemd: `StateDirectory=`), run as a user of its
+own (`modelfleet` by default, made by systemd-sysusers from the `sysusers.d` file written
+beside the unit). A secret given among the role's options (the agent's `--token`) goes to an
+environment file of mode 0600 (to live under /etc/modelfleet), not into the unit, which
+anyone on the machine may read. The unit runs `modelfleet` by an absolute path, which its
+user must be able to run: one under a home folder of another user is refused.
 
 The agent's unit stops its agent only (`KillMode=process`): engines outlive their agent in this
 project (the next agent adopts them), and systemd's default would kill every process of the
@@ -95,6 +98,10 @@ class InstallError(Exception):
     """Options that cannot make a working unit; the message says which and what to do."""
 
 
+SERVICE_USER = "modelfleet"  # the user a unit runs as unless told otherwise
+ENV_DIR = Path("/etc/modelfleet")  # where a unit's environment file lives by default
+
+
 @dataclass(frozen=True)
 class Unit:
     """A role's unit file, and its environment file when it has secrets."""
@@ -103,6 +110,7 @@ class Unit:
     text: str
     env_name: str | None = None
     env_text: str = ""
+    user: str | None = None  # the user it runs as (None: root)
 
 
 def systemd_unit(
@@ -110,11 +118,11 @@ def systemd_unit(
     options: list[str],
     env_dir: Path,
     program: list[str] | None = None,
-    user: str | None = None,
+    user: str | None = SERVICE_USER,
 ) -> Unit:
-    """The unit running `modelfleet ROLE OPTIONS`; its environment file, when it has one,
-    is named as living in `env_dir`. `program`: how `modelfleet` is run (by default this
-    Python, `-m modelfleet`)."""
+    """The unit running `modelfleet ROLE OPTIONS` as `user` (None: root); its environment
+    file, when it has one, is named as living in `env_dir`. `program`: how `modelfleet` is
+    run (by default this Python, `-m modelfleet`)."""
     if role not in ROLES:
         raise InstallError(f"no role {role!r}: one of {', '.join(ROLES)}")
     kept, secrets = _split_secrets(role, options)
@@ -168,7 +176,37 @@ def systemd_unit(
         ]
     )
     env_text = "".join(f"{variable}={_env_quoted(value)}\n" for variable, value in secrets.items())
-    return Unit(name, text, env_name, env_text)
+    return Unit(name, text, env_name, env_text, user)
+
+
+def sysusers(user: str) -> str:
+    """A `sysusers.d` file that makes `user` (a system user and group of its own, its home
+    the services' state dir, no login shell), for /etc/sysusers.d/."""
+    return f'u {user} - "modelfleet services" /var/lib/modelfleet /usr/sbin/nologin\n'
+
+
+def check_runnable(path: Path, user: str | None) -> None:
+    """InstallError unless `user` (None: root) can run the file at `path`: an absolute path,
+    every folder above it open to others (a home folder of 0700 is not), the file executable
+    by others. Ownership is not looked at: a file only its owner may run is refused too."""
+    if not path.is_absolute():
+        raise InstallError(f"{path}: a unit names its program by an absolute path")
+    if user is None:
+        return
+    try:
+        mode = path.stat().st_mode
+        if not mode & 0o001:
+            raise InstallError(f"{path} is not executable by others ({oct(mode & 0o777)})")
+        for folder in path.parents:
+            if not folder.stat().st_mode & 0o001:
+                raise InstallError(
+                    f"the user {user} cannot run {path}: {folder} is closed to others. Install "
+                    "modelfleet where every user may run it (in this repository: `python3 -m venv "
+                    "/opt/modelfleet && /opt/modelfleet/bin/pip install .`) and give `--program "
+                    "/opt/modelfleet/bin/modelfleet`, or run the unit as root (`--user root`)"
+                )
+    except OSError as exc:
+        raise InstallError(f"cannot check that {user} may run {path}: {exc}") from exc
 
 
 def write_unit(unit: Unit, out: Path) -> list[Path]:
@@ -178,6 +216,12 @@ def write_unit(unit: Unit, out: Path) -> list[Path]:
     unit_file.write_text(unit.text)
     unit_file.chmod(0o644)
     written = [unit_file]
+    if unit.user is not None:
+        (out / "sysusers.d").mkdir(exist_ok=True)
+        users_file = out / "sysusers.d" / f"{unit.user}.conf"
+        users_file.write_text(sysusers(unit.user))
+        users_file.chmod(0o644)
+        written.append(users_file)
     if unit.env_name is not None:
         env_file = out / unit.env_name
         fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

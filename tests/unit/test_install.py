@@ -9,11 +9,12 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from modelfleet.install import InstallError, Role, systemd_unit, write_unit
+from modelfleet.install import InstallError, Role, check_runnable, systemd_unit, write_unit
 
 OPTIONS: dict[Role, list[str]] = {
     "control-plane": ["--config", "/etc/modelfleet/control-plane.yaml"],
@@ -49,13 +50,13 @@ def test_each_role_gets_a_unit_that_systemd_accepts_and_that_restarts_always(
     if role == "router":
         assert '"/etc/a b/100%%.crt"' in start  # one word, the % kept literal
     if role == "agent":
-        assert "s3cret" not in unit.text and len(written) == 2
+        assert "s3cret" not in unit.text and len(written) == 3  # unit, sysusers.d, env
         env_file = tmp_path / "modelfleet-agent.env"
         assert f"EnvironmentFile={env_file}" in lines
         assert env_file.read_text() == 'MODELFLEET_AGENT_TOKEN="s3cret"\n'
         assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
     else:
-        assert len(written) == 1 and "EnvironmentFile" not in unit.text
+        assert len(written) == 2 and "EnvironmentFile" not in unit.text
 
 
 def test_a_unit_without_what_its_role_needs_is_refused(tmp_path: Path) -> None:
@@ -91,3 +92,62 @@ def test_each_unit_is_hardened_as_systemd_scores_it(
     lines = unit.text.splitlines()
     assert "ProtectSystem=strict" in lines and "NoNewPrivileges=yes" in lines
     assert ("DeviceAllow=/dev/nvidiactl rw" in lines) == (role == "agent")
+
+
+def test_a_unit_runs_as_a_user_of_its_own_that_sysusers_makes(tmp_path: Path) -> None:
+    """Issue 39: units ran as root. Now a dedicated user by default, made by a sysusers.d
+    file written beside the unit, which systemd-sysusers accepts."""
+    unit = systemd_unit("agent", OPTIONS["agent"], Path("/etc/modelfleet"))
+    written = write_unit(unit, tmp_path)
+    lines = unit.text.splitlines()
+    assert "User=modelfleet" in lines and "Group=modelfleet" in lines
+    assert "EnvironmentFile=/etc/modelfleet/modelfleet-agent.env" in lines
+    users_file = tmp_path / "sysusers.d" / "modelfleet.conf"
+    assert users_file in written
+    sysusers = shutil.which("systemd-sysusers")
+    if sysusers is None:  # .ci/run installs systemd where it is missing
+        pytest.skip("systemd-sysusers is not installed (Debian's systemd package)")
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    done = subprocess.run(
+        [sysusers, "--dry-run", f"--root={root}", str(users_file)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Creating user 'modelfleet'" in done.stdout + done.stderr
+    assert "User=" not in systemd_unit("router", OPTIONS["router"], tmp_path, user=None).text
+
+
+def test_a_program_the_service_user_cannot_run_is_refused(tmp_path: Path) -> None:
+    """The units ran the Python that installed them, under root's home (0700): a unit of
+    `--user` could not start at all. Now the program must be one that user can run."""
+    closed = tmp_path / "home"  # a home folder of another user, closed to others
+    closed.mkdir(mode=0o700)
+    (closed / "modelfleet").touch()
+    (closed / "modelfleet").chmod(0o755)
+    with pytest.raises(InstallError, match=f"{closed} is closed to others"):
+        check_runnable(closed / "modelfleet", "modelfleet")
+    check_runnable(closed / "modelfleet", None)  # root may
+    with pytest.raises(InstallError, match="absolute path"):
+        check_runnable(Path("bin/modelfleet"), None)
+    open_dir = Path(tempfile.mkdtemp(prefix="modelfleet-program-"))
+    try:
+        open_dir.chmod(0o755)
+        program = open_dir / "modelfleet"
+        program.touch(mode=0o700)
+        with pytest.raises(InstallError, match="not executable by others"):
+            check_runnable(program, "modelfleet")
+        program.chmod(0o755)
+        check_runnable(program, "modelfleet")
+        done = subprocess.run(
+            [sys.executable, "-m", "modelfleet", "install", "systemd", "--role", "router",
+             "--out", str(tmp_path / "units"), "--program", str(program), "--",
+             "--config", "/etc/modelfleet/router.yaml"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        text = (tmp_path / "units" / "modelfleet-router.service").read_text()
+        assert f"ExecStart={program} router --config /etc/modelfleet/router.yaml" in text
+        assert "systemd-sysusers" in done.stdout
+    finally:
+        shutil.rmtree(open_dir)
