@@ -559,6 +559,9 @@ def engine_gate(
     cert: Annotated[Path, typer.Option(help="The node's certificate (PEM).")],
     key: Annotated[Path, typer.Option(help="Its private key (PEM).")],
     ca: Annotated[Path, typer.Option(help="The fleet's CA: routers' certificates of it pass.")],
+    max_connections: Annotated[
+        int, typer.Option(min=1, help="Connections at once, TLS handshakes under way included.")
+    ] = 4096,
 ) -> None:
     """Start an engine (the command after `--`) on loopback behind a TLS gate that lets in
     only the fleet's routers; exit as the engine exits. The agent runs it for every engine
@@ -574,7 +577,7 @@ def engine_gate(
     if not ctx.args:
         fail("give the engine's command after --")
     settings = GateSettings(host.strip("[]"), int(port), engine_port, TlsFiles(cert, key), ca,
-                            list(ctx.args))  # fmt: skip
+                            list(ctx.args), max_connections)  # fmt: skip
     raise typer.Exit(run_gate(settings))
 
 

@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -45,7 +46,7 @@ VLLM_PATHS = ["/invocations", "/pooling", "/score", "/rerank", "/tokenize", "/de
 class Gated:
     """A gate and its engine, and the certificates a client may try it with."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, max_connections: int = 4096) -> None:
         self.ca = CertificateAuthority.create("fleet", NOW)
         (tmp / "ca.crt").write_bytes(self.ca.cert_pem)
         key_pem, csr = request(["x"])
@@ -58,7 +59,8 @@ class Gated:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "modelfleet", "engine-gate", "--listen",
              f"127.0.0.1:{self.port}", "--engine-port", str(self.engine_port), "--cert",
-             str(self.node.cert), "--key", str(self.node.key), "--ca", str(tmp / "ca.crt"), "--",
+             str(self.node.cert), "--key", str(self.node.key), "--ca", str(tmp / "ca.crt"),
+             "--max-connections", str(max_connections), "--",
              sys.executable, "-m", "modelfleet", "engine-sim", "--model", "m", "--port",
              str(self.engine_port), "--itl", "0.001"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -71,6 +73,13 @@ class Gated:
     def post(self, context: ssl.SSLContext, path: str = "/v1/chat/completions") -> int:
         with httpx.Client(verify=context, timeout=10) as client:
             return client.post(self.url + path, json=CHAT).status_code
+
+    def refusing(self, context: ssl.SSLContext) -> bool:
+        try:
+            self.post(context)
+        except (httpx.TransportError, ssl.SSLError):
+            return True
+        return False
 
     def stop(self) -> int:
         stop_groups([self.proc.pid], grace=20)
@@ -160,3 +169,25 @@ def test_an_engine_does_not_outlive_its_gate_killed(gated: Gated) -> None:
     gated.proc.wait(timeout=10)
     wait_for("the engine to stop (told by PR_SET_PDEATHSIG)", lambda: not engine.is_running()
              or engine.status() == psutil.STATUS_ZOMBIE, 30, 0.1)  # fmt: skip
+
+
+def test_handshakes_never_finished_cannot_take_the_gate(tmp_path: Path) -> None:
+    """A gate counts connections from their accept: two left half-open (no TLS handshake)
+    fill a gate of two, a router is refused meanwhile, and served again once they go; a
+    router's own connections, closed, give their places back."""
+    gated = Gated(tmp_path, max_connections=2)
+    try:
+        router = gated.router()
+        wait_for("the engine behind its gate", lambda: gated.post(router) == 200, 30, 0.1)
+        for _ in range(5):  # more than the cap, one after another
+            assert gated.post(router) == 200
+        idle = [socket.create_connection(("127.0.0.1", gated.port)) for _ in range(2)]
+        try:
+            wait_for("the gate to be full", lambda: gated.refusing(router), 10, 0.1)
+        finally:
+            for sock in idle:
+                sock.close()
+        wait_for("the gate to serve again", lambda: gated.post(router) == 200, 15, 0.1)
+        assert "too many connections" in (tmp_path / "gate.log").read_text()
+    finally:
+        gated.stop()

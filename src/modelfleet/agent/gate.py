@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-import uvloop
-
 from modelfleet.pki import PkiError, TlsFiles, gate_context, is_router
 from modelfleet.processes import die_with_parent
 
@@ -49,6 +47,7 @@ class GateSettings:
     tls: TlsFiles
     ca: Path
     argv: list[str]
+    max_connections: int = 4096  # accepted at once, TLS handshakes under way included
 
 
 class _Side(asyncio.Protocol):
@@ -128,6 +127,25 @@ class _Client(_Side):
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self.gate.clients.discard(self)
+        self.gate.release(self)
+
+
+class _Accepted(asyncio.Protocol):
+    """A connection as accepted, before TLS: counted against the gate's cap (so that
+    handshakes begun and never finished cannot take every file descriptor), then made TLS."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        gate = self.gate
+        if gate.open >= gate.settings.max_connections:
+            gate.refused(transport.get_extra_info("peername"), "too many connections")
+            transport.close()
+            return
+        cast(asyncio.Transport, transport).pause_reading()  # the handshake reads it
+        gate.open += 1
+        gate.tasks.add(asyncio.ensure_future(gate.secure(cast(asyncio.Transport, transport))))
 
 
 class Gate:
@@ -137,17 +155,49 @@ class Gate:
         self.settings = settings
         self.clients: set[_Client] = set()
         self.refusals = 0
+        self.open = 0  # connections accepted and not yet closed, handshakes included
+        self.tasks: set[asyncio.Future[None]] = set()
+        self._released: set[int] = set()
+        self.context: ssl.SSLContext | None = None
 
-    def refused(self, peer: object) -> None:
+    def refused(self, peer: object, why: str = "no router certificate of the fleet") -> None:
         # One line for the first refusal and then one in a thousand: a scan must not fill
         # the engine's log.
         self.refusals += 1
         if self.refusals == 1 or self.refusals % 1000 == 0:
-            log.warning(
-                "engine gate: refused %s: no router certificate of the fleet (%d refused)",
-                peer,
-                self.refusals,
+            log.warning("engine gate: refused %s: %s (%d refused)", peer, why, self.refusals)
+
+    def release(self, client: _Client | None) -> None:
+        """A connection counted by `_Accepted` ended (a client's, at most once)."""
+        if client is not None:
+            if id(client) in self._released:
+                return
+            self._released.add(id(client))
+        self.open -= 1
+
+    async def secure(self, transport: asyncio.Transport) -> None:
+        """The TLS handshake of an accepted connection, then the client's own checks."""
+        loop = asyncio.get_running_loop()
+        client = _Client(self)
+        try:
+            tls = await loop.start_tls(
+                transport,
+                client,
+                cast(ssl.SSLContext, self.context),
+                server_side=True,
+                ssl_handshake_timeout=_HANDSHAKE_TIMEOUT,
             )
+        except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
+            self.refused(transport.get_extra_info("peername"), f"TLS handshake: {exc}")
+            transport.close()
+            self.release(client)
+            return
+        finally:
+            self.tasks.discard(cast(asyncio.Future[None], asyncio.current_task()))
+        if tls is None:
+            self.release(client)
+            return
+        client.connection_made(tls)
 
     async def connect_engine(self, client: _Client) -> None:
         loop = asyncio.get_running_loop()
@@ -165,15 +215,9 @@ class Gate:
     async def run(self) -> int:
         """Start the engine, serve until it exits; its exit status (128 + N for a signal)."""
         s = self.settings
-        context = gate_context(s.tls, s.ca)
+        self.context = gate_context(s.tls, s.ca)
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(
-            lambda: _Client(self),
-            s.host,
-            s.port,
-            ssl=context,
-            ssl_handshake_timeout=_HANDSHAKE_TIMEOUT,
-        )
+        server = await loop.create_server(lambda: _Accepted(self), s.host, s.port)
         gate_pid = os.getpid()
         engine = await asyncio.create_subprocess_exec(
             *s.argv, preexec_fn=lambda: die_with_parent(gate_pid)
@@ -189,9 +233,10 @@ class Gate:
 
 
 def run_gate(settings: GateSettings) -> int:
-    """Run the gate and its engine; the engine's exit status."""
+    """Run the gate and its engine; the engine's exit status. On asyncio's own loop: uvloop's
+    `start_tls` on an accepted connection lost handshakes (one in three timed out here)."""
     try:
-        return uvloop.run(Gate(settings).run())
+        return asyncio.run(Gate(settings).run())
     except (OSError, ssl.SSLError, PkiError) as exc:
         log.error("engine gate: cannot serve on %s:%d: %s", settings.host, settings.port, exc)
         return 1
