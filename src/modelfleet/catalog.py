@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import reprlib
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -56,6 +57,9 @@ SLEEPING_ENGINES = ("vllm", "sim")
 ADAPTER_ENGINES = ("vllm", "sglang", "sim")
 DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_LORA_RANK = 16  # vLLM's own default for --max-lora-rank
+# The LoRA ranks an engine accepts as its largest, where it accepts only some: vLLM's
+# `--max-lora-rank` is one of these (its `MaxLoRARanks`); it refuses to start otherwise.
+LORA_RANKS: dict[str, tuple[int, ...]] = {"vllm": (1, 8, 16, 32, 64, 128, 256, 320, 512)}
 # Keys read by the routers only: changing them re-routes, never restarts an engine.
 _ROUTER_KEYS = ("routing", "first_byte_timeout", "max_tokens_cap", "max_tokens_over_cap")
 # Keys of a model that follows its load: the control plane and the routers read them; changing
@@ -169,6 +173,10 @@ class ModelSpec:
     adapters: tuple[Adapter, ...] = ()
     max_loras: int | None = None
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    # The command that runs its engine, in shell words (`/opt/vllm/bin/vllm`, `python3.12 -m
+    # sglang.launch_server`); None: the node's own (`agent --engine-program`), else the
+    # driver's default.
+    program: str | None = None
 
     def adapter(self, name: str) -> Adapter | None:
         """This model's adapter called `name`, if it has one."""
@@ -223,6 +231,9 @@ class ModelSpec:
             "max_tokens_cap": self.max_tokens_cap,
             "max_tokens_over_cap": self.max_tokens_over_cap,
             **lora,
+            # Only when set: a model without one keeps the engine digest it had before
+            # `program` existed, so its running replicas are not replaced.
+            **({"program": self.program} if self.program is not None else {}),
         }
 
     @cached_property
@@ -504,6 +515,7 @@ class _ModelInput(BaseModel):
     args: list[_Scalar] = []
     env: dict[str, _Scalar] = {}
     command: _Text | None = None
+    program: _Text | None = None
     replicas: PositiveInt = 1
     shards: PositiveInt = 1
     gpus_per_shard: PositiveInt = 1
@@ -538,6 +550,7 @@ _EXPECTED = {
     "args": "must be a list of strings",
     "env": "must be a mapping of strings to strings",
     "command": "must be a non-empty string",
+    "program": "must be a non-empty string (the command that runs the engine)",
     "replicas": "must be a positive integer",
     "shards": "must be a positive integer",
     "gpus_per_shard": "must be a positive integer",
@@ -666,6 +679,15 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         problem("command", "missing: engine 'command' needs a command template")
     if model.engine != "command" and model.command is not None:
         problem("command", f"only engine 'command' takes a command template, not {model.engine!r}")
+    if model.program is not None:
+        if model.engine == "command":
+            problem("program", "engine 'command' names its program in its command template")
+        else:
+            try:
+                if not shlex.split(model.program):
+                    problem("program", "must name a program, got only blanks")
+            except ValueError as exc:
+                problem("program", f"cannot be split into words like a shell would: {exc}")
     if model.engine == "llamacpp" and model.shards > 1:
         problem("shards", f"engine 'llamacpp' runs one shard per replica, got {model.shards}")
     scaling = model.autoscale
@@ -705,6 +727,15 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         )
     if "max_lora_rank" in raw and max_loras is None:
         problem("max_lora_rank", "only a model with adapters or max_loras has a LoRA rank")
+    ranks = LORA_RANKS.get(model.engine)
+    if max_loras is not None and ranks is not None and model.max_lora_rank not in ranks:
+        higher = [r for r in ranks if r >= model.max_lora_rank]
+        hint = f"; the next one up is {higher[0]}" if higher else ""
+        problem(
+            "max_lora_rank",
+            f"engine {model.engine!r} takes a max_lora_rank of "
+            f"{', '.join(str(r) for r in ranks)} only, got {model.max_lora_rank}{hint}",
+        )
     named: dict[str, int] = {}
     for number, adapter in enumerate(model.adapters, 1):
         if adapter.name in named:
@@ -764,4 +795,5 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         adapters=tuple(Adapter(a.name, a.source, a.max_rank) for a in model.adapters),
         max_loras=max_loras,
         max_lora_rank=model.max_lora_rank,
+        program=model.program,
     )

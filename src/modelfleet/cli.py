@@ -7,6 +7,8 @@ not pay for the control plane's imports.
 from __future__ import annotations
 
 import logging
+import shlex
+import shutil
 import ssl
 import sys
 import time
@@ -300,6 +302,15 @@ def agent(
         int,
         typer.Option(min=1, help="Failed probes in a row after which a ready engine restarts."),
     ] = 3,
+    engine_program: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="ENGINE=COMMAND: the command that runs ENGINE on this node, e.g. "
+            "vllm=/opt/vllm/bin/vllm or 'sglang=/opt/sgl/bin/python -m sglang.launch_server' "
+            "(default: vllm and llama-server from PATH, SGLang and llama-cpp-python in the "
+            "agent's Python). A model's `program` in the catalog goes before it; repeatable."
+        ),
+    ] = None,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "info",
 ) -> None:
@@ -397,10 +408,32 @@ def agent(
             liveness_timeout=liveness_timeout,
             liveness_failures=liveness_failures,
             pass_env=tuple(pass_env or ()),
+            programs=_engine_programs(engine_program or []),
         ),
     )
     run_service_loop(serve(settings, gpus, ready_file, admin_port))
     lock.release()
+
+
+def _engine_programs(items: list[str]) -> dict[str, str]:
+    """`--engine-program ENGINE=COMMAND` items by engine; fails naming the item that is not
+    one, or whose program is not on this node."""
+    from modelfleet.engines import DRIVERS
+
+    engines = sorted(name for name in DRIVERS if name != "command")
+    programs: dict[str, str] = {}
+    for item in items:
+        engine, sep, command = item.partition("=")
+        if not sep or engine not in engines:
+            fail(f"--engine-program {item!r}: write ENGINE=COMMAND, ENGINE one of {engines}")
+        try:
+            words = shlex.split(command)
+        except ValueError as exc:
+            fail(f"--engine-program {item!r}: {exc}")
+        if not words or shutil.which(words[0]) is None:
+            fail(f"--engine-program {item!r}: {words[:1]} is not a program on this node")
+        programs[engine] = command
+    return programs
 
 
 @app.command()

@@ -169,23 +169,75 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
-def _gone(pid: int) -> bool:
-    _reap(pid)
-    return not running(pid)
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group `pgid` that run (zombies waiting to be reaped do not)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []  # the common case, without reading every process of the host
+    except PermissionError:
+        pass  # someone else's process is in it: look
+    members = []
+    for proc in psutil.process_iter(["status"]):
+        with contextlib.suppress(OSError, psutil.Error):
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                members.append(proc.pid)
+    return members
 
 
-def stop_groups(pids: Iterable[int], grace: float, poll: float = 0.05) -> list[int]:
-    """Stop the process groups led by `pids`: SIGTERM, up to `grace` seconds for them to exit,
-    then SIGKILL. Returns when every leader is gone, with the pids that had to be killed."""
+def _gone(pgid: int) -> bool:
+    """Whether nothing of the group led by `pgid` runs any more (its leader reaped if ours)."""
+    _reap(pgid)
+    return not group_members(pgid)
+
+
+def stop_groups(
+    pids: Iterable[int],
+    grace: float,
+    poll: float = 0.05,
+    killed_wait: float = 10.0,
+    leaders_only: bool = False,
+) -> list[int]:
+    """Stop the process groups led by `pids`, every process in them (an engine's workers
+    too, also once their leader has exited): SIGTERM, up to `grace` seconds for all of them to
+    exit, then SIGKILL to each group that still has any. With `leaders_only`, SIGTERM goes to
+    each group's leader alone (to the group where the leader is gone), which ends the rest its
+    own way: vLLM's server drains its engine before it stops its workers, and a worker told
+    to stop first kills the engine under the requests it was finishing. Returns once every
+    process is gone, or `killed_wait` seconds after the SIGKILL (a process stuck in the
+    kernel, a GPU driver call, cannot be hurried), with the leaders of the groups that had
+    to be killed."""
     pids = [p for p in pids if not _gone(p)]
     for pid in pids:
-        signal_group(pid, signal.SIGTERM)
+        if not (leaders_only and _signal(pid, signal.SIGTERM)):
+            signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while any(not _gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(poll)
     killed = [p for p in pids if not _gone(p)]
     for pid in killed:
         signal_group(pid, signal.SIGKILL)
-    while any(not _gone(p) for p in killed):
+    deadline = time.monotonic() + killed_wait
+    while any(not _gone(p) for p in killed) and time.monotonic() < deadline:
         time.sleep(poll)
     return killed
+
+
+def _signal(pid: int, sig: signal.Signals) -> bool:
+    """Send `sig` to `pid` if it runs; False when it does not (gone, or a zombie)."""
+    if not running(pid):
+        return False
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def stop_leftovers(leader: int, grace: float) -> list[int]:
+    """End what still runs of the process group `leader` led, now that `leader` has exited
+    (an engine's workers, orphaned when their server died): nothing when another process
+    holds that pid now (a group of that number is then that process's). As `stop_groups`."""
+    if running(leader):
+        return []
+    return stop_groups([leader], grace)

@@ -127,6 +127,7 @@ class ShardAssignment(_Message):
     args: list[str]
     env: dict[str, str]
     command: str | None = None
+    program: str | None = None  # the words that run the engine (None: the node's, or the default)
     rank: int
     num_shards: int
     gpus: list[int]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -570,3 +571,95 @@ def test_every_listener_closes_a_slow_head_and_refuses_an_oversized_one(
         for name in targets
     }, found
     assert httpx.get(engine + "/health", timeout=10).status_code == 200  # it still serves
+
+
+def test_an_engines_whole_process_tree_ends_before_it_starts_again(tmp_path: Path) -> None:
+    """An engine is every process of its group: when its server dies (kill -9 of the leader
+    alone, as a crash would), the workers it started are ended before it starts again, one
+    ignoring SIGTERM killed after the grace; when it is stopped, its workers end with it."""
+    workers = tmp_path / "workers"
+    stubborn = "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    # A server that starts two workers (one deaf to SIGTERM) and then becomes the simulator.
+    script = (
+        f"{sys.executable} -c 'import time; time.sleep(600)' & echo $! >> {workers}; "
+        f'{sys.executable} -c "{stubborn}" & echo $! >> {workers}; '
+        f"exec {sys.executable} -m modelfleet engine-sim --model m --host {{host}} --port {{port}}"
+    )
+    assignment = ShardAssignment(
+        replica_id="tree", model="m", engine="command", source="m", args=[], env={},
+        command=f"sh -c {shlex.quote(script)}", rank=0, num_shards=1, gpus=[0],
+        engine_digest="d", startup_timeout=30,
+    )  # fmt: skip
+
+    def started() -> list[int]:
+        return [int(p) for p in workers.read_text().split()] if workers.exists() else []
+
+    settings = offline_agent(tmp_path / "agent", stop_grace=1.0, backoff_base=60)
+
+    async def go() -> None:
+        async with Agent(settings, SimulatedGpus("1x80GB")) as agent:
+            agent.apply(NodeAssignment(node="n", shards=[assignment]))
+            shard = agent.shards["tree/0"]
+            await until("the engine ready", lambda: shard.state is ShardState.READY)
+            first = started()
+            assert len(first) == 2 and all(alive(p) for p in first)
+            assert shard.proc is not None
+            os.kill(shard.proc.pid, signal.SIGKILL)  # the server only, not its group
+            await until(
+                "the engine started again", lambda: shard.restarts == 1 and len(started()) == 4
+            )
+            assert not any(alive(p) for p in first)  # gone before the next run began
+            await until("the engine ready again", lambda: shard.state is ShardState.READY)
+            second = started()[2:]
+            assert all(alive(p) for p in second)
+            agent.apply(NodeAssignment(node="n", shards=[]))
+            await until("the shard stopped", lambda: not agent.stopping)
+            assert not any(alive(p) for p in second)
+
+    try:
+        asyncio.run(go())
+    finally:
+        stop_groups([p for p in started() if alive(p)], grace=1)
+
+
+def test_an_agent_ends_the_workers_of_an_engine_that_died_while_it_was_down(
+    tmp_path: Path,
+) -> None:
+    """An engine whose server died while no agent ran is not adopted, and what is left of its
+    group (its workers, holding their GPUs) is ended before anything else starts there."""
+    leader = subprocess.Popen(
+        [
+            "sh",
+            "-c",
+            f"{sys.executable} -c 'import time; time.sleep(600)' >/dev/null & echo $!; read x",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert leader.stdout is not None
+    worker = int(leader.stdout.readline())
+    identity = ProcessId.of(leader.pid)
+    assert identity is not None
+    leader.communicate(timeout=10)  # the server gone; its worker is not
+    try:
+        assert alive(worker) and os.getpgid(worker) == leader.pid
+        assignment = ShardAssignment(
+            replica_id="old", model="m", engine="sim", source="m", args=[], env={}, rank=0,
+            num_shards=1, gpus=[0], engine_digest="d", startup_timeout=30,
+        )  # fmt: skip
+        engine = EngineRecord(
+            assignment=assignment, pid=leader.pid, process_started=identity.started, port=9
+        )
+        write_records(tmp_path, {assignment.key: engine})
+
+        async def adopted() -> list[str]:
+            async with Agent(offline_agent(tmp_path, stop_grace=1.0), SimulatedGpus("1x80GB")) as a:
+                return await a.adopt()
+
+        assert asyncio.run(adopted()) == []
+        assert not alive(worker)
+    finally:
+        if alive(worker):
+            os.kill(worker, signal.SIGKILL)

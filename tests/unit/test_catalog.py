@@ -332,6 +332,39 @@ def test_adapters_need_an_engine_that_loads_them_and_a_rank_that_fits() -> None:
     assert field == "max_loras" and "positive integer" in message
 
 
+def test_a_lora_rank_vllm_would_refuse_is_refused_naming_what_it_takes() -> None:
+    [(_, field, message)] = problems_of([model(engine="vllm", adapters=LORA, max_lora_rank=24)])
+    assert field == "max_lora_rank"
+    assert message == (
+        "engine 'vllm' takes a max_lora_rank of 1, 8, 16, 32, 64, 128, 256, 320, 512 only, "
+        "got 24; the next one up is 32"
+    )
+    [(_, _, message)] = problems_of([model(engine="vllm", max_loras=2, max_lora_rank=1024)])
+    assert message.endswith("got 1024")
+    for rank in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        spec = Catalog.new([model(engine="vllm", max_loras=2, max_lora_rank=rank)]).models[0]
+        assert spec.max_lora_rank == rank
+    # Engines that take any rank keep taking it.
+    assert Catalog.new([model(engine="sglang", max_loras=1, max_lora_rank=24)]).models
+
+
+def test_a_program_runs_the_engine_and_only_a_set_one_changes_its_digest() -> None:
+    plain = Catalog.new([model(engine="vllm")]).models[0]
+    assert plain.program is None and "program" not in plain.to_dict()
+    own = Catalog.new([model(engine="vllm", program="/opt/vllm/bin/vllm")]).models[0]
+    assert own.program == "/opt/vllm/bin/vllm" and own.engine_digest != plain.engine_digest
+    assert Catalog.new([own.to_dict()]).models[0] == own  # read back as written
+    [(_, field, message)] = problems_of([model(engine="command", command="x", program="y")])
+    assert (field, message) == (
+        "program",
+        "engine 'command' names its program in its command template",
+    )
+    [(_, field, message)] = problems_of([model(engine="vllm", program="'unclosed")])
+    assert field == "program" and "cannot be split into words" in message
+    [(_, field, message)] = problems_of([model(engine="vllm", program="   ")])
+    assert field == "program"
+
+
 def test_a_catalog_with_an_alias_is_refused_before_it_is_built() -> None:
     """Issue 39: a 20 KB string aliased 10,000 times took a dry run to gigabytes."""
     big = "x" * 20_000

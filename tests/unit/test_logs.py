@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from modelfleet.agent import logs
-from modelfleet.agent.logs import KEEP_RUNS, LogMarks, marks_of, read_log, rotate, shard_log
+from modelfleet.agent.logs import (
+    KEEP_RUNS,
+    LogMarks,
+    last_error_line,
+    marks_of,
+    read_log,
+    rotate,
+    shard_log,
+)
 from modelfleet.controlplane.logs import RESEND_AFTER_S, LogRelay, LogUnanswered
 from modelfleet.controlplane.watch import AssignmentWatch
 from modelfleet.wire import LogAnswer, LogRequest
@@ -105,3 +113,29 @@ def test_since_reads_from_where_the_log_stood_then_also_in_runs_before(
     before = read_log(path, ask(previous=1, since_s=3 * 60 - 1), NOW)
     assert before.lines == ["minute 8", "minute 9"]  # offsets moved back by what the cut took
     assert read_log(path, ask(since_s=10), NOW).lines == ["new run"]
+
+
+def test_the_last_error_line_of_an_engine_is_found_without_its_log_prefix() -> None:
+    """Lines as vLLM 0.32 wrote them when it refused its arguments or its model."""
+    argparse = [
+        "Triton is installed, but doesn't include CPU backend. Disabling Triton.",
+        "usage: vllm serve [model_tag] [options]",
+        "vllm serve: error: argument --max-lora-rank: invalid choice: 24 (choose from 1, 8)",
+    ]
+    assert last_error_line(argparse) == argparse[-1]
+    pydantic = [
+        "(APIServer pid=7) ERROR 12-06 17:29:18 [core.py:12] EngineCore failed to start.",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+        "  Value error, User-specified max_model_len (9999) is greater than the derived one",
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+        "",
+    ]
+    assert last_error_line(pydantic) == (
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig "
+        "Value error, User-specified max_model_len (9999) is greater than the derived one"
+    )
+    assert last_error_line(pydantic[:1]) == "EngineCore failed to start."
+    assert last_error_line(["INFO: Started server process [6458]", "Killed"]) is None
+    assert last_error_line([]) is None

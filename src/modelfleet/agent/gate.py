@@ -10,9 +10,10 @@ of the fleet's CA (`pki.is_router`), and relays their bytes to the engine and ba
 of the engine is behind it alike; the agent itself reaches its engine on loopback.
 
 The gate starts the engine as its child, in its own process group, so the agent supervises
-one process as before: a signal to the group (the agent's stop) reaches both; the gate then
-takes no new connection, relays what is in flight until the engine exits, and exits as the
-engine did. The engine is told to stop if the gate dies (PR_SET_PDEATHSIG).
+one process as before: told to stop (SIGTERM, which the agent sends to the gate alone), the
+gate takes no new connection, passes the signal on to the engine, relays what is in flight until
+the engine exits, and exits as the engine did. The engine is told to stop if the gate dies
+(PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -222,9 +223,14 @@ class Gate:
         engine = await asyncio.create_subprocess_exec(
             *s.argv, preexec_fn=lambda: die_with_parent(gate_pid)
         )
-        # The group's SIGTERM reaches the engine too: the gate only stops taking connections.
-        loop.add_signal_handler(signal.SIGTERM, server.close)
-        loop.add_signal_handler(signal.SIGINT, server.close)
+
+        def stop(sig: signal.Signals) -> None:
+            server.close()
+            if engine.returncode is None:
+                engine.send_signal(sig)  # the agent signals the gate alone
+
+        loop.add_signal_handler(signal.SIGTERM, stop, signal.SIGTERM)
+        loop.add_signal_handler(signal.SIGINT, stop, signal.SIGINT)
         code = await engine.wait()
         server.close()
         for client in list(self.clients):

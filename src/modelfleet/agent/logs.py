@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import deque
 from pathlib import Path
 
@@ -175,3 +176,34 @@ def _cut(path: Path, keep: int) -> int:
     with path.open("wb") as f:
         f.write(tail)
     return size - keep
+
+
+# What marks a line as an engine's error: a Python exception's last line, argparse's
+# "prog: error: ...", a log record at ERROR or above (vLLM and SGLang write "ERROR 12-06
+# 17:29:18 [file.py:12] ..."; llama.cpp "error: ..." or "E ...").
+_ERROR_LINE = re.compile(
+    r"^(?:[\w.]+(?:Error|Exception|Exit)\b.*|.*\berror: .+|(?:ERROR|CRITICAL|FATAL)\b.+)$"
+)
+# What goes before an engine's own words: vLLM's process tag; a level, date, time and source.
+_PROCESS_TAG = re.compile(r"^\(\w+ pid=\d+\)\s*")
+_LEVEL_PREFIX = re.compile(r"^(?:ERROR|CRITICAL|FATAL)\s+[\d-]+\s+[\d:.]+\s+\[[^\]]*\]\s*")
+
+
+def last_error_line(lines: list[str], limit: int = 500) -> str | None:
+    """The last line of `lines` (an engine's log tail) that says what went wrong, without
+    its log prefix; for a pydantic validation error, with the reasons listed under it. None
+    when no line looks like an error (a process killed with -9 says nothing)."""
+    for index in range(len(lines) - 1, -1, -1):
+        line = _PROCESS_TAG.sub("", lines[index].strip())
+        if not _ERROR_LINE.match(line) or line.startswith("Traceback"):
+            continue
+        line = _LEVEL_PREFIX.sub("", line)
+        if "validation error" in line:
+            detail = [
+                d.strip()
+                for d in lines[index + 1 : index + 6]
+                if d.strip() and not d.strip().startswith("For further information")
+            ]
+            line = " ".join([line, *detail])
+        return line[:limit]
+    return None

@@ -52,6 +52,7 @@ from modelfleet.engines import EngineDriver, NoDriver, driver_for
 from modelfleet.files import write_json_atomic
 from modelfleet.joining import BadJoinToken, JoinToken
 from modelfleet.pki import PkiError, TlsFiles
+from modelfleet.processes import stop_leftovers
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import bearer_matches, error_response, json_response
 from modelfleet.wire import (
@@ -253,6 +254,10 @@ class Agent:
             shard = self._shard(record.assignment)
             if not shard.adopt(record):
                 log.info("shard %s: its engine (pid %s) is gone", key, record.pid)
+                if record.pid is not None:  # its workers may not be
+                    await asyncio.to_thread(
+                        stop_leftovers, record.pid, self.settings.supervisor.stop_grace
+                    )
                 continue
             await shard.check_adopted()
             self._supervise(key, shard)

@@ -16,7 +16,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,21 +24,22 @@ from typing import Protocol
 import httpx
 
 from modelfleet.agent.adapters import AdapterSync, EngineAt
-from modelfleet.agent.logs import LogMarks, rotate, shard_log
+from modelfleet.agent.logs import LogMarks, last_error_line, rotate, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import EngineRecord
 from modelfleet.backoff import Backoff
 from modelfleet.engines import EngineDriver, Launch, NoDriver
-from modelfleet.engines.base import engine_environment
+from modelfleet.engines.base import Start, engine_environment
 from modelfleet.files import open_private_log
 from modelfleet.network import interface_of
 from modelfleet.pki import TlsFiles
-from modelfleet.processes import ProcessId, free_port, log_tail, stop_groups
+from modelfleet.processes import ProcessId, free_port, log_tail, stop_groups, stop_leftovers
 from modelfleet.wire import MAX_LOG_TAIL_LINES, ShardAssignment, ShardReport, ShardState
 
 log = logging.getLogger("modelfleet.agent")
 
 ENGINE_KEY_PREFIX = "mfe-"  # an engine's key, recognisable to secret scanners
+ERROR_SEARCH_LINES = 80  # how far back an exited engine's log is searched for its error
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class SupervisorSettings:
     backoff_max: float = 300.0
     healthy_reset: float = 600.0
     pass_env: tuple[str, ...] = ()  # the agent's variables its engines get besides BASE_ENV
+    # This node's command for an engine, by engine name (`agent --engine-program`); a model's
+    # `program` in the catalog goes before it.
+    programs: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def backoff(self) -> Backoff:
@@ -84,6 +88,12 @@ def gated(launch: Launch, tls: EngineTls, listen: str, engine_port: int) -> Laun
     argv += ["--engine-port", str(engine_port), "--ca", str(tls.ca)]
     argv += ["--cert", str(tls.files.cert), "--key", str(tls.files.key), "--", *launch.argv]
     return dataclasses.replace(launch, argv=argv)
+
+
+def _stop_group(leader: int, grace: float) -> list[int]:
+    """SIGTERM to the engine's own server, which stops its workers its own way once what is in
+    flight has finished; SIGKILL to all of its group still there after `grace`."""
+    return stop_groups([leader], grace, leaders_only=True)
 
 
 class EngineProcess(Protocol):
@@ -427,12 +437,16 @@ class Shard:
         key = ENGINE_KEY_PREFIX + secrets.token_urlsafe(24)
         try:
             launch = self.driver.launch(
-                self.assignment,
-                host if tls is None else LOOPBACK,
-                self.port if self.local_port is None else self.local_port,
-                self.leader,
-                key,
-                address=host,
+                Start(
+                    self.assignment,
+                    host if tls is None else LOOPBACK,
+                    self.port if self.local_port is None else self.local_port,
+                    key,
+                    leader=self.leader,
+                    address=host,
+                    stop_grace=self.settings.stop_grace,
+                    programs=self.settings.programs,
+                )
             )
         except NoDriver as exc:
             self._fail("cannot-start", str(exc))
@@ -500,7 +514,9 @@ class Shard:
             code = proc.poll()
             if code is not None:
                 how = "code unknown: an earlier agent run started it" if code == -1 else code
-                self._fail("exited", f"engine exited ({how})")
+                said = last_error_line(log_tail(self.log_path, ERROR_SEARCH_LINES))
+                self._fail("exited", f"engine exited ({how})" + (f": {said}" if said else ""))
+                await self._terminate()  # what it started may outlive it: its workers
                 return ready_since
             now = time.monotonic()
             if self.ready_at is None:  # starting: probe until ready, within the timeout
@@ -554,13 +570,23 @@ class Shard:
         return False
 
     async def _terminate(self) -> None:
-        """Stop the engine's process group: SIGTERM, SIGKILL after the grace period."""
+        """Stop every process of the engine's group, its leader exited or not: SIGTERM (to the
+        leader while it runs), SIGKILL to the group after the grace period; return once they
+        are all gone (their GPU memory freed)."""
         proc = self.proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        killed = await asyncio.to_thread(stop_groups, [proc.pid], self.settings.stop_grace)
+        # Once the leader has exited, its pid may be another process's by now (the kernel
+        # keeps it while the group has members): the group is ours while no process holds it.
+        stop = stop_leftovers if proc.poll() is not None else _stop_group
+        killed = await asyncio.to_thread(stop, proc.pid, self.settings.stop_grace)
         if killed:
-            log.warning("shard %s: pid %d ignored SIGTERM; killed", self.assignment.key, proc.pid)
+            log.warning(
+                "shard %s: engine group %d did not end on SIGTERM within %.0fs; killed",
+                self.assignment.key,
+                proc.pid,
+                self.settings.stop_grace,
+            )
 
     async def stop(self) -> None:
         """Stop supervising and stop the engine (it finishes in-flight requests first)."""

@@ -79,6 +79,7 @@ def _build(
                     args=list(spec.args),
                     env=dict(spec.env),
                     command=spec.command,
+                    program=spec.program,
                     rank=rank,
                     num_shards=len(r.shards),
                     gpus=list(placement.gpus),

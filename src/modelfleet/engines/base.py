@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import shlex
 import shutil
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from modelfleet.wire import ShardAssignment
@@ -23,6 +24,53 @@ class Launch:
     argv: list[str]
     env: dict[str, str]
     health_path: str | None = "/health"
+
+
+@dataclass(frozen=True)
+class Start:
+    """What the agent asks of a driver for one shard.
+
+    The engine serves HTTP on `host`:`port` (loopback when a gate serves the node's address
+    for it); `address` is where its peers reach it (the node's address; `host` when None);
+    `leader` is where the replica's shard 0 meets its peers ("host:port"), for a replica of
+    several shards. `key` is the engine's own API key: it must refuse requests without it (its
+    health check aside), passed by environment where the engine reads one, so that `ps` does
+    not show it. `stop_grace` is how long the agent waits from SIGTERM to SIGKILL: an engine
+    that can finish what is in flight is told to take at most a little less. `programs` are
+    this node's commands for its engines, by engine name (`agent --engine-program`).
+    """
+
+    shard: ShardAssignment
+    host: str
+    port: int
+    key: str
+    leader: str | None = None
+    address: str | None = None
+    stop_grace: float = 30.0
+    programs: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def drain_s(self) -> int:
+        """Whole seconds an engine may take to finish in-flight requests once told to stop:
+        most of the stop grace, leaving it time to end its own processes before SIGKILL."""
+        return max(1, int(self.stop_grace * 0.8))
+
+    def program(self, default: Callable[[], list[str]]) -> list[str]:
+        """The words that run the engine: the model's `program` in the catalog, else this
+        node's for the engine, else `default()` (the driver's own way of finding it). NoDriver
+        naming the setting when its program is not on this node."""
+        engine = self.shard.engine
+        if self.shard.program is not None:
+            text, where = self.shard.program, f"the catalog's program for {self.shard.model!r}"
+        elif engine in self.programs:
+            text, where = self.programs[engine], f"this node's --engine-program {engine}=..."
+        else:
+            return default()
+        words = shlex.split(text)
+        found = shutil.which(words[0]) if words else None
+        if found is None:
+            raise NoDriver(f"{where} is {text!r}, and {words[:1]} is not a program on this node")
+        return [found, *words[1:]]
 
 
 @dataclass(frozen=True)
@@ -49,22 +97,9 @@ class EngineDriver(Protocol):
     name: str
     adapter_api: AdapterApi | None  # None: it cannot load adapters at run time
 
-    def launch(
-        self,
-        shard: ShardAssignment,
-        host: str,
-        port: int,
-        leader: str | None,
-        key: str,
-        address: str | None = None,
-    ) -> Launch:
-        """The command for `shard`, serving HTTP on host:port. `leader` is where the replica's
-        shard 0 meets its peers ("host:port"), for a replica of several shards; `address`
-        where its peers reach this shard (the node's address; `host` when None: an engine
-        behind a gate serves HTTP on loopback). `key` is the
-        engine's own API key: it must refuse requests without it (its health check aside);
-        passed by environment where the engine reads one, so that `ps` does not show it.
-        Raises NoDriver when the engine cannot be started here."""
+    def launch(self, start: Start) -> Launch:
+        """The command for `start.shard` (see `Start`). Raises NoDriver when the engine cannot
+        be started here."""
         ...
 
 

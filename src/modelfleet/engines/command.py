@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from modelfleet.engines.base import ENGINE_KEY_ENV, AdapterApi, Launch, NoDriver, gpu_env
-from modelfleet.wire import ShardAssignment
+from modelfleet.engines.base import ENGINE_KEY_ENV, AdapterApi, Launch, NoDriver, Start, gpu_env
 
 
 class CommandDriver:
@@ -18,28 +17,21 @@ class CommandDriver:
     name = "command"
     adapter_api: AdapterApi | None = None
 
-    def launch(
-        self,
-        shard: ShardAssignment,
-        host: str,
-        port: int,
-        leader: str | None,
-        key: str,
-        address: str | None = None,
-    ) -> Launch:
+    def launch(self, start: Start) -> Launch:
+        shard = start.shard
         template = shard.command or ""
         fields = {
             "model": shard.model,
             "source": shard.source,
-            "host": host,
-            "port": port,
+            "host": start.host,
+            "port": start.port,
             "rank": shard.rank,
             "num_shards": shard.num_shards,
             "gpus": ",".join(str(g) for g in shard.gpus),
-            "leader": leader or "",
+            "leader": start.leader or "",
         }
         try:
             argv = [part.format(**fields) for part in shlex.split(template)]
         except (KeyError, IndexError, ValueError) as exc:
             raise NoDriver(f"command template {template!r} cannot be filled in: {exc}") from exc
-        return Launch(argv + list(shard.args), {**gpu_env(shard), ENGINE_KEY_ENV: key})
+        return Launch(argv + list(shard.args), {**gpu_env(shard), ENGINE_KEY_ENV: start.key})

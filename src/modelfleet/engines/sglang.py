@@ -8,27 +8,19 @@ from __future__ import annotations
 
 import sys
 
-from modelfleet.engines.base import AdapterApi, Launch, gpu_env, importable, split_leader
-from modelfleet.wire import ShardAssignment
+from modelfleet.engines.base import AdapterApi, Launch, Start, gpu_env, importable, split_leader
 
 
 class SglangDriver:
     name = "sglang"
     adapter_api: AdapterApi | None = AdapterApi("/load_lora_adapter", "/unload_lora_adapter")
 
-    def launch(
-        self,
-        shard: ShardAssignment,
-        host: str,
-        port: int,
-        leader: str | None,
-        key: str,
-        address: str | None = None,
-    ) -> Launch:
-        importable("sglang", "SGLang")
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", shard.source]
-        argv += ["--host", host, "--port", str(port), "--served-model-name", shard.model]
-        argv += ["--api-key", key]  # SGLang reads it from its command line only
+    def launch(self, start: Start) -> Launch:
+        shard, leader = start.shard, start.leader
+        argv = [*start.program(_own_python), "--model-path", shard.source]
+        argv += ["--host", start.host, "--port", str(start.port)]
+        argv += ["--served-model-name", shard.model]
+        argv += ["--api-key", start.key]  # SGLang reads it from its command line only
         argv += ["--tp-size", str(len(shard.gpus) * shard.num_shards)]
         health: str | None = "/health"
         if shard.num_shards > 1:
@@ -40,6 +32,14 @@ class SglangDriver:
         if shard.max_loras is not None:
             # Every adapter it holds may be in one batch; the agent keeps at most this many.
             argv += ["--enable-lora", "--max-lora-rank", str(shard.max_lora_rank)]
+            # Started with no adapter (`--lora-paths`), SGLang cannot tell which layers they
+            # adapt and refuses to start without this; the catalog's `args` may name fewer.
+            argv += ["--lora-target-modules", "all"]
             argv += ["--max-loras-per-batch", str(shard.max_loras)]
             argv += ["--max-loaded-loras", str(shard.max_loras)]
         return Launch([*argv, *shard.args], gpu_env(shard), health)
+
+
+def _own_python() -> list[str]:
+    importable("sglang", "SGLang")
+    return [sys.executable, "-m", "sglang.launch_server"]

@@ -4,28 +4,27 @@ from __future__ import annotations
 
 import sys
 
-from modelfleet.engines.base import ENGINE_KEY_ENV, VLLM_ADAPTERS, AdapterApi, Launch, gpu_env
-from modelfleet.wire import ShardAssignment
+from modelfleet.engines.base import (
+    ENGINE_KEY_ENV,
+    VLLM_ADAPTERS,
+    AdapterApi,
+    Launch,
+    Start,
+    gpu_env,
+)
 
 
 class SimDriver:
     name = "sim"
     adapter_api: AdapterApi | None = VLLM_ADAPTERS
 
-    def launch(
-        self,
-        shard: ShardAssignment,
-        host: str,
-        port: int,
-        leader: str | None,
-        key: str,
-        address: str | None = None,
-    ) -> Launch:
-        argv = [sys.executable, "-m", "modelfleet", "engine-sim", "--model", shard.model]
-        argv += ["--host", host, "--port", str(port)]
+    def launch(self, start: Start) -> Launch:
+        shard = start.shard
+        argv = [*start.program(lambda: [sys.executable, "-m", "modelfleet", "engine-sim"])]
+        argv += ["--model", shard.model, "--host", start.host, "--port", str(start.port)]
         if shard.sleep_mode:
             argv.append("--enable-sleep-mode")
         if shard.max_loras is not None:
             argv += ["--enable-lora", "--max-loras", str(shard.max_loras)]
         argv += shard.args
-        return Launch(argv, {**gpu_env(shard), ENGINE_KEY_ENV: key})
+        return Launch(argv, {**gpu_env(shard), ENGINE_KEY_ENV: start.key})

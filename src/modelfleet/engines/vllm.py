@@ -4,6 +4,9 @@ A replica of several shards runs one `vllm serve` per node with vLLM's own multi
 tensor parallel inside each node, pipeline parallel across the nodes (`--pipeline-parallel-size`
 = shards), `--nnodes`, `--node-rank` and shard 0's rendezvous as `--master-addr` /
 `--master-port`; the shards of rank 1 and up run `--headless` and serve no HTTP.
+
+Told to stop (SIGTERM), vLLM finishes the requests in flight for up to `--shutdown-timeout`
+seconds; without it (its default, 0) it aborts them.
 """
 
 from __future__ import annotations
@@ -12,35 +15,29 @@ from modelfleet.engines.base import (
     VLLM_ADAPTERS,
     AdapterApi,
     Launch,
+    Start,
     executable,
     gpu_env,
     split_leader,
 )
-from modelfleet.wire import ShardAssignment
 
 
 class VllmDriver:
     name = "vllm"
     adapter_api: AdapterApi | None = VLLM_ADAPTERS
 
-    def launch(
-        self,
-        shard: ShardAssignment,
-        host: str,
-        port: int,
-        leader: str | None,
-        key: str,
-        address: str | None = None,
-    ) -> Launch:
-        argv = [executable("vllm"), "serve", shard.source, "--host", host, "--port", str(port)]
-        argv += ["--served-model-name", shard.model]
+    def launch(self, start: Start) -> Launch:
+        shard, host, port = start.shard, start.host, start.port
+        argv = [*start.program(lambda: [executable("vllm")]), "serve", shard.source]
+        argv += ["--host", host, "--port", str(port), "--served-model-name", shard.model]
+        argv += ["--shutdown-timeout", str(start.drain_s)]
         argv += ["--tensor-parallel-size", str(len(shard.gpus))]
         health: str | None = "/health"
         peers: dict[str, str] = {}
         if shard.num_shards > 1:
             # The address its peers reach it at, not a guess.
-            peers["VLLM_HOST_IP"] = address or host
-            master_host, master_port = split_leader(shard, leader)
+            peers["VLLM_HOST_IP"] = start.address or host
+            master_host, master_port = split_leader(shard, start.leader)
             argv += ["--pipeline-parallel-size", str(shard.num_shards)]
             argv += ["--nnodes", str(shard.num_shards), "--node-rank", str(shard.rank)]
             argv += ["--master-addr", master_host, "--master-port", master_port]
@@ -55,5 +52,5 @@ class VllmDriver:
             argv += ["--enable-lora", "--max-loras", str(shard.max_loras)]
             argv += ["--max-lora-rank", str(shard.max_lora_rank)]
             peers["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # load_lora_adapter served
-        env = {**peers, **gpu_env(shard), "VLLM_API_KEY": key}  # the catalog sets no key
+        env = {**peers, **gpu_env(shard), "VLLM_API_KEY": start.key}  # the catalog sets no key
         return Launch([*argv, *shard.args], env, health)
