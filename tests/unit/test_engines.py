@@ -132,6 +132,10 @@ def test_a_model_with_adapters_starts_engines_that_load_them_at_run_time(
     assert {n: a.load if a else None for n, a in apis.items()} == {
         "vllm": "/v1/load_lora_adapter", "sglang": "/load_lora_adapter",
         "sim": "/v1/load_lora_adapter", "llamacpp": None}  # fmt: skip
+    # What each holds is read back from its model list, not trusted from the loads.
+    assert {n: a.listed if a else None for n, a in apis.items()} == {
+        "vllm": "/v1/models", "sglang": "/v1/models", "sim": "/v1/models",
+        "llamacpp": None}  # fmt: skip
     plain = launch(shard("vllm"), "h", 9000, None)
     assert "--enable-lora" not in plain.argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain.env
 

@@ -39,7 +39,8 @@ def main(out: Path) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=1024,
-        special_tokens=["<s>", "</s>"],
+        # The reasoning and tool-call parsers look these up in the tokenizer when they start.
+        special_tokens=["<s>", "</s>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(corpus(), trainer)

@@ -71,33 +71,62 @@ def _build(
             if only is not None and placement.node != only:
                 continue
             by_node.setdefault(placement.node, []).append(
-                ShardAssignment(
+                shard_assignment(
+                    spec,
                     replica_id=r.id,
-                    model=r.model,
-                    engine=spec.engine,
-                    source=spec.source,
-                    args=list(spec.args),
-                    env=dict(spec.env),
-                    command=spec.command,
-                    program=spec.program,
                     rank=rank,
                     num_shards=len(r.shards),
-                    gpus=list(placement.gpus),
+                    gpus=placement.gpus,
                     engine_digest=r.engine_digest,
-                    startup_timeout=spec.startup_timeout,
                     leader=leader,
                     generation=record.generation,
-                    sleep_mode=spec.idle_action == "sleep",
                     asleep=record.told_to_sleep,
-                    sleep_level=spec.sleep_level,
-                    max_loras=spec.max_loras,
-                    max_lora_rank=spec.max_lora_rank,
                     adapters=_adapters(catalog.get(r.model) or spec, record) if rank == 0 else {},
                 )
             )
     for shards in by_node.values():
         shards.sort(key=lambda a: (a.replica_id, a.rank))  # the same whichever way built
     return by_node
+
+
+def shard_assignment(
+    spec: ModelSpec,
+    *,
+    replica_id: str,
+    rank: int,
+    num_shards: int,
+    gpus: Iterable[int],
+    engine_digest: str,
+    leader: str | None = None,
+    generation: int = 0,
+    asleep: bool = False,
+    adapters: dict[str, str] | None = None,
+) -> ShardAssignment:
+    """What an agent is told to run for shard `rank` of a replica of `spec`'s model: the
+    catalog's engine settings, and where this shard stands in its replica."""
+    return ShardAssignment(
+        replica_id=replica_id,
+        model=spec.name,
+        engine=spec.engine,
+        source=spec.source,
+        args=list(spec.args),
+        env=dict(spec.env),
+        command=spec.command,
+        program=spec.program,
+        rank=rank,
+        num_shards=num_shards,
+        gpus=list(gpus),
+        engine_digest=engine_digest,
+        startup_timeout=spec.startup_timeout,
+        leader=leader,
+        generation=generation,
+        sleep_mode=spec.idle_action == "sleep",
+        asleep=asleep,
+        sleep_level=spec.sleep_level,
+        max_loras=spec.max_loras,
+        max_lora_rank=spec.max_lora_rank,
+        adapters=adapters or {},
+    )
 
 
 def _adapters(spec: ModelSpec, record: ReplicaRecord) -> dict[str, str]:

@@ -13,7 +13,10 @@ from modelfleet.engines.base import AdapterApi, Launch, Start, gpu_env, importab
 
 class SglangDriver:
     name = "sglang"
-    adapter_api: AdapterApi | None = AdapterApi("/load_lora_adapter", "/unload_lora_adapter")
+    # SGLang lists what it holds in its model list, as vLLM does (adapters with a `parent`).
+    adapter_api: AdapterApi | None = AdapterApi(
+        "/load_lora_adapter", "/unload_lora_adapter", "/v1/models"
+    )
 
     def launch(self, start: Start) -> Launch:
         shard, leader = start.shard, start.leader

@@ -57,7 +57,8 @@ class SimSettings:
     sleep_delay: float = 0.2
     wake_delay: float = 1.0
     # vLLM's LoRA adapters loaded at run time (--enable-lora with
-    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): POST /v1/load_lora_adapter and /v1/unload_lora_adapter,
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # (also at SGLang's paths, without /v1),
     # each load taking `lora_load_delay` seconds; at most `max_loras` held, the least recently
     # used let go for a new one. A request names an adapter as its model.
     enable_lora: bool = False

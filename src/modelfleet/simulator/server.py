@@ -247,10 +247,12 @@ def create_app(settings: SimSettings) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
     ]
-    if settings.enable_lora:  # vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    if settings.enable_lora:  # vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING; then SGLang's
         routes += [
             Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
             Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
+            Route("/load_lora_adapter", load_lora, methods=["POST"]),
+            Route("/unload_lora_adapter", unload_lora, methods=["POST"]),
         ]
     if settings.sleep_mode:  # vLLM's sleep endpoints exist only with --enable-sleep-mode
         routes += [
