@@ -22,6 +22,7 @@ from modelfleet.ctl.commands import fail, with_options_first
 
 if TYPE_CHECKING:
     from modelfleet.agent.credential import Credential
+    from modelfleet.agent.gpus import GpuSource
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -88,7 +89,8 @@ def up(
         str,
         typer.Option(
             help="Each node's simulated GPUs (COUNTxMEMORY), or `nvml`: this machine's own "
-            "GPUs, read through NVML, as one node.",
+            "GPUs, read through NVML, as one node, or `cpu:CORES`: this machine's cores in "
+            "slots of CORES (agent --cpu-slots), as one node.",
         ),
     ] = "4x80GB",
     control_planes: Annotated[
@@ -229,6 +231,14 @@ def agent(
             "reads the node's NVIDIA GPUs through NVML."
         ),
     ] = None,
+    cpu_slots: Annotated[
+        str | None,
+        typer.Option(
+            help="A node without GPUs: offer its cores in slots: CORES or CORESxMEMORY each, e.g. "
+            "4 or 4x16GB (default memory: the node's, shared evenly). Each engine runs on its "
+            "slots' cores alone. Place models on them with gpu_model: CPU.",
+        ),
+    ] = None,
     token: Annotated[
         str | None,
         typer.Option(
@@ -315,13 +325,7 @@ def agent(
     log_level: LogLevel = "info",
 ) -> None:
     """Run a node's agent: report GPUs and shards, run the engines it is assigned."""
-    from modelfleet.agent.gpus import (
-        BadGpuSpec,
-        GpuSource,
-        NvmlGpus,
-        NvmlUnavailable,
-        SimulatedGpus,
-    )
+    from modelfleet.agent.gpus import CpuSlots
     from modelfleet.agent.service import AgentSettings, serve
     from modelfleet.agent.supervisor import EngineTls, SupervisorSettings
     from modelfleet.pki import client_context, is_loopback
@@ -329,25 +333,7 @@ def agent(
     from modelfleet.statedir import StateDirBusy, StateDirLock
 
     configure_logging(log_level)
-    unhealthy: dict[int, str] = {}
-    for item in unhealthy_gpu or []:
-        index, sep, reason = item.partition("=")
-        if not sep or not index.strip().isdigit():
-            fail(f"--unhealthy-gpu {item!r}: write INDEX=REASON, e.g. '3=XID 79'")
-        unhealthy[int(index)] = reason.strip() or "marked unhealthy"
-    gpus: GpuSource
-    if simulate_gpus is None:
-        if unhealthy:
-            fail("--unhealthy-gpu applies to simulated GPUs: give --simulate-gpus too")
-        try:
-            gpus = NvmlGpus()
-        except NvmlUnavailable as exc:
-            fail(f"no GPUs to report: {exc}. Pass --simulate-gpus 4x80GB to simulate some.")
-    else:
-        try:
-            gpus = SimulatedGpus(simulate_gpus, unhealthy)
-        except BadGpuSpec as exc:
-            fail(f"--simulate-gpus: {exc}")
+    gpus = _gpu_source(simulate_gpus, cpu_slots, unhealthy_gpu or [])
     labels = []
     for item in label or []:
         key, sep, value = item.partition("=")
@@ -409,10 +395,47 @@ def agent(
             liveness_failures=liveness_failures,
             pass_env=tuple(pass_env or ()),
             programs=_engine_programs(engine_program or []),
+            cpu_slots=gpus.slots if isinstance(gpus, CpuSlots) else {},
         ),
     )
     run_service_loop(serve(settings, gpus, ready_file, admin_port))
     lock.release()
+
+
+def _gpu_source(simulated: str | None, cpu_slots: str | None, unhealthy: list[str]) -> GpuSource:
+    """The agent's GPUs from its options: simulated, CPU slots, or NVML's (the default)."""
+    from modelfleet.agent.gpus import (
+        BadGpuSpec,
+        CpuSlots,
+        NvmlGpus,
+        NvmlUnavailable,
+        SimulatedGpus,
+    )
+
+    marked: dict[int, str] = {}
+    for item in unhealthy:
+        index, sep, reason = item.partition("=")
+        if not sep or not index.strip().isdigit():
+            fail(f"--unhealthy-gpu {item!r}: write INDEX=REASON, e.g. '3=XID 79'")
+        marked[int(index)] = reason.strip() or "marked unhealthy"
+    if simulated is not None and cpu_slots is not None:
+        fail("give --simulate-gpus or --cpu-slots, not both")
+    if marked and simulated is None:
+        fail("--unhealthy-gpu applies to simulated GPUs: give --simulate-gpus too")
+    try:
+        if simulated is not None:
+            return SimulatedGpus(simulated, marked)
+        if cpu_slots is not None:
+            return CpuSlots(cpu_slots)
+    except BadGpuSpec as exc:
+        fail(f"--{'simulate-gpus' if simulated is not None else 'cpu-slots'}: {exc}")
+    try:
+        return NvmlGpus()
+    except NvmlUnavailable as exc:
+        fail(
+            f"no GPUs to report: {exc}. Pass --cpu-slots 4 to offer this node's cores, or "
+            "--simulate-gpus 4x80GB to simulate GPUs."
+        )
 
 
 def _engine_programs(items: list[str]) -> dict[str, str]:

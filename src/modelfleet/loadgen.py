@@ -8,9 +8,11 @@ use it the same way against `modelfleet up` to rehearse a change.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -31,6 +33,9 @@ class SteadyClient:
     workers: int = 4
     max_tokens: int = 3
     pace: float | None = None  # requests per second over all workers; None: as fast as they go
+    # More of each request's body: `{"ignore_eos": True}` keeps a real engine from ending an
+    # answer early, which would count as cut short.
+    extra: dict[str, Any] = field(default_factory=dict)
     outcomes: list[Outcome] = field(default_factory=list)
     started: float = 0.0
     stopped: float = 0.0
@@ -86,20 +91,22 @@ class SteadyClient:
                 self._stop.wait(max(0.0, due - time.monotonic()))
 
     def _one(self, http: httpx.Client, stream: bool) -> str:
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": "user", "content": "steady"}],
             "max_tokens": self.max_tokens,
             "stream": stream,
+            **self.extra,
         }
         try:
             if stream:
+                body["stream_options"] = {"include_usage": True}  # its last chunk counts tokens
                 with http.stream("POST", "/v1/chat/completions", json=body) as r:
                     text = "".join(r.iter_text())
                 if r.status_code != 200:
                     return f"stream HTTP {r.status_code}: {text[:200]}"
                 complete = text.rstrip().endswith("data: [DONE]")
-                if not complete or text.count('"content": " ') != self.max_tokens:
+                if not complete or _streamed_tokens(text) != self.max_tokens:
                     return f"stream cut short: {text[-200:]!r}"
                 return ""
             r = http.post("/v1/chat/completions", json=body)
@@ -110,3 +117,13 @@ class SteadyClient:
             return ""
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             return f"{type(exc).__name__}: {exc}"
+
+
+def _streamed_tokens(text: str) -> int | None:
+    """The completion tokens a stream's usage chunk counts; None without one."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("data: {"):
+            usage = json.loads(line[len("data: ") :]).get("usage")
+            if usage:
+                return int(usage["completion_tokens"])
+    return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -100,3 +101,21 @@ def test_llamacpp_serves_chat_completions_through_the_router(fleet: RunningFleet
     [replica] = httpx.get(f"{fleet.admin_url}/v1/replicas", headers=admin).json()["replicas"]
     direct = httpx.post(f"{replica['endpoint']}/v1/chat/completions", json=probe, timeout=30)
     assert direct.status_code == 401
+
+    # Streams at once: each one finishes (llama-cpp-python cuts a stream short when another
+    # request comes unless told not to), and the busy engine is never taken for dead.
+    def one_stream(_: int) -> str | None:
+        streamed = client.chat.completions.create(
+            model="gemma-270m",
+            messages=[{"role": "user", "content": "Tell me a story."}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+        )
+        return [c.choices[0].finish_reason for c in streamed if c.choices][-1]
+
+    with ThreadPoolExecutor(4) as pool:
+        ends = list(pool.map(one_stream, range(8)))
+    assert all(end in ("stop", "length") for end in ends), ends
+    [after] = httpx.get(f"{fleet.admin_url}/v1/replicas", headers=admin).json()["replicas"]
+    assert after["shards"][0]["restarts"] == replica["shards"][0]["restarts"]

@@ -24,17 +24,20 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.agent.gpus import CpuSlots, SimulatedGpus
 from modelfleet.agent.service import Agent
+from modelfleet.engines.base import core_list
+from modelfleet.loadgen import SteadyClient
 from modelfleet.processes import group_members
 from modelfleet.up import RunningFleet
 from modelfleet.wire import NodeAssignment, ShardAssignment, ShardState
 
-from .conftest import Operator, fleet_of, until, wait_for
+from .conftest import Operator, fleet_of, until, wait_for, wait_requests
 from .test_processes import offline_agent
 from .vllm_kit import ARGS, START_S, TINY
 
-pytestmark = pytest.mark.real_vllm
+# Its own waits (START_S for a start) say what they waited for: pytest's cut-off is later.
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(3 * START_S)]
 
 
 def tiny(**more: Any) -> dict[str, Any]:
@@ -42,7 +45,7 @@ def tiny(**more: Any) -> dict[str, Any]:
         "name": "tiny",
         "engine": "vllm",
         "source": str(TINY / "model"),
-        "args": ARGS,
+        "args": list(ARGS),  # a list of its own: YAML writes a shared one as an alias
         "startup_timeout": START_S,
         "max_loras": 3,
         "max_lora_rank": 8,
@@ -55,12 +58,25 @@ def tiny(**more: Any) -> dict[str, Any]:
     }
 
 
+# The same tiny model, with no replica until a request asks for it, and none soon after.
+COLD = {
+    "name": "cold", "engine": "vllm", "source": str(TINY / "model"), "args": list(ARGS),
+    "startup_timeout": START_S, "cold_timeout": START_S,
+    "autoscale": {"min": 0, "max": 1, "target_in_flight": 4, "scale_to_zero_after": 5},
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def fleet(vllm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
     tmp = tmp_path_factory.mktemp("vllm-fleet")
-    # vLLM is not on the agent's PATH: the node names its program.
+    # vLLM is not on the agent's PATH: the node names its program. The node offers its cores,
+    # one slot each: two vLLMs on the same cores starve each other's start (a replacement
+    # took over 300 s beside a loaded one on 2 cores); a roll needs two slots.
+    if len(CpuSlots("1").slots) < 2:
+        pytest.fail("the real_vllm fleet needs 2 cores: one per vLLM during a roll")
     agent_args = ("--engine-program", f"vllm={vllm}", "--backoff-base", "1")
-    with fleet_of(tmp, [tiny()], nodes=("node-1",), agent_args=agent_args) as running:
+    models = [tiny(), COLD]
+    with fleet_of(tmp, models, nodes=("node-1",), gpus="cpu:1", agent_args=agent_args) as running:
         yield running
 
 
@@ -195,6 +211,62 @@ def test_a_crashed_vllm_leaves_no_process_behind_and_serves_again(
     assert not left, f"left running after the crash: {[(p.pid, p.name()) for p in left]}"
     [again] = op.replicas("tiny")
     assert again["id"] == replica["id"] and again["shards"][0]["pid"] != server
+
+
+def test_an_args_change_rolls_vllm_with_nothing_failed(fleet: RunningFleet, tmp_path: Path) -> None:
+    """A changed `args` starts a new vLLM beside the old (on a slot of its own), moves the
+    traffic, then stops the old one: a client sending all along sees no failure."""
+    op = Operator(fleet, tmp_path)
+    wait_for("tiny serving", lambda: served(op, "tiny").status_code == 200, timeout=START_S)
+    [before] = op.replicas("tiny")
+    client = SteadyClient(
+        fleet.router_url, fleet.api_key, "tiny", workers=2, max_tokens=4, extra={"ignore_eos": True}
+    )
+    client.start()
+    try:
+        wait_requests(client, 5, " before the change")
+        op.apply(tiny(args=[*ARGS, "--max-num-seqs", "16"]), COLD)
+        wait_for(
+            "the new vLLM alone serving tiny",
+            lambda: (
+                [(r["id"] != before["id"], r["state"]) for r in op.replicas("tiny")]
+                == [(True, "ready")]
+            ),
+            timeout=START_S,
+        )
+        wait_requests(client, 5, " after the change")
+    finally:
+        client.stop()
+    failed = [o.error for o in client.outcomes if o.error]
+    assert not failed, f"{len(failed)} of {len(client.outcomes)} failed: {failed[:3]}"
+    [after] = op.replicas("tiny")
+    server = psutil.Process(after["shards"][0]["pid"])
+    assert "--max-num-seqs" in server.cmdline()
+    # Beside the old one, on cores of its own: every process of it, its threads bound there.
+    [old_slot], [slot] = before["shards"][0]["gpus"], after["shards"][0]["gpus"]
+    assert slot != old_slot
+    cores = list(CpuSlots("1").slots[slot])
+    tree = _tree(server.pid)
+    assert len(tree) >= 2  # the API server and its EngineCore at least
+    assert {p.pid: p.cpu_affinity() for p in tree} == {p.pid: cores for p in tree}
+    assert server.environ().get("VLLM_CPU_OMP_THREADS_BIND") == core_list(cores)
+
+
+def test_vllm_scales_from_zero_for_a_request_and_back_to_zero(
+    fleet: RunningFleet, tmp_path: Path
+) -> None:
+    """A request for a model with no replica is held while its vLLM starts, then answered;
+    idle, the model goes back to no replica and its engine is stopped."""
+    op = Operator(fleet, tmp_path)
+    assert op.replicas("cold") == []
+    answer = op.client.post("/v1/chat/completions", json=chat("cold"), timeout=START_S)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["system_fingerprint"].startswith("vllm-")
+    [replica] = op.replicas("cold")
+    server = replica["shards"][0]["pid"]
+    wait_for("cold back to no replica", lambda: op.replicas("cold") == [], timeout=120)
+    wait_for("its vLLM stopped", lambda: not psutil.pid_exists(server)
+             or psutil.Process(server).status() == psutil.STATUS_ZOMBIE, timeout=60)  # fmt: skip
 
 
 def test_a_stopped_vllm_finishes_the_streams_in_flight(vllm: Path, tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Where an agent's GPUs come from: a `GpuSource`. NVML on a machine with NVIDIA's driver, or
-simulated GPUs for development, tests and rehearsals.
+"""Where an agent's GPUs come from: a `GpuSource`. NVML on a machine with NVIDIA's driver, slots
+of cores on a node without GPUs, or simulated GPUs for development, tests and rehearsals.
 
 Simulated GPUs are described on the command line as `COUNTxSIZE[:MODEL]`, several groups
 separated by commas: `4x80GB`, `8x80GB:H100`, `2x80GB:H100,2x40GB:A100`.
@@ -8,8 +8,12 @@ separated by commas: `4x80GB`, `8x80GB:H100`, `2x80GB:H100,2x40GB:A100`.
 from __future__ import annotations
 
 import logging
+import os
 import re
+from collections.abc import Sequence
 from typing import Any, Protocol
+
+import psutil
 
 from modelfleet.units import BadSize, parse_size
 from modelfleet.wire import GpuReport
@@ -80,6 +84,50 @@ class SimulatedGpus:
         )
         self._gpus[index] = gpu
         return gpu
+
+
+_SLOTS = re.compile(r"^\s*(\d+)\s*(?:x\s*([0-9.]+\s*[a-zA-Z]*))?\s*$")
+
+
+class CpuSlots:
+    """A node without GPUs that offers its cores instead: slots of the same number of cores,
+    each reported as a device of model "CPU" that a replica is placed on as on a GPU (the
+    catalog's `gpus_per_shard` counts slots, `gpu_memory` is memory). Each engine runs on
+    its slots' cores alone, so two replicas never share a core.
+
+    `spec` is `CORES[xMEMORY]`: how many cores a slot has, and how much memory each offers
+    (default: the node's memory shared evenly). The cores are those this agent may run on
+    (`cores`, default its own CPU affinity), in order; cores left over make no slot.
+    """
+
+    def __init__(
+        self, spec: str, cores: Sequence[int] | None = None, memory_total: int | None = None
+    ) -> None:
+        match = _SLOTS.match(spec)
+        if not match or int(match.group(1)) < 1:
+            raise BadGpuSpec(f"{spec!r} is not a CPU slot; write CORES[xMEMORY], e.g. 4 or 4x16GB")
+        size, memory = int(match.group(1)), match.group(2)
+        usable = sorted(os.sched_getaffinity(0) if cores is None else cores)
+        count = len(usable) // size
+        if count == 0:
+            raise BadGpuSpec(f"slots of {size} cores: this agent may run on {len(usable)} only")
+        if memory is not None:
+            try:
+                each = parse_size(memory)
+            except BadSize as exc:
+                raise BadGpuSpec(f"{spec!r}: {exc}") from exc
+        else:
+            each = psutil.virtual_memory().total if memory_total is None else memory_total
+            each //= count
+        self.slots = {i: tuple(usable[i * size : (i + 1) * size]) for i in range(count)}
+        self._gpus = [
+            GpuReport(index=i, model="CPU", memory_total=each, memory_used=0) for i in self.slots
+        ]
+        if len(usable) % size:
+            log.warning("cores %s make no slot of %d", usable[count * size :], size)
+
+    def gpus(self) -> list[GpuReport]:
+        return list(self._gpus)
 
 
 # XIDs after which a GPU is not to be trusted with work until it is reset or serviced: double

@@ -26,6 +26,7 @@ import httpx
 from modelfleet.agent.adapters import AdapterSync, EngineAt
 from modelfleet.agent.logs import LogMarks, last_error_line, rotate, shard_log
 from modelfleet.agent.metrics import AgentMetrics
+from modelfleet.agent.pin import pinned
 from modelfleet.agent.records import EngineRecord
 from modelfleet.backoff import Backoff
 from modelfleet.engines import EngineDriver, Launch, NoDriver
@@ -72,6 +73,8 @@ class SupervisorSettings:
     # This node's command for an engine, by engine name (`agent --engine-program`); a model's
     # `program` in the catalog goes before it.
     programs: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # A node that offers CPU slots (`agent --cpu-slots`): each slot's cores, by its index.
+    cpu_slots: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def backoff(self) -> Backoff:
@@ -435,6 +438,11 @@ class Shard:
         self.port = free_port(host, "engines")
         self.local_port = free_port(LOOPBACK, "engines") if tls is not None else None
         key = ENGINE_KEY_PREFIX + secrets.token_urlsafe(24)
+        slots = self.settings.cpu_slots
+        cores = tuple(slots.get(g, ()) for g in self.assignment.gpus) if slots else ()
+        if slots and not (cores and all(cores)):
+            self._fail("cannot-start", f"no CPU slot {self.assignment.gpus} on this node")
+            return False
         try:
             launch = self.driver.launch(
                 Start(
@@ -446,11 +454,14 @@ class Shard:
                     address=host,
                     stop_grace=self.settings.stop_grace,
                     programs=self.settings.programs,
+                    cores=cores,
                 )
             )
         except NoDriver as exc:
             self._fail("cannot-start", str(exc))
             return False
+        if cores:
+            launch = dataclasses.replace(launch, argv=pinned(launch.argv, sum(cores, ())))
         self.health_path = launch.health_path
         if tls is not None and launch.health_path is not None:
             launch = gated(launch, tls, f"{host}:{self.port}", self.local_port or 0)

@@ -37,7 +37,10 @@ class Start:
     health check aside), passed by environment where the engine reads one, so that `ps` does
     not show it. `stop_grace` is how long the agent waits from SIGTERM to SIGKILL: an engine
     that can finish what is in flight is told to take at most a little less. `programs` are
-    this node's commands for its engines, by engine name (`agent --engine-program`).
+    this node's commands for its engines, by engine name (`agent --engine-program`). `cores`:
+    on a node that offers CPU slots (`agent --cpu-slots`), the cores of each of the shard's
+    slots, in `shard.gpus` order; empty on a GPU node. The agent runs the engine on those cores
+    alone; a driver whose engine binds its threads itself tells it which.
     """
 
     shard: ShardAssignment
@@ -48,6 +51,7 @@ class Start:
     address: str | None = None
     stop_grace: float = 30.0
     programs: Mapping[str, str] = field(default_factory=dict)
+    cores: tuple[tuple[int, ...], ...] = ()
 
     @property
     def drain_s(self) -> int:
@@ -147,6 +151,35 @@ def gpu_env(shard: ShardAssignment) -> dict[str, str]:
         "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in shard.gpus),
         **shard.env,
     }
+
+
+def core_list(cores: Sequence[int]) -> str:
+    """Cores as Linux writes CPU lists: `0-3,8`."""
+    ranges: list[list[int]] = []
+    for core in sorted(set(cores)):
+        if ranges and core == ranges[-1][1] + 1:
+            ranges[-1][1] = core
+        else:
+            ranges.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+class BadCores(ValueError):
+    """A CPU list that could not be read."""
+
+
+def parse_cores(text: str) -> tuple[int, ...]:
+    """A CPU list as Linux writes them (`0-3,8`), sorted; BadCores saying what is wrong."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise BadCores(f"{text!r} is not a CPU list; write it as Linux does, e.g. 0-3,8")
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise BadCores(f"{part.strip()!r} in {text!r} runs backwards")
+        cores.update(range(first, last + 1))
+    return tuple(sorted(cores))
 
 
 def split_leader(shard: ShardAssignment, leader: str | None) -> tuple[str, str]:

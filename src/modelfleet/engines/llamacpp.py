@@ -27,9 +27,13 @@ class LlamaCppDriver:
         argv = [*program, "--model", shard.source]
         argv += ["--host", host, "--port", port, "--model_alias", shard.model]
         argv += ["--n_gpu_layers", "-1"]
-        # llama-cpp-python's server has no /health; its model list answers once it has loaded.
+        # By default it cuts a running stream short whenever another request comes in.
+        argv += ["--interrupt_requests", "false"]
+        # It has no /health, and its model list waits behind every generation queued (one
+        # lock for all), so a busy server failed its liveness probes and was restarted. It
+        # loads its model before it listens: its OpenAPI page answering means it is up.
         env = {**gpu_env(shard), "API_KEY": start.key}  # its settings read the environment
-        return Launch([*argv, *shard.args], env, "/v1/models")
+        return Launch([*argv, *shard.args], env, "/openapi.json")
 
 
 def _found() -> list[str]:

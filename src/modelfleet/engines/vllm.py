@@ -5,6 +5,9 @@ tensor parallel inside each node, pipeline parallel across the nodes (`--pipelin
 = shards), `--nnodes`, `--node-rank` and shard 0's rendezvous as `--master-addr` /
 `--master-port`; the shards of rank 1 and up run `--headless` and serve no HTTP.
 
+On a CPU node each rank's threads are bound to the cores of its slot
+(`VLLM_CPU_OMP_THREADS_BIND`).
+
 Told to stop (SIGTERM), vLLM finishes the requests in flight for up to `--shutdown-timeout`
 seconds; without it (its default, 0) it aborts them.
 """
@@ -16,6 +19,7 @@ from modelfleet.engines.base import (
     AdapterApi,
     Launch,
     Start,
+    core_list,
     executable,
     gpu_env,
     split_leader,
@@ -52,5 +56,9 @@ class VllmDriver:
             argv += ["--enable-lora", "--max-loras", str(shard.max_loras)]
             argv += ["--max-lora-rank", str(shard.max_lora_rank)]
             peers["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # load_lora_adapter served
+        if start.cores:
+            # vLLM's CPU build binds each tensor-parallel rank's threads to these cores, one
+            # slot per rank; left to itself ("auto") every replica binds the same cores.
+            peers["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(core_list(c) for c in start.cores)
         env = {**peers, **gpu_env(shard), "VLLM_API_KEY": start.key}  # the catalog sets no key
         return Launch([*argv, *shard.args], env, health)

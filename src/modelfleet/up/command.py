@@ -13,7 +13,7 @@ from modelfleet.catalog import Catalog
 from modelfleet.files import write_json_atomic
 from modelfleet.statedir import StateDirLock
 from modelfleet.up.children import stop_leftovers
-from modelfleet.up.configs import GPUS_PER_NODE, NODES, REAL_GPUS, FleetOptions
+from modelfleet.up.configs import GPUS_PER_NODE, NODES, FleetOptions, one_machine
 from modelfleet.up.fleet import start_fleet, wait_serving
 from modelfleet.up.restarts import Restarts
 
@@ -29,7 +29,8 @@ def up(
     store: str | None = None,
 ) -> int:
     """Bring the fleet up, print how to use it, and stop it all on SIGINT/SIGTERM. `gpus`:
-    each node's simulated GPUs, or REAL_GPUS for this machine's own, as one node."""
+    each node's simulated GPUs, or REAL_GPUS or CPU_SLOTS... for this machine's own, as one
+    node."""
     state_dir = state_dir.resolve()
     lock = StateDirLock(state_dir, "modelfleet up").acquire()  # StateDirBusy names the holder
     left = stop_leftovers(state_dir)
@@ -54,8 +55,8 @@ def up(
     signal.signal(signal.SIGTERM, on_signal)
 
     shape: dict[str, Any] = {"gpus": gpus}
-    if gpus == REAL_GPUS:
-        shape["nodes"] = NODES[:1]  # one machine's GPUs are one node's
+    if one_machine(gpus):
+        shape["nodes"] = NODES[:1]  # one machine's GPUs (or cores) are one node's
     options = FleetOptions(
         router_port=router_port,
         limits_store=limits_store,

@@ -8,6 +8,8 @@ from typing import Any
 NODES = ("node-1", "node-2")
 GPUS_PER_NODE = "4x80GB"
 REAL_GPUS = "nvml"  # the machine's own GPUs, read through NVML, on one node
+# Then CORES[xMEMORY]: the machine's cores in slots (agent --cpu-slots), on one node.
+CPU_SLOTS = "cpu:"
 
 DEFAULT_CATALOG = """\
 # The catalog `modelfleet up` serves. Edit it while the fleet runs: a valid change applies
@@ -33,7 +35,7 @@ class FleetOptions:
     """The shape of a fleet `up` starts. The defaults are what `modelfleet up` runs."""
 
     nodes: tuple[str, ...] = NODES
-    gpus: str = GPUS_PER_NODE  # every node's simulated GPUs, or REAL_GPUS
+    gpus: str = GPUS_PER_NODE  # every node's simulated GPUs, REAL_GPUS, or CPU_SLOTS...
     router_port: int = 0
     report_interval: float = 1.0
     reconcile_interval: float = 0.5
@@ -51,3 +53,17 @@ class FleetOptions:
     # a PostgreSQL URL; None: as before (SQLite the first time). Several need PostgreSQL.
     control_planes: int = 1
     store: str | None = None
+
+
+def agent_gpu_flags(gpus: str) -> list[str]:
+    """The agent flags for `FleetOptions.gpus`."""
+    if gpus == REAL_GPUS:
+        return []
+    if gpus.startswith(CPU_SLOTS):
+        return ["--cpu-slots", gpus.removeprefix(CPU_SLOTS)]
+    return ["--simulate-gpus", gpus]
+
+
+def one_machine(gpus: str) -> bool:
+    """Whether `gpus` are this machine's own (then the fleet is one node)."""
+    return gpus == REAL_GPUS or gpus.startswith(CPU_SLOTS)

@@ -21,7 +21,7 @@ from modelfleet.files import private_dir, write_atomic
 from modelfleet.pgserver import PgServer, PgServerError, redacted
 from modelfleet.processes import ProcessId, log_tail, stop_groups
 from modelfleet.up.children import Child, Fleet, Leftovers, UpError, agent_state_dir
-from modelfleet.up.configs import DEFAULT_CATALOG, REAL_GPUS, FleetOptions
+from modelfleet.up.configs import DEFAULT_CATALOG, FleetOptions, agent_gpu_flags
 from modelfleet.up.kept import HOST, Kept, load_or_make
 from modelfleet.wire import RoutingSnapshot
 
@@ -163,7 +163,7 @@ def start_fleet(
                 ",".join(u["agent"] for u in every_cp),
                 "--node",
                 node,
-                *(["--simulate-gpus", opts.gpus] if opts.gpus != REAL_GPUS else []),
+                *agent_gpu_flags(opts.gpus),
                 "--state-dir",
                 str(agent_state_dir(state_dir, node)),
                 "--report-interval",
