@@ -35,17 +35,21 @@ def test_each_engine_runs_on_its_own_slot_s_cores(tmp_path: Path) -> None:
             shards = [sim_shard(f"r{slot}", slot) for slot in two]
             agent.apply(NodeAssignment(node="n", shards=[*shards, sim_shard("nowhere", 99)]))
             running = [agent.shards[s.key] for s in shards]
-            await until(
-                "both engines ready", lambda: all(s.state is ShardState.READY for s in running)
-            )
-            for shard, slot in zip(running, two, strict=True):
-                assert shard.proc is not None
-                engine = psutil.Process(shard.proc.pid)
-                assert engine.cpu_affinity() == list(slots.slots[slot]), engine.cmdline()
-            nowhere = agent.shards["nowhere/0"]
-            await until("the shard without a slot failed", lambda: nowhere.error)
-            assert nowhere.state is ShardState.FAILED
-            assert "no CPU slot [99] on this node" in str(nowhere.error)
+            try:
+                await until(
+                    "both engines ready", lambda: all(s.state is ShardState.READY for s in running)
+                )
+                for shard, slot in zip(running, two, strict=True):
+                    assert shard.proc is not None
+                    engine = psutil.Process(shard.proc.pid)
+                    assert engine.cpu_affinity() == list(slots.slots[slot]), engine.cmdline()
+                nowhere = agent.shards["nowhere/0"]
+                await until("the shard without a slot failed", lambda: nowhere.error)
+                assert nowhere.state is ShardState.FAILED
+                assert "no CPU slot [99] on this node" in str(nowhere.error)
+            finally:  # engines outlive their agent: this test ends those it started
+                agent.apply(NodeAssignment(node="n", shards=[]))
+                await until("the engines stopped", lambda: not agent.stopping)
 
     asyncio.run(go())
 

@@ -284,49 +284,55 @@ def test_a_stopped_vllm_finishes_the_streams_in_flight(vllm: Path, tmp_path: Pat
     async def go() -> list[list[dict[str, Any]] | BaseException]:
         async with Agent(settings, SimulatedGpus("1x80GB")) as agent:
             agent.apply(NodeAssignment(node="n", shards=[assignment]))
-            shard = agent.shards["drain/0"]
-            await until("vLLM ready", lambda: shard.state is ShardState.READY, timeout=START_S)
-            assert shard.proc is not None
-            tree = _tree(shard.proc.pid)
-            headers = {"authorization": f"Bearer {shard.engine_key}"}
-            with httpx.Client(base_url=shard.local_url, headers=headers) as client:
-                # The first request pays for vLLM's warm-up; a stream held back by it would
-                # start after the others had ended.
-                warm = client.post("/v1/chat/completions", json=chat("tiny"), timeout=120)
-                assert warm.status_code == 200, warm.text
-            body = chat("tiny", max_tokens=2000, ignore_eos=True, stream=True)
-            firsts, done = 0, 0
-
-            def run() -> list[dict[str, Any]]:
-                nonlocal firsts, done
-                chunks: list[dict[str, Any]] = []
-                with (
-                    httpx.Client(base_url=shard.local_url, headers=headers) as client,
-                    client.stream("POST", "/v1/chat/completions", json=body, timeout=120) as answer,
-                ):
-                    for line in answer.iter_lines():
-                        if line == "data: [DONE]":
-                            chunks.append({"done": True})
-                        elif line.startswith("data: "):
-                            if not chunks:
-                                firsts += 1
-                            chunks.append(json.loads(line[len("data: ") :]))
-                done += 1
-                return chunks
-
-            loop = asyncio.get_running_loop()
-            threads = ThreadPoolExecutor(streams)  # asyncio's own runs 6 at a time on 2 cores
-            running = [loop.run_in_executor(threads, run) for _ in range(streams)]
-            await until("every stream under way", lambda: firsts == streams, timeout=60)
-            in_flight = streams - done
-            assert in_flight >= streams // 2, f"only {in_flight} streams running at the stop"
-            agent.apply(NodeAssignment(node="n", shards=[]))
-            await until("the engine stopped", lambda: not agent.stopping, timeout=90)
-            assert not [p for p in tree if p.is_running() and p.status() != "zombie"]
             try:
-                return await asyncio.gather(*running, return_exceptions=True)
-            finally:
-                threads.shutdown()
+                shard = agent.shards["drain/0"]
+                await until("vLLM ready", lambda: shard.state is ShardState.READY, timeout=START_S)
+                assert shard.proc is not None
+                tree = _tree(shard.proc.pid)
+                headers = {"authorization": f"Bearer {shard.engine_key}"}
+                with httpx.Client(base_url=shard.local_url, headers=headers) as client:
+                    # The first request pays for vLLM's warm-up; a stream held back by it would
+                    # start after the others had ended.
+                    warm = client.post("/v1/chat/completions", json=chat("tiny"), timeout=120)
+                    assert warm.status_code == 200, warm.text
+                body = chat("tiny", max_tokens=2000, ignore_eos=True, stream=True)
+                firsts, done = 0, 0
+
+                def run() -> list[dict[str, Any]]:
+                    nonlocal firsts, done
+                    chunks: list[dict[str, Any]] = []
+                    with (
+                        httpx.Client(base_url=shard.local_url, headers=headers) as client,
+                        client.stream(
+                            "POST", "/v1/chat/completions", json=body, timeout=120
+                        ) as answer,
+                    ):
+                        for line in answer.iter_lines():
+                            if line == "data: [DONE]":
+                                chunks.append({"done": True})
+                            elif line.startswith("data: "):
+                                if not chunks:
+                                    firsts += 1
+                                chunks.append(json.loads(line[len("data: ") :]))
+                    done += 1
+                    return chunks
+
+                loop = asyncio.get_running_loop()
+                threads = ThreadPoolExecutor(streams)  # asyncio's own runs 6 at a time on 2 cores
+                running = [loop.run_in_executor(threads, run) for _ in range(streams)]
+                await until("every stream under way", lambda: firsts == streams, timeout=60)
+                in_flight = streams - done
+                assert in_flight >= streams // 2, f"only {in_flight} streams running at the stop"
+                agent.apply(NodeAssignment(node="n", shards=[]))
+                await until("the engine stopped", lambda: not agent.stopping, timeout=90)
+                assert not [p for p in tree if p.is_running() and p.status() != "zombie"]
+                try:
+                    return await asyncio.gather(*running, return_exceptions=True)
+                finally:
+                    threads.shutdown()
+            finally:  # engines outlive their agent: a failure here must not leave vLLM running
+                agent.apply(NodeAssignment(node="n", shards=[]))
+                await until("the engine stopped", lambda: not agent.stopping, timeout=90)
 
     results = asyncio.run(go())
     ends = []
