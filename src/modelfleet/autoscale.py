@@ -20,7 +20,8 @@ policy's `target_in_flight`:
   break, counted again after every step down: a load that rises within that time cancels it,
   so a square wave faster than `scale_down_after` never takes a replica away.
 - **To zero** when the policy's `min` is 0 and the load has been nothing at all for
-  `scale_to_zero_after`.
+  `scale_to_zero_after`, from however many replicas it has then (stepping down one at a
+  time first took `scale_down_after` per replica, past the time the operator set).
 
 Never under `floor` (what a drain in progress needs), never outside [`min`, `max`].
 """
@@ -116,7 +117,7 @@ def decide(
             why = f"over the target for {over_for:.1f}s"
         restart = replace(trend, over_since=None, burst_since=None)
         return Decision(max(need, current + 1), f"up: {why}: {numbers}", restart)
-    if current == 1 and least == 0 and idle_for >= policy.scale_to_zero_after:
+    if current >= 1 and least == 0 and idle_for >= policy.scale_to_zero_after:
         return Decision(0, f"to zero: no load for {idle_for:.0f}s", trend)
     if current > max(least, 1) and low_for >= policy.scale_down_after:
         why = f"down by one: low for {low_for:.0f}s: {numbers}"

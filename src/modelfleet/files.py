@@ -29,8 +29,9 @@ def private_dir(folder: Path) -> Path:
     return folder
 
 
-def write_atomic(path: Path, text: str, mode: int = PRIVATE) -> None:
-    """Replace `path` with `text` atomically and durably, created with `mode`."""
+def write_atomic(path: Path, text: str, mode: int = PRIVATE, durable: bool = True) -> None:
+    """Replace `path` with `text` atomically (a reader sees the old text or the new), created
+    with `mode`; `durable` makes it survive a crash of the host too, at two fsyncs."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -39,11 +40,14 @@ def write_atomic(path: Path, text: str, mode: int = PRIVATE) -> None:
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+    if not durable:
+        return
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)  # the rename itself survives a crash

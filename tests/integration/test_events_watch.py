@@ -1,5 +1,6 @@
-"""`ctl events --watch` against a running fleet: new events as they come, and a repeat shown
-again as it counts up (a repeat keeps its event's id, so a watch by id alone missed it)."""
+"""`ctl events --watch` against a running fleet: new events as they come, a repeat shown
+again as it counts up (a repeat keeps its event's id, so a watch by id alone missed it), and
+on across a restart of the control plane (it exited then)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ def test_a_watch_shows_new_events_and_repeats_counting_up(tmp_path: Path) -> Non
                 )  # fmt: skip
                 assert done.returncode == 0, done.stderr
             wait_for("the repeat counted up in the watch", lambda: saw("(x2)"))
+            [cp] = [c for c in fleet.fleet.children if c.role == "control-plane"]
+            fleet.fleet.restart(cp)
+            done = subprocess.run(
+                [sys.executable, "-m", "modelfleet", "ctl", *ctl_target(fleet),
+                 "uncordon", "node-2"],
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            wait_for("the uncordon after the restart, in the watch", lambda: saw("marked none"), 30)
+            assert watch.poll() is None, "the watch ended with the control plane's restart"
         finally:
             watch.send_signal(signal.SIGINT)
             try:
@@ -55,7 +66,8 @@ def test_a_watch_shows_new_events_and_repeats_counting_up(tmp_path: Path) -> Non
         # The watch shows what it finds at each poll (a second apart): the repeat's first
         # time may fall in the same poll as its second, and is then shown once, counted up.
         marked = [line for line in seen if "NodeMarked" in line]
-        assert 2 <= len(marked) <= 3, seen
+        assert 3 <= len(marked) <= 4, seen
         assert "marked cordoned (was none)" in marked[0]
-        assert "marked cordoned (was cordoned) (x2)" in marked[-1]
+        assert "marked cordoned (was cordoned) (x2)" in marked[-2]
         assert all("(was cordoned)" in line for line in marked[1:])
+        assert "marked none (was cordoned)" in marked[-1]

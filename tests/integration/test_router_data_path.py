@@ -255,3 +255,99 @@ def test_router_workers_end_with_their_parent_and_no_router_starts_beside_them(
         assert f"is held by pid {os.getpid()}" in done.stderr, done.stderr
     finally:
         holder.close()
+
+
+def counts(page: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a scrape that may only grow (counters, histograms), by name and labels."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(page)
+        if family.type in ("counter", "histogram")
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def test_router_counters_never_go_back_when_a_worker_dies_or_stalls(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Issue 41: with `workers: 2`, the summed counters went back when a worker stalled (left
+    out of the sum) or was restarted (from zero), and Prometheus read each drop as a reset:
+    403 requests counted in a minute with none sent. Under load, one worker is killed -9 and
+    the other stopped (SIGSTOP); no scrape of the client port or the parent shows a count
+    lower than one shown before."""
+    engine, _ = engine_of(procs, tmp_path, "m", "engine")
+    _, proc, urls = two_workers(procs, tmp_path)
+    router, push = urls["urls"]["router"], urls["urls"]["push"]
+    admin = {"authorization": "Bearer push-token-0123456789"}
+    table = {"epoch": 1, "version": 1, "models": [{"name": "m", "endpoints": [engine]}]}
+    assert httpx.put(f"{push}/v1/routing", json=table, headers=admin, timeout=20).is_success
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):  # a stopped worker's connections wait
+                httpx.post(
+                    f"{router}/v1/completions",
+                    json={"model": "m", "prompt": "x", "max_tokens": 1},
+                    headers={"authorization": f"Bearer {KEY}", "connection": "close"},
+                    timeout=2,
+                )
+
+    shown: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    scrapes = 0
+
+    def scrape() -> None:
+        nonlocal scrapes
+        for url, headers in ((f"{router}/metrics", {}), (f"{push}/v1/metrics", admin)):
+            try:
+                page = httpx.get(url, headers=headers, timeout=3)
+            except httpx.TimeoutException:
+                continue  # landed on the stopped worker's socket: no answer is no count
+            assert page.status_code == 200, page.text
+            now = counts(page.text)
+            went_back = {k: (v, now.get(k, 0.0)) for k, v in shown.items() if now.get(k, 0.0) < v}
+            assert not went_back, f"{url}, after {scrapes} scrapes: {went_back}"
+            shown.update(now)
+            scrapes += 1
+
+    def requests_shown() -> float:
+        return sum(
+            v for (name, _), v in shown.items() if name == "modelfleet_router_requests_total"
+        )
+
+    loaders = [threading.Thread(target=load) for _ in range(4)]
+    for t in loaders:
+        t.start()
+    try:
+        first, second = (psutil.Process(pid) for pid in urls["workers"])
+        wait_for("both workers counted", lambda: scrape() or requests_shown() > 40, 30)
+        first.kill()
+        first.wait(timeout=10)
+        children = psutil.Process(proc.pid).children
+
+        def restarted() -> bool:
+            scrape()
+            return len([c for c in children() if c.pid != first.pid and c.is_running()]) == 2
+
+        wait_for("the killed worker restarted, scraped meanwhile", restarted, 60)
+        before = requests_shown()
+        wait_for(
+            "the restarted worker counted on",
+            lambda: scrape() or requests_shown() > before + 40,
+            30,
+        )
+        second.suspend()
+        try:
+            for _ in range(4):
+                scrape()
+        finally:
+            second.resume()
+        wait_for(
+            "the stopped worker counted on", lambda: scrape() or requests_shown() > before + 80, 30
+        )
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join(timeout=10)
+    assert scrapes >= 10

@@ -1,6 +1,7 @@
 """Why a replica gets no requests: a router that took it out of rotation says so in its load
-report, and the control plane makes it an event (once per ejection) and shows it in
-`ctl replicas` and `ctl replicas show`."""
+report, and the control plane makes it an event (once per ejection), shows the replica as
+out of rotation, not ready, in `ctl replicas` and `ctl replicas show` (why, for how long),
+and makes its return an event."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.ctl.render import print_replica, print_replicas
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, Ejection, LoadReport
+from modelfleet.wire import AgentReport, Ejection, LoadReport, ShardReport, ShardState
 
 TOKEN = "admin-token-123"
 WHY = "3 failures in a row, the last: HTTP 503"
@@ -52,8 +53,8 @@ def test_a_router_s_ejection_is_an_event_once_and_shows_on_the_replica() -> None
             assert time.monotonic() < deadline, f"waited 10 s for {times} load polls"
             await asyncio.sleep(0.01)
 
-    def ejected_events() -> list[str]:
-        return [e.message for e in cp.read_events(limit=50) if e.reason == "ReplicaEjected"]
+    def ejected_events(reason: str = "ReplicaEjected") -> list[str]:
+        return [e.message for e in cp.read_events(limit=50) if e.reason == reason]
 
     async def go() -> None:
         nonlocal report
@@ -63,6 +64,11 @@ def test_a_router_s_ejection_is_an_event_once_and_shows_on_the_replica() -> None
         cp.state.take_report(node, catalogs.current, now)
         cp.reconcile_once(now)
         [rid] = cp.state.replicas
+        [shard] = cp.assignments.of("n", catalogs.current).shards
+        ready = ShardReport.of(shard, ShardState.READY, port=9000)
+        cp.state.take_report(
+            node.model_copy(update={"seq": 2, "shards": [ready]}), catalogs.current, now
+        )
         polling = asyncio.create_task(cp.loads.run())
         await polled(2)
         assert ejected_events() == []
@@ -79,19 +85,28 @@ def test_a_router_s_ejection_is_an_event_once_and_shows_on_the_replica() -> None
             headers={"authorization": f"Bearer {TOKEN}"},
         ) as client:
             one = ReplicaInfo.model_validate((await client.get(f"/v1/replicas/{rid}")).json())
-            assert [e.startswith(said) for e in one.ejected] == [True]
+            # What its clients get: out of rotation, though every shard is ready (issue 41:
+            # it showed "ready" while every request to it got 503).
+            assert one.state == "out-of-rotation" and one.shards[0].state == "ready"
+            [why] = one.ejected
+            assert why.startswith("router http://router sends it no requests for ")
+            assert why.endswith(f"s: {WHY}; a health probe in 5s decides whether it is back")
             listed = ReplicasAnswer.model_validate((await client.get("/v1/replicas")).json())
-            assert [r.ejected for r in listed.replicas] == [one.ejected]
+            assert [(r.state, r.ejected) for r in listed.replicas] == [(one.state, one.ejected)]
             shown = io.StringIO()
             print_replica(one, Console(file=shown, width=300))
             print_replicas(listed, Console(file=shown, width=300))
-            assert f"out of rotation: {said}" in shown.getvalue()
+            assert f"out of rotation: {why}" in shown.getvalue()
+            assert "state out-of-rotation" in shown.getvalue()
             assert "out of rotation at 1 router(s)" in shown.getvalue()
+            assert ejected_events("ReplicaReturned") == []
 
             report = LoadReport()  # back in rotation
             await polled(2)
             one = ReplicaInfo.model_validate((await client.get(f"/v1/replicas/{rid}")).json())
-            assert one.ejected == []
+            assert (one.state, one.ejected) == ("ready", [])
+            [back] = ejected_events("ReplicaReturned")
+            assert back.startswith("router http://router sends it requests again, after ")
             # Out again later: a new ejection, a new event.
             report = LoadReport(ejected={rid: Ejection(why=WHY, left_s=10.0, times=2)})
             await polled(2)

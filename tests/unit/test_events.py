@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 
 import httpx
 import yaml
@@ -12,8 +13,9 @@ from rich.console import Console
 
 from modelfleet.admin import EventsAnswer
 from modelfleet.agent.gpus import SimulatedGpus
-from modelfleet.controlplane.config import RouterTarget
+from modelfleet.controlplane.config import ControlPlaneConfig, RouterTarget
 from modelfleet.controlplane.events import EventLog
+from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.ctl.render import print_events
 from modelfleet.fleet import Mark
@@ -180,3 +182,25 @@ def test_an_engine_restarted_between_two_reports_is_an_event_with_its_cause() ->
     assert restarted.message == (
         "shard 0 on a started again by its agent (1 restart(s)): exited: exit code -9"
     )
+    # And a failure it was (issue 41: a kill -9 of a serving engine gave no ShardFailed).
+    [failed] = [e for e in cp.read_events(f"replica/{rid}") if e.reason == "ShardFailed"]
+    assert (failed.type, failed.message) == ("warning", "shard 0 on a: exited: exit code -9")
+
+
+def test_a_control_plane_that_starts_takes_running_engines_over_as_adopted_not_ready() -> None:
+    """Issue 41: a control-plane restart recorded ShardReady for every engine: it read as if
+    each had been started again."""
+    before = control_plane()  # a replica of small ready on a, started under it
+    before.record_news()
+    told = [e.reason for e in before.read_events() if e.reason in ("ShardAdopted", "ShardReady")]
+    assert told == ["ShardReady"]
+    report = before.state.nodes["a"].report
+    restarted = ControlPlane(
+        ControlPlaneConfig(admin_token=TOKEN, settle_for=-1), before.catalogs, ca=before.ca
+    )
+    restarted.state.take_report(report, before.catalogs.current, time.monotonic())
+    restarted.record_news()
+    adopted = [e for e in restarted.read_events() if e.reason in ("ShardAdopted", "ShardReady")]
+    assert [(e.reason, e.message) for e in adopted][-1:] == [
+        ("ShardAdopted", "shard 0 on a serving (pid 123)")
+    ]

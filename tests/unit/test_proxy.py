@@ -275,8 +275,11 @@ def test_answers_name_their_replica_and_metrics_move() -> None:
             await router.close()
         assert 'modelfleet_router_requests_total{model="m",status="200"} 3.0' in page
         assert 'modelfleet_router_requests_total{model="none-ready",status="503"} 1.0' in page
-        assert 'modelfleet_router_rejections_total{reason="no-ready-replica"} 1.0' in page
-        assert "modelfleet_router_overhead_seconds_count 4.0" in page
+        refused = 'model="none-ready",reason="no-ready-replica",status="503"'
+        assert f"modelfleet_router_refusals_total{{{refused}}} 1.0" in page
+        # Refused, it is kept out of the times: only requests an engine answered are in them.
+        assert "modelfleet_router_overhead_seconds_count 3.0" in page
+        assert 'modelfleet_router_request_seconds_count{model="none-ready"}' not in page
         assert 'modelfleet_router_first_byte_seconds_count{model="m"} 3.0' in page
         assert f'modelfleet_router_in_flight{{endpoint="{engine}"}} 0.0' in page
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -200,3 +201,37 @@ def test_the_scrapes_of_several_workers_sum_to_one() -> None:
         if s.name == "lat_created"
     ]
     assert got[("lat_created", ())] == min(created)
+
+
+def test_a_worker_restarted_or_stalled_counts_on_from_what_it_showed(tmp_path: Path) -> None:
+    """Issue 41: a worker restarted after a crash counted from zero again, and one that did
+    not answer was left out of the sum: the router's counters went back."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from modelfleet.router.metrics import WorkerCounts, last_shown
+
+    def run(requests: int, in_flight: int) -> bytes:
+        registry = CollectorRegistry()
+        Counter("req", "r", ["model"], registry=registry).labels("m").inc(requests)
+        Histogram("lat", "l", buckets=(1.0,), registry=registry).observe(0.5)
+        Gauge("in_flight", "f", registry=registry).set(in_flight)
+        return generate_latest(registry)
+
+    def samples(text: bytes | str) -> dict[str, float]:
+        page = text.decode() if isinstance(text, bytes) else text
+        families = text_string_to_metric_families(page)
+        return {s.name: s.value for f in families for s in f.samples if "_created" not in s.name}
+
+    path = tmp_path / "worker-0.counts"
+    assert last_shown(path) is None  # never scraped: nothing to stand in for it
+    first = samples(WorkerCounts(path).shown(run(5, 3)))
+    assert (first["req_total"], first["lat_count"], first["in_flight"]) == (5, 1, 3)
+    # Stalled: what it showed stands in for it, its gauges (no longer known) left out.
+    assert samples(last_shown(path) or "") == {"req_total": 5, "lat_bucket": 1, "lat_count": 1,
+                                               "lat_sum": 0.5}  # fmt: skip
+    # Restarted (a new run, its counters from zero): it goes on from what its runs showed.
+    again = WorkerCounts(path)
+    assert samples(again.shown(run(2, 1))) == {"req_total": 7, "lat_bucket": 2, "lat_count": 2,
+                                                "lat_sum": 1.0, "in_flight": 1}  # fmt: skip
+    assert samples(WorkerCounts(path).shown(run(1, 0)))["req_total"] == 8  # and again

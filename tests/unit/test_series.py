@@ -32,6 +32,20 @@ def test_a_metrics_page_reads_as_counters_per_model() -> None:
     assert (t.first_byte_sum, t.first_byte_count, t.request_sum) == (1.5, 12, 3.0)
 
 
+def test_refusals_are_a_line_of_their_own_and_not_engine_errors() -> None:
+    """Issue 41: errors/s counted every 5xx, the router's own 503s too, and nothing else:
+    31 % of requests refused for a key's limit showed as 0."""
+    refused = (
+        page(10, 5, 1.5, 12)
+        + """# TYPE modelfleet_router_refusals counter
+modelfleet_router_refusals_total{model="m",reason="no-ready-replica",status="503"} 3
+modelfleet_router_refusals_total{model="m",reason="key-rpm",status="429"} 4
+"""
+    )
+    [(_, t)] = read_totals(refused).items()
+    assert (t.requests, t.errors, t.refusals) == (15, 2, 7)  # 2 of the 503s came from engines
+
+
 def test_points_sum_the_routers_and_a_restarted_router_counts_from_zero() -> None:
     pages = {"a": [page(0, 0, 0, 0), page(10, 0, 1.0, 10), page(3, 1, 0.4, 4)],
              "b": [page(5, 0, 0.5, 5), page(15, 0, 1.5, 15), page(25, 0, 2.5, 25)]}  # fmt: skip

@@ -272,7 +272,7 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
                 raise Refused.because(404, f"replica {replica!r} was stopped: {retired[0]}")
             known = ", ".join(sorted(cp.state.replicas)) or "none"
             raise Refused.because(404, f"no replica {replica!r} (replicas: {known})")
-        ejected = cp.loads.ejections(cp.clock.monotonic()).get(replica)
+        ejected = cp.loads.ejections(cp.clock.monotonic()).get(replica, [])
         return views.replica_view(cp.state, record, ejected)
 
     @app.get("/v1/explain/{model:path}", responses=_errors(404))

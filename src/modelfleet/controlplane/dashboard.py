@@ -411,7 +411,9 @@ class Dashboard:
         node = next((n for n in views.nodes(cp.state, now).nodes if n.name == name), None)
         if node is None:
             return None
-        here = [r for r in views.replica_views(cp.state) if any(s.node == name for s in r.shards)]
+        ejections = cp.loads.ejections(cp.clock.monotonic())
+        replicas = views.replica_views(cp.state, ejections)
+        here = [r for r in replicas if any(s.node == name for s in r.shards)]
         moving = ", ".join(f"{r.id} ({r.model})" for r in here) or "none"
         return {
             "node": node,
@@ -432,12 +434,14 @@ class Dashboard:
         model = next((m for m in catalog.models if m.name == name), None)
         if model is None:
             return None
-        replicas = [r for r in views.replica_views(cp.state) if r.model == name]
+        ejections = cp.loads.ejections(cp.clock.monotonic())
+        replicas = [r for r in views.replica_views(cp.state, ejections) if r.model == name]
         points = cp.series.series.of(name)
         plot = {
             "at": [p.at for p in points],
             "requests_per_s": [round(p.requests_per_s, 3) for p in points],
             "errors_per_s": [round(p.errors_per_s, 3) for p in points],
+            "refusals_per_s": [round(p.refusals_per_s, 3) for p in points],
             "first_byte_ms": [_ms(p.first_byte_s) for p in points],
             "request_ms": [_ms(p.request_s) for p in points],
         }
@@ -480,9 +484,10 @@ class Stored:
 
 def _model_rows(cp: ControlPlane) -> list[dict[str, Any]]:
     by_state: dict[str, dict[str, int]] = {}
+    ejections = cp.loads.ejections(cp.clock.monotonic())
     for record in cp.state.replicas.values():
         counts = by_state.setdefault(record.replica.model, {})
-        shown = views.replica_state(cp.state, record)
+        shown = views.replica_state(cp.state, record, ejections.get(record.replica.id, ()))
         counts[shown] = counts.get(shown, 0) + 1
     pending = {p.model: p.count for p in cp.state.pending}
     catalog = cp.catalogs.current

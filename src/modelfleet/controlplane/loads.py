@@ -89,11 +89,12 @@ def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
     }
 
 
-def told(url: str, ejection: Ejection) -> str:
-    """Why router `url` sends a replica no requests, in words."""
+def told(url: str, ejection: Ejection, out_s: float | None = None) -> str:
+    """Why router `url` sends a replica no requests (for `out_s` seconds so far), in words."""
     again = f" (out {ejection.times} times in a row)" if ejection.times > 1 else ""
+    since = f" for {out_s:.0f}s" if out_s is not None else ""
     return (
-        f"router {url} sends it no requests: {ejection.why}; a health probe in "
+        f"router {url} sends it no requests{since}: {ejection.why}; a health probe in "
         f"{ejection.left_s:.0f}s decides whether it is back{again}"
     )
 
@@ -118,6 +119,7 @@ class LoadCollector:
         self.reports: dict[str, tuple[float, LoadReport]] = {}  # router url -> (when, report)
         self.news = asyncio.Event()  # a report came: the autoscaler looks at once
         self._failing: set[str] = set()  # routers whose last poll failed (logged once)
+        self._out_since: dict[tuple[str, str], float] = {}  # (replica, router url) -> when
 
     def loads(self, now: float) -> dict[str, Load] | None:
         """Each model's load from the routers heard from within `stale_after`; None when
@@ -162,19 +164,29 @@ class LoadCollector:
             self._tell_ejections(router.url, was[1].ejected if was else {}, report.ejected)
             self.news.set()
 
-    def ejections(self, now: float) -> dict[str, dict[str, Ejection]]:
-        """Replica id -> router url -> why that router has it out of rotation, from the
-        routers heard from within `stale_after`."""
-        found: dict[str, dict[str, Ejection]] = {}
-        for url, (at, report) in self.reports.items():
+    def ejections(self, now: float) -> dict[str, list[str]]:
+        """Replica id -> why each router that has it out of rotation sends it nothing, and
+        for how long, from the routers heard from within `stale_after`."""
+        found: dict[str, list[str]] = {}
+        for url, (at, report) in sorted(self.reports.items()):
             if now - at <= self.stale_after:
                 for rid, ejection in report.ejected.items():
-                    found.setdefault(rid, {})[url] = ejection
+                    out_s = now - self._out_since.get((rid, url), now)
+                    found.setdefault(rid, []).append(told(url, ejection, out_s))
         return found
 
     def _tell_ejections(
         self, url: str, was: Mapping[str, Ejection], now: Mapping[str, Ejection]
     ) -> None:
+        at = self.monotonic()
         for rid, ejection in now.items():
             if rid not in was:
+                self._out_since[(rid, url)] = at
                 self.events.warning("ReplicaEjected", f"replica/{rid}", told(url, ejection))
+        for rid in was.keys() - now.keys():
+            out_s = at - self._out_since.pop((rid, url), at)
+            self.events.normal(
+                "ReplicaReturned",
+                f"replica/{rid}",
+                f"router {url} sends it requests again, after {out_s:.0f}s out of rotation",
+            )

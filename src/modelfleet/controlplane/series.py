@@ -2,8 +2,11 @@
 
 Every `interval` the control plane reads each router's metrics (through its push API, which
 answers the sum over the router's workers), sums them over the routers, and keeps per model
-one point per interval: requests and server errors per second, and the mean time to first
-byte and mean request time of the requests answered in that interval. A router that
+one point per interval: requests, server errors and refusals per second, and the mean time
+to first byte and mean request time of the requests engines answered in that interval. An
+error is a request sent to an engine that got a 5xx; a refusal, one the router answered
+itself (no key, a key over its limit, no replica ready...): two lines, so that 31 % refused
+no longer shows as no errors, nor refusals as the engines' failures. A router that
 restarted (its counters went down) counts from zero again; one that does not answer is left
 out of that point. Memory: one hour of points per model, whatever the traffic.
 """
@@ -32,7 +35,8 @@ class Point:
 
     at: float  # wall-clock time at its end
     requests_per_s: float
-    errors_per_s: float  # answers with a 5xx status
+    errors_per_s: float  # requests sent to an engine, answered with a 5xx status
+    refusals_per_s: float  # requests the router answered itself
     first_byte_s: float | None  # mean over the interval's requests; None: no request
     request_s: float | None
 
@@ -43,6 +47,7 @@ class Totals:
 
     requests: float = 0.0
     errors: float = 0.0
+    refusals: float = 0.0
     first_byte_sum: float = 0.0
     first_byte_count: float = 0.0
     request_sum: float = 0.0
@@ -62,6 +67,7 @@ class Totals:
 _FIELDS = (
     "requests",
     "errors",
+    "refusals",
     "first_byte_sum",
     "first_byte_count",
     "request_sum",
@@ -83,6 +89,10 @@ def read_totals(text: str) -> dict[str, Totals]:
                 t.requests += sample.value
                 if sample.labels.get("status", "").startswith("5"):
                     t.errors += sample.value
+            elif name == "modelfleet_router_refusals_total":
+                t.refusals += sample.value
+                if sample.labels.get("status", "").startswith("5"):
+                    t.errors -= sample.value  # the router's own 503, not an engine's
             elif name == "modelfleet_router_first_byte_seconds_sum":
                 t.first_byte_sum = sample.value
             elif name == "modelfleet_router_first_byte_seconds_count":
@@ -109,6 +119,7 @@ class Series:
                     at=at,
                     requests_per_s=t.requests / seconds,
                     errors_per_s=t.errors / seconds,
+                    refusals_per_s=t.refusals / seconds,
                     first_byte_s=t.first_byte_sum / t.first_byte_count
                     if t.first_byte_count
                     else None,

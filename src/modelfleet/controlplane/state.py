@@ -303,8 +303,14 @@ class FleetState:
             before = was.get((s.replica_id, s.rank))
             where = f"shard {s.rank} on {node}"
             if before is not None and s.restarts > before.restarts:
-                # Said even when the failure came and went between two reports.
+                # Said even when the failure came and went between two reports (a kill -9 of
+                # a serving engine, restarted at once): no report showed it failed.
                 why = f": {s.last_failure}" if s.last_failure else ""
+                if ShardState.FAILED not in (before.state, s.state):
+                    failed = s.last_failure or "its engine exited"
+                    self.tell(
+                        "warning", "ShardFailed", f"replica/{s.replica_id}", f"{where}: {failed}"
+                    )
                 self.tell(
                     "warning",
                     "ShardRestarted",
@@ -324,6 +330,13 @@ class FleetState:
                 and (before.state is ShardState.SLEEPING)
             ):
                 self.tell("normal", "ShardAwake", f"replica/{s.replica_id}", f"{where} awake")
+            elif s.state is ShardState.READY and old is None:
+                # The first this control plane heard of the node (it started, or took over),
+                # and the engine already serves: taken over as it runs, not started.
+                pid = f" (pid {s.pid})" if s.pid is not None else ""
+                self.tell(
+                    "normal", "ShardAdopted", f"replica/{s.replica_id}", f"{where} serving{pid}"
+                )
             elif s.state is ShardState.READY:
                 took = f" in {s.startup_s:.1f}s" if s.startup_s is not None else ""
                 self.tell("normal", "ShardReady", f"replica/{s.replica_id}", f"{where} ready{took}")

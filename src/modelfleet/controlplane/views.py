@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from modelfleet import admin, residency
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.catalogs import CatalogKeeper
-from modelfleet.controlplane.loads import told
 from modelfleet.controlplane.records import ReplicaRecord
 from modelfleet.controlplane.state import FleetState
 from modelfleet.fleet import Mark, Replica
 from modelfleet.placement import NodeVerdict, Unplaceable, describe_need
 from modelfleet.reconcile import Preview
 from modelfleet.store import StoredCatalog
-from modelfleet.wire import Ejection, ShardReport, ShardState, engine_endpoint
+from modelfleet.wire import ShardReport, ShardState, engine_endpoint
 
 
 def verdict(v: NodeVerdict) -> admin.NodeVerdict:
@@ -150,10 +149,13 @@ def _adapter_views(record: ReplicaRecord, seen: ShardReport | None) -> list[admi
     return views
 
 
-def replica_state(state: FleetState, record: ReplicaRecord) -> admin.ReplicaState:
+def replica_state(
+    state: FleetState, record: ReplicaRecord, ejected: Sequence[str] = ()
+) -> admin.ReplicaState:
     """A replica's state worked out from its shards' (of its current generation): retiring,
-    sleeping (told to, or asleep), ready (every shard), failed (any), starting (any), or
-    assigned (none reported yet)."""
+    sleeping (told to, or asleep), ready (every shard; out-of-rotation when a router sends it
+    nothing: `ejected` says why), failed (any), starting (any), or assigned (none reported
+    yet)."""
     if record.retiring:
         return "retiring"
     if record.sleep:
@@ -163,7 +165,7 @@ def replica_state(state: FleetState, record: ReplicaRecord) -> admin.ReplicaStat
         seen = state.current(record, rank)
         states.add(seen.state if seen is not None else None)
     if states == {ShardState.READY}:
-        return "ready"
+        return "out-of-rotation" if ejected else "ready"
     if ShardState.FAILED in states:
         return "failed"
     if ShardState.STARTING in states:
@@ -172,14 +174,14 @@ def replica_state(state: FleetState, record: ReplicaRecord) -> admin.ReplicaStat
 
 
 def replica_view(
-    state: FleetState, record: ReplicaRecord, ejected: Mapping[str, Ejection] | None = None
+    state: FleetState, record: ReplicaRecord, ejected: Sequence[str] = ()
 ) -> admin.ReplicaInfo:
     """A replica as `ctl replicas show` shows it: its state worked out from its shards',
-    and the routers that took it out of rotation (`ejected`: router url -> why)."""
+    and why routers took it out of rotation (`ejected`, from `LoadCollector.ejections`)."""
     shards = shard_views(state, record)
-    shown = replica_state(state, record)
+    shown = replica_state(state, record, ejected)
     endpoint = None
-    if shown == "ready":
+    if shown in ("ready", "out-of-rotation"):
         node = state.nodes[shards[0].node]
         seen = node.shard(record.replica.id, 0)
         if seen is not None and seen.port is not None:
@@ -195,18 +197,18 @@ def replica_view(
         generation=record.generation,
         group_restarts=record.group_restarts,
         last_failure=record.last_failure,
-        ejected=[told(url, e) for url, e in sorted((ejected or {}).items())],
+        ejected=list(ejected),
     )
 
 
 def replica_views(
-    state: FleetState, ejections: Mapping[str, Mapping[str, Ejection]] | None = None
+    state: FleetState, ejections: Mapping[str, Sequence[str]] | None = None
 ) -> list[admin.ReplicaInfo]:
-    """Every replica, by model and id (`ejections`: replica id -> router url -> why it
-    sends that replica no requests)."""
+    """Every replica, by model and id (`ejections`: replica id -> why routers send it no
+    requests)."""
     records = sorted(state.replicas.values(), key=lambda r: (r.replica.model, r.replica.id))
     found = ejections or {}
-    return [replica_view(state, r, found.get(r.replica.id)) for r in records]
+    return [replica_view(state, r, found.get(r.replica.id, ())) for r in records]
 
 
 def scaling(autoscaler: Autoscaler, catalog: Catalog) -> list[admin.ScaleInfo]:
@@ -239,7 +241,7 @@ def replicas(
     state: FleetState,
     catalog: Catalog,
     autoscaler: Autoscaler | None = None,
-    ejections: Mapping[str, Mapping[str, Ejection]] | None = None,
+    ejections: Mapping[str, Sequence[str]] | None = None,
 ) -> admin.ReplicasAnswer:
     """Every replica and shard (log tails left out: a replica's own answer has them), and
     what is pending with every node's verdict."""

@@ -49,6 +49,11 @@ class Unreachable(CtlError):
     """The admin API did not answer at all (not started yet, or not reachable from here)."""
 
 
+class ServerTrouble(CtlError):
+    """The admin API answered with a 5xx: it is there, but cannot answer now (its store is
+    down, it is starting)."""
+
+
 class _NotSent(Unreachable):
     """No connection was made: the request was surely not taken."""
 
@@ -229,7 +234,8 @@ class AdminClient:
                 if error.problems is not None:
                     raise CatalogRefused(error.error, error.problems)
                 detail = error.error
-            raise CtlError(f"{url}{path} answered {response.status_code}: {detail}")
+            trouble = ServerTrouble if response.status_code >= 500 else CtlError
+            raise trouble(f"{url}{path} answered {response.status_code}: {detail}")
         try:
             return answer.model_validate_json(response.content)
         except ValidationError as exc:

@@ -657,7 +657,7 @@ def events(
     stopped, nodes joined) and faults (shards failed, nodes lost, GPUs unhealthy). A repeat
     of the same event counts up. -o json for tools."""
     from modelfleet.ctl import render
-    from modelfleet.ctl.client import CtlError
+    from modelfleet.ctl.client import CtlError, ServerTrouble, Unreachable
 
     ctl = _ctl(context)
     if not watch:
@@ -668,13 +668,26 @@ def events(
     # (not by id, which a repeat keeps), each shown again when its count has grown.
     shown_counts: dict[int, int] = {}
     window = since
+    lost_since: float | None = None  # while the control plane does not answer
     try:
         while True:
             asked_at = time.monotonic()
             try:
                 got = client.events(regarding, window)
+            except (Unreachable, ServerTrouble) as exc:
+                # A control plane restarting, failing over or without its store: watch on,
+                # and ask for what happened meanwhile once it answers again.
+                if lost_since is None:
+                    lost_since = asked_at
+                    typer.echo(f"ctl: {exc}; watching on until it answers", err=True)
+                window = f"{int(time.monotonic() - lost_since) + 10}s"
+                time.sleep(1.0)
+                continue
             except CtlError as exc:
                 fail(str(exc), 1)
+            if lost_since is not None:
+                typer.echo("ctl: the control plane answers again", err=True)
+                lost_since = None
             for e in got.events:
                 if shown_counts.get(e.id) != e.count:
                     json_out = ctl.output is Output.json

@@ -186,7 +186,8 @@ def print_replicas(data: admin.ReplicasAnswer, console: Console) -> None:
         if r.ejected:
             out = f"out of rotation at {len(r.ejected)} router(s)"
             error = f"{error}; {out}" if error else out
-        table.add_row(r.id, r.model, r.state, shards, r.endpoint or "-", error or "-")
+        state = f"[yellow]{r.state}[/]" if r.state == "out-of-rotation" else r.state
+        table.add_row(r.id, r.model, state, shards, r.endpoint or "-", error or "-")
     for p in data.pending:
         table.add_row("-", p.model, f"pending x{p.count}", "-", "-", p.reason)
     console.print(table)

@@ -4,18 +4,20 @@ A model with `autoscale` stays in the routing table at zero replicas (*cold*). A
 it is held here instead of refused, in arrival order, up to the model's `cold_queue`
 requests and for up to its `cold_timeout` seconds; the control plane learns of them through
 the router's load (`GET /v1/load` answers at once when a cold model gets its first held
-request) and starts a replica. When replicas serve, held requests are released in arrival
-order, each to the replica with the fewest requests of this router's in flight, and no
-replica gets more than the model's `target_in_flight`: a hundred held requests do not all go
-to the first replica that comes up. Nor, while fewer replicas serve than the control plane is
-starting (`replicas_wanted`), does one get more than its share of the requests held since
-the model had none: the others are about to come, and get theirs (for up to
-`SPREAD_WAIT_S` after the first came, so that a replica that cannot start holds nothing up for
-long). The rest are released as requests end or more replicas come. Over the bound or past
-the timeout a request gets 503 with `Retry-After` and `x-modelfleet-reason: cold-start`.
+request) and starts a replica. When replicas serve, held requests are released at once, in
+arrival order, each to the replica with the fewest requests of this router's in flight; the
+engine takes what it can, as it takes any request (`target_in_flight` is the autoscaler's
+target, not a cap: as a cap it throttled a cold model under load for as long as the load
+lasted). Only while fewer replicas serve than the control plane is starting
+(`replicas_wanted`) does one get no more than its share of the requests held since the model
+had none: a hundred held requests do not all go to the first replica that comes up, and the
+others, about to come, get theirs (for up to `SPREAD_WAIT_S` after the first came, so that a
+replica that cannot start holds nothing up for long). Over the bound or past the timeout a
+request gets 503 with `Retry-After` and `x-modelfleet-reason: cold-start`.
 
-A request that comes while others of its model are held queues behind them, though the model
-has replicas again: release keeps arrival order.
+The hold then steps aside: a request that comes once the model has a replica serving goes
+straight to the balancer, as for any model, even while held ones wait for their share of
+replicas still to come.
 
 A LoRA adapter loaded on no replica is held the same way (it is a model of the router's table,
 `table.adapter_route`): the control plane learns of it from the load, has it loaded, and the
@@ -103,12 +105,12 @@ class ColdHold:
         return {model: now - queue[0].since for model, queue in self.queues.items() if queue}
 
     def take(self, request: Holdable, route: RoutedModel, endpoints: tuple[str, ...]) -> bool:
-        """Hold `request` for `route`'s model when that model follows its load and either has
-        no endpoint or already holds others (which go first); refuse it when the queue is
-        full. False: it is not held, and goes on as usual."""
+        """Hold `request` for `route`'s model when that model follows its load and has no
+        endpoint; refuse it when the queue is full. False: it is not held, and goes on as
+        usual."""
         model = route.name
         queue = self.queues.get(model)
-        if route.target_in_flight is None or (endpoints and not queue):
+        if route.target_in_flight is None or endpoints:
             return False
         if queue is None:
             queue = self.queues[model] = deque()
@@ -130,14 +132,12 @@ class ColdHold:
         entry.timer = loop.call_later(
             route.cold_timeout, self._expire, request, model, route.cold_timeout
         )
-        if not queue and not endpoints:
+        if not queue:
             self.news.set()
         self.episodes.setdefault(model, _Episode()).held += 1
         self.held_total[model] += 1
         queue.append(entry)
         self.held[request] = (model, entry)
-        if endpoints:
-            self.release(model)
         return True
 
     def discard(self, request: Holdable) -> None:
@@ -183,10 +183,9 @@ class ColdHold:
 
     def release(self, model: str) -> None:
         """Release `model`'s held requests in arrival order, each to the usable endpoint with
-        the fewest of this router's requests in flight, while one has fewer than the model's
-        target (and, while replicas are still to come, less than its share). A model gone
-        from the table, or no longer following its load, lets them all go (as the same
-        request sent now would)."""
+        the fewest of this router's requests in flight (while replicas are still to come, one
+        that has had less than its share). A model gone from the table, or no longer
+        following its load, lets them all go (as the same request sent now would)."""
         queue = self.queues.get(model)
         if not queue:
             return
@@ -205,7 +204,6 @@ class ColdHold:
                 entry.request.refuse(failed)
             return
         usable = [e for e in endpoints if self.balancer.usable(e)]
-        cap = max(1, math.ceil(route.target_in_flight))
         state = self.balancer.state
         episode = self.episodes.setdefault(model, _Episode(held=len(queue)))
         share = self._share(model, episode, route, len(usable))
@@ -216,8 +214,8 @@ class ColdHold:
                 if share is None or episode.sent[e] < share
             }
             endpoint = min(loads, key=loads.__getitem__, default=None)
-            if endpoint is None or loads[endpoint] >= cap:
-                break
+            if endpoint is None:
+                break  # each serving one has had its share: the rest wait for those to come
             episode.sent[endpoint] += 1
             entry = queue.popleft()
             del self.held[entry.request]

@@ -115,12 +115,15 @@ class Exchange:
     # Attempts written to an engine that it did not refuse (an error status): for these an
     # engine may have generated tokens, reported or not.
     maybe_used: int = 0
+    # Why the router answered it itself, sending it to no engine (`Refusal.reason`); None
+    # once an engine was tried. Refused requests are kept out of the latency histograms.
+    refusal: str | None = None
 
 
 @dataclass(frozen=True)
 class Refusal:
     """The router's own answer to a request it does not send on: an OpenAI-style error, and
-    why (the `rejections` metric, `x-modelfleet-reason`)."""
+    why (the `refusals` metric, `x-modelfleet-reason`)."""
 
     status: int
     message: str
@@ -503,8 +506,8 @@ class Flight:
         if refusal.retry_after is not None:
             headers.append((b"retry-after", str(refusal.retry_after).encode()))
         ex.status = refusal.status
-        metrics = self.parts.metrics
-        metrics.child(metrics.rejections, refusal.reason).inc()
+        if not self.tried:
+            ex.refusal = refusal.reason
         self._respond(refusal.status, headers, body)
 
     def _respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
@@ -768,7 +771,10 @@ class Flight:
             end = parts.clock()
             first_byte = ex.first_byte_at - ex.started if ex.first_byte_at is not None else None
             own = max(0.0, end - ex.started - ex.upstream_wait)
-            metrics.request_done(ex.model, ex.status, end - ex.started, first_byte, own)
+            if ex.refusal is None:
+                metrics.request_done(ex.model, ex.status, end - ex.started, first_byte, own)
+            else:
+                metrics.refused(ex.model, ex.status, ex.refusal)
         usage = ex.scanner.usage if ex.scanner is not None else None
         if usage is not None:
             metrics.used(ex.model, usage.prompt, usage.completion)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -20,6 +21,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+from modelfleet.files import write_atomic
 
 # From 0.1 ms: the router's own time is counted in tenths of milliseconds.
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -57,10 +60,11 @@ class Tally:
 class RouterMetrics:
     """Every metric of one router, in a registry of its own (tests make many routers).
 
-    The four counted for every request (requests by status, latency, time to first byte,
-    the router's own time) are plain counts folded into Prometheus's form when scraped, as
-    are the requests in flight, read from the balancer's own counts. The rest are
-    prometheus-client metrics: they move on failures only.
+    What is counted for every request (requests by status; for those sent to an engine,
+    latency, time to first byte and the router's own time; for those it refused, why) are
+    plain counts folded into Prometheus's form when scraped, as are the requests in flight,
+    read from the balancer's own counts. The rest are prometheus-client metrics: they move on
+    failures only.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class RouterMetrics:
     ) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.answered: dict[tuple[str, str], int] = {}  # (model, status) -> requests
+        self.refusals: dict[tuple[str, str, str], int] = {}  # (model, status, reason) -> them
         self.tokens: dict[tuple[str, str], int] = {}  # (model, prompt|completion) -> tokens
         self.latency = Tally(_LATENCY_BUCKETS)
         self.ttft = Tally(_LATENCY_BUCKETS)
@@ -91,12 +96,6 @@ class RouterMetrics:
             ["endpoint"],
             registry=r,
         )
-        self.rejections = Counter(
-            "modelfleet_router_rejections",
-            "Requests the router answered itself with an error, by reason.",
-            ["reason"],
-            registry=r,
-        )
         self.cancellations = Counter(
             "modelfleet_router_client_disconnects",
             "Requests whose client went away before the answer ended; each was cancelled upstream.",
@@ -112,8 +111,8 @@ class RouterMetrics:
         first_byte: float | None,
         own: float,
     ) -> None:
-        """One answered request: its status, its whole time, its time to the engine's first
-        byte (None: no engine answered) and the router's own time in it."""
+        """One request sent to an engine and answered: its status, its whole time, its time to
+        the engine's first byte (None: no engine answered) and the router's own time in it."""
         key = (model, str(status))
         self.answered[key] = self.answered.get(key, 0) + 1
         labels = (model,)
@@ -121,6 +120,15 @@ class RouterMetrics:
         if first_byte is not None:
             self.ttft.observe(labels, first_byte)
         self.overhead.observe((), own)
+
+    def refused(self, model: str, status: int, reason: str) -> None:
+        """One request the router answered itself, sent to no engine: counted as answered
+        and as refused, and kept out of the latency histograms, whose times it would bend
+        (a key over its limit made a model look four times faster)."""
+        key = (model, str(status))
+        self.answered[key] = self.answered.get(key, 0) + 1
+        why = (model, str(status), reason)
+        self.refusals[why] = self.refusals.get(why, 0) + 1
 
     def used(self, model: str, prompt: int, completion: int) -> None:
         """The tokens an engine said a request of `model` (a model, or an adapter) used."""
@@ -153,6 +161,15 @@ class _PerRequest(Collector):
         for labels, n in m.answered.items():
             requests.add_metric(list(labels), n)
         yield requests
+        refusals = CounterMetricFamily(
+            "modelfleet_router_refusals",
+            "Requests the router answered itself and sent to no engine (no key, no such "
+            "model, a key over its limit, no replica ready...), by model, status and reason.",
+            labels=["model", "status", "reason"],
+        )
+        for why, n in m.refusals.items():
+            refusals.add_metric(list(why), n)
+        yield refusals
         tokens = CounterMetricFamily(
             "modelfleet_router_tokens",
             "Tokens the engines said requests used, by model (a LoRA adapter is a model of "
@@ -173,7 +190,8 @@ class _PerRequest(Collector):
         yield held
         yield m.latency.family(
             "modelfleet_router_request_seconds",
-            "Time from the request's arrival to the end of its answer.",
+            "Time from the request's arrival to the end of its answer, of requests sent to an "
+            "engine.",
             ["model"],
         )
         yield m.ttft.family(
@@ -184,7 +202,8 @@ class _PerRequest(Collector):
         )
         yield m.overhead.family(
             "modelfleet_router_overhead_seconds",
-            "Time spent in the router itself per request, excluding waits for the engine.",
+            "Time spent in the router itself per request sent to an engine, excluding waits "
+            "for the engine.",
             [],
         )
         in_flight = GaugeMetricFamily(
@@ -220,3 +239,55 @@ def summed(texts: Iterable[str]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Summed())
     return generate_latest(registry)
+
+
+COUNTS_SUFFIX = ".counts"  # a worker's counts file: its ready file's name, with this suffix
+
+# The families whose samples only ever grow while their process runs.
+_COUNTING = frozenset({"counter", "histogram", "summary"})
+
+
+def counting_only(text: str) -> str:
+    """The counters, histograms and summaries of a scrape, its gauges left out: what a
+    process had counted, which stays true once it has stopped (its gauges do not)."""
+    registry = CollectorRegistry(auto_describe=False)
+    kept = [f for f in text_string_to_metric_families(text) if f.type in _COUNTING]
+
+    class Kept(Collector):
+        def collect(self) -> Iterator[Metric]:
+            yield from kept
+
+    registry.register(Kept())
+    return generate_latest(registry).decode()
+
+
+class WorkerCounts:
+    """What one worker of a router has shown, in a file beside its ready file, so that the
+    router's counters never go back: a worker restarted after a crash carries on from what
+    its runs before had shown (their counters added to its own), and one that stalls is
+    summed from its file until it answers again.
+
+    The file is written before a scrape is answered, so any count a scrape showed is in it;
+    what a worker counted after the last scrape and before it died is lost, not taken back.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.carried = counting_only(path.read_text())
+        except FileNotFoundError:
+            self.carried = ""
+
+    def shown(self, own: bytes) -> bytes:
+        """This worker's own scrape with its earlier runs' counts added, kept in the file."""
+        text = summed([own.decode(), self.carried]) if self.carried else own
+        write_atomic(self.path, text.decode(), durable=False)  # a crash of the host ends all
+        return text
+
+
+def last_shown(path: Path) -> str | None:
+    """The counts a worker last showed (`WorkerCounts`), for a scrape it does not answer."""
+    try:
+        return counting_only(path.read_text())
+    except FileNotFoundError:
+        return None

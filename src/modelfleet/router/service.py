@@ -11,7 +11,6 @@ background it reads each engine's queue depth and probes ejected engines (`watch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -52,7 +51,7 @@ from modelfleet.router.cold import ColdHold
 from modelfleet.router.engine_load import read_engine_load
 from modelfleet.router.flight import Parts, Settings
 from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
-from modelfleet.router.metrics import RouterMetrics, summed
+from modelfleet.router.metrics import COUNTS_SUFFIX, RouterMetrics, WorkerCounts, last_shown, summed
 from modelfleet.router.proxy import PROXY_PATHS, Proxy
 from modelfleet.router.push import create_push_app
 from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
@@ -158,6 +157,9 @@ class RouterConfig(BaseModel):
     # (which lands on any one worker) answers the sum over every worker, read from each
     # one's push API.
     peers_dir: Path | None = None
+    # Set too: where this worker keeps the counts it showed (`metrics.WorkerCounts`), so that
+    # the router's counters go on from them when it is restarted, or stalls.
+    counts_file: Path | None = None
     # Where keys' rate counters live: None keeps them in this router's memory (right for one
     # router); a Redis URL (redis://host:port/db) shares them with every router naming it.
     limits_store: str | None = None
@@ -235,6 +237,7 @@ class Router:
         self.metrics = RouterMetrics(
             in_flight=self.balancer.in_flight, held=lambda: self.cold.held_total
         )
+        self.counts = WorkerCounts(config.counts_file) if config.counts_file else None
         self.limits: Limits = (
             RedisLimits.from_url(config.limits_store, config.limits_fail == "open")
             if config.limits_store
@@ -398,38 +401,49 @@ class Router:
         return json_response(_card(model, self.table.parents.get(model)))
 
     async def metrics_page(self, _: Request) -> Response:
-        own = generate_latest(self.metrics.registry)
+        own = await self.metrics_text()
         if self.config.peers_dir is None:
             return Response(own, media_type=CONTENT_TYPE_LATEST)
         texts = [own.decode(), *await self._peers_metrics(self.config.peers_dir)]
         return Response(summed(texts), media_type=CONTENT_TYPE_LATEST)
 
     async def metrics_text(self) -> bytes:
-        return generate_latest(self.metrics.registry)
+        own = generate_latest(self.metrics.registry)
+        return own if self.counts is None else self.counts.shown(own)
 
     async def _peers_metrics(self, folder: Path) -> list[str]:
         """The other workers' own metrics, from their push APIs; one that does not answer
-        within a second is left out of this scrape (and logged)."""
-        urls = []
-        for ready in sorted(folder.glob("worker-*.json")):
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                found = json.loads(ready.read_text())
-                if found["pid"] != os.getpid():
-                    urls.append(found["urls"]["push"])
+        within a second, or is being restarted (no ready file), counts as what it last showed
+        (and is logged)."""
+        own = self.config.counts_file.stem if self.config.counts_file else None
+        names = {f.stem for f in folder.glob("worker-*.json")}
+        names |= {f.stem for f in folder.glob(f"worker-*{COUNTS_SUFFIX}")}
         headers = {"authorization": f"Bearer {self.config.push_token}"}
         timeout = aiohttp.ClientTimeout(total=1.0)
 
-        async def one(url: str) -> str | None:
+        async def one(name: str) -> str | None:
+            counts = folder / f"{name}{COUNTS_SUFFIX}"
+            try:
+                found = json.loads((folder / f"{name}.json").read_text())
+                if found["pid"] == os.getpid():
+                    return None
+                url = found["urls"]["push"]
+            except (OSError, ValueError, KeyError):
+                return last_shown(counts)  # being restarted: its ready file is not there
             try:
                 async with self.session.get(
                     url + "/v1/metrics", headers=headers, timeout=timeout
                 ) as answer:
-                    return await answer.text() if answer.status == 200 else None
+                    if answer.status == 200:
+                        return await answer.text()
+                    status = answer.status
+                    log.warning("worker at %s answered %d; its last counts used", url, status)
             except (TimeoutError, aiohttp.ClientError) as exc:
-                log.warning("worker at %s left out of this scrape: %s", url, exc)
-                return None
+                log.warning("worker at %s did not answer (%s); its last counts used", url, exc)
+            return last_shown(counts)
 
-        return [text for text in await asyncio.gather(*map(one, urls)) if text is not None]
+        texts = await asyncio.gather(*(one(name) for name in sorted(names - {own})))
+        return [text for text in texts if text is not None]
 
     async def watch_load(self) -> None:
         """Answer the control plane's load poll at once when a model that follows its load

@@ -29,7 +29,7 @@ import yaml
 
 from modelfleet.files import private_dir
 from modelfleet.processes import port_holders
-from modelfleet.router.metrics import summed
+from modelfleet.router.metrics import COUNTS_SUFFIX, last_shown, summed
 from modelfleet.router.push import PushUnavailable, create_push_app
 from modelfleet.serving import Listener, run_service
 from modelfleet.web import JSON
@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("modelfleet.router")
 
+SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=1.0)  # a worker slower than this is stalled
+
 
 class PortHeld(Exception):
     """The client port is held by another process: the router does not start on it."""
@@ -61,6 +63,7 @@ class _Worker:
         self.index = index
         self.config_file = folder / f"worker-{index}.yaml"
         self.ready_file = folder / f"worker-{index}.json"
+        self.counts_file = self.ready_file.with_suffix(COUNTS_SUFFIX)
         self.proc: subprocess.Popen[bytes] | None = None
         self.push_url: str | None = None
 
@@ -107,6 +110,7 @@ class Workers:
                 "reuse_port": True,
                 "parent_push": True,
                 "peers_dir": str(self.folder),
+                "counts_file": str(worker.counts_file),
                 "parent_pid": os.getpid(),
                 "table_file": table_file,
             }
@@ -182,19 +186,19 @@ class Workers:
         return _summary(await self._each("GET", "/v1/routing/held"))
 
     async def metrics_text(self) -> bytes:
-        """The workers' metrics summed; a worker that does not answer is left out."""
+        """The workers' metrics summed; a worker that does not answer counts as what it last
+        showed (`WorkerCounts`), so that the sum never goes back."""
         headers = {"authorization": f"Bearer {self.token}"}
 
         async def one(worker: _Worker) -> str | None:
-            if worker.push_url is None:
-                return None
-            try:
-                async with self.session.get(
-                    worker.push_url + "/v1/metrics", headers=headers
-                ) as answer:
-                    return await answer.text() if answer.status == 200 else None
-            except (aiohttp.ClientError, TimeoutError):
-                return None
+            if worker.push_url is not None:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with self.session.get(
+                        worker.push_url + "/v1/metrics", headers=headers, timeout=SCRAPE_TIMEOUT
+                    ) as answer:
+                        if answer.status == 200:
+                            return await answer.text()
+            return last_shown(worker.counts_file)
 
         texts = await asyncio.gather(*map(one, self.workers))
         return summed(text for text in texts if text is not None)
