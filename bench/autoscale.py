@@ -23,6 +23,11 @@ that the time to first token is seen). Each phase has a model of its own:
    within 2 s.
 5. `nap` (min 0, max 1, idle_action: sleep, wake delay 1 s): once asleep, a request;
    `wake_s` from the request to its answer (target <= the wake delay + 0.5 s).
+6. `coldload` (min 0, max 3, target 4, cold_timeout 3 s) under 80 closed-loop clients from
+   zero, then `warmload` (the same, but min 3, all serving first) under the same load.
+   `cold_load_503`: requests refused once the first answer came (target 0);
+   `cold_vs_warm_throughput`: answers per second over `--load-s` from the first answer, over
+   the same from warm (target >= 0.9).
 
 Over the whole run, the replicas in the table are sampled every half second (a sleeping one
 too: at sleep level 1 it keeps its GPU): `gpu_seconds_saved` is what every model at its
@@ -30,7 +35,7 @@ too: at sleep level 1 it keeps its GPU): `gpu_seconds_saved` is what every model
 
 Ends with one JSON line.
 
-    python bench/autoscale.py [--cycles 5] [--wave-s 180]
+    python bench/autoscale.py [--cycles 5] [--wave-s 180] [--load-s 20]
 """
 
 from __future__ import annotations
@@ -67,6 +72,10 @@ MODELS = [
      "autoscale": {"min": 1, "max": 3, "target_in_flight": 4}},
     {"name": "wave", "engine": "sim", "args": SIM, "max_parallel": 3,
      "autoscale": {"min": 1, "max": 4, "target_in_flight": 4, "scale_down_after": "30s"}},
+    {"name": "coldload", "engine": "sim", "args": SIM, "max_parallel": 3, "cold_timeout": "3s",
+     "autoscale": {"min": 0, "max": 3, "target_in_flight": 4}},
+    {"name": "warmload", "engine": "sim", "args": SIM, "max_parallel": 3, "cold_timeout": "3s",
+     "autoscale": {"min": 3, "max": 3, "target_in_flight": 4}},
     {"name": "nap", "engine": "sim", "args": [*SIM, "--wake-delay", str(WAKE_S)],
      "autoscale": {"min": 0, "max": 1, "target_in_flight": 4, "scale_down_after": "2s",
                    "scale_to_zero_after": "3s"},
@@ -281,6 +290,55 @@ def square_wave(fleet: Fleet, seconds: float, half_period: float = 20.0) -> dict
     }
 
 
+def closed_loop(fleet: Fleet, model: str, clients: int, seconds: float) -> list[dict[str, Any]]:
+    """`clients` clients that each ask again as soon as answered, until `seconds` after the
+    model's first answer."""
+    done: list[dict[str, Any]] = []
+    first: list[float] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        while not first or time.monotonic() < first[0] + seconds:
+            result = fleet.ask(model)
+            with lock:
+                done.append(result)
+                if not result["error"] and not first:
+                    first.append(result["end"])
+            if result["error"]:
+                time.sleep(0.2)
+
+    with ThreadPoolExecutor(clients) as pool:
+        for running in [pool.submit(client) for _ in range(clients)]:
+            running.result()
+    for d in done:
+        d["after_first"] = d["began"] >= first[0]
+    return done
+
+
+def cold_load(fleet: Fleet, seconds: float, clients: int = 80) -> dict[str, Any]:
+    def rate(done: list[dict[str, Any]]) -> float:
+        counted = [d for d in done if d["after_first"] and not d["error"]]
+        span = max(d["end"] for d in counted) - min(d["began"] for d in counted)
+        return len(counted) / span
+
+    def warm_serving() -> bool:
+        return sum(r["state"] == "ready" for r in fleet.replicas("warmload")) == 3
+
+    wait("coldload at zero replicas", lambda: not fleet.replicas("coldload"), 60)
+    cold = closed_loop(fleet, "coldload", clients, seconds)
+    wait("warmload's three replicas serving", warm_serving, 120)
+    warm = closed_loop(fleet, "warmload", clients, seconds)
+    failed = [d["error"] for d in cold if d["after_first"] and d["error"]]
+    return {
+        "cold_load_clients": clients,
+        "cold_load_503": sum(1 for e in failed if "503" in e),
+        "cold_load_failed": len(failed),
+        "cold_load_requests": sum(1 for d in cold if d["after_first"]),
+        "cold_vs_warm_throughput": round(rate(cold) / rate(warm), 3),
+        "warm_load_failed": sum(1 for d in warm if d["error"]),
+    }
+
+
 def wake(fleet: Fleet) -> dict[str, Any]:
     first = fleet.ask("nap")  # cold: starts it
     assert not first["error"], first
@@ -307,11 +365,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--wave-s", type=float, default=180.0)
+    parser.add_argument("--load-s", type=float, default=20.0)
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="modelfleet-autoscale-"))
     state = folder / "fleet"
     state.mkdir(mode=0o700)
-    (state / "catalog.yaml").write_text(yaml.safe_dump({"models": MODELS}))
+    # Each its own list: YAML writes a list met twice as an alias, which a catalog refuses.
+    models = [{**m, "args": list(m["args"])} for m in MODELS]
+    (state / "catalog.yaml").write_text(yaml.safe_dump({"models": models}))
     running = start_fleet(state, FleetOptions(gpus="8x80GB", report_interval=1.0))
     results: dict[str, Any] = {"startup_delay_s": STARTUP_S}
     try:
@@ -321,6 +382,7 @@ def main() -> None:
         results.update(scale_up(fleet))
         results.update(release_spread(fleet))
         results.update(cold_cycles(fleet, args.cycles))
+        results.update(cold_load(fleet, args.load_s))
         results.update(square_wave(fleet, args.wave_s))
         results.update(gpus.finish())
     finally:

@@ -15,6 +15,14 @@
   from each router's own overhead metric (its time per request less its waits for the
   engine, mean), which noise on the engines' side does not blur:
   `router_own_mean_ms_added_with_tracing`, `router_own_mean_ms_exporter_added`.
+- What is shown is true, on a fleet as `up` starts one with router `workers: 2`:
+  `counter_decreases` (samples of counters and histograms lower than in an earlier scrape of
+  the router's `/metrics`, while clients send and one worker is killed -9; target 0),
+  `refusals_in_latency` (requests in the request-time histogram beyond those sent to an
+  engine, while refused ones, a bad key and an unknown model, are mixed in; target 0), and
+  `ejected_shown_ready` (a replica whose engine is stopped with SIGSTOP, once a router has it
+  out of rotation, shown `ready`; target false) with `ejected_return_event` (its return
+  evented once SIGCONT).
 - `events_per_fault`: every fault of bench/faults.py leaves the events naming its cause
   (run here unless `--skip-faults`; about three minutes).
 - `previous_logs_kept`: a fleet as `up` starts one; an engine killed six times (each time
@@ -38,7 +46,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
+import itertools
 import json
 import multiprocessing
 import os
@@ -48,6 +58,7 @@ import socket
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,10 +67,12 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import router as bench_router
 import uvicorn
 import yaml
 from playwright.sync_api import Browser, sync_playwright
+from prometheus_client.parser import text_string_to_metric_families
 
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane.catalogs import CatalogKeeper
@@ -230,6 +243,109 @@ def fleet(tmp: Path) -> Iterator[RunningFleet]:
         yield running
     finally:
         running.fleet.stop()
+
+
+def samples(page: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of a scrape that may only grow, by name and labels."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(page)
+        if family.type in ("counter", "histogram")
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def truth(tmp: Path) -> dict[str, Any]:
+    """Counters, refusals and ejections as the fleet shows them, against what was done."""
+    options = FleetOptions(report_interval=0.5, router={"workers": 2})
+    running = start_fleet(tmp / "state", options)
+    try:
+        api = admin(running)
+
+        def ready() -> list[dict[str, Any]]:
+            found = api.get("/v1/replicas").json()["replicas"]
+            return [r for r in found if r["model"] == "sim-chat" and r["state"] == "ready"]
+
+        wait("sim-chat's two replicas ready", lambda: len(ready()) == 2)
+        stop = threading.Event()
+        body = {"model": "sim-chat", "prompt": "x", "max_tokens": 2}
+
+        def load() -> None:
+            good = {"authorization": f"Bearer {running.api_key}", "connection": "close"}
+            bad = {"authorization": "Bearer sk-nobody", "connection": "close"}
+            for turn in itertools.count():
+                if stop.is_set():
+                    return
+                headers, ask = good, body
+                if turn % 3 == 1:
+                    headers = bad
+                elif turn % 3 == 2:
+                    ask = {**body, "model": "no-such-model"}
+                with contextlib.suppress(httpx.HTTPError):  # a connection to the killed worker
+                    httpx.post(f"{running.router_url}/v1/completions", json=ask,
+                               headers=headers, timeout=5)  # fmt: skip
+
+        loaders = [threading.Thread(target=load) for _ in range(4)]
+        for t in loaders:
+            t.start()
+        shown: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        decreases = 0
+
+        def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            nonlocal decreases
+            now = samples(httpx.get(f"{running.router_url}/metrics", timeout=5).text)
+            decreases += sum(1 for k, v in shown.items() if now.get(k, 0.0) < v)
+            shown.update(now)
+            return now
+
+        [router] = [c.proc.pid for c in running.fleet.children if c.role == "router"]
+        for i in range(60):
+            scrape()
+            if i == 20:
+                os.kill(psutil.Process(router).children()[0].pid, signal.SIGKILL)
+            time.sleep(0.1)
+        stop.set()
+        for t in loaders:
+            t.join()
+        last = scrape()
+        timed = sum(
+            v for (n, _), v in last.items() if n == "modelfleet_router_request_seconds_count"
+        )
+        answered = sum(
+            v for (n, labels), v in last.items()
+            if n == "modelfleet_router_requests_total" and ("status", "200") in labels
+        )  # fmt: skip
+
+        # A replica out of rotation: its engine stopped, not dead.
+        victim = ready()[0]
+        engine = psutil.Process(victim["shards"][0]["pid"])
+        engine.suspend()
+        try:
+
+            def out() -> dict[str, Any] | None:
+                found = api.get(f"/v1/replicas/{victim['id']}").json()
+                return found if found["ejected"] else None
+
+            seen = wait("a router to have the stopped replica out of rotation", out, 60)
+        finally:
+            engine.resume()
+
+        def returned() -> bool:
+            events = api.get("/v1/events", params={"for": f"replica/{victim['id']}"}).json()
+            return any(e["reason"] == "ReplicaReturned" for e in events["events"])
+
+        back = bool(wait("its return evented", returned, 60))
+    finally:
+        running.fleet.stop()
+    return {
+        "counter_decreases": decreases,
+        "refusals_in_latency": int(timed - answered),
+        "requests_timed": int(timed),
+        "ejected_shown_ready": seen["state"] == "ready",
+        "ejected_state": seen["state"],
+        "ejected_return_event": back,
+    }
 
 
 def admin(running: RunningFleet) -> httpx.Client:
@@ -407,8 +523,15 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--baseline", default=BASELINE)
     parser.add_argument("--skip-faults", action="store_true")
+    parser.add_argument("--only-truth", action="store_true", help="the truth part alone")
     args = parser.parse_args()
     out: dict[str, Any] = {"bench": "observe"}
+    if args.only_truth:
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "truth").mkdir()
+            out.update(truth(Path(tmp) / "truth"))
+        print(json.dumps(out), flush=True)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         say("traces ...")
@@ -423,6 +546,10 @@ def main() -> None:
         with fleet(root / "fleet") as running:
             out.update(previous_logs(running))
             out.update(dashboard_live(running))
+        say("what is shown is true ...")
+        (root / "truth").mkdir()
+        out.update(truth(root / "truth"))
+        say(f"  {out}")
         say("the dashboard at 1,000 nodes ...")
         out.update(dashboard_at_scale())
     if not args.skip_faults:

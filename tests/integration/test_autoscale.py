@@ -146,3 +146,50 @@ def test_gpus_of_a_replica_asleep_at_level_2_go_to_a_model_that_has_no_room(
             if e["reason"] == "ReplicaRetiring"
         ]
         assert any("asleep at level 2: its GPUs go to a replica of b" in m for m in retiring)
+
+
+def test_a_cold_model_under_heavy_load_serves_everything_once_a_replica_serves(
+    tmp_path: Path,
+) -> None:
+    """Issue 41: after a scale from zero, requests queued behind the held ones for as long as
+    the load exceeded max x target_in_flight (a scaling target had become a cap per replica),
+    and timed out as `cold-start` 503s while replicas served. 80 closed-loop clients of a
+    model at zero: once its first answer came, no request is refused."""
+    model = {
+        "name": "n", "engine": "sim", "args": ["--ttft", "0.01", "--itl", "0.02"],
+        "autoscale": {"min": 0, "max": 2, "target_in_flight": 2, "scale_up_after": "0.5s"},
+        "cold_timeout": "3s",
+    }  # fmt: skip
+    with fleet_of(tmp_path, [model]) as fleet:
+        op = Operator(fleet, tmp_path)
+        wait_for("the cold model in the routing table", lambda: op.routed("n") == [])
+        answered: list[tuple[float, int, str]] = []  # (began, status, reason)
+        first_ok: list[float] = []
+
+        async def traffic() -> None:
+            headers = {"authorization": f"Bearer {fleet.api_key}"}
+            body = {"model": "n", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 50}  # fmt: skip
+            limits = httpx.Limits(max_connections=100)
+            async with httpx.AsyncClient(
+                base_url=fleet.router_url, headers=headers, timeout=60, limits=limits
+            ) as client:
+
+                async def closed_loop() -> None:
+                    while not first_ok or time.monotonic() < first_ok[0] + 12:
+                        began = time.monotonic()
+                        got = await client.post("/v1/chat/completions", json=body)
+                        if got.status_code == 200 and not first_ok:
+                            first_ok.append(time.monotonic())
+                        reason = got.headers.get("x-modelfleet-reason", "")
+                        answered.append((began, got.status_code, reason))
+                        if got.status_code != 200:
+                            await asyncio.sleep(0.2)  # as a client told to retry would
+
+                await asyncio.wait_for(asyncio.gather(*(closed_loop() for _ in range(80))), 120)
+
+        asyncio.run(traffic())
+        after = [(status, reason) for began, status, reason in answered if began >= first_ok[0]]
+        refused = [a for a in after if a[0] != 200]
+        assert len(after) > 200, f"only {len(after)} requests after the first answer"
+        assert refused == [], f"{len(refused)} of {len(after)} refused: {set(refused)}"
