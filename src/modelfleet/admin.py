@@ -85,6 +85,8 @@ class MarkRequest(BaseModel):
     # A drain's bound in seconds: what has not moved by then is stopped anyway. None: the
     # control plane's drain_grace; 0: no bound.
     grace_s: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True)
+    # Only say what the mark would move, and what could not be replaced: nothing is marked.
+    dry_run: bool = Field(default=False, strict=True)
 
 
 # -- placement -----------------------------------------------------------------------------
@@ -342,7 +344,8 @@ class CatalogChange(_Answer):
 
 
 class MarkAnswer(_Answer):
-    """A node's new mark, and what moves because of it."""
+    """A node's new mark (or, in a dry run, the mark it would get), and what moves because of
+    it: `pending` are replacements that cannot be placed."""
 
     node: str
     mark: MarkName
@@ -350,6 +353,10 @@ class MarkAnswer(_Answer):
     drain_grace_s: float | None
     steps: list[Step]
     pending: list[PendingStep]
+    dry_run: bool = False
+    # Replicas on a node being drained whose model has a replacement that cannot be placed
+    # (`pending` says why): "id (model)".
+    cannot_move: list[str] = Field(default_factory=list)
 
 
 # -- the control plane itself -----------------------------------------------------------

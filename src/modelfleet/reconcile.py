@@ -37,6 +37,9 @@ class StopReplica:
 
     replica_id: str
     reason: str
+    # Stopped though nothing replaces it yet (a drain's grace period over): its model serves
+    # with one replica fewer until a replacement does.
+    drops_capacity: bool = False
 
 
 @dataclass(frozen=True)
@@ -356,7 +359,11 @@ def _plan_model(spec: ModelSpec, count: int, replicas: list[Replica], shared: _P
         elif not marks:
             kept.append(r)
         elif any(d is not None and now >= d for _, d in marks):
-            stops.append(StopReplica(r.id, "node drained: its grace period is over"))
+            why = (
+                "node drained: its grace period is over, and no replacement serves yet: "
+                f"{spec.name} has one replica fewer until one does"
+            )
+            stops.append(StopReplica(r.id, why, drops_capacity=True))
         elif r.id not in serving:
             stops.append(StopReplica(r.id, marks[0][0]))
         else:

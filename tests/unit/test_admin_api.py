@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import io
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,13 +14,16 @@ import httpx
 import yaml
 from fastapi.routing import APIRoute
 from jsonschema import Draft202012Validator
+from rich.console import Console
 
+from modelfleet import admin
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig, RouterTarget
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.controlplane.usage import UsageCollector
+from modelfleet.ctl.render import print_mark
 from modelfleet.pki import CertificateAuthority
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import AgentReport, ShardReport, ShardState
@@ -39,6 +43,7 @@ CALLS: list[tuple[str, str, str | None, int]] = [
     ("GET", "/v1/nodes", None, 200),
     ("POST", "/v1/nodes/a/mark", '{"mark": "cordoned"}', 200),
     ("POST", "/v1/nodes/a/mark", '{"mark": "draining", "grace_s": 30}', 200),
+    ("POST", "/v1/nodes/a/mark", '{"mark": "draining", "dry_run": true}', 200),
     ("POST", "/v1/nodes/a/mark", '{"mark": "locked"}', 400),
     ("POST", "/v1/nodes/nope/mark", '{"mark": "none"}', 404),
     ("GET", "/v1/replicas", None, 200),
@@ -200,6 +205,45 @@ def test_a_replica_answer_carries_its_log_tail_and_the_list_does_not() -> None:
             assert all(s["log_tail"] == [] for r in listed for s in r["shards"])
             one = (await c.get(f"/v1/replicas/{ready}")).json()
             assert one["shards"][0]["log_tail"] == ["loaded"]
+
+    asyncio.run(go())
+
+
+def test_a_drain_s_dry_run_says_what_would_move_and_what_cannot_and_marks_nothing() -> None:
+    """Issue 41: a drain that could not place replacements was promised as "these replicas
+    move elsewhere". Now it can be asked first, and the answer says which cannot move."""
+    cp = control_plane()  # small's replicas: one ready on a, one on b (b's other GPU is bad)
+    catalog, now = cp.catalogs.current, time.monotonic()
+    for node, seq in (("b", 2), ("c", 1)):
+        shards = [ShardReport.of(a, ShardState.READY, port=9001)
+                  for a in cp.assignments.of(node, catalog).shards]  # fmt: skip
+        gpus = SimulatedGpus("1x80GB").gpus()
+        cp.state.take_report(AgentReport(node=node, boot_id="b", seq=seq, address="127.0.0.1",
+                                         gpus=gpus, shards=shards), catalog, now)  # fmt: skip
+    drain = {"mark": "draining", "dry_run": True}
+
+    async def go() -> None:
+        async with admin_client(cp) as c:
+            answer = await c.post("/v1/nodes/a/mark", json=drain)
+            asked = admin.MarkAnswer.model_validate(answer.json())
+            assert asked.dry_run and cp.state.marks == {}  # nothing marked
+            starts = [(s.action, s.model, [spot.node for spot in s.shards]) for s in asked.steps]
+            assert ("start", "small", ["c"]) in starts
+            assert all(p.model != "small" for p in asked.pending)
+            await c.post("/v1/nodes/c/mark", json={"mark": "cordoned"})
+            answer = await c.post("/v1/nodes/a/mark", json=drain)
+            stuck = admin.MarkAnswer.model_validate(answer.json())
+            assert [p.model for p in stuck.pending if p.model == "small"] == ["small"]
+            assert set(cp.state.marks) == {"c"}
+            shown = io.StringIO()
+            bounded = stuck.model_copy(update={"drain_grace_s": 600.0})
+            print_mark(bounded, Console(file=shown, width=200))
+            said = " ".join(shown.getvalue().split())
+            assert "node a would be draining (it is none); nothing was marked" in said
+            [on_a] = cp.state.holding("a")
+            assert stuck.cannot_move == [f"{on_a} (small)"]  # not wide: it is not on a
+            assert f"{on_a} (small) cannot be replaced" in said
+            assert "it stops after 600s anyway, and its model serves with fewer" in said
 
     asyncio.run(go())
 

@@ -114,13 +114,12 @@ def test_a_cordon_from_the_page_needs_the_session_and_this_origin() -> None:
             after = await dashboard.render_part("overview", "")
             assert before != after and re.search(r'class="mark">cordoned<', after or "")
             page = (await c.get("/ui/nodes/a")).text
-            # A drain's confirmation names what moves.
+            # A drain's confirmation names what moves, and promises no room it has not seen.
             [replica] = [
                 r for r in cp.state.replicas if cp.state.replicas[r].replica.shards[0].node == "a"
             ]
-            assert (
-                f"These replicas move elsewhere, each replaced before it stops: {replica}" in page
-            )
+            assert f"replaced elsewhere before it stops, where there is room ({replica}" in page
+            assert "ctl drain a --dry-run" in page
             assert "Uncordon" in page and ">Cordon<" not in page
 
     asyncio.run(go())

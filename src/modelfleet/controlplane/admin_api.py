@@ -227,13 +227,28 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             body = admin.MarkRequest.model_validate_json(raw)
         except ValidationError as exc:
             raise Refused.because(400, f"malformed request: {_problems(exc.errors())}") from None
-        try:
-            was = await cp.mark_node(node, Mark(body.mark), body.grace_s)
-        except MarkRefused as exc:
-            raise Refused.because(exc.status, str(exc)) from None
         grace = cp.config.drain_grace if body.grace_s is None else body.grace_s
-        moves, pending = views.steps(await cp.preview(cp.catalogs.current))
+        if body.dry_run:
+            if node not in cp.state.nodes:
+                raise Refused.because(404, f"no node {node!r}")
+            mark = cp.state.marks.get(node)
+            was = mark.mark if mark is not None else Mark.NONE
+            preview = await cp.preview(cp.catalogs.current, {node: Mark(body.mark)})
+        else:
+            try:
+                was = await cp.mark_node(node, Mark(body.mark), body.grace_s)
+            except MarkRefused as exc:
+                raise Refused.because(exc.status, str(exc)) from None
+            preview = await cp.preview(cp.catalogs.current)
+        moves, pending = views.steps(preview)
         draining = body.mark == Mark.DRAINING.value and grace > 0
+        cannot_move = []
+        if body.mark == Mark.DRAINING.value:
+            stuck = {p.model for p in pending}
+            for rid in cp.state.holding(node):
+                model = cp.state.replicas[rid].replica.model
+                if model in stuck:
+                    cannot_move.append(f"{rid} ({model})")
         return admin.MarkAnswer(
             node=node,
             mark=body.mark,
@@ -241,6 +256,8 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
             drain_grace_s=grace if draining else None,
             steps=moves,
             pending=pending,
+            dry_run=body.dry_run,
+            cannot_move=cannot_move,
         )
 
     @app.delete("/v1/nodes/{node}", responses=_errors(404, 409, 503))

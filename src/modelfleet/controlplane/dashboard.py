@@ -422,8 +422,10 @@ class Dashboard:
             "confirm": {
                 "cordoned": f"Cordon {name}? New replicas go elsewhere; its {len(here)} "
                 "replica(s) stay and serve.",
-                "draining": f"Drain {name}? These replicas move elsewhere, each replaced "
-                f"before it stops: {moving}.",
+                "draining": f"Drain {name}? Each of its replicas is replaced elsewhere before "
+                f"it stops, where there is room ({moving}); one whose replacement cannot be "
+                "placed stops when the drain's grace period is over (`ctl drain "
+                f"{name} --dry-run` says which).",
                 "none": f"Uncordon {name}? New replicas may be placed on it again.",
             },
         }

@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -454,11 +454,13 @@ class ControlPlane:
         )
         return replacing
 
-    async def preview(self, catalog: Catalog) -> Preview:
-        """What the next passes would start and stop to make `catalog` true, the first
-        exactly as the next pass plans it (`Term.preview_work`), worked out in a worker
-        thread so that agents' reports and the reconcile loop go on meanwhile."""
-        return await asyncio.to_thread(self.term.preview_work(catalog, self.clock.monotonic()))
+    async def preview(self, catalog: Catalog, marks: Mapping[str, Mark] | None = None) -> Preview:
+        """What the next passes would start and stop to make `catalog` true (with `marks` on
+        those nodes instead of theirs, for a mark's dry run), the first exactly as the next
+        pass plans it (`Term.preview_work`), worked out in a worker thread so that agents'
+        reports and the reconcile loop go on meanwhile."""
+        work = self.term.preview_work(catalog, self.clock.monotonic(), marks)
+        return await asyncio.to_thread(work)
 
     # -- reconcile and publish: the term's, for this control plane's loops and tests ------
 

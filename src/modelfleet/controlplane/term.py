@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from modelfleet.catalog import Catalog
@@ -232,7 +232,10 @@ class Term:
             self.frozen = decided.frozen
         for stop in decided.stop:
             log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
-            self.events.normal("ReplicaRetiring", f"replica/{stop.replica_id}", stop.reason)
+            if stop.drops_capacity:
+                self.events.warning("CapacityDropped", f"replica/{stop.replica_id}", stop.reason)
+            else:
+                self.events.normal("ReplicaRetiring", f"replica/{stop.replica_id}", stop.reason)
         for sleep in decided.sleep:
             log.info("putting replica %s to sleep: %s", sleep.replica_id, sleep.reason)
             self.events.normal("ReplicaSleeping", f"replica/{sleep.replica_id}", sleep.reason)
@@ -272,15 +275,25 @@ class Term:
                 )
         self._due = self._next_due(now, timing)
 
-    def preview_work(self, catalog: Catalog, now: float) -> Callable[[], Preview]:
+    def preview_work(
+        self, catalog: Catalog, now: float, marks: Mapping[str, Mark] | None = None
+    ) -> Callable[[], Preview]:
         """What the next passes would start and stop to make `catalog` true, as work to run
         in a worker thread: it plans up to hundreds of passes, on a copy of what it reads (the
         table and the nodes are immutable values), the first from exactly what the next pass
-        plans from."""
+        plans from. `marks`: those nodes as if they had these marks (a drain without a bound,
+        so that what could not be replaced shows as pending, not as stopped)."""
         s = self.state
         failing = {rid: why for rid, (_, why) in s.failing(self.config.max_failures).items()}
         table, serving = s.planned(), frozenset(r.id for r in s.planned() if s.is_serving(r.id))
         inputs = self.plan_inputs(catalog, now)
+        if marks:
+            inputs["nodes"] = [
+                dataclasses.replace(n, mark=marks[n.name], drain_deadline=None)
+                if n.name in marks
+                else n
+                for n in inputs["nodes"]
+            ]
 
         def work() -> Preview:
             done = preview(catalog, table, serving=serving, failed=failing, **inputs)

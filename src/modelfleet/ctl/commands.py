@@ -338,13 +338,19 @@ def rebalance(
 NodeArg = Annotated[str, typer.Argument(help="The node's name, as `ctl nodes` shows it.")]
 
 
-def _mark(context: typer.Context, node: str, mark: str, grace: float | None = None) -> None:
+def _mark(
+    context: typer.Context,
+    node: str,
+    mark: str,
+    grace: float | None = None,
+    dry_run: bool = False,
+) -> None:
     from pydantic import ValidationError
 
     from modelfleet.admin import MarkRequest
 
     try:
-        request = MarkRequest.model_validate({"mark": mark, "grace_s": grace})
+        request = MarkRequest.model_validate({"mark": mark, "grace_s": grace, "dry_run": dry_run})
     except ValidationError:
         fail(f"--grace {grace}: give a number of seconds, 0 or more")
     _ctl(context).show(lambda c: c.mark(node, request), _render("print_mark"))
@@ -380,10 +386,17 @@ def drain(
             "--wait", help="Wait until nothing runs on NODE, saying what is left and why."
         ),
     ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Only say what would move, and which replicas could not be replaced.",
+        ),
+    ] = False,
 ) -> None:
     """Move every replica off NODE, make-before-break, and let nothing new land there."""
-    _mark(context, node, "draining", grace)
-    if wait:
+    _mark(context, node, "draining", grace, dry_run)
+    if wait and not dry_run:
         _wait_drained(_ctl(context), node)
 
 

@@ -289,11 +289,29 @@ def print_catalog_plan(data: admin.CatalogChange, console: Console) -> None:
 
 
 def print_mark(data: admin.MarkAnswer, console: Console) -> None:
-    line = f"node {data.node}: {data.mark} (was {data.was})"
+    if data.dry_run:
+        line = f"node {data.node} would be {data.mark} (it is {data.was}); nothing was marked"
+    else:
+        line = f"node {data.node}: {data.mark} (was {data.was})"
     if data.drain_grace_s:
         line += f"; what does not move within {data.drain_grace_s:.0f}s is stopped anyway"
     console.print(line)
     print_steps(data.steps, data.pending, console)
+    if data.cannot_move:
+        one = len(data.cannot_move) == 1
+        if data.drain_grace_s:
+            after = (
+                f"{'it stops' if one else 'they stop'} after {data.drain_grace_s:.0f}s anyway, "
+                f"and {'its model serves' if one else 'their models serve'} with fewer"
+            )
+        else:
+            after = f"{'it stays' if one else 'they stay'} until room is found (no bound)"
+        console.print(
+            f"not every replica can move: {', '.join(data.cannot_move)} cannot be replaced "
+            f"(why above); {after}",
+            style="yellow",
+            highlight=False,
+        )
 
 
 def print_steps(
