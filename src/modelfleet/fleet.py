@@ -6,6 +6,7 @@ table of replicas, and hands them to `placement` and `reconcile`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -79,3 +80,10 @@ class Replica:
     def gpu_slots(self) -> set[tuple[str, int]]:
         """Every (node, GPU index) this replica uses."""
         return {(s.node, g) for s in self.shards for g in s.gpus}
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """`name` to sort as people read it: the digits in it as numbers (node-2 before node-10),
+    the rest as text."""
+    parts = re.split(r"(\d+)", name)
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in parts if p)

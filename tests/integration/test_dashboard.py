@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from playwright.sync_api import Browser, Dialog, Page, Request, sync_playwright
 
@@ -143,3 +144,36 @@ def test_an_operator_signs_in_sees_the_fleet_cordons_a_node_and_reads_a_log(
     page.locator("a.log-link").first.click()
     page.wait_for_url("**/ui/logs/**")
     page.locator("#log div").filter(has_text="engine-sim: loading").first.wait_for()
+
+
+def test_an_open_page_says_when_it_is_no_longer_live_and_leads_back_to_sign_in(
+    browser: Browser, fleet: RunningFleet, tmp_path: Path
+) -> None:
+    """Issue 41: after a control-plane restart an open dashboard went on showing old data as
+    live (a node "heard now"), getting 401 every few seconds, with no word of it and no way
+    back to sign-in. A frozen control plane, then a restarted one: each is said."""
+    page = browser.new_page()
+    page.set_default_timeout(20_000)
+    sign_in(page, fleet)
+    page.locator("tr[data-node]").first.wait_for()
+    banner = page.locator("#stale")
+    assert banner.is_hidden()
+    [cp] = [c for c in fleet.fleet.children if c.role == "control-plane"]
+    frozen = psutil.Process(cp.proc.pid)
+    frozen.suspend()
+    try:
+        banner.filter(has_text="does not answer").wait_for()
+        assert "as of" in banner.inner_text()
+        page.screenshot(path=str(tmp_path / "not-answering.png"), full_page=True)
+    finally:
+        frozen.resume()
+    banner.wait_for(state="hidden")  # live again, by its stream
+    fleet.fleet.restart(cp)
+    banner.filter(has_text="Your session has ended").wait_for()
+    page.screenshot(path=str(tmp_path / "session-ended.png"), full_page=True)
+    assert (tmp_path / "session-ended.png").stat().st_size > 10_000
+    page.click("#stale a")
+    page.wait_for_url("**/ui/login")
+    sign_in(page, fleet)
+    page.locator("tr[data-node]").first.wait_for()
+    assert banner.is_hidden()

@@ -213,3 +213,22 @@ def test_the_index_sees_what_other_kinds_of_claim_took() -> None:
     assert index.claim(one, {}) == (ShardPlacement("n1", (1,)),)
     assert index.claim(wide, {}) is None
     assert index.claim(one, {}) == (ShardPlacement("n1", (2,)),)
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["node-", "gpu-", "n"]), st.integers(0, 120)), max_size=30)
+)
+def test_nodes_sort_as_people_read_them(names: list[tuple[str, int]]) -> None:
+    """Issue 41: node-10 came before node-2 everywhere nodes were listed."""
+    from modelfleet.fleet import natural_key
+
+    named = [f"{prefix}{n}" for prefix, n in names]
+    ordered = sorted(named, key=natural_key)
+    assert ordered == sorted(
+        named, key=lambda s: (s.rstrip("0123456789"), int(s[len(s.rstrip("0123456789")) :]))
+    )
+    assert sorted(["node-10", "node-2", "node-1"], key=natural_key) == [
+        "node-1",
+        "node-2",
+        "node-10",
+    ]

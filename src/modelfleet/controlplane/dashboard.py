@@ -51,6 +51,9 @@ LOG_EVERY_S = 1.0
 LOG_WAIT_S = 15.0
 EVENTS_SHOWN = 200
 HEARD_NOW_S = 5.0  # a node heard from this recently shows as heard "now"
+# A live stream says it is alive at least this often, changed or not: a page that hears
+# nothing for a few of these tells its viewer it is no longer live (ui.js).
+ALIVE_EVERY_S = 2.0
 PARTS = ("overview", "node", "model", "pending", "events", "usage")
 PLOTTED = frozenset({"model", "usage"})  # the pages that load the plot library
 
@@ -135,6 +138,7 @@ class Dashboard:
                 Route("/models/{name:path}", self.page("model")),
                 Route("/logs/{name:path}", self.logs_page),
                 Route("/nodes/{name}/mark", self.mark, methods=["POST"]),
+                Route("/alive", self.alive),
                 Route("/live/{part}", self.live),
                 Route("/live/{part}/{name:path}", self.live),
                 Route("/live-logs/{name:path}", self.live_logs),
@@ -338,6 +342,7 @@ class Dashboard:
 
         async def stream() -> AsyncIterator[bytes]:
             last = request.query_params.get("had")  # the digest of what the page holds
+            said = -math.inf  # when it last said it is alive
             while not self.closing.is_set():
                 html = await self.render_part(part, name)
                 html = html if html is not None else f"<p>{part} {name} is gone.</p>"
@@ -345,9 +350,19 @@ class Dashboard:
                 if digest != last:
                     last = digest
                     yield _event("part", html)
+                now = self.cp.clock.monotonic()
+                if now - said >= ALIVE_EVERY_S:
+                    said = now
+                    at = time.localtime(self.cp.clock.time())
+                    yield _event("alive", time.strftime("%H:%M:%S", at))
                 await self._pause(LIVE_EVERY_S)
 
         return _streaming(stream())
+
+    async def alive(self, request: Request) -> Response:
+        """204 while this browser is signed in, else 401: how a page whose stream went quiet
+        tells a control plane gone (no answer) from a session gone (it restarted)."""
+        return Response(status_code=204 if self._signed_in(request) else 401)
 
     async def live_logs(self, request: Request) -> Response:
         """The engine's output: its last 200 lines, then what it writes, each second."""
@@ -364,10 +379,16 @@ class Dashboard:
                 if nodes is None or shard >= len(nodes):
                     yield _event("lines", _log_html([f"(no replica {replica} shard {shard})"]))
                     return
+                asking = asyncio.ensure_future(
+                    cp.logs.ask(nodes[shard], replica, shard, 0, 200, offset, LOG_WAIT_S)
+                )
                 try:
-                    got = await cp.logs.ask(
-                        nodes[shard], replica, shard, 0, 200, offset, LOG_WAIT_S
-                    )
+                    while not (await asyncio.wait({asking}, timeout=ALIVE_EVERY_S))[0]:
+                        yield _event("alive", "")  # the agent takes its time: still live
+                finally:
+                    asking.cancel()  # the viewer left meanwhile: nobody reads the answer
+                try:
+                    got = asking.result()
                 except LogUnanswered as exc:
                     yield _event("lines", _log_html([f"({exc})"]))
                 else:
@@ -377,6 +398,7 @@ class Dashboard:
                     if got.lines:
                         yield _event("lines", _log_html(got.lines))
                     offset = got.offset
+                yield _event("alive", "")
                 await self._pause(LOG_EVERY_S)
 
         return _streaming(stream())

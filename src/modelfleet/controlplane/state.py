@@ -29,7 +29,7 @@ from modelfleet.controlplane.records import (
     ReportFirst,
     StaleReport,
 )
-from modelfleet.fleet import Mark, Node, Replica, ShardPlacement
+from modelfleet.fleet import Mark, Node, Replica, ShardPlacement, natural_key
 from modelfleet.placement import Placed, Unplaceable, place
 from modelfleet.reconcile import Pending, Plan
 from modelfleet.wire import AdapterState, AgentReport, Heartbeat, ShardReport, ShardState
@@ -458,9 +458,9 @@ class FleetState:
         return adopted
 
     def node_list(self) -> list[Node]:
-        """Every node that has reported, by name."""
+        """Every node that has reported, by name as people read it (node-2 before node-10)."""
         if self._names is None:
-            self._names = sorted(self.nodes)
+            self._names = sorted(self.nodes, key=lambda n: (natural_key(n), n))
         return [self.nodes[name].node for name in self._names]
 
     def set_mark(self, node: str, mark: NodeMark) -> None:

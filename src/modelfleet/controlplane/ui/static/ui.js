@@ -37,9 +37,65 @@
     });
   }
 
+  // A live page says when it stops being live: its stream says it is alive every 2 s
+  // (ALIVE_EVERY_S), so 6 s of silence, or an error, means what it shows may be old. Then
+  // /ui/alive tells a control plane gone (no answer) from a session gone (401: it restarted,
+  // or the session ran out), which only signing in again mends.
+  var QUIET_MS = 6000;
+  var heard = Date.now();
+
+  function stale(text, signIn) {
+    var banner = document.getElementById("stale");
+    if (!banner) return;
+    var shown = new Date(heard).toLocaleTimeString();
+    banner.textContent = text + " What this page shows is as of " + shown + ". ";
+    if (signIn) {
+      var link = document.createElement("a");
+      link.href = "/ui/login";
+      link.textContent = "Sign in again";
+      banner.appendChild(link);
+    }
+    banner.hidden = false;
+    document.body.classList.add("stale");
+  }
+
+  function live() {
+    heard = Date.now();
+    var banner = document.getElementById("stale");
+    if (banner && !banner.hidden) {
+      banner.hidden = true;
+      document.body.classList.remove("stale");
+    }
+  }
+
+  var asking = false;
+  function check() {
+    if (asking || !document.querySelector("[sse-connect]")) return;
+    asking = true;
+    var abort = new AbortController();
+    setTimeout(function () { abort.abort(); }, 3000);  // a frozen control plane never answers
+    fetch("/ui/alive", { cache: "no-store", credentials: "same-origin", signal: abort.signal })
+      .then(function (r) {
+        if (r.status === 401) {
+          stale("Your session has ended: the control plane restarted, or it ran out.", true);
+        } else if (Date.now() - heard > QUIET_MS) {
+          stale("This page is not live: its updates stopped coming.", false);
+        }
+      })
+      .catch(function () {
+        stale("The control plane does not answer.", false);
+      })
+      .then(function () { asking = false; });
+  }
+
+  setInterval(function () { if (Date.now() - heard > QUIET_MS) check(); }, 1000);
+
   document.addEventListener("DOMContentLoaded", function () { draw(document); });
   document.addEventListener("htmx:afterSettle", function (e) { draw(e.target); });
+  document.addEventListener("htmx:sseOpen", live);
+  document.addEventListener("htmx:sseError", check);
   document.addEventListener("htmx:sseMessage", function () {
+    live();
     var log = document.getElementById("log");
     if (log) log.scrollTop = log.scrollHeight;
   });
