@@ -315,3 +315,32 @@ def test_asking_usage_gives_the_same_request_with_usage_asked(
     sent = json.loads(asking_usage(parsed, raw))
     want = {**body, "stream_options": {**(options or {}), "include_usage": True}}
     assert sent == want
+
+
+@pytest.mark.usefixtures("way")
+def test_a_stream_s_time_between_tokens_is_a_histogram_of_its_own() -> None:
+    """Issue 41: the vLLM board shows inter-token latency; the router measured none. One
+    observation per stream of two tokens or more: its time after the first byte over its
+    tokens but one. A whole (not streamed) answer has no time between tokens to see."""
+
+    async def go() -> None:
+        simulator = create_simulator(SimSettings(model="m", ttft=0, itl=0.02))
+        async with serving(simulator) as engine:
+            router = keyed(models=[RoutedModel(name="m", endpoints=[engine])])
+            async with client_of(router) as client:
+                body = {**COMPLETION, "max_tokens": 6}
+                assert (await client.post("/v1/completions", json=body)).is_success
+                streamed = await client.post("/v1/completions", json={**body, "stream": True})
+                assert streamed.text.rstrip().endswith("data: [DONE]")
+                page = (await client.get("/metrics")).text
+            await router.close()
+        count = 'modelfleet_router_inter_token_seconds_count{model="m"} 1.0'
+        assert count in page, page
+        [gap] = [
+            float(line.rsplit(" ", 1)[1])
+            for line in page.splitlines()
+            if line.startswith('modelfleet_router_inter_token_seconds_sum{model="m"}')
+        ]
+        assert 0.015 <= gap < 0.5  # about the simulator's 20 ms a token
+
+    run(go())

@@ -4,11 +4,12 @@ over routers, one point per interval; a router that restarted counts from zero a
 from __future__ import annotations
 
 import asyncio
+import math
 
 import httpx
 
 from modelfleet.controlplane.config import RouterTarget
-from modelfleet.controlplane.series import RouterSeries, read_totals
+from modelfleet.controlplane.series import RouterSeries, Series, read_totals
 
 
 def page(requests_200: int, requests_503: int, first_byte_sum: float, count: int) -> str:
@@ -28,8 +29,8 @@ modelfleet_router_request_seconds_count{{model="m"}} {count}
 
 def test_a_metrics_page_reads_as_counters_per_model() -> None:
     [(model, t)] = read_totals(page(10, 2, 1.5, 12)).items()
-    assert model == "m" and (t.requests, t.errors) == (12, 2)
-    assert (t.first_byte_sum, t.first_byte_count, t.request_sum) == (1.5, 12, 3.0)
+    assert model == "m" and (t.count("requests"), t.count("errors")) == (12, 2)
+    assert t.buckets == {("first_byte", math.inf): 12, ("request", math.inf): 12}
 
 
 def test_refusals_are_a_line_of_their_own_and_not_engine_errors() -> None:
@@ -43,7 +44,8 @@ modelfleet_router_refusals_total{model="m",reason="key-rpm",status="429"} 4
 """
     )
     [(_, t)] = read_totals(refused).items()
-    assert (t.requests, t.errors, t.refusals) == (15, 2, 7)  # 2 of the 503s came from engines
+    counted = (t.count("requests"), t.count("errors"), t.count("refusals"))
+    assert counted == (15, 2, 7)  # 2 of the 503s came from engines
 
 
 def test_points_sum_the_routers_and_a_restarted_router_counts_from_zero() -> None:
@@ -76,7 +78,33 @@ def test_points_sum_the_routers_and_a_restarted_router_counts_from_zero() -> Non
     asyncio.run(go())
     first, second = series.series.of("m")
     assert first.requests_per_s == 2.0  # 10 + 10 in 10 s
-    assert first.first_byte_s == 0.1 and first.request_s == 0.2
     # Router a restarted: its 4 since count whole; b counted 10 more.
     assert second.requests_per_s == 1.4 and second.errors_per_s == 0.1
     assert second.at == 120.0
+
+
+def histogram(counts: dict[float, int]) -> str:
+    """A first-byte histogram of model m with these cumulative counts by bound."""
+    lines = ["# TYPE modelfleet_router_first_byte_seconds histogram"]
+    for le, n in counts.items():
+        bound = "+Inf" if math.isinf(le) else str(le)
+        lines.append(f'modelfleet_router_first_byte_seconds_bucket{{model="m",le="{bound}"}} {n}')
+    total = max(counts.values())
+    lines += [f'modelfleet_router_first_byte_seconds_count{{model="m"}} {total}',
+              'modelfleet_router_first_byte_seconds_sum{model="m"} 1.0']  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def test_percentiles_come_from_the_buckets_counted_in_the_interval() -> None:
+    """Issue 41: only means were shown (a mean hides the slow tail the p99 shows)."""
+    before = read_totals(histogram({0.1: 10, 0.5: 10, 1.0: 10, math.inf: 10}))["m"]
+    after = read_totals(histogram({0.1: 60, 0.5: 90, 1.0: 109, math.inf: 110}))["m"]
+    since = after.minus(before)  # 50 under 0.1 s, 30 to 0.5 s, 19 to 1 s, 1 over
+    assert since.quantile("first_byte", 0.5) == 0.1  # the 50th of 100 is the last under 0.1
+    assert since.quantile("first_byte", 0.95) == 0.5 + 0.5 * (95 - 80) / 19
+    assert since.quantile("first_byte", 0.99) == 1.0  # in +Inf: the last finite bound
+    assert since.quantile("request", 0.5) is None  # no request time read: nothing to say
+    series = Series(10.0)
+    series.add(100.0, 10.0, {"m": since})
+    [point] = series.of("m")
+    assert point.times["first_byte_p50"] == 0.1 and point.times["request_p99"] is None

@@ -39,6 +39,7 @@ from modelfleet import admin
 from modelfleet.controlplane import views
 from modelfleet.controlplane.logs import LogUnanswered
 from modelfleet.controlplane.plane import ControlPlane, MarkRefused
+from modelfleet.controlplane.series import QUANTILES, TIMES
 from modelfleet.fleet import Mark
 from modelfleet.store import StoredEvent, StoredUsage, StoreError
 from modelfleet.web import bearer_matches, read_at_most
@@ -461,14 +462,17 @@ class Dashboard:
         ejections = cp.loads.ejections(cp.clock.monotonic())
         replicas = [r for r in views.replica_views(cp.state, ejections) if r.model == name]
         points = cp.series.series.of(name)
-        plot = {
+        plot: dict[str, list[Any]] = {
             "at": [p.at for p in points],
             "requests_per_s": [round(p.requests_per_s, 3) for p in points],
             "errors_per_s": [round(p.errors_per_s, 3) for p in points],
             "refusals_per_s": [round(p.refusals_per_s, 3) for p in points],
-            "first_byte_ms": [_ms(p.first_byte_s) for p in points],
-            "request_ms": [_ms(p.request_s) for p in points],
+            "tokens_per_s": [round(p.tokens_per_s, 1) for p in points],
         }
+        for measure in TIMES:
+            for q in QUANTILES:
+                line = f"{measure}_p{round(q * 100)}"
+                plot[f"{line}_ms"] = [_ms(p.times.get(line)) for p in points]
         pending = [p for p in views.replicas(cp.state, catalog).pending if p.model == name]
         scaling = next((x for x in views.scaling(cp.autoscaler, catalog) if x.model == name), None)
         return {

@@ -2,9 +2,11 @@
 
 Every `interval` the control plane reads each router's metrics (through its push API, which
 answers the sum over the router's workers), sums them over the routers, and keeps per model
-one point per interval: requests, server errors and refusals per second, and the mean time
-to first byte and mean request time of the requests engines answered in that interval. An
-error is a request sent to an engine that got a 5xx; a refusal, one the router answered
+one point per interval: requests, server errors and refusals per second, completion tokens
+per second, and the 50th, 95th and 99th percentiles of the time to first byte, the time
+between tokens (streams) and the request time of the requests engines answered in that
+interval, worked out from the histograms' buckets as Prometheus's `histogram_quantile` does.
+An error is a request sent to an engine that got a 5xx; a refusal, one the router answered
 itself (no key, a key over its limit, no replica ready...): two lines, so that 31 % refused
 no longer shows as no errors, nor refusals as the engines' failures. A router that
 restarted (its counters went down) counts from zero again; one that does not answer is left
@@ -15,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -27,6 +30,13 @@ from modelfleet.controlplane.config import RouterTarget
 log = logging.getLogger("modelfleet.controlplane")
 
 KEEP_S = 3600.0
+QUANTILES = (0.5, 0.95, 0.99)
+# The routers' histograms a point reads percentiles of, by the name a point gives them.
+TIMES = {
+    "first_byte": "modelfleet_router_first_byte_seconds",
+    "inter_token": "modelfleet_router_inter_token_seconds",
+    "request": "modelfleet_router_request_seconds",
+}
 
 
 @dataclass(frozen=True)
@@ -37,70 +47,90 @@ class Point:
     requests_per_s: float
     errors_per_s: float  # requests sent to an engine, answered with a 5xx status
     refusals_per_s: float  # requests the router answered itself
-    first_byte_s: float | None  # mean over the interval's requests; None: no request
-    request_s: float | None
+    tokens_per_s: float = 0.0  # completion tokens
+    # "first_byte_p50" ... "request_p99", in seconds; None: no request in the interval
+    times: Mapping[str, float | None] = field(default_factory=dict)
 
 
 @dataclass
 class Totals:
-    """A router's counters of one model, as read."""
+    """A router's counters of one model, as read: by name ("requests", "errors", "refusals",
+    "tokens"), and each histogram's cumulative buckets as (time name, bound)."""
 
-    requests: float = 0.0
-    errors: float = 0.0
-    refusals: float = 0.0
-    first_byte_sum: float = 0.0
-    first_byte_count: float = 0.0
-    request_sum: float = 0.0
-    request_count: float = 0.0
+    counts: dict[str, float] = field(default_factory=dict)
+    buckets: dict[tuple[str, float], float] = field(default_factory=dict)
+
+    def count(self, name: str) -> float:
+        return self.counts.get(name, 0.0)
+
+    def add(self, name: str, value: float) -> None:
+        self.counts[name] = self.counts.get(name, 0.0) + value
 
     def minus(self, earlier: Totals) -> Totals:
         """What was counted since `earlier`; all of it when a counter went down (a restart)."""
-        pairs = [(getattr(self, f), getattr(earlier, f)) for f in _FIELDS]
-        if any(now < then for now, then in pairs):
+        went_down = any(v < earlier.counts.get(k, 0.0) for k, v in self.counts.items()) or any(
+            v < earlier.buckets.get(k, 0.0) for k, v in self.buckets.items()
+        )
+        if went_down:
             return self
-        return Totals(*(now - then for now, then in pairs))
+        return Totals(
+            {k: v - earlier.counts.get(k, 0.0) for k, v in self.counts.items()},
+            {k: v - earlier.buckets.get(k, 0.0) for k, v in self.buckets.items()},
+        )
 
     def plus(self, other: Totals) -> Totals:
-        return Totals(*(getattr(self, f) + getattr(other, f) for f in _FIELDS))
+        counts, buckets = dict(self.counts), dict(self.buckets)
+        for k, v in other.counts.items():
+            counts[k] = counts.get(k, 0.0) + v
+        for b, v in other.buckets.items():
+            buckets[b] = buckets.get(b, 0.0) + v
+        return Totals(counts, buckets)
 
-
-_FIELDS = (
-    "requests",
-    "errors",
-    "refusals",
-    "first_byte_sum",
-    "first_byte_count",
-    "request_sum",
-    "request_count",
-)
+    def quantile(self, time: str, q: float) -> float | None:
+        """The `q` quantile of histogram `time`, by linear interpolation inside the bucket it
+        falls in (the last finite bound when in +Inf); None with no observation."""
+        bounds = sorted((le, n) for (name, le), n in self.buckets.items() if name == time)
+        if not bounds or bounds[-1][1] <= 0:
+            return None
+        rank = q * bounds[-1][1]
+        below_le, below_n = 0.0, 0.0
+        for le, n in bounds:
+            if n >= rank:
+                if math.isinf(le):
+                    return below_le
+                if n == below_n:
+                    return le
+                return below_le + (le - below_le) * (rank - below_n) / (n - below_n)
+            below_le, below_n = le, n
+        return below_le
 
 
 def read_totals(text: str) -> dict[str, Totals]:
     """A router's metrics page, as counters per model."""
     out: dict[str, Totals] = {}
+    histograms = {f"{family}_bucket": time for time, family in TIMES.items()}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             model = sample.labels.get("model")
             if model is None:
                 continue
             t = out.setdefault(model, Totals())
-            name = sample.name
+            name, status = sample.name, sample.labels.get("status", "")
             if name == "modelfleet_router_requests_total":
-                t.requests += sample.value
-                if sample.labels.get("status", "").startswith("5"):
-                    t.errors += sample.value
+                t.add("requests", sample.value)
+                if status.startswith("5"):
+                    t.add("errors", sample.value)
             elif name == "modelfleet_router_refusals_total":
-                t.refusals += sample.value
-                if sample.labels.get("status", "").startswith("5"):
-                    t.errors -= sample.value  # the router's own 503, not an engine's
-            elif name == "modelfleet_router_first_byte_seconds_sum":
-                t.first_byte_sum = sample.value
-            elif name == "modelfleet_router_first_byte_seconds_count":
-                t.first_byte_count = sample.value
-            elif name == "modelfleet_router_request_seconds_sum":
-                t.request_sum = sample.value
-            elif name == "modelfleet_router_request_seconds_count":
-                t.request_count = sample.value
+                t.add("refusals", sample.value)
+                if status.startswith("5"):
+                    t.add("errors", -sample.value)  # the router's own 503, not an engine's
+            elif name == "modelfleet_router_tokens_total":
+                if sample.labels.get("kind") == "completion":
+                    t.add("tokens", sample.value)
+            elif name in histograms:
+                bound = float(sample.labels["le"])
+                key = (histograms[name], bound)
+                t.buckets[key] = t.buckets.get(key, 0.0) + sample.value
     return out
 
 
@@ -114,16 +144,19 @@ class Series:
     def add(self, at: float, seconds: float, counted: dict[str, Totals]) -> None:
         keep = max(2, int(KEEP_S / self.interval))
         for model, t in counted.items():
+            times = {
+                f"{time}_p{round(q * 100)}": t.quantile(time, q)
+                for time in TIMES
+                for q in QUANTILES
+            }
             self.points.setdefault(model, deque(maxlen=keep)).append(
                 Point(
                     at=at,
-                    requests_per_s=t.requests / seconds,
-                    errors_per_s=t.errors / seconds,
-                    refusals_per_s=t.refusals / seconds,
-                    first_byte_s=t.first_byte_sum / t.first_byte_count
-                    if t.first_byte_count
-                    else None,
-                    request_s=t.request_sum / t.request_count if t.request_count else None,
+                    requests_per_s=t.count("requests") / seconds,
+                    errors_per_s=t.count("errors") / seconds,
+                    refusals_per_s=t.count("refusals") / seconds,
+                    tokens_per_s=t.count("tokens") / seconds,
+                    times=times,
                 )
             )
 

@@ -764,6 +764,7 @@ class Flight:
         """Count the request in the metrics and in its key's usage."""
         parts, ex = self.parts, self.ex
         metrics = parts.metrics
+        usage = ex.scanner.usage if ex.scanner is not None else None
         if ex.client_gone:
             metrics.child(metrics.cancellations, ex.model).inc()
             log.debug("the client of %s went away; cancelled upstream", ex.request_id)
@@ -771,11 +772,14 @@ class Flight:
             end = parts.clock()
             first_byte = ex.first_byte_at - ex.started if ex.first_byte_at is not None else None
             own = max(0.0, end - ex.started - ex.upstream_wait)
+            gap = None
+            streamed = ex.scanner is not None and ex.scanner.stream
+            if streamed and usage is not None and usage.completion > 1 and first_byte is not None:
+                gap = (end - ex.started - first_byte) / (usage.completion - 1)
             if ex.refusal is None:
-                metrics.request_done(ex.model, ex.status, end - ex.started, first_byte, own)
+                metrics.request_done(ex.model, ex.status, end - ex.started, first_byte, own, gap)
             else:
                 metrics.refused(ex.model, ex.status, ex.refusal)
-        usage = ex.scanner.usage if ex.scanner is not None else None
         if usage is not None:
             metrics.used(ex.model, usage.prompt, usage.completion)
         if ex.key is not None:

@@ -27,6 +27,8 @@ from modelfleet.files import write_atomic
 # From 0.1 ms: the router's own time is counted in tenths of milliseconds.
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# A token every 5 ms (a small model on a fast GPU) to one a second (a stalled one).
+_INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 
 
 class Tally:
@@ -78,6 +80,7 @@ class RouterMetrics:
         self.tokens: dict[tuple[str, str], int] = {}  # (model, prompt|completion) -> tokens
         self.latency = Tally(_LATENCY_BUCKETS)
         self.ttft = Tally(_LATENCY_BUCKETS)
+        self.inter_token = Tally(_INTER_TOKEN_BUCKETS)
         self.overhead = Tally(_OVERHEAD_BUCKETS)
         self.in_flight = in_flight  # endpoint -> requests in flight there now
         self.held = held  # model -> requests held since the start (`cold.py`)
@@ -110,15 +113,19 @@ class RouterMetrics:
         seconds: float,
         first_byte: float | None,
         own: float,
+        inter_token: float | None = None,
     ) -> None:
         """One request sent to an engine and answered: its status, its whole time, its time to
-        the engine's first byte (None: no engine answered) and the router's own time in it."""
+        the engine's first byte (None: no engine answered), the router's own time in it, and
+        for a stream of several tokens, the mean time between its tokens."""
         key = (model, str(status))
         self.answered[key] = self.answered.get(key, 0) + 1
         labels = (model,)
         self.latency.observe(labels, seconds)
         if first_byte is not None:
             self.ttft.observe(labels, first_byte)
+        if inter_token is not None:
+            self.inter_token.observe(labels, inter_token)
         self.overhead.observe((), own)
 
     def refused(self, model: str, status: int, reason: str) -> None:
@@ -198,6 +205,13 @@ class _PerRequest(Collector):
             "modelfleet_router_first_byte_seconds",
             "Time from the request's arrival to the first byte of the engine's answer "
             "(the first token of a stream).",
+            ["model"],
+        )
+        yield m.inter_token.family(
+            "modelfleet_router_inter_token_seconds",
+            "Mean time between the tokens of a streamed answer (its time after the first "
+            "byte over its completion tokens but one), one observation per stream of two "
+            "tokens or more.",
             ["model"],
         )
         yield m.overhead.family(
