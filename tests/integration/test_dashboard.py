@@ -177,3 +177,45 @@ def test_an_open_page_says_when_it_is_no_longer_live_and_leads_back_to_sign_in(
     sign_in(page, fleet)
     page.locator("tr[data-node]").first.wait_for()
     assert banner.is_hidden()
+
+
+def test_the_playground_chats_with_a_model_through_the_router_with_a_key_made_there(
+    browser: Browser, fleet: RunningFleet, tmp_path: Path
+) -> None:
+    """Issue 41: GPUStack and LiteLLM give the operator a chat with any model from the
+    browser. Here: a key made on the page, a streamed answer through the router, the replica
+    that answered and the time to the first token; a wrong key refused in the router's words."""
+    wait_for("sim-chat serving", lambda: serving(fleet).get("sim-chat") == 2, timeout=60)
+    page = browser.new_page()
+    page.set_default_timeout(20_000)
+    sign_in(page, fleet)
+    page.click("a[href='/ui/playground']")
+    page.wait_for_url("**/ui/playground")
+    assert page.locator("#model option").all_inner_texts() == ["sim-chat", "sim-large"]
+    page.fill("#key", "sk-not-a-key-of-this-fleet")
+    page.dispatch_event("#key", "change")
+    page.fill("#prompt", "Hello there")
+    page.click("#send")
+    page.locator(".message.assistant.error").filter(has_text="401").wait_for()
+
+    page.click("#make-key")
+    page.locator("#key-note").filter(has_text="made playground-").wait_for()
+    assert page.input_value("#key").startswith("mf-")  # a client key of this fleet
+    page.select_option("#model", "sim-chat")
+    page.fill("#prompt", "Tell me about GPUs")
+    page.click("#send")
+    page.locator("#answer-info").filter(has_text="first token after").wait_for()
+    info = page.inner_text("#answer-info")
+    assert info.startswith("answered by sim-chat-"), info
+    assert " tokens" in info
+    answers = page.locator(".message.assistant").all_inner_texts()
+    assert len(answers) == 2 and len(answers[-1].split()) > 3, answers
+    page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
+    assert (tmp_path / "playground.png").stat().st_size > 10_000
+    events = httpx.get(
+        f"{fleet.admin_url}/v1/events",
+        params={"for": "key"},
+        headers={"authorization": f"Bearer {fleet.admin_token}"},
+        timeout=10,
+    ).json()["events"]
+    assert any(e["reason"] == "KeyCreated" and "playground-" in e["regarding"] for e in events)

@@ -473,11 +473,9 @@ def create_admin_app(cp: ControlPlane) -> FastAPI:
         takes it with its next routing table."""
         body = await key_body(request, admin.KeyCreate)
         try:
-            key, stored = await cp.keys.create(body, model_names(), cp.store_time())
+            key, stored = await cp.create_key(body)
         except keys.KeyRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
-        cp.events.normal("KeyCreated", f"key/{stored.name}", f"prefix {stored.prefix}")
-        cp.wake()
         return admin.KeyCreated(key=key, **keys.info(stored).model_dump())
 
     @app.patch(

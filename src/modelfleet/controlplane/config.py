@@ -26,6 +26,9 @@ class RouterTarget(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str  # the router's push listener, e.g. http://127.0.0.1:8081
     token: str  # the router's push_token
+    # Where clients reach it (its client listener, e.g. http://127.0.0.1:8080): the
+    # dashboard's Playground sends its chats there. None: not through this router.
+    client_url: str | None = None
 
 
 class ControlPlaneConfig(BaseModel):

@@ -39,6 +39,7 @@ from modelfleet import admin
 from modelfleet.controlplane import views
 from modelfleet.controlplane.logs import LogUnanswered
 from modelfleet.controlplane.plane import ControlPlane, MarkRefused
+from modelfleet.controlplane.playground import Playground
 from modelfleet.controlplane.series import QUANTILES, TIMES
 from modelfleet.fleet import Mark
 from modelfleet.store import StoredEvent, StoredUsage, StoreError
@@ -100,6 +101,7 @@ class Dashboard:
     def __init__(self, cp: ControlPlane) -> None:
         self.cp = cp
         self.sessions = Sessions(cp.clock.monotonic)
+        self.playground = Playground(cp, self._signed_in, self._html)
         self.env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(UI / "templates"),
             autoescape=jinja2.select_autoescape(["html"]),
@@ -140,6 +142,7 @@ class Dashboard:
                 Route("/logs/{name:path}", self.logs_page),
                 Route("/nodes/{name}/mark", self.mark, methods=["POST"]),
                 Route("/alive", self.alive),
+                *self.playground.routes(),
                 Route("/live/{part}", self.live),
                 Route("/live/{part}/{name:path}", self.live),
                 Route("/live-logs/{name:path}", self.live_logs),

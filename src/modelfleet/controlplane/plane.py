@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from modelfleet import admin
 from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.clock import SYSTEM_CLOCK, Clock, wait_set
 from modelfleet.controlplane.assignments import Assignments
@@ -343,6 +344,15 @@ class ControlPlane:
         for m in desired.marks:
             deadline = None if m.drain_deadline is None else mono + (m.drain_deadline - wall)
             self.state.set_mark(m.node, NodeMark(Mark(m.mark), deadline))
+
+    async def create_key(self, request: admin.KeyCreate) -> tuple[str, StoredKey]:
+        """Make a client API key (KeyRefused if not): the key itself, shown this once, and
+        what is stored of it. Every router takes it with its next routing table."""
+        models = [m.name for m in self.catalogs.current.models]
+        key, stored = await self.keys.create(request, models, self.store_time())
+        self.events.normal("KeyCreated", f"key/{stored.name}", f"prefix {stored.prefix}")
+        self.wake()
+        return key, stored
 
     async def mark_node(self, node: str, mark: Mark, grace: float | None) -> Mark:
         """An operator's cordon, drain (bounded by `grace` seconds, or the configured

@@ -136,7 +136,8 @@ def start_fleet(
                 "admin_token": admin_token,
                 "agent_token": agent_token,
                 "routers": [
-                    {"url": router_urls["push"], "token": admin_token},
+                    {"url": router_urls["push"], "token": admin_token,
+                     "client_url": router_urls["router"]},
                     *({"url": url, "token": admin_token} for url in opts.extra_routers),
                 ],
                 "known_nodes": list(opts.nodes),

@@ -90,7 +90,95 @@
 
   setInterval(function () { if (Date.now() - heard > QUIET_MS) check(); }, 1000);
 
-  document.addEventListener("DOMContentLoaded", function () { draw(document); });
+  // The Playground: a chat streamed through the router (relayed by /ui/playground/chat),
+  // with the replica that answered and the time to its first token.
+  function say(box, role, text) {
+    var line = document.createElement("div");
+    line.className = "message " + role;
+    line.textContent = text;
+    box.appendChild(line);
+    return line;
+  }
+
+  function playground() {
+    var form = document.getElementById("playground");
+    if (!form) return;
+    var key = document.getElementById("key");
+    var info = document.getElementById("answer-info");
+    var box = document.getElementById("messages");
+    var history = [];
+    key.value = sessionStorage.getItem("playground-key") || "";
+    key.addEventListener("change", function () {
+      sessionStorage.setItem("playground-key", key.value);
+    });
+    document.getElementById("make-key").addEventListener("click", function () {
+      fetch("/ui/playground/key", { method: "POST", credentials: "same-origin" })
+        .then(function (r) { return r.json(); })
+        .then(function (made) {
+          var note = document.getElementById("key-note");
+          if (!made.key) { note.textContent = made.error || "no key made"; return; }
+          key.value = made.key;
+          sessionStorage.setItem("playground-key", made.key);
+          note.textContent = "made " + made.name + ", for " + made.expires + " (shown once)";
+        });
+    });
+    form.addEventListener("submit", async function (e) {
+      e.preventDefault();
+      var prompt = document.getElementById("prompt");
+      if (!prompt.value) return;
+      history.push({ role: "user", content: prompt.value });
+      say(box, "user", prompt.value);
+      prompt.value = "";
+      var answer = say(box, "assistant", "");
+      var sent = performance.now(), first = null, tokens = null;
+      info.textContent = "asking ...";
+      var r = await fetch("/ui/playground/chat", {
+        method: "POST",
+        credentials: "same-origin",
+        headers: { "content-type": "application/json" },
+        body: JSON.stringify({ key: key.value, model: document.getElementById("model").value,
+                               messages: history, max_tokens: 256 })
+      });
+      var replica = r.headers.get("x-modelfleet-replica") || "-";
+      if (!r.ok) {
+        var text = await r.text(), why = text;
+        try { var got = JSON.parse(text); why = (got.error && got.error.message) || got.error; }
+        catch (err) { /* not JSON: the text itself */ }
+        answer.classList.add("error");
+        answer.textContent = r.status + ": " + why;
+        history.pop();
+        info.textContent = "refused" + (r.headers.get("x-modelfleet-reason")
+          ? " (" + r.headers.get("x-modelfleet-reason") + ")" : "");
+        return;
+      }
+      var reader = r.body.getReader(), decoder = new TextDecoder(), held = "";
+      for (;;) {
+        var part = await reader.read();
+        if (part.done) break;
+        held += decoder.decode(part.value, { stream: true });
+        var events = held.split("\n\n");
+        held = events.pop();
+        events.forEach(function (event) {
+          event.split("\n").forEach(function (line) {
+            if (!line.startsWith("data: ") || line === "data: [DONE]") return;
+            var chunk = JSON.parse(line.slice(6));
+            var delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+            if (delta && delta.content) {
+              if (first === null) first = performance.now() - sent;
+              answer.textContent += delta.content;
+            }
+            if (chunk.usage) tokens = chunk.usage.completion_tokens;
+          });
+        });
+      }
+      history.push({ role: "assistant", content: answer.textContent });
+      info.textContent = "answered by " + replica +
+        (first === null ? "" : " · first token after " + Math.round(first) + " ms") +
+        (tokens === null ? "" : " · " + tokens + " tokens");
+    });
+  }
+
+  document.addEventListener("DOMContentLoaded", function () { draw(document); playground(); });
   document.addEventListener("htmx:afterSettle", function (e) { draw(e.target); });
   document.addEventListener("htmx:sseOpen", live);
   document.addEventListener("htmx:sseError", check);
