@@ -148,3 +148,32 @@ def test_a_model_that_follows_its_load_shows_its_count_bounds_and_why() -> None:
             assert "up at once: 20 request(s) held" in page
 
     asyncio.run(go())
+
+
+def test_the_events_page_filters_by_what_they_regard_and_their_type() -> None:
+    """Issue 41: the events page showed the newest 200 of everything, with no filter."""
+    cp = control_plane()
+    cp.events.normal("NodeMarked", "node/a", "marked cordoned (was none)")
+    cp.events.warning("GpuUnhealthy", "node/b", "gpu 1: XID 79")
+    cp.events.normal("KeyCreated", "key/app", "prefix mf-abc")
+    _, client = ui_client(cp)
+
+    def rows(page: str) -> set[str]:
+        return set(re.findall(r"(node/[ab]|key/app)", page.split('class="filter"')[1]))
+
+    async def go() -> None:
+        async with client as c:
+            await c.post("/ui/login", data={"token": TOKEN})
+            every = (await c.get("/ui/events")).text
+            assert rows(every) >= {"node/a", "node/b", "key/app"}
+            about_b = (await c.get("/ui/events", params={"for": "node/b"})).text
+            assert rows(about_b) == {"node/b"} and 'value="node/b"' in about_b
+            warned = (await c.get("/ui/events", params={"type": "warning"})).text
+            assert "node/b" in rows(warned) and "key/app" not in rows(warned)
+            nodes = (await c.get("/ui/events", params={"for": "node", "type": "normal"})).text
+            assert "node/a" in rows(nodes) and "node/b" not in rows(nodes)
+            # The page's stream is the filter's: its live part is the same filter's.
+            live = re.search(r'sse-connect="([^"]+)"', about_b)
+            assert live is not None and "/ui/live/events/for%3Dnode%252Fb" in live.group(1)
+
+    asyncio.run(go())

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import jinja2
 from markupsafe import Markup, escape
@@ -207,6 +207,10 @@ class Dashboard:
             if not self._signed_in(request):
                 return RedirectResponse("/ui/login", status_code=303)
             name = request.path_params.get("name", "")
+            if part == "events":  # its filter is its name: the stream is the filter's
+                name = _event_filter(
+                    request.query_params.get("for"), request.query_params.get("type")
+                )
             html = await self.render_part(part, name)
             if html is None:
                 return self._html("missing.html", {"what": f"{part} {name}"}, 404)
@@ -262,7 +266,9 @@ class Dashboard:
         cp, store = self.cp, self.cp.store
         try:
             if part == "events":
-                return Stored(events=await cp.calls(cp.read_events, None, 0.0, 0, EVENTS_SHOWN))
+                regarding, kind = _read_filter(name)
+                found = await cp.calls(cp.read_events, regarding, 0.0, 0, EVENTS_SHOWN)
+                return Stored(events=[e for e in found if kind is None or e.type == kind])
             if part == "node":
                 return Stored(events=await cp.calls(cp.read_events, f"node/{name}", 0.0, 0, 50))
             if part == "usage":
@@ -285,7 +291,9 @@ class Dashboard:
         if part == "pending":
             return {"pending": views.replicas(cp.state, cp.catalogs.current).pending}
         if part == "events":
-            return {"events": list(reversed(stored.events))}
+            regarding, kind = _read_filter(name)
+            shown = {"for": regarding or "", "type": kind or ""}
+            return {"events": list(reversed(stored.events)), "filter": shown}
         if part == "usage":
             return self._usage(stored)
         return None
@@ -562,6 +570,21 @@ def _nodes_of(cp: ControlPlane, replica: str) -> tuple[str, ...] | None:
 
 def _digest(html: str) -> str:
     return hashlib.blake2b(html.encode(), digest_size=8).hexdigest()
+
+
+def _event_filter(regarding: str | None, kind: str | None) -> str:
+    """The events page's filter as its part's name: what it regards (a kind, node, or one
+    object, node/NAME) and its type (normal, warning); empty: every event."""
+    chosen = {
+        "for": (regarding or "").strip(),
+        "type": kind if kind in ("normal", "warning") else "",
+    }
+    return urlencode({k: v for k, v in chosen.items() if v})
+
+
+def _read_filter(name: str) -> tuple[str | None, str | None]:
+    found = {k: v[0] for k, v in parse_qs(name).items()}
+    return found.get("for") or None, found.get("type") or None
 
 
 def _event(name: str, html: str) -> bytes:
