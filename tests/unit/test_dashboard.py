@@ -177,3 +177,25 @@ def test_the_events_page_filters_by_what_they_regard_and_their_type() -> None:
             assert live is not None and "/ui/live/events/for%3Dnode%252Fb" in live.group(1)
 
     asyncio.run(go())
+
+
+def test_a_replica_has_a_page_of_its_own_linked_from_its_model() -> None:
+    """Issue 41: restarts, the last error and the load of a replica were in ctl only."""
+    cp = control_plane()  # small's replica on a: ready, pid 123, its log "loaded"
+    [rid] = [r for r, rec in cp.state.replicas.items() if rec.replica.shards[0].node == "a"]
+    _, client = ui_client(cp)
+
+    async def go() -> None:
+        async with client as c:
+            await c.post("/ui/login", data={"token": TOKEN})
+            model = (await c.get("/ui/models/small")).text
+            assert f'href="/ui/replicas/{rid}"' in model
+            page = (await c.get(f"/ui/replicas/{rid}")).text
+            assert f"<h1>Replica {rid}</h1>" in page and 'class="ok">ready<' in page
+            assert "<td>123</td>" in page and 'class="restarts">0<' in page
+            assert "load unknown" in page  # no router has said yet
+            assert '<pre class="log">loaded</pre>' in page
+            gone = await c.get("/ui/replicas/nope")
+            assert gone.status_code == 404
+
+    asyncio.run(go())

@@ -56,7 +56,7 @@ HEARD_NOW_S = 5.0  # a node heard from this recently shows as heard "now"
 # A live stream says it is alive at least this often, changed or not: a page that hears
 # nothing for a few of these tells its viewer it is no longer live (ui.js).
 ALIVE_EVERY_S = 2.0
-PARTS = ("overview", "node", "model", "pending", "events", "usage")
+PARTS = ("overview", "node", "model", "replica", "pending", "events", "usage")
 PLOTTED = frozenset({"model", "usage"})  # the pages that load the plot library
 
 # What each bundle is made of, in order: ours last, so that it may use what comes before.
@@ -139,6 +139,7 @@ class Dashboard:
                 Route("/usage", self.page("usage")),
                 Route("/nodes/{name}", self.page("node")),
                 Route("/models/{name:path}", self.page("model")),
+                Route("/replicas/{name:path}", self.page("replica")),
                 Route("/logs/{name:path}", self.logs_page),
                 Route("/nodes/{name}/mark", self.mark, methods=["POST"]),
                 Route("/alive", self.alive),
@@ -288,6 +289,8 @@ class Dashboard:
             return self._node(name, stored)
         if part == "model":
             return self._model(name)
+        if part == "replica":
+            return self._replica(name)
         if part == "pending":
             return {"pending": views.replicas(cp.state, cp.catalogs.current).pending}
         if part == "events":
@@ -319,7 +322,7 @@ class Dashboard:
         None: the part is made anew each time (events and usage, which are read from the
         store, cheaply)."""
         cp = self.cp
-        if part not in ("overview", "node", "model", "pending"):
+        if part not in ("overview", "node", "model", "replica", "pending"):
             return None
         state = cp.state
         now = cp.clock.monotonic()
@@ -343,6 +346,11 @@ class Dashboard:
         if part == "model":
             points = cp.series.series.of(name)
             basis += (len(points), points[-1].at if points else None)
+        if part == "replica":
+            basis += (
+                cp.term.replica_loads().get(name),
+                tuple(cp.loads.ejections(now).get(name, ())),
+            )
         return basis
 
     async def live(self, request: Request) -> Response:
@@ -493,6 +501,19 @@ class Dashboard:
             "scaling": scaling,
             "plot": json.dumps(plot),
             "interval": cp.series.series.interval,
+        }
+
+    def _replica(self, rid: str) -> dict[str, Any] | None:
+        """A replica in full: its state, each shard's (restarts, failures in a row, start
+        time, error, the end of its log), why routers send it nothing, and its load."""
+        cp = self.cp
+        record = cp.state.replicas.get(rid)
+        if record is None:
+            return None
+        ejected = cp.loads.ejections(cp.clock.monotonic()).get(rid, [])
+        return {
+            "replica": views.replica_view(cp.state, record, ejected),
+            "load": cp.term.replica_loads().get(rid),
         }
 
     def _usage(self, stored: Stored) -> dict[str, Any]:
