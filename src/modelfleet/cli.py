@@ -646,6 +646,9 @@ def engine_sim(
     prefill_per_token: Annotated[float, typer.Option(help="Extra TTFT per prompt token.")] = 0.0001,
     itl: Annotated[float, typer.Option(help="Seconds between output tokens.")] = 0.01,
     max_concurrency: Annotated[int, typer.Option(help="Requests decoding at once.")] = 16,
+    kv_cache_tokens: Annotated[
+        int, typer.Option(help="The KV cache: tokens the running requests may hold.")
+    ] = 32768,
     output_tokens: Annotated[int, typer.Option(help="Tokens when max_tokens is unset.")] = 16,
     startup_delay: Annotated[float, typer.Option(help="Seconds before listening.")] = 0.0,
     fault: Annotated[
@@ -733,6 +736,8 @@ def engine_sim(
 
     if max_concurrency < 1:
         fail("--max-concurrency must be at least 1")
+    if kv_cache_tokens < 1:
+        fail("--kv-cache-tokens must be at least 1")
     if fault not in FAULTS:
         fail(f"--fault {fault!r}: one of {', '.join(FAULTS)}")
     if prefix_cache_blocks < 0:
@@ -752,6 +757,7 @@ def engine_sim(
         prefill_per_token=prefill_per_token,
         itl=itl,
         max_concurrency=max_concurrency,
+        kv_cache_tokens=kv_cache_tokens,
         output_tokens=output_tokens,
         fault=fault,
         hang_after=hang_after,

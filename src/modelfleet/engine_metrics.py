@@ -61,6 +61,11 @@ def load_sources() -> frozenset[str]:
     return frozenset(n for s in SIGNALS if s.name in LOAD_SIGNALS for n in s.sources)
 
 
+def cache_sources() -> frozenset[str]:
+    """Every engine's names for the share of its KV cache in use."""
+    return frozenset(_signal("kv_cache_usage_ratio").sources)
+
+
 def translate(pages: Iterable[tuple[dict[str, str], str]]) -> bytes:
     """Engines' `/metrics` pages, each with the labels to give its series (model, replica,
     node), as `modelfleet_engine_*` families in Prometheus text."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -343,6 +343,10 @@ class ModelLoad(_Message):
     engines: int = Field(default=0, ge=0)
     # replica id -> [this router's requests at it, its engine's own count as last read]
     replicas: dict[str, tuple[int, int]] = Field(default_factory=dict)
+    # replica id -> the share of its engine's KV cache in use, as this router last read it
+    cache: dict[str, Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]] = Field(
+        default_factory=dict
+    )
     # A LoRA adapter: requests per second asked of this router lately (fading over ~30 s).
     rate: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     # A LoRA adapter: seconds the oldest request this router holds for it has waited.

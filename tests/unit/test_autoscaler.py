@@ -34,16 +34,31 @@ SCALED = {
 
 
 def test_loads_sum_what_routers_send_and_hold_and_take_the_engines_count_once() -> None:
-    a = LoadReport(models={"m": ModelLoad(in_flight=3, held=2, engines=5, replicas={"r1": (3, 5)})})
+    a = LoadReport(
+        models={
+            "m": ModelLoad(
+                in_flight=3, held=2, engines=5, replicas={"r1": (3, 5)}, cache={"r1": 0.25}
+            )
+        }
+    )
     b = LoadReport(
         models={
-            "m": ModelLoad(in_flight=4, held=1, engines=6, replicas={"r1": (1, 6), "r2": (3, 0)})
+            "m": ModelLoad(
+                in_flight=4,
+                held=1,
+                engines=6,
+                replicas={"r1": (1, 6), "r2": (3, 0)},
+                cache={"r1": 0.5, "r2": 0.1},
+            )
         }
     )
     loads = combine([a, b])
     assert loads["m"].total == 3 + 7  # held by both, plus the 7 they sent (more than 6)
     assert loads["m"].held == 3
     assert dict(loads["m"].replicas) == {"r1": 6.0, "r2": 3.0}
+    # What the engines say of themselves, per replica: the latest reading of any router.
+    assert dict(loads["m"].engines) == {"r1": 6, "r2": 0}
+    assert dict(loads["m"].cache) == {"r1": 0.5, "r2": 0.1}
     # Requests that reached the engines some other way, or wait there, count too.
     busy = LoadReport(models={"m": ModelLoad(in_flight=1, engines=9)})
     assert combine([busy])["m"].total == 9

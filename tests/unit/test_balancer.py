@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from modelfleet.router.balancer import Balancer
-from modelfleet.router.engine_load import read_engine_load
+from modelfleet.router.engine_load import read_cache_usage, read_engine_load
 
 ENDPOINTS = [f"http://10.0.0.{i}:8000" for i in range(1, 9)]
 
@@ -136,3 +136,12 @@ def test_engine_load_is_read_from_each_engines_own_metric_names() -> None:
     assert read_engine_load("llamacpp:requests_processing 1\n") == 1
     assert read_engine_load("process_cpu_seconds_total 9.0\n") is None
     assert read_engine_load("vllm:num_requests_running NaN\n") is None
+
+
+def test_an_engine_s_kv_cache_in_use_is_read_by_each_engine_s_own_name() -> None:
+    """Issue 41: the KV cache in use per replica, which the vLLM board shows."""
+    two = 'vllm:kv_cache_usage_perc{engine="0"} 0.25\nvllm:kv_cache_usage_perc{engine="1"} 0.5\n'
+    assert read_cache_usage(two) == 0.5  # the fuller of its engines
+    assert read_cache_usage("sglang:token_usage 0.125\n") == 0.125
+    assert read_cache_usage("vllm:gpu_cache_usage_perc 1.7\n") == 1.0  # a share, at most all
+    assert read_cache_usage("vllm:num_requests_running 3\n") is None

@@ -18,6 +18,7 @@ from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.fleet import Mark
 from modelfleet.store.sqlite import SqliteStore
+from modelfleet.wire import LoadReport, ModelLoad
 
 from .test_admin_api import TOKEN, control_plane
 
@@ -197,5 +198,12 @@ def test_a_replica_has_a_page_of_its_own_linked_from_its_model() -> None:
             assert '<pre class="log">loaded</pre>' in page
             gone = await c.get("/ui/replicas/nope")
             assert gone.status_code == 404
+            # A router's reading of its engine: requests there and the KV cache in use.
+            load = ModelLoad(in_flight=2, engines=6, replicas={rid: (2, 6)}, cache={rid: 0.5})
+            report = LoadReport(models={"small": load})
+            cp.loads.reports["http://router"] = (cp.clock.monotonic(), report)
+            page = (await c.get(f"/ui/replicas/{rid}")).text
+            assert "load 6.0" in page and "at its engine: 6 running or waiting" in page
+            assert "KV cache 50 % in use" in page
 
     asyncio.run(go())

@@ -344,3 +344,29 @@ def test_a_stream_s_time_between_tokens_is_a_histogram_of_its_own() -> None:
         assert 0.015 <= gap < 0.5  # about the simulator's 20 ms a token
 
     run(go())
+
+
+@pytest.mark.usefixtures("way")
+def test_the_load_a_router_reports_has_each_replica_s_engine_queue_and_kv_cache() -> None:
+    """Issue 41: queue depth and KV-cache use per replica, read from the engines, for the
+    control plane to show."""
+
+    async def go() -> None:
+        simulator = create_simulator(SimSettings(model="m", ttft=3600, itl=0))
+        async with serving(simulator) as engine:
+            routed = RoutedModel(name="m", endpoints=[engine], replicas={engine: "m-r1"})
+            router = keyed(models=[routed])
+            async with client_of(router) as client:
+                asked = asyncio.create_task(
+                    client.post("/v1/completions", json={**COMPLETION, "prompt": "a b c d"})
+                )
+                await until("the request at the engine", lambda: simulator.state.engine.running)
+                await router.watch_once()
+                load = router.load_now().models["m"]
+                asked.cancel()
+                await asyncio.gather(asked, return_exceptions=True)
+            await router.close()
+        assert load.replicas["m-r1"][1] == 1  # running at its engine
+        assert 0 < load.cache["m-r1"] < 0.01  # its prompt's four tokens of 32,768
+
+    run(go())

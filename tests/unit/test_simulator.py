@@ -109,6 +109,9 @@ def test_concurrency_limit_queues_and_metrics_use_vllm_names() -> None:
             metrics = (await c.get("/metrics")).text
             assert 'vllm:num_requests_running{model_name="m"} 1.0' in metrics
             assert 'vllm:num_requests_waiting{model_name="m"} 2.0' in metrics
+            # The running one holds its prompt (one token) in the KV cache; the others none.
+            used = 1 / settings.kv_cache_tokens
+            assert f'vllm:kv_cache_usage_perc{{model_name="m"}} {used}' in metrics
             for request in requests:
                 request.cancel()
             await asyncio.gather(*requests, return_exceptions=True)

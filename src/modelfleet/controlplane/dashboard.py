@@ -347,9 +347,10 @@ class Dashboard:
             points = cp.series.series.of(name)
             basis += (len(points), points[-1].at if points else None)
         if part == "replica":
+            seen = self._replica(name)
             basis += (
-                cp.term.replica_loads().get(name),
                 tuple(cp.loads.ejections(now).get(name, ())),
+                *((seen["load"], seen["at_engine"], seen["cache"]) if seen else ()),
             )
         return basis
 
@@ -510,10 +511,14 @@ class Dashboard:
         record = cp.state.replicas.get(rid)
         if record is None:
             return None
-        ejected = cp.loads.ejections(cp.clock.monotonic()).get(rid, [])
+        now = cp.clock.monotonic()
+        ejected = cp.loads.ejections(now).get(rid, [])
+        model = (cp.loads.loads(now) or {}).get(record.replica.model)
         return {
             "replica": views.replica_view(cp.state, record, ejected),
-            "load": cp.term.replica_loads().get(rid),
+            "load": model.replicas.get(rid) if model else None,
+            "at_engine": model.engines.get(rid) if model else None,
+            "cache": model.cache.get(rid) if model else None,
         }
 
     def _usage(self, stored: Stored) -> dict[str, Any]:

@@ -50,6 +50,10 @@ class Load:
     total: float = 0.0
     held: int = 0  # of `total`: requests routers hold while no replica serves
     replicas: Mapping[str, float] = field(default_factory=dict)
+    # Per replica id, as the routers last read its engine: requests running and waiting
+    # there, and the share of its KV cache in use (the largest reading of any router).
+    engines: Mapping[str, int] = field(default_factory=dict)
+    cache: Mapping[str, float] = field(default_factory=dict)
     rate: float = 0.0  # a LoRA adapter: requests per second asked lately, over every router
     waited: float = 0.0  # a LoRA adapter: seconds its oldest held request has waited
 
@@ -63,6 +67,7 @@ def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
     per_engine: dict[str, dict[str, int]] = {}
     rates: dict[str, float] = {}
     waited: dict[str, float] = {}
+    cache: dict[str, dict[str, float]] = {}
     for report in reports:
         for model, load in report.models.items():
             rates[model] = rates.get(model, 0.0) + load.rate
@@ -74,6 +79,9 @@ def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
             for rid, (to_it, at_engine) in load.replicas.items():
                 s[rid] = s.get(rid, 0) + to_it
                 e[rid] = max(e.get(rid, 0), at_engine)
+            c = cache.setdefault(model, {})
+            for rid, share in load.cache.items():
+                c[rid] = max(c.get(rid, 0.0), share)
     return {
         model: Load(
             total=held[model] + max(sent[model], engines[model]),
@@ -82,6 +90,8 @@ def combine(reports: Iterable[LoadReport]) -> dict[str, Load]:
                 rid: float(max(n, per_engine[model].get(rid, 0)))
                 for rid, n in per_sent[model].items()
             },
+            engines=dict(per_engine[model]),
+            cache=dict(cache[model]),
             rate=rates[model],
             waited=waited[model],
         )

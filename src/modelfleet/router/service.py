@@ -48,7 +48,7 @@ from modelfleet.pki import (
 from modelfleet.processes import die_with_parent
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.cold import ColdHold
-from modelfleet.router.engine_load import read_engine_load
+from modelfleet.router.engine_load import read_cache_usage, read_engine_load
 from modelfleet.router.flight import Parts, Settings
 from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
 from modelfleet.router.metrics import COUNTS_SUFFIX, RouterMetrics, WorkerCounts, last_shown, summed
@@ -233,6 +233,7 @@ class Router:
         self.restored = seed.version > 0  # it holds what was pushed before it restarted
         self.pushed = False  # whether it holds a table pushed to this run of it
         self.balancer = Balancer()
+        self.engine_cache: dict[str, float] = {}  # endpoint -> its KV cache in use, last read
         self.cold = ColdHold(self.balancer, lambda: self.table)
         self.metrics = RouterMetrics(
             in_flight=self.balancer.in_flight, held=lambda: self.cold.held_total
@@ -329,6 +330,8 @@ class Router:
         self.table = RoutingTable.from_snapshot(snapshot)
         self.keys = self._key_ring(snapshot)
         self.balancer.keep_only(self.table.endpoints)
+        endpoints = set(self.table.endpoints)
+        self.engine_cache = {e: c for e, c in self.engine_cache.items() if e in endpoints}
         self.pushed = True
         if self.config.table_file is not None:
             write_json_atomic(self.config.table_file, snapshot.model_dump(mode="json"))
@@ -511,6 +514,9 @@ class Router:
         load = read_engine_load(text)
         if load is not None:
             self.balancer.set_engine_load(endpoint, load)
+        cache = read_cache_usage(text)
+        if cache is not None:
+            self.engine_cache[endpoint] = cache
 
     def _no_answer(self, endpoint: str) -> None:
         """`endpoint` did not answer a read of its load. After UNREACHABLE_AFTER in a row (a
@@ -587,6 +593,7 @@ class Router:
                 continue
             in_flight = engines = 0
             replicas: dict[str, tuple[int, int]] = {}
+            cache: dict[str, float] = {}
             for endpoint in endpoints:
                 seen = state.get(endpoint)
                 if seen is None:
@@ -596,12 +603,15 @@ class Router:
                 rid = self.table.replicas.get(endpoint)
                 if rid is not None:
                     replicas[rid] = (seen.in_flight, seen.engine_load)
+                    if endpoint in self.engine_cache:
+                        cache[rid] = self.engine_cache[endpoint]
             if in_flight or engines or model in held or replicas:
                 models[model] = ModelLoad(
                     in_flight=in_flight,
                     held=held.get(model, 0),
                     engines=engines,
                     replicas=replicas,
+                    cache=cache,
                 )
         return LoadReport(models=models, ejected=self.ejected())
 

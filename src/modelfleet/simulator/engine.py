@@ -33,6 +33,9 @@ class SimSettings:
     prefill_per_token: float = 0.0001  # extra seconds to first token per prompt token
     itl: float = 0.01  # seconds between output tokens
     max_concurrency: int = 16
+    # The KV cache, in tokens: each running request holds its prompt and what it generated
+    # so far, shown as vLLM's `vllm:kv_cache_usage_perc` (a share, 0 to 1).
+    kv_cache_tokens: int = 32768
     output_tokens: int = 16  # when the request sets no max_tokens
     fault: str = "none"  # one of FAULTS: what goes wrong on purpose, for rehearsals and tests
     # Seconds after the start at which it stops answering anything, /health included, while
@@ -176,6 +179,7 @@ class SimEngine:
         self._slots = asyncio.Semaphore(settings.max_concurrency)
         self.running = 0
         self.waiting = 0
+        self.kv_tokens = 0  # held in the KV cache by the requests running now
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_total = 0
@@ -227,6 +231,8 @@ class SimEngine:
             self.running += 1
             self.prompt_tokens_total += n_prompt
             self.requests_total += 1
+            held = n_prompt
+            self.kv_tokens += held
             to_prefill = n_prompt - self.prefix_cache.take(words)
             try:
                 await asyncio.sleep(
@@ -236,10 +242,13 @@ class SimEngine:
                     if i:
                         await asyncio.sleep(self.settings.itl)
                     self.generation_tokens_total += 1
+                    held += 1
+                    self.kv_tokens += 1
                     yield " " + _WORDS[(seed + i) % len(_WORDS)]
                 finished = True
             finally:
                 self.running -= 1
+                self.kv_tokens -= held
                 self._slots.release()
         finally:
             if not finished:

@@ -49,6 +49,11 @@ class _VllmMetrics:
         for name, doc, value in (
             ("vllm:num_requests_running", "Requests decoding now.", e.running),
             ("vllm:num_requests_waiting", "Requests waiting for a slot.", e.waiting),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                min(1.0, e.kv_tokens / e.settings.kv_cache_tokens),
+            ),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(labels, value)
