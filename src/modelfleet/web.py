@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import secrets
 from typing import Any
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,6 +23,14 @@ def json_response(data: Any, status: int = 200) -> Response:
 def error_response(status: int, message: str, **extra: Any) -> Response:
     """The error answer of modelfleet's own APIs (not the OpenAI one): `{"error": message}`."""
     return json_response({"error": message, **extra}, status)
+
+
+def from_elsewhere(request: Request) -> bool:
+    """Whether a browser sent `request` from a page of another origin: what a session
+    cookie's SameSite=Strict leaves to check on a change (a request with no Origin header
+    is not a browser's cross-site one)."""
+    origin = request.headers.get("origin")
+    return origin is not None and urlsplit(origin).netloc != request.headers.get("host")
 
 
 def bearer_matches(authorization: str | None, token: str | None) -> bool:

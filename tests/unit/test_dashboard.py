@@ -207,3 +207,27 @@ def test_a_replica_has_a_page_of_its_own_linked_from_its_model() -> None:
             assert "KV cache 50 % in use" in page
 
     asyncio.run(go())
+
+
+def test_the_playground_s_calls_need_a_session_this_origin_and_a_router_to_send_to() -> None:
+    cp = control_plane()  # its config names no router
+    _, client = ui_client(cp)
+    chat = {"key": "mf-x", "model": "small", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def go() -> None:
+        async with client as c:
+            assert (await c.post("/ui/playground/key")).status_code == 401
+            assert (await c.post("/ui/playground/chat", json=chat)).status_code == 401
+            await c.post("/ui/login", data={"token": TOKEN})
+            elsewhere = {"origin": "http://evil.example"}
+            made = await c.post("/ui/playground/key", headers=elsewhere)
+            assert made.status_code == 403 and not cp.keys.keys  # no key made
+            page = (await c.get("/ui/playground")).text
+            assert "<option>small</option>" in page and "names its <code>client_url</code>" in page
+            nowhere = await c.post("/ui/playground/chat", json=chat)
+            assert nowhere.status_code == 503 and "client_url" in nowhere.json()["error"]
+            made = await c.post("/ui/playground/key")
+            assert made.status_code == 200 and made.json()["key"].startswith("mf-")
+            assert [k.startswith("playground-") for k in cp.keys.keys] == [True]
+
+    asyncio.run(go())

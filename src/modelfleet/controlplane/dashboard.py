@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, urlencode, urlsplit
+from urllib.parse import parse_qs, quote, urlencode
 
 import jinja2
 from markupsafe import Markup, escape
@@ -43,7 +43,7 @@ from modelfleet.controlplane.playground import Playground
 from modelfleet.controlplane.series import QUANTILES, TIMES
 from modelfleet.fleet import Mark
 from modelfleet.store import StoredEvent, StoredUsage, StoreError
-from modelfleet.web import bearer_matches, read_at_most
+from modelfleet.web import bearer_matches, from_elsewhere, read_at_most
 
 UI = Path(__file__).parent / "ui"
 COOKIE = "modelfleet_ui"
@@ -238,8 +238,7 @@ class Dashboard:
     async def mark(self, request: Request) -> Response:
         if not self._signed_in(request):
             return Response("sign in first\n", status_code=401)
-        origin = request.headers.get("origin")
-        if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+        if from_elsewhere(request):
             return Response("a change must come from this dashboard\n", status_code=403)
         form = await _form(request)
         try:

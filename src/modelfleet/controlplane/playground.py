@@ -19,7 +19,6 @@ import secrets
 import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 from starlette.requests import Request
@@ -30,7 +29,7 @@ from modelfleet import admin
 from modelfleet.controlplane.keys import KeyRefused
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.pki import client_context
-from modelfleet.web import read_at_most
+from modelfleet.web import from_elsewhere, read_at_most
 
 MAX_CHAT_BYTES = 256 * 1024
 PLAYGROUND_KEY_LIFE = "1d"
@@ -79,8 +78,7 @@ class Playground:
         """401 without a session, 403 from another origin (what SameSite leaves to check)."""
         if not self.signed_in(request):
             return Response("sign in first\n", status_code=401)
-        origin = request.headers.get("origin")
-        if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+        if from_elsewhere(request):
             return Response("a playground call must come from this dashboard\n", status_code=403)
         return None
 
