@@ -11,6 +11,8 @@ import sys
 import threading
 from pathlib import Path
 
+import httpx
+
 from .conftest import ctl_target, fleet_of, wait_for
 
 
@@ -21,6 +23,7 @@ def test_a_watch_shows_new_events_and_repeats_counting_up(tmp_path: Path) -> Non
              "events", "--watch", "--for", "node/node-2"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
+        admin = {"authorization": f"Bearer {fleet.admin_token}"}
         lines: queue.Queue[str] = queue.Queue()
         seen: list[str] = []
 
@@ -48,6 +51,13 @@ def test_a_watch_shows_new_events_and_repeats_counting_up(tmp_path: Path) -> Non
             wait_for("the repeat counted up in the watch", lambda: saw("(x2)"))
             [cp] = [c for c in fleet.fleet.children if c.role == "control-plane"]
             fleet.fleet.restart(cp)
+
+            def heard_again() -> bool:
+                nodes = httpx.get(f"{fleet.admin_url}/v1/nodes", headers=admin, timeout=10)
+                return "node-2" in {n["name"] for n in nodes.json()["nodes"]}
+
+            # A node mark needs the node heard of: the restarted one waits for its report.
+            wait_for("node-2 heard by the restarted control plane", heard_again, 30)
             done = subprocess.run(
                 [sys.executable, "-m", "modelfleet", "ctl", *ctl_target(fleet),
                  "uncordon", "node-2"],
