@@ -41,8 +41,14 @@ def test_every_request_through_router_and_engine_is_one_trace(
     traces = collector.start()
     one, _ = start_engine(procs, tmp_path, "m", "--otlp-endpoint", traces)
     dead = closed_port()
+    # No reads of the engines' load (watch_interval 0): two unanswered reads of the dead one
+    # would eject it, on a slow machine before any request met it, and nothing would retry.
     router = start_router(
-        procs, tmp_path, [{"name": "m", "endpoints": [one, dead]}], otlp_endpoint=traces
+        procs,
+        tmp_path,
+        [{"name": "m", "endpoints": [one, dead]}],
+        otlp_endpoint=traces,
+        watch_interval=0,
     )
     client = openai.OpenAI(base_url=f"{router}/v1", api_key=KEY, timeout=20, max_retries=0)
     sent = 0

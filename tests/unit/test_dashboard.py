@@ -231,3 +231,22 @@ def test_the_playground_s_calls_need_a_session_this_origin_and_a_router_to_send_
             assert [k.startswith("playground-") for k in cp.keys.keys] == [True]
 
     asyncio.run(go())
+
+
+def test_the_playground_offers_each_adapter_as_the_router_takes_it() -> None:
+    keeper = CatalogKeeper(SqliteStore(":memory:"))
+    keeper.lead(0.0)
+    adapters = [{"name": "sql", "source": "/lora/sql"}, {"name": "chat", "source": "org/chat"}]
+    catalog = {"models": [{"name": "base", "engine": "sim", "adapters": adapters}]}
+    keeper.apply(yaml.safe_dump(catalog), "api", 0.0)
+    cp = ControlPlane(ControlPlaneConfig(admin_token=TOKEN, settle_for=-1), keeper)
+    _, client = ui_client(cp)
+
+    async def go() -> None:
+        async with client as c:
+            await c.post("/ui/login", data={"token": TOKEN})
+            page = (await c.get("/ui/playground")).text
+            offered = re.findall(r"<option>([^<]+)</option>", page)
+            assert offered == ["base", "base:sql", "base:chat"]  # router/table.adapter_alias
+
+    asyncio.run(go())
