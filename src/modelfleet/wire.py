@@ -9,6 +9,7 @@ versioned. Every exchange is level-triggered, so a lost or repeated message heal
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -30,6 +31,28 @@ class GpuReport(_Message):
     memory_used: int = Field(ge=0)
     healthy: bool = True
     reason: str = ""
+    # The share of time a kernel ran, in %, as NVML counts it; None where the GPU does not
+    # say (CPU slots). Plotted, never placed by: a change of it alone sends no report.
+    utilization: float | None = Field(default=None, ge=0, le=100)
+
+
+class NodeUse(_Message):
+    """A node's GPUs as sampled now, summed: their memory in use and in all, and their mean
+    utilisation (of those that say it; None: none does). Each heartbeat carries it for the
+    dashboard's plots of the node (`controlplane/series.py`); placement reads reports only."""
+
+    memory_used: int = Field(ge=0)
+    memory_total: int = Field(ge=0)
+    utilization: float | None = Field(default=None, ge=0, le=100)
+
+    @classmethod
+    def of(cls, gpus: Sequence[GpuReport]) -> NodeUse:
+        said = [g.utilization for g in gpus if g.utilization is not None]
+        return cls(
+            memory_used=sum(g.memory_used for g in gpus),
+            memory_total=sum(g.memory_total for g in gpus),
+            utilization=sum(said) / len(said) if said else None,
+        )
 
 
 class ShardState(StrEnum):
@@ -221,6 +244,7 @@ class Heartbeat(_Message):
     boot_id: str = Field(min_length=1, max_length=64)
     seq: int = Field(ge=0)  # counted with the reports: one more than the last report or beat
     assignment: str  # the version of the assignment the agent holds
+    use: NodeUse | None = None
 
 
 class HeartbeatAnswer(_Message):
@@ -381,6 +405,7 @@ class UsageRow(_Message):
     completion_tokens: int = Field(ge=0)
     errors: int = Field(ge=0)  # answers of status 400 and over
     last_at: float  # wall-clock seconds of the last of them
+    limited: int = Field(default=0, ge=0)  # refused for the key's own limits (429)
 
 
 class UsageBatch(_Message):

@@ -220,6 +220,7 @@ def test_failing_engines_show_backoff_and_log_tail_then_move_elsewhere(
     assert restarted >= 1  # each node restarts a failed engine after its backoff
     assert scraped[("modelfleet_agent_gpu_memory_total_bytes", "gpu=0")] == 2 * 80 * 10**9
     assert scraped[("modelfleet_agent_gpu_healthy", "gpu=0")] == 2
+    assert 0 <= scraped[("modelfleet_agent_gpu_utilization_percent", "gpu=0")] <= 200  # 2 nodes
     # Every state has its series, even at a moment when both models are kept off both nodes.
     states = {labels for (n, labels) in scraped if n == "modelfleet_agent_shards"}
     assert states == {f"state={s.value}" for s in ShardState}, states

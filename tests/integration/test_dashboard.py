@@ -1,13 +1,18 @@
 """The dashboard in Debian's Chromium, driven by Playwright, against a fleet as `up` starts
 one: sign in, see both default models serving, cordon a node from its page and see the page
-change, open a replica's engine log, and keep a screenshot of the overview."""
+change, open a replica's engine log, see it say when it is stale, chat in the Playground,
+read the plots of models, nodes and keys over a range and after a restart; screenshots
+kept."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -184,7 +189,8 @@ def test_the_playground_chats_with_a_model_through_the_router_with_a_key_made_th
 ) -> None:
     """Issue 41: GPUStack and LiteLLM give the operator a chat with any model from the
     browser. Here: a key made on the page, a streamed answer through the router, the replica
-    that answered and the time to the first token; a wrong key refused in the router's words."""
+    that answered and the time to the first token; a wrong key refused in the router's words;
+    then a LoRA adapter added to the catalog, chosen as model:adapter and answered as it."""
     wait_for("sim-chat serving", lambda: serving(fleet).get("sim-chat") == 2, timeout=60)
     page = browser.new_page()
     page.set_default_timeout(20_000)
@@ -212,10 +218,144 @@ def test_the_playground_chats_with_a_model_through_the_router_with_a_key_made_th
     assert len(answers) == 2 and len(answers[-1].split()) > 3, answers
     page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
     assert (tmp_path / "playground.png").stat().st_size > 10_000
+    admin = {"authorization": f"Bearer {fleet.admin_token}"}
     events = httpx.get(
-        f"{fleet.admin_url}/v1/events",
-        params={"for": "key"},
-        headers={"authorization": f"Bearer {fleet.admin_token}"},
-        timeout=10,
+        f"{fleet.admin_url}/v1/events", params={"for": "key"}, headers=admin, timeout=10
     ).json()["events"]
     assert any(e["reason"] == "KeyCreated" and "playground-" in e["regarding"] for e in events)
+
+    # An adapter, chosen as model:adapter: answered by a replica holding it, counted as it.
+    text = fleet.catalog_file.read_text().replace(
+        "  - name: sim-chat\n",
+        "  - name: sim-chat\n    max_loras: 2\n    adapters: [{name: sql, source: org/sql-lora}]\n",
+    )
+    fleet.catalog_file.write_text(text)
+
+    def sql_loaded() -> bool:
+        replicas = httpx.get(f"{fleet.admin_url}/v1/replicas", headers=admin, timeout=10)
+        return any(
+            a["name"] == "sql" and a["state"] == "loaded"
+            for r in replicas.json()["replicas"]
+            if r["model"] == "sim-chat" and r["state"] == "ready"
+            for a in r["shards"][0]["adapters"]
+        )
+
+    wait_for("the sql adapter loaded in a ready sim-chat replica", sql_loaded, timeout=60)
+    page.reload()
+    wait_for("sim-chat:sql offered", lambda: "sim-chat:sql" in page.locator(
+        "#model option").all_inner_texts(), timeout=10)  # fmt: skip
+    page.select_option("#model", "sim-chat:sql")
+    page.fill("#prompt", "SELECT something")
+    page.click("#send")
+    page.locator("#answer-info").filter(has_text="first token after").wait_for()
+    assert page.inner_text("#answer-info").startswith("answered by sim-chat-")
+    metrics = httpx.get(f"{fleet.router_url}/metrics", timeout=10).text
+    assert 'modelfleet_router_requests_total{model="sql",status="200"} 1.0' in metrics, metrics
+
+
+def plotted(page: Page) -> dict[str, Any]:
+    """The numbers the page's plots draw, as the live part now holds them."""
+    return dict(json.loads(page.locator(".plots").get_attribute("data-plot") or "{}"))
+
+
+def any_above(line: list[float | None] | None, floor: float = 0.0) -> bool:
+    return any(v is not None and v > floor for v in line or [])
+
+
+def test_plots_of_models_nodes_and_keys_cover_a_range_and_outlive_a_restart(
+    browser: Browser, fleet: RunningFleet, tmp_path: Path
+) -> None:
+    """Issue 41: no GPU memory or utilisation over time per node, no requests/s or 429s per
+    key, no time range, and model plots lost at each control-plane restart. Under load from
+    two keys (one over its limit): a node's GPUs plotted as the simulated engines hold and
+    use them, each key's requests and 429s, a model's requests in the 1 h and 24 h ranges,
+    and the same points again after the control plane restarted."""
+    wait_for("sim-chat serving", lambda: serving(fleet).get("sim-chat") == 2, timeout=60)
+    admin = {"authorization": f"Bearer {fleet.admin_token}"}
+    made = httpx.post(f"{fleet.admin_url}/v1/keys", json={"name": "limited", "rpm": 2},
+                      headers=admin, timeout=10)  # fmt: skip
+    assert made.status_code == 200, made.text
+    limited = made.json()["key"]
+
+    def ask(key: str) -> int:
+        answer = httpx.post(
+            f"{fleet.router_url}/v1/chat/completions",
+            json={"model": "sim-chat", "max_tokens": 40,
+                  "messages": [{"role": "user", "content": "plot me"}]},
+            headers={"authorization": f"Bearer {key}"},
+            timeout=30,
+        )  # fmt: skip
+        return answer.status_code
+
+    wait_for("the limited key taken by the router", lambda: ask(limited) in (200, 429))
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def load(key: str) -> None:
+        while not stop.is_set():
+            statuses.append(ask(key))
+
+    loaders = [threading.Thread(target=load, args=(k,), daemon=True)
+               for k in (fleet.api_key, fleet.api_key, fleet.api_key, limited)]  # fmt: skip
+    for t in loaders:
+        t.start()
+    page = browser.new_page()
+    page.set_default_timeout(20_000)
+    try:
+        sign_in(page, fleet)
+        page.goto(f"{fleet.admin_url}/ui/models/sim-chat")
+        wait_for("sim-chat's requests plotted",
+                 lambda: any_above(plotted(page).get("requests_per_s")), timeout=30)  # fmt: skip
+        assert any_above(plotted(page).get("request_p95_ms"))
+        assert "a point per 20 s" in page.inner_text(".ranges")  # 3,600 points of 1 s, merged
+
+        page.goto(f"{fleet.admin_url}/ui/nodes/node-1")
+        wait_for(
+            "node-1's GPUs plotted busy, holding memory",
+            lambda: (
+                any_above(plotted(page).get("utilization_pct"))
+                and any_above(plotted(page).get("memory_used_gib"))
+            ),
+            timeout=30,
+        )
+        held = max(v for v in plotted(page)["memory_used_gib"] if v is not None)
+        total = max(v for v in plotted(page)["memory_total_gib"] if v is not None)
+        assert 0 < held < total  # as vLLM would: 90 % of the GPUs its engines run on
+        page.screenshot(path=str(tmp_path / "node-plots.png"), full_page=True)
+
+        page.goto(f"{fleet.admin_url}/ui/usage")
+        wait_for(
+            "the limited key's 429s plotted",
+            lambda: any_above((plotted(page).get("limited_per_s") or {}).get("limited")),
+            timeout=30,
+        )
+        requests = plotted(page)["requests_per_s"]
+        assert any_above(requests.get("up")) or any(any_above(v) for v in requests.values())
+        page.screenshot(path=str(tmp_path / "key-plots.png"), full_page=True)
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join(30)
+    assert 429 in statuses and 200 in statuses
+
+    # The day's range: quarter-hour points, from the same store.
+    page.goto(f"{fleet.admin_url}/ui/models/sim-chat")
+    page.click(".ranges a:text('24h')")
+    page.wait_for_url("**/ui/models/sim-chat?range=24h")
+    page.locator(".ranges a.current").filter(has_text="24h").wait_for()
+    assert "a point per 15 min" in page.inner_text(".ranges")
+    assert any_above(plotted(page).get("requests_per_s"))
+    page.screenshot(path=str(tmp_path / "model-24h.png"), full_page=True)
+
+    # A restart: the plots still hold what was counted before it.
+    page.goto(f"{fleet.admin_url}/ui/models/sim-chat")
+    before = plotted(page)
+    counted_before = [at for at, v in zip(before["at"], before["requests_per_s"], strict=True) if v]
+    [cp] = [c for c in fleet.fleet.children if c.role == "control-plane"]
+    fleet.fleet.restart(cp)
+    sign_in(page, fleet)
+    page.goto(f"{fleet.admin_url}/ui/models/sim-chat")
+    after = plotted(page)
+    kept = [at for at, v in zip(after["at"], after["requests_per_s"], strict=True) if v]
+    assert set(counted_before) <= set(kept), (counted_before, kept)
+    page.screenshot(path=str(tmp_path / "model-after-restart.png"), full_page=True)

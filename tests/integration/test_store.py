@@ -34,6 +34,7 @@ from modelfleet.store import (
     StoredJoinToken,
     StoredKey,
     StoredMark,
+    StoredPoint,
     StoredUsage,
     StoreError,
 )
@@ -270,6 +271,32 @@ def test_usage_is_added_once_per_batch_and_summed(store: Store) -> None:
     assert store.usage_totals() == {"k": (8, 43, hour + 3700.0), "j": (1, 2, hour + 1.0)}
 
 
+def test_points_are_replaced_in_place_read_by_step_and_forgotten_by_age(store: Store) -> None:
+    def point(kind: str, subject: str, step: int, at: int, body: str = "{}") -> StoredPoint:
+        return StoredPoint(kind, subject, step, at, body)
+
+    store.put_points(
+        [point("model", "m", 60, 60), point("model", "m", 60, 120), point("node", "n-1", 60, 60),
+         point("model", "m", 900, 0, '{"a": 1}')],
+        forget={},
+    )  # fmt: skip
+    store.put_points([point("model", "m", 900, 0, '{"a": 2}')], forget={})  # the same point
+    assert store.points("model", "m", 900, 0) == [point("model", "m", 900, 0, '{"a": 2}')]
+    assert [p.at for p in store.points("model", "m", 60, 0)] == [60, 120]
+    assert [p.at for p in store.points("model", "m", 60, 100)] == [120]
+    assert {(p.kind, p.subject) for p in store.points(None, None, 60, 0)} == {
+        ("model", "m"),
+        ("node", "n-1"),
+    }
+    # Many at once (more than one statement's rows), and the old of one step forgotten.
+    many = [point("key", f"k{i}", 60, 180) for i in range(2500)]
+    store.put_points(many, forget={60: 120})
+    assert len(store.points("key", None, 60, 0)) == 2500
+    assert [p.at for p in store.points("model", "m", 60, 0)] == [120]
+    assert store.points("node", "n-1", 60, 0) == []
+    assert len(store.points("model", "m", 900, 0)) == 1  # another step: kept
+
+
 def test_a_schema_newer_than_this_modelfleet_is_refused_naming_both(opened: Opened) -> None:
     opened.open().close()
     if opened.kind == "sqlite":
@@ -458,16 +485,19 @@ def test_a_store_of_schema_1_takes_the_tables_of_later_versions_at_open(opened: 
         with sqlite3.connect(opened.where) as db:
             db.execute("DROP TABLE lease")
             db.execute("DROP TABLE control_planes")
+            db.execute("DROP TABLE series")
             db.execute("PRAGMA user_version = 1")
     else:
         with psycopg.connect(opened.where, autocommit=True) as conn:
             conn.execute("DROP TABLE lease")
             conn.execute("DROP TABLE control_planes")
+            conn.execute("DROP TABLE series")
             conn.execute("DELETE FROM schema_version WHERE version > 1")
     store = opened.open()
     try:
         assert store.lease().holder == "" and store.take_lease("cp", 1.0).epoch == 1
         assert store.control_planes() == []
+        assert store.points(None, None, 60, 0) == []
     finally:
         store.close()
 

@@ -28,6 +28,7 @@ class FakeGpu:
     name: str = "NVIDIA H100 80GB HBM3"
     total: int = 80 * 2**30
     used: int = 0
+    utilization: int | None = 0  # None: not supported
     lost: bool = False
     remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)  # None: not supported
     retired_pending: bool = False
@@ -63,6 +64,11 @@ class FakeNvml:
                 raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
             return gpu.remapped_rows  # type: ignore[return-value]
 
+        def utilization(gpu: FakeGpu) -> SimpleNamespace:
+            if check(gpu).utilization is None:
+                raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+            return SimpleNamespace(gpu=gpu.utilization, memory=0)
+
         def index_of(h: FakeGpu) -> int:
             return next(i for i, g in enumerate(fake.gpus) if g is h)
 
@@ -84,6 +90,7 @@ class FakeNvml:
             nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(
                 total=check(h).total, used=h.used, free=h.total - h.used
             ),
+            nvmlDeviceGetUtilizationRates=utilization,
             nvmlDeviceGetRemappedRows=remapped,
             nvmlDeviceGetRetiredPagesPendingStatus=lambda h: int(check(h).retired_pending),
             nvmlDeviceGetTotalEccErrors=lambda h, _type, _counter: check(h).ecc_uncorrected,

@@ -344,8 +344,9 @@ def test_a_store_that_cannot_write_refuses_changes_with_503_and_recovers_by_itse
     async def go() -> None:
         http = httpx.AsyncClient(transport=httpx.MockTransport(router))
         collector = UsageCollector(
-            [RouterTarget(url="http://router", token="t")], http, cp.calls, 1.0, time.time
-        )
+            [RouterTarget(url="http://router", token="t")], http, cp.calls, 1.0, time.time,
+            cp.recorder,
+        )  # fmt: skip
         async with admin_client(cp) as c:
             db.execute(f"PRAGMA max_page_count = {pages}")
             big = {"name": "alice", "models": ["small"] * 2000}  # each write needs new pages

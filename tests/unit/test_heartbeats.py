@@ -62,6 +62,8 @@ def test_an_agent_reports_what_changed_and_beats_otherwise() -> None:
     assert needs_report(taken, report("n", seq=2, shards=[shard]))
     drift = [g.model_copy(update={"memory_used": g.memory_used + (1 << 20)}) for g in GPUS.gpus()]
     assert not needs_report(taken, report("n", seq=2, gpus=drift))  # a MiB of drift: no
+    busy = [g.model_copy(update={"utilization": 87.5}) for g in GPUS.gpus()]
+    assert not needs_report(taken, report("n", seq=2, gpus=busy))  # heartbeats carry it
     moved = [g.model_copy(update={"memory_used": MEMORY_DRIFT + 1}) for g in GPUS.gpus()]
     assert needs_report(taken, report("n", seq=2, gpus=moved))
     failed = [g.model_copy(update={"healthy": False, "reason": "XID 79"}) for g in GPUS.gpus()]

@@ -18,16 +18,18 @@ from modelfleet.wire import AgentReport
 from .fake_nvml import FakeGpu, FakeNvml
 
 
-def test_a_healthy_gpu_reports_its_name_and_memory() -> None:
-    fake = FakeNvml([FakeGpu(used=10 * 2**30)])
-    [gpu] = NvmlGpus(fake.module()).gpus()
+def test_a_healthy_gpu_reports_its_name_memory_and_utilisation() -> None:
+    fake = FakeNvml([FakeGpu(used=10 * 2**30, utilization=37), FakeGpu(utilization=None)])
+    gpu, other = NvmlGpus(fake.module()).gpus()
     assert fake.initialised
-    assert (gpu.model, gpu.memory_total, gpu.memory_used) == (
+    assert (gpu.model, gpu.memory_total, gpu.memory_used, gpu.utilization) == (
         "NVIDIA H100 80GB HBM3",
         80 * 2**30,
         10 * 2**30,
+        37.0,
     )
     assert gpu.healthy and gpu.reason == ""
+    assert other.utilization is None and other.healthy  # not supported: not said, not a fault
 
 
 def test_every_fault_marks_its_gpu_unhealthy_with_the_reason() -> None:

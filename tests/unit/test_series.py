@@ -1,15 +1,38 @@
-"""The routers' numbers the dashboard plots: counters read from their metrics pages, summed
-over routers, one point per interval; a router that restarted counts from zero again."""
+"""The numbers the dashboard plots: the routers' counters read from their metrics pages,
+summed over routers, one point per step; a router that restarted counts from zero again;
+points kept in the store, a quarter hour's growing across a restart; nodes' GPU samples as
+means; a range's points merged without losing a request."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
+from collections.abc import Mapping, Sequence
 
 import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from modelfleet.controlplane.config import RouterTarget
-from modelfleet.controlplane.series import RouterSeries, Series, read_totals
+from modelfleet.controlplane.series import (
+    COARSE_STEP,
+    FINE_KEEP_S,
+    MAX_SHOWN,
+    RANGES,
+    Recorder,
+    RouterSeries,
+    Totals,
+    read_totals,
+    shown,
+    shown_model,
+    shown_node,
+)
+from modelfleet.store import StoredPoint, StoreError
+from modelfleet.store.calls import StoreCalls
+from modelfleet.store.sqlite import SqliteStore
+from modelfleet.wire import GpuReport, NodeUse
 
 
 def page(requests_200: int, requests_503: int, first_byte_sum: float, count: int) -> str:
@@ -48,6 +71,10 @@ modelfleet_router_refusals_total{model="m",reason="key-rpm",status="429"} 4
     assert counted == (15, 2, 7)  # 2 of the 503s came from engines
 
 
+def recorder(store: SqliteStore, clock: list[float], step: int = 10) -> Recorder:
+    return Recorder(step, StoreCalls(store, 5.0, lambda: clock[0]), lambda: clock[0])
+
+
 def test_points_sum_the_routers_and_a_restarted_router_counts_from_zero() -> None:
     pages = {"a": [page(0, 0, 0, 0), page(10, 0, 1.0, 10), page(3, 1, 0.4, 4)],
              "b": [page(5, 0, 0.5, 5), page(15, 0, 1.5, 15), page(25, 0, 2.5, 25)]}  # fmt: skip
@@ -60,27 +87,125 @@ def test_points_sum_the_routers_and_a_restarted_router_counts_from_zero() -> Non
         return httpx.Response(200, text=text)
 
     clock = [100.0]
+    store = SqliteStore(":memory:")
     http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
     routers = [
         RouterTarget(url="http://a", token="t" * 16),
         RouterTarget(url="http://b", token="t" * 16),
     ]
-    series = RouterSeries(routers, http, 10.0, lambda: clock[0])
+    rec = recorder(store, clock)
+    RouterSeries(routers, http, rec)
 
     async def go() -> None:
-        await series.sample()  # the first reading: nothing to count from
-        assert series.series.of("m") == []
+        await rec.write()  # the first reading: nothing to count from
+        assert store.points("model", "m", 10, 0) == []
         clock[0] += 10
-        await series.sample()
+        await rec.write()
         clock[0] += 10
-        await series.sample()
+        await rec.write()
 
     asyncio.run(go())
-    first, second = series.series.of("m")
-    assert first.requests_per_s == 2.0  # 10 + 10 in 10 s
+    points = store.points("model", "m", 10, 0)
+    assert [p.at for p in points] == [100, 110]  # each the step that just ended
+    first, second = (shown_model(Totals.loads(p.body), 10) for p in points)
+    assert first["requests_per_s"] == 2.0  # 10 + 10 in 10 s
     # Router a restarted: its 4 since count whole; b counted 10 more.
-    assert second.requests_per_s == 1.4 and second.errors_per_s == 0.1
-    assert second.at == 120.0
+    assert second["requests_per_s"] == 1.4 and second["errors_per_s"] == 0.1
+
+
+def test_the_quarter_hour_point_grows_with_each_step_and_across_a_restart() -> None:
+    """Plots survive a restart (issue 41): a control plane that starts leading mid-quarter
+    adds to the quarter's point another wrote, and one that does not lead writes nothing."""
+    clock = [1800.0 + 5]
+    store = SqliteStore(":memory:")
+
+    async def step(rec: Recorder, requests: float) -> None:
+        rec.add("model", "m", Totals({"requests": requests}))
+        clock[0] += 10
+        await rec.write()
+
+    async def go() -> None:
+        first = recorder(store, clock)
+        await step(first, 3)
+        await step(first, 4)
+        second = recorder(store, clock)  # the restarted control plane
+        await step(second, 5)
+        second.acting = lambda: False
+        await step(second, 100)  # not leading: dropped
+        second.acting = lambda: True
+        await step(second, 1)
+
+    asyncio.run(go())
+    [quarter] = store.points("model", "m", COARSE_STEP, 0)
+    assert quarter.at == 1800 and Totals.loads(quarter.body).count("requests") == 13
+    fine = store.points("model", "m", 10, 0)
+    assert [Totals.loads(p.body).count("requests") for p in fine] == [3, 4, 5, 1]
+
+
+def test_old_points_are_forgotten_by_their_step() -> None:
+    clock = [0.0]
+    store = SqliteStore(":memory:")
+    rec = recorder(store, clock, step=60)
+
+    async def go() -> None:
+        for _ in range(3):
+            rec.add("key", "k", Totals({"requests": 1}))
+            clock[0] += FINE_KEEP_S / 2
+            await rec.write()
+
+    asyncio.run(go())
+    assert len(store.points("key", "k", 60, 0)) == 2  # the first is over 6 h old
+    assert len(store.points("key", "k", COARSE_STEP, 0)) == 3
+
+
+def test_a_node_point_is_the_mean_of_its_gpu_samples() -> None:
+    clock = [0.0]
+    store = SqliteStore(":memory:")
+    rec = recorder(store, clock)
+    gib = 2**30
+
+    def gpu(index: int, used: int, utilization: float | None) -> GpuReport:
+        return GpuReport(index=index, model="H100", memory_total=80 * gib,
+                         memory_used=used * gib, utilization=utilization)  # fmt: skip
+
+    rec.gpus("n", NodeUse.of([gpu(0, 10, 50), gpu(1, 30, 100)]))
+    rec.gpus("n", NodeUse.of([gpu(0, 20, 0), gpu(1, 20, None)]))  # GPU 1 says nothing
+    rec.gpus("cpu", NodeUse.of([gpu(0, 0, None)]))  # no utilisation said at all
+    clock[0] += 10
+    asyncio.run(rec.write())
+    [node] = store.points("node", "n", 10, 0)
+    assert shown_node(Totals.loads(node.body), 10) == {
+        "memory_used_gib": 40.0,
+        "memory_total_gib": 160.0,
+        "utilization_pct": 37.5,  # (75 + 0) / 2: a GPU that says nothing is left out
+    }
+    [cpu] = store.points("node", "cpu", 10, 0)
+    assert shown_node(Totals.loads(cpu.body), 10)["utilization_pct"] is None
+
+
+@given(
+    counts=st.dictionaries(st.integers(0, 2000), st.integers(0, 50), max_size=300),
+    span=st.sampled_from(sorted(RANGES.values())),
+)
+def test_a_plot_merges_points_without_losing_or_inventing_a_request(
+    counts: dict[int, int], span: int
+) -> None:
+    """However many points a range holds, it shows at most MAX_SHOWN, and every request of a
+    point inside the range is in exactly one of them (rate times width adds back up)."""
+    step = 60 if span <= FINE_KEEP_S else COARSE_STEP
+    now = 2100 * step
+    points = [
+        StoredPoint("key", "k", step, i * step, Totals({"requests": float(n)}).dumps())
+        for i, n in sorted(counts.items())
+    ]
+    got = shown("key", points, span, now)
+    assert len(got) <= MAX_SHOWN
+    width = max(1, -(-span // step // MAX_SHOWN)) * step  # the seconds a shown point covers
+    inside = sum(n for i, n in counts.items() if i * step + step > now - span)
+    assert all(p.at % width == 0 for p in got)
+    assert all(b.at > a.at for a, b in itertools.pairwise(got))  # one point per time, in order
+    total = sum((p.values["requests_per_s"] or 0) * width for p in got)
+    assert abs(total - inside) < 1e-6 * max(1, inside)
 
 
 def histogram(counts: dict[float, int]) -> str:
@@ -104,7 +229,43 @@ def test_percentiles_come_from_the_buckets_counted_in_the_interval() -> None:
     assert since.quantile("first_byte", 0.95) == 0.5 + 0.5 * (95 - 80) / 19
     assert since.quantile("first_byte", 0.99) == 1.0  # in +Inf: the last finite bound
     assert since.quantile("request", 0.5) is None  # no request time read: nothing to say
-    series = Series(10.0)
-    series.add(100.0, 10.0, {"m": since})
-    [point] = series.of("m")
-    assert point.times["first_byte_p50"] == 0.1 and point.times["request_p99"] is None
+    shown_ = shown_model(Totals.loads(since.dumps()), 10.0)  # as written and read back
+    assert shown_["first_byte_p50"] == 0.1 and shown_["request_p99"] is None
+    assert shown_["first_byte_p99"] == 1.0
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_failed_write_loses_its_step_and_the_quarter_is_read_again(landed: bool) -> None:
+    """A write that failed may have landed (its answer lost) or not: the next one reads the
+    quarter's point back rather than adding to what it held, so that either way the quarter
+    is the sum of the steps the store holds, none counted twice."""
+
+    class Flaky(SqliteStore):
+        fail = 0
+
+        def put_points(self, points: Sequence[StoredPoint], forget: Mapping[int, float]) -> None:
+            if self.fail and not landed:
+                self.fail -= 1
+                raise StoreError("the store is gone")
+            super().put_points(points, forget)
+            if self.fail:
+                self.fail -= 1
+                raise StoreError("the answer was lost")
+
+    clock = [1800.0]
+    store = Flaky(":memory:")
+    rec = recorder(store, clock)
+
+    async def go() -> None:
+        for requests, fail in ((1, 0), (2, 1), (4, 0)):
+            store.fail = fail
+            rec.add("model", "m", Totals({"requests": requests}))
+            clock[0] += 10
+            await rec.write()
+
+    asyncio.run(go())
+    assert rec.written == 2
+    steps = [Totals.loads(p.body).count("requests") for p in store.points("model", "m", 10, 0)]
+    assert steps == ([1, 2, 4] if landed else [1, 4])
+    [quarter] = store.points("model", "m", COARSE_STEP, 0)
+    assert Totals.loads(quarter.body).count("requests") == sum(steps)

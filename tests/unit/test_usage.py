@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from modelfleet.controlplane.config import RouterTarget
+from modelfleet.controlplane.series import Recorder, Totals
 from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.router.service import create_apps
 from modelfleet.router.usage import Usage, UsageLedger
@@ -25,15 +26,16 @@ HOUR = 1_800_000_000 // 3600 * 3600
 def test_a_batch_is_sent_until_it_is_acknowledged_and_then_forgotten() -> None:
     ledger = UsageLedger(run="r1")
     assert ledger.take() is None
-    ledger.count("alice", "m", HOUR + 5, Usage(10, 3), error=False)
-    ledger.count("alice", "m", HOUR + 6, None, error=True)
-    ledger.count("alice", "m", HOUR + 3600, Usage(1, 1), error=False)  # the next hour
+    ledger.count("alice", "m", HOUR + 5, Usage(10, 3), status=200)
+    ledger.count("alice", "m", HOUR + 6, None, status=500)
+    ledger.count("alice", "m", HOUR + 7, None, status=429)  # over its limit
+    ledger.count("alice", "m", HOUR + 3600, Usage(1, 1), status=200)  # the next hour
     first = ledger.take()
     assert first is not None and first.batch == 1
-    rows = {(r.hour, r.requests, r.prompt_tokens, r.completion_tokens, r.errors)
+    rows = {(r.hour, r.requests, r.prompt_tokens, r.completion_tokens, r.errors, r.limited)
             for r in first.rows}  # fmt: skip
-    assert rows == {(HOUR, 2, 10, 3, 1), (HOUR + 3600, 1, 1, 1, 0)}
-    ledger.count("bob", "m", HOUR + 7, Usage(2, 2), error=False)
+    assert rows == {(HOUR, 3, 10, 3, 2, 1), (HOUR + 3600, 1, 1, 1, 0, 0)}
+    ledger.count("bob", "m", HOUR + 7, Usage(2, 2), status=200)
     assert ledger.take() == first  # not acknowledged: the same batch again
     assert not ledger.ack("r1", 2) and not ledger.ack("other-run", 1)
     assert ledger.ack("r1", 1)
@@ -94,14 +96,20 @@ def test_the_control_plane_collects_what_the_router_counted_from_the_engines_usa
                 return await transport.handle_async_request(request)
 
             store = SqliteStore(":memory:")
+            calls = StoreCalls(store, 5.0)
+            recorder = Recorder(10, calls, lambda: wall.now)
             async with httpx.AsyncClient(transport=httpx.MockTransport(to_router)) as http:
                 target = RouterTarget(url="http://router", token="push-token-123")
-                collector = UsageCollector(
-                    [target], http, StoreCalls(store, 5.0), 1.0, lambda: wall.now
-                )
+                collector = UsageCollector([target], http, calls, 1.0, lambda: wall.now, recorder)
                 await collector.collect()  # stored; its acknowledgement is lost
                 await collector.collect()  # sent again: stored once, acknowledged
                 await collector.collect()  # nothing new
+            wall.now += 10
+            await recorder.write()
+            # The key's plot counts each request once, though its batch was sent twice.
+            [point] = store.points("key", "k", 10, 0)
+            plotted = Totals.loads(point.body)
+            assert (plotted.count("requests"), plotted.count("errors")) == (3, 1)
             [row] = store.usage(model="m")
             assert (row.key, row.model, row.hour, row.requests, row.errors) == ("k", "m", HOUR,
                                                                                 2, 0)  # fmt: skip

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import psutil
 
+from modelfleet.agent.use import held_memory
 from modelfleet.units import BadSize, parse_size
-from modelfleet.wire import GpuReport
+from modelfleet.wire import GpuReport, ShardState
 
 _GROUP = re.compile(r"^\s*(\d+)\s*x\s*([0-9.]+\s*[a-zA-Z]*)\s*(?::\s*(\S+))?\s*$")
 
@@ -57,10 +58,13 @@ class SimulatedGpus:
                         model=model or f"SIM-{size.strip()}",
                         memory_total=memory,
                         memory_used=0,
+                        utilization=0.0,
                     )
                 )
         if not self._gpus:
             raise BadGpuSpec(f"{spec!r} describes no GPUs")
+        # The GPUs and state of each engine on this node (set by its agent): what they hold.
+        self.holding: Callable[[], Iterable[tuple[Sequence[int], ShardState]]] = list
         for index, reason in (unhealthy or {}).items():
             if not 0 <= index < len(self._gpus):
                 raise BadGpuSpec(
@@ -71,7 +75,16 @@ class SimulatedGpus:
             )
 
     def gpus(self) -> list[GpuReport]:
-        return list(self._gpus)
+        held = held_memory(self.holding(), {g.index: g.memory_total for g in self._gpus})
+        return [
+            g.model_copy(update={"memory_used": held[g.index]}) if held[g.index] else g
+            for g in self._gpus
+        ]
+
+    def set_utilization(self, index: int, utilization: float) -> None:
+        """How busy the engines on GPU `index` keep it, in % (`agent/use.py`)."""
+        busy = min(100.0, max(0.0, utilization))
+        self._gpus[index] = self._gpus[index].model_copy(update={"utilization": busy})
 
     def set_health(self, index: int, healthy: bool, reason: str = "") -> GpuReport:
         """Make simulated GPU `index` healthy or not (with why), as a fault would at run time."""
@@ -227,6 +240,10 @@ class NvmlGpus:
         reasons = self._faults(handle)
         if index in self._xids:
             reasons.insert(0, self._xids[index])
+        try:
+            utilization: float | None = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except nvml.NVMLError:
+            utilization = None
         return GpuReport(
             index=index,
             model=str(name),
@@ -234,6 +251,7 @@ class NvmlGpus:
             memory_used=int(memory.used),
             healthy=not reasons,
             reason="; ".join(reasons),
+            utilization=utilization,
         )
 
     def _faults(self, handle: Any) -> list[str]:

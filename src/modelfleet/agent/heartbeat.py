@@ -2,7 +2,8 @@
 
 A report goes when something in it changed since the last one the control plane took; a
 heartbeat otherwise. A GPU's memory in use drifts by a few MiB at a time on a real GPU, and
-the control plane places by whole GiB: such drift alone sends no report.
+the control plane places by whole GiB: such drift alone sends no report, nor does a GPU's
+utilisation, which changes all the time; each heartbeat carries both for the plots.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ RETRY_SPREAD = 0.2  # a retry comes up to this share of the interval early or la
 
 def needs_report(taken: AgentReport | None, now: AgentReport) -> bool:
     """Whether `now` must go as a whole report: the control plane holds none of this agent
-    run (`taken` is None), or something in it changed since `taken`, bar small memory drift."""
+    run (`taken` is None), or something in it changed since `taken`, bar small memory drift
+    and utilisation (which heartbeats carry)."""
     if taken is None or taken.boot_id != now.boot_id:
         return True
     if (taken.address, taken.labels, taken.shards) != (now.address, now.labels, now.shards):
@@ -25,7 +27,10 @@ def needs_report(taken: AgentReport | None, now: AgentReport) -> bool:
     for was, gpu in zip(taken.gpus, now.gpus, strict=True):
         if abs(was.memory_used - gpu.memory_used) > MEMORY_DRIFT:
             return True
-        if was.model_copy(update={"memory_used": gpu.memory_used}) != gpu:
+        if (
+            was.model_copy(update={"memory_used": gpu.memory_used, "utilization": gpu.utilization})
+            != gpu
+        ):
             return True
     return False
 

@@ -89,9 +89,16 @@ class _NodeCollector(Collector):
         healthy = GaugeMetricFamily(
             "modelfleet_agent_gpu_healthy", "1 when the GPU is healthy, per GPU.", labels=["gpu"]
         )
+        busy = GaugeMetricFamily(
+            "modelfleet_agent_gpu_utilization_percent",
+            "The share of time a kernel ran, per GPU that says it (NVML's utilization.gpu).",
+            labels=["gpu"],
+        )
         for gpu in self.gpus():
             index = str(gpu.index)
             used.add_metric([index], gpu.memory_used)
             total.add_metric([index], gpu.memory_total)
             healthy.add_metric([index], int(gpu.healthy))
-        yield from (used, total, healthy)
+            if gpu.utilization is not None:
+                busy.add_metric([index], gpu.utilization)
+        yield from (used, total, healthy, busy)

@@ -46,6 +46,7 @@ from modelfleet.agent.logs import read_log, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
+from modelfleet.agent.use import USE_EVERY_S, EngineOn, SimulatedUse, read_busy_seconds
 from modelfleet.clock import wait_set
 from modelfleet.engine_metrics import translate
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
@@ -61,6 +62,7 @@ from modelfleet.wire import (
     HeartbeatAnswer,
     LogRequest,
     NodeAssignment,
+    NodeUse,
     ShardAssignment,
     ShardState,
 )
@@ -132,6 +134,11 @@ class Agent:
             transport=settings.transport,
         )
         self._probe = httpx.AsyncClient()
+        if isinstance(gpus, SimulatedGpus):
+            gpus.holding = lambda: [
+                (s.assignment.gpus, s.state)
+                for s in (*self.shards.values(), *self.stopping.values())
+            ]
         self.metrics = AgentMetrics()
         self.metrics.watch(
             lambda: [s.state for s in (*self.shards.values(), *self.stopping.values())],
@@ -422,24 +429,49 @@ class Agent:
 
         async def page(shard: Shard) -> tuple[dict[str, str], str] | None:
             a = shard.assignment
-            url = shard.local_url + "/metrics"
-            headers = {"authorization": f"Bearer {shard.engine_key}"} if shard.engine_key else {}
-            try:
-                answer = await self._probe.get(url, headers=headers, timeout=1.0)
-            except httpx.HTTPError:
-                return None
-            if answer.status_code != 200:
+            text = await self._engine_page(shard)
+            if text is None:
                 return None
             labels = {"model": a.model, "replica": a.replica_id, "node": self.settings.node}
-            return labels, answer.text
+            return labels, text
 
-        serving = [
-            s
-            for s in self.shards.values()
-            if s.assignment.rank == 0 and s.state is ShardState.READY and s.port is not None
-        ]
+        serving = [s for s in self.shards.values() if s.assignment.rank == 0]
         pages = await asyncio.gather(*map(page, serving))
         return await asyncio.to_thread(translate, [p for p in pages if p is not None])
+
+    async def _engine_page(self, shard: Shard) -> str | None:
+        """A ready engine's `/metrics`, read now; None when it does not answer within a
+        second (or is not ready)."""
+        if shard.state is not ShardState.READY or shard.port is None:
+            return None
+        headers = {"authorization": f"Bearer {shard.engine_key}"} if shard.engine_key else {}
+        try:
+            answer = await self._probe.get(
+                shard.local_url + "/metrics", headers=headers, timeout=1.0
+            )
+        except httpx.HTTPError:
+            return None
+        return answer.text if answer.status_code == 200 else None
+
+    async def watch_use(self, gpus: SimulatedGpus) -> None:
+        """Tell simulated GPUs how busy their engines keep them (`agent/use.py`), every
+        USE_EVERY_S, until cancelled."""
+        use = SimulatedUse()
+        while True:
+            shards = [*self.shards.values(), *self.stopping.values()]
+            pages = await asyncio.gather(*map(self._engine_page, shards))
+            engines = [
+                EngineOn(
+                    s.assignment.key,
+                    tuple(s.assignment.gpus),
+                    read_busy_seconds(page) if page is not None else None,
+                )
+                for s, page in zip(shards, pages, strict=True)
+            ]
+            indices = [g.index for g in gpus.gpus()]
+            for index, busy in use.sample(engines, indices, time.monotonic()).items():
+                gpus.set_utilization(index, busy)
+            await asyncio.sleep(USE_EVERY_S)
 
     async def send_logs(self, requests: list[LogRequest]) -> None:
         """Read what the control plane asked of engines' logs, and send it (`ctl logs`)."""
@@ -456,7 +488,11 @@ class Agent:
         """One heartbeat: its answer, or why there is none. It is given up when something
         changes meanwhile, so that the change is reported at once."""
         beat = Heartbeat(
-            node=self.settings.node, boot_id=self.boot_id, seq=seq, assignment=held.version
+            node=self.settings.node,
+            boot_id=self.boot_id,
+            seq=seq,
+            assignment=held.version,
+            use=NodeUse.of(self.gpu_source.gpus()),
         )
         # The control plane holds the answer up to one interval: wait a little longer.
         connect, within = PATIENCE_S[self._how_many]
@@ -505,6 +541,8 @@ class Agent:
         changed), apply the answer, repeat. The ready file is written after the first answer.
         """
         await self.adopt()
+        if isinstance(self.gpu_source, SimulatedGpus):
+            self._run(self.watch_use(self.gpu_source), "gpu use")
         ready_written = False
         taken: AgentReport | None = None  # the last report the control plane took
         held: NodeAssignment | None = None  # the assignment it answered with, last made true

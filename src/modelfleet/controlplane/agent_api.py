@@ -49,7 +49,14 @@ from modelfleet.fleet import Mark
 from modelfleet.joining import CREDENTIAL_PREFIX
 from modelfleet.store import StoreError
 from modelfleet.web import bearer, bearer_matches, error_json, header, receive_at_most, send_json
-from modelfleet.wire import AgentReport, Heartbeat, HeartbeatAnswer, JoinRequest, LogAnswer
+from modelfleet.wire import (
+    AgentReport,
+    Heartbeat,
+    HeartbeatAnswer,
+    JoinRequest,
+    LogAnswer,
+    NodeUse,
+)
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -233,6 +240,7 @@ class AgentApi:
         except StaleReport as exc:
             return 409, error_json(str(exc))
         cp.metrics.reports.inc()
+        cp.recorder.gpus(sent.node, NodeUse.of(sent.gpus))
         timing = cp.retime()
         if changed:
             cp.wake()
@@ -256,6 +264,8 @@ class AgentApi:
         except (ReportFirst, StaleReport) as exc:
             return 409, error_json(str(exc))
         cp.metrics.heartbeats.inc()
+        if beat.use is not None:
+            cp.recorder.gpus(beat.node, beat.use)
         if fresh_again:
             cp.wake()
         interval = cp.retime().interval

@@ -86,8 +86,10 @@ class ControlPlaneConfig(BaseModel):
     # Seconds the leader's lease lasts past each renewal (renewed every third of it), by the
     # store's clock: how long control planes sharing a store wait for a leader that died.
     lease_ttl: float = Field(default=3.0, gt=0)
-    # How often the routers' numbers are read for the dashboard's plots (an hour is kept).
-    series_interval: float = Field(default=10.0, gt=0)
+    # Seconds each point of the dashboard's plots covers (`controlplane/series.py`): how often
+    # the routers' numbers are read and a point per model, node and key is written to the
+    # store. It divides 900 (the points of 24 h and 7 d plots are quarter hours).
+    series_interval: int = Field(default=60, ge=1, le=900)
     # How often the counts of models that follow their load are decided (and at once when a
     # router's load comes: it answers every second, or when a cold model gets a request).
     autoscale_interval: float = Field(default=0.25, gt=0)

@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import math
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -40,9 +41,9 @@ from modelfleet.controlplane import views
 from modelfleet.controlplane.logs import LogUnanswered
 from modelfleet.controlplane.plane import ControlPlane, MarkRefused
 from modelfleet.controlplane.playground import Playground
-from modelfleet.controlplane.series import QUANTILES, TIMES
+from modelfleet.controlplane.series import MAX_SHOWN, RANGES, Shown, shown, source_step
 from modelfleet.fleet import Mark
-from modelfleet.store import StoredEvent, StoredUsage, StoreError
+from modelfleet.store import StoredEvent, StoredPoint, StoredUsage, StoreError
 from modelfleet.web import bearer_matches, from_elsewhere, read_at_most
 
 UI = Path(__file__).parent / "ui"
@@ -57,7 +58,14 @@ HEARD_NOW_S = 5.0  # a node heard from this recently shows as heard "now"
 # nothing for a few of these tells its viewer it is no longer live (ui.js).
 ALIVE_EVERY_S = 2.0
 PARTS = ("overview", "node", "model", "replica", "pending", "events", "usage")
-PLOTTED = frozenset({"model", "usage"})  # the pages that load the plot library
+PLOTTED = frozenset({"model", "node", "usage"})  # the pages that load the plot library
+# The series each plotted page shows (`controlplane/series.py`), by its part.
+PLOTS = {"model": "model", "node": "node", "usage": "key"}
+DEFAULT_RANGE = "1h"
+# A plot's points are read from the store again when the recorder wrote new ones, and at
+# least this often (another control plane may write them: this one follows).
+PLOT_READ_EVERY_S = 5.0
+_PERCENTILE = re.compile(r".+_p\d+")  # a plotted value that is a time: shown in ms
 
 # What each bundle is made of, in order: ours last, so that it may use what comes before.
 BUNDLES = {
@@ -113,10 +121,13 @@ class Dashboard:
         self.env.filters["utc"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
         self.env.filters["q"] = lambda s: quote(str(s), safe="")
         self.env.filters["heard"] = lambda s: "now" if s < HEARD_NOW_S else f"{int(s)}s ago"
+        self.env.filters["span"] = _span_words
         self.bundles = {name: _bundle(name) for name in BUNDLES}
         self.closing = asyncio.Event()  # set when the control plane stops: streams end
         self._nudged = asyncio.Event()  # set, and replaced, when a change is made here
-        self._rendered: dict[tuple[str, str], tuple[Any, str]] = {}  # (part, name) -> (basis, html)
+        # (part, name, range) -> (basis, html)
+        self._rendered: dict[tuple[str, str, str], tuple[Any, str]] = {}
+        self._plotted: dict[tuple[str, str | None, str], Plotted] = {}
 
     async def run(self) -> None:
         """Held while the control plane runs; when it stops, every live stream ends, so that
@@ -212,12 +223,13 @@ class Dashboard:
                 name = _event_filter(
                     request.query_params.get("for"), request.query_params.get("type")
                 )
-            html = await self.render_part(part, name)
+            span = _range(request)
+            html = await self.render_part(part, name, span)
             if html is None:
                 return self._html("missing.html", {"what": f"{part} {name}"}, 404)
             # The stream is told what the page holds, and sends nothing until that changes.
             live = f"/ui/live/{part}" + (f"/{quote(name, safe='')}" if name else "")
-            live += f"?had={_digest(html)}"
+            live += f"?had={_digest(html)}&range={span}"
             page = {"part": part, "live": live, "name": name, "plots": part in PLOTTED}
             return self._html("page.html", {**page, "html": Markup(html)})
 
@@ -260,24 +272,63 @@ class Dashboard:
 
     # -- live parts ------------------------------------------------------------------------
 
-    async def stored(self, part: str, name: str) -> Stored:
-        """What a part shows of the store (events, usage), read off the event loop; during a
-        store outage, nothing, with why."""
+    async def stored(self, part: str, name: str, span: str = DEFAULT_RANGE) -> Stored:
+        """What a part shows of the store (events, usage, plots), read off the event loop;
+        during a store outage, nothing, with why."""
         cp, store = self.cp, self.cp.store
         try:
+            plotted = await self._plots(PLOTS[part], name or None, span) if part in PLOTS else None
+            if part == "model" and plotted is not None:
+                return Stored(plotted=plotted)
             if part == "events":
                 regarding, kind = _read_filter(name)
                 found = await cp.calls(cp.read_events, regarding, 0.0, 0, EVENTS_SHOWN)
                 return Stored(events=[e for e in found if kind is None or e.type == kind])
             if part == "node":
-                return Stored(events=await cp.calls(cp.read_events, f"node/{name}", 0.0, 0, 50))
+                events = await cp.calls(cp.read_events, f"node/{name}", 0.0, 0, 50)
+                return Stored(events=events, plotted=plotted)
             if part == "usage":
                 since = int((cp.clock.time() - 24 * 3600) // 3600) * 3600
                 usage = await cp.calls(store.usage, None, None, since)
-                return Stored(usage=usage, totals=await cp.calls(store.usage_totals))
+                totals = await cp.calls(store.usage_totals)
+                return Stored(usage=usage, totals=totals, plotted=plotted)
         except StoreError as exc:
             return Stored(problem=str(exc))
         return Stored()
+
+    async def _plots(self, kind: str, subject: str | None, span: str) -> Plotted:
+        """The points of `kind` (of one subject, or of each) over `span`, as plotted: read
+        from the store when the recorder wrote since, or PLOT_READ_EVERY_S passed."""
+        cp = self.cp
+        key = (kind, subject, span)
+        now = cp.clock.monotonic()
+        held = self._plotted.get(key)
+        if (
+            held is not None
+            and held.written == cp.recorder.written
+            and now - held.read_at < PLOT_READ_EVERY_S
+        ):
+            return held
+        seconds = RANGES[span]
+        step = source_step(seconds, cp.recorder.step)
+        wall = cp.clock.time()
+        points = await cp.calls(cp.store.points, kind, subject, step, wall - seconds - step)
+        by_subject: dict[str, list[StoredPoint]] = {}
+        for p in points:
+            by_subject.setdefault(p.subject, []).append(p)
+        lines = {s: shown(kind, got, seconds, wall) for s, got in sorted(by_subject.items())}
+        made = Plotted(
+            span=span,
+            lines=lines,
+            width=max(1, math.ceil(seconds / step / MAX_SHOWN)) * step,
+            version=(held.version + 1) if held is not None else 1,
+            written=cp.recorder.written,
+            read_at=now,
+        )
+        # Forget what nobody looked at for a while (a page per node of a large fleet).
+        self._plotted = {k: v for k, v in self._plotted.items() if now - v.read_at < 60.0}
+        self._plotted[key] = made
+        return made
 
     def part(self, part: str, name: str, stored: Stored) -> dict[str, Any] | None:
         """What a page's live part shows now; None for a node or model there is not."""
@@ -287,7 +338,7 @@ class Dashboard:
         if part == "node":
             return self._node(name, stored)
         if part == "model":
-            return self._model(name)
+            return self._model(name, stored)
         if part == "replica":
             return self._replica(name)
         if part == "pending":
@@ -300,11 +351,11 @@ class Dashboard:
             return self._usage(stored)
         return None
 
-    async def render_part(self, part: str, name: str) -> str | None:
+    async def render_part(self, part: str, name: str, span: str = DEFAULT_RANGE) -> str | None:
         """The live part rendered now, or as rendered last when nothing it shows has changed
         since (shared by every stream of it: viewers do not multiply the work)."""
-        key = (part, name)
-        stored = await self.stored(part, name)
+        key = (part, name, span)
+        stored = await self.stored(part, name, span)
         basis = self._basis(part, name, stored)
         held = self._rendered.get(key)
         if held is not None and basis is not None and held[0] == basis:
@@ -312,6 +363,8 @@ class Dashboard:
         context = self.part(part, name, stored)
         if context is None:
             return None
+        if stored.plotted is not None:
+            context = {**context, "span": span, "ranges": list(RANGES), "plotted": stored.plotted}
         html = self.env.get_template(f"_{part}.html").render(**context, name=name)
         self._rendered[key] = (basis, html)
         return html
@@ -342,9 +395,8 @@ class Dashboard:
         )
         if part == "node":
             basis += (stored.events[-1].id if stored.events else 0, stored.problem)
-        if part == "model":
-            points = cp.series.series.of(name)
-            basis += (len(points), points[-1].at if points else None)
+        if stored.plotted is not None:
+            basis += (stored.plotted.version, stored.problem)
         if part == "replica":
             seen = self._replica(name)
             basis += (
@@ -359,12 +411,13 @@ class Dashboard:
         part, name = request.path_params["part"], request.path_params.get("name", "")
         if part not in PARTS:
             return Response("no such part\n", status_code=404)
+        span = _range(request)
 
         async def stream() -> AsyncIterator[bytes]:
             last = request.query_params.get("had")  # the digest of what the page holds
             said = -math.inf  # when it last said it is alive
             while not self.closing.is_set():
-                html = await self.render_part(part, name)
+                html = await self.render_part(part, name, span)
                 html = html if html is not None else f"<p>{part} {name} is gone.</p>"
                 digest = _digest(html)
                 if digest != last:
@@ -461,6 +514,7 @@ class Dashboard:
             "node": node,
             "replicas": here,
             "events": list(reversed(stored.events)),
+            "plot": _plot_json(stored.plotted.lines.get(name, []) if stored.plotted else []),
             "confirm": {
                 "cordoned": f"Cordon {name}? New replicas go elsewhere; its {len(here)} "
                 "replica(s) stay and serve.",
@@ -472,7 +526,7 @@ class Dashboard:
             },
         }
 
-    def _model(self, name: str) -> dict[str, Any] | None:
+    def _model(self, name: str, stored: Stored) -> dict[str, Any] | None:
         cp = self.cp
         catalog = cp.catalogs.current
         model = next((m for m in catalog.models if m.name == name), None)
@@ -480,18 +534,7 @@ class Dashboard:
             return None
         ejections = cp.loads.ejections(cp.clock.monotonic())
         replicas = [r for r in views.replica_views(cp.state, ejections) if r.model == name]
-        points = cp.series.series.of(name)
-        plot: dict[str, list[Any]] = {
-            "at": [p.at for p in points],
-            "requests_per_s": [round(p.requests_per_s, 3) for p in points],
-            "errors_per_s": [round(p.errors_per_s, 3) for p in points],
-            "refusals_per_s": [round(p.refusals_per_s, 3) for p in points],
-            "tokens_per_s": [round(p.tokens_per_s, 1) for p in points],
-        }
-        for measure in TIMES:
-            for q in QUANTILES:
-                line = f"{measure}_p{round(q * 100)}"
-                plot[f"{line}_ms"] = [_ms(p.times.get(line)) for p in points]
+        points = stored.plotted.lines.get(name, []) if stored.plotted else []
         pending = [p for p in views.replicas(cp.state, catalog).pending if p.model == name]
         scaling = next((x for x in views.scaling(cp.autoscaler, catalog) if x.model == name), None)
         return {
@@ -499,8 +542,7 @@ class Dashboard:
             "replicas": replicas,
             "pending": pending,
             "scaling": scaling,
-            "plot": json.dumps(plot),
-            "interval": cp.series.series.interval,
+            "plot": _plot_json(points),
         }
 
     def _replica(self, rid: str) -> dict[str, Any] | None:
@@ -522,18 +564,29 @@ class Dashboard:
 
     def _usage(self, stored: Stored) -> dict[str, Any]:
         cp = self.cp
-        rows, used = stored.usage, stored.totals
+        used = stored.totals
         keys = [(name, k, used.get(name)) for name, k in sorted(cp.keys.keys.items())]
-        hours = sorted({r.hour for r in rows})
-        series: dict[str, list[int | None]] = {}
-        for r in rows:
-            line = series.setdefault(f"{r.key} / {r.model}", [None] * len(hours))
-            line[hours.index(r.hour)] = r.prompt_tokens + r.completion_tokens
-        return {
-            "rows": rows,
-            "keys": keys,
-            "plot": json.dumps({"at": hours, "series": series}),
-        }
+        lines = stored.plotted.lines if stored.plotted else {}
+        at = sorted({p.at for points in lines.values() for p in points})
+        plot: dict[str, Any] = {"at": at}
+        for measure in ("requests_per_s", "tokens_per_s", "limited_per_s"):
+            per_key = plot[measure] = {}
+            for key, points in lines.items():
+                by_at = {p.at: p.values.get(measure) for p in points}
+                per_key[key] = [_round(by_at.get(t)) for t in at]
+        return {"rows": stored.usage, "keys": keys, "plot": json.dumps(plot)}
+
+
+@dataclass(frozen=True)
+class Plotted:
+    """What plots of one range show, as read from the store: each subject's points."""
+
+    span: str  # a name of RANGES
+    lines: dict[str, list[Shown]]
+    width: int  # the seconds each shown point covers
+    version: int  # one more at each reading: a part re-renders when it moves on
+    written: int  # the recorder's writes when read
+    read_at: float  # the control plane's monotonic clock when read
 
 
 @dataclass(frozen=True)
@@ -543,6 +596,7 @@ class Stored:
     events: list[StoredEvent] = field(default_factory=list)
     usage: list[StoredUsage] = field(default_factory=list)
     totals: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    plotted: Plotted | None = None
     problem: str | None = None  # why the store could not be read
 
 
@@ -646,5 +700,35 @@ def _int(text: str | None, default: int) -> int:
         return default
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 2)
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _plot_json(points: list[Shown]) -> str:
+    """A subject's points as its plots read them: "at", and a line per value; times (the
+    percentiles, "..._p95") in milliseconds, as "..._p95_ms"."""
+    plot: dict[str, list[Any]] = {"at": [p.at for p in points]}
+    for p in points:
+        for name, value in p.values.items():
+            if _PERCENTILE.fullmatch(name):
+                plot.setdefault(f"{name}_ms", []).append(
+                    None if value is None else round(value * 1000, 2)
+                )
+            else:
+                plot.setdefault(name, []).append(_round(value))
+    return json.dumps(plot)
+
+
+def _span_words(seconds: int) -> str:
+    """Seconds as a plot's caption says them: "10 s", "1 min", "15 min", "2 h"."""
+    if seconds % 3600 == 0:
+        return f"{seconds // 3600} h"
+    if seconds % 60 == 0:
+        return f"{seconds // 60} min"
+    return f"{seconds} s"
+
+
+def _range(request: Request) -> str:
+    """The plots' range a page asks for (`?range=6h`); the default for anything else."""
+    asked = request.query_params.get("range", DEFAULT_RANGE)
+    return asked if asked in RANGES else DEFAULT_RANGE

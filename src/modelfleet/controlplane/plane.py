@@ -48,7 +48,7 @@ from modelfleet.controlplane.metrics import ControlPlaneMetrics
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.records import NodeMark
 from modelfleet.controlplane.routing import RoutingTable
-from modelfleet.controlplane.series import RouterSeries
+from modelfleet.controlplane.series import Recorder, RouterSeries
 from modelfleet.controlplane.state import FleetState
 from modelfleet.controlplane.term import Term
 from modelfleet.controlplane.usage import UsageCollector
@@ -139,10 +139,11 @@ class ControlPlane:
         self.keys = KeyBook(self.calls)
         self.ca = ca
         self.membership = Membership(self.calls, ca)
+        self.recorder = Recorder(config.series_interval, self.calls, clock.time)
+        self.series = RouterSeries(config.routers, self._http, self.recorder)
         self.usage = UsageCollector(
-            config.routers, self._http, self.calls, config.usage_interval, clock.time
+            config.routers, self._http, self.calls, config.usage_interval, clock.time, self.recorder
         )
-        self.series = RouterSeries(config.routers, self._http, config.series_interval, clock.time)
         self.metrics = ControlPlaneMetrics()
         self.doors = Doors(self.metrics, clock.monotonic)
         self.events = EventLog(
@@ -161,6 +162,7 @@ class ControlPlane:
             engine_client=None if ca is None else router_client(ca),
         )
         self.usage.acting = self.acting
+        self.recorder.acting = self.acting
         self.loads.acting = self.acting
         self.leadership = Leadership(
             self.store,

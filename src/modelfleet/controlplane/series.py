@@ -1,35 +1,55 @@
-"""The routers' numbers over the last hour, per model: what the dashboard plots.
+"""What the dashboard plots: numbers over time per model, node and key, kept in the store so
+that plots outlive a control-plane restart, and cover a week.
 
-Every `interval` the control plane reads each router's metrics (through its push API, which
-answers the sum over the router's workers), sums them over the routers, and keeps per model
-one point per interval: requests, server errors and refusals per second, completion tokens
-per second, and the 50th, 95th and 99th percentiles of the time to first byte, the time
-between tokens (streams) and the request time of the requests engines answered in that
-interval, worked out from the histograms' buckets as Prometheus's `histogram_quantile` does.
-An error is a request sent to an engine that got a 5xx; a refusal, one the router answered
-itself (no key, a key over its limit, no replica ready...): two lines, so that 31 % refused
-no longer shows as no errors, nor refusals as the engines' failures. A router that
-restarted (its counters went down) counts from zero again; one that does not answer is left
-out of that point. Memory: one hour of points per model, whatever the traffic.
+Three sources feed one `Recorder`, each adding what it counted as `Totals` (sums, and
+histograms' buckets):
+- **models**: every step the control plane reads each router's metrics (through its push API,
+  which answers the sum over the router's workers) and adds what each model counted since the
+  last read: requests, server errors, refusals, completion tokens, and the buckets of the
+  time to first byte, the time between tokens (streams) and the request time. An error is a
+  request sent to an engine that got a 5xx; a refusal, one the router answered itself (no
+  key, a key over its limit, no replica ready...). A router that restarted (its counters went
+  down) counts from zero again; one that does not answer is left out of that step.
+- **nodes**: each agent's report and heartbeat carry its GPUs' memory in use and
+  utilisation; a node's step sums what was heard in it, with how many samples, so that its
+  plot shows their mean.
+- **keys**: each usage batch taken from a router adds what each key did: requests, tokens,
+  errors, and requests refused for its limits (429).
+
+Every `step` seconds the leading control plane writes one point per subject that counted
+something, and adds it into the subject's point of COARSE_STEP (15 minutes). Points of the
+step are kept FINE_KEEP_S (6 hours), coarse ones COARSE_KEEP_S (8 days): a subject costs at
+most 6 h / step + 768 rows (1,128 at the default step of a minute). A plot of the last hour
+or 6 hours reads points of the step, of 24 hours or 7 days the coarse ones, and merges them
+into at most MAX_SHOWN points: sums add, so a merged point's rates and percentiles are those
+of its whole time, worked out from the buckets as Prometheus's `histogram_quantile` does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from modelfleet.controlplane.config import RouterTarget
+from modelfleet.store import StoredPoint, StoreError
+from modelfleet.store.calls import StoreCalls
+from modelfleet.wire import NodeUse
 
 log = logging.getLogger("modelfleet.controlplane")
 
-KEEP_S = 3600.0
+COARSE_STEP = 900
+FINE_KEEP_S = 6 * 3600.0
+COARSE_KEEP_S = 8 * 86400.0
+MAX_SHOWN = 180  # points a plot shows at most
+# The spans a plot may show, by name, in seconds.
+RANGES = {"1h": 3600, "6h": 6 * 3600, "24h": 24 * 3600, "7d": 7 * 86400}
 QUANTILES = (0.5, 0.95, 0.99)
 # The routers' histograms a point reads percentiles of, by the name a point gives them.
 TIMES = {
@@ -37,25 +57,13 @@ TIMES = {
     "inter_token": "modelfleet_router_inter_token_seconds",
     "request": "modelfleet_router_request_seconds",
 }
-
-
-@dataclass(frozen=True)
-class Point:
-    """One interval's numbers of one model, summed over the routers."""
-
-    at: float  # wall-clock time at its end
-    requests_per_s: float
-    errors_per_s: float  # requests sent to an engine, answered with a 5xx status
-    refusals_per_s: float  # requests the router answered itself
-    tokens_per_s: float = 0.0  # completion tokens
-    # "first_byte_p50" ... "request_p99", in seconds; None: no request in the interval
-    times: Mapping[str, float | None] = field(default_factory=dict)
+KINDS = ("model", "node", "key")
 
 
 @dataclass
 class Totals:
-    """A router's counters of one model, as read: by name ("requests", "errors", "refusals",
-    "tokens"), and each histogram's cumulative buckets as (time name, bound)."""
+    """What was counted: sums by name ("requests", "tokens", "memory_used", "samples"...),
+    and each histogram's cumulative buckets as (time name, bound) -> count."""
 
     counts: dict[str, float] = field(default_factory=dict)
     buckets: dict[tuple[str, float], float] = field(default_factory=dict)
@@ -104,6 +112,20 @@ class Totals:
             below_le, below_n = le, n
         return below_le
 
+    def dumps(self) -> str:
+        buckets = [
+            [name, "+Inf" if math.isinf(le) else le, n] for (name, le), n in self.buckets.items()
+        ]
+        return json.dumps({"c": self.counts, "b": buckets}, separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, text: str) -> Totals:
+        data = json.loads(text)
+        return cls(
+            {str(k): float(v) for k, v in data.get("c", {}).items()},
+            {(str(name), float(le)): float(n) for name, le, n in data.get("b", [])},
+        )
+
 
 def read_totals(text: str) -> dict[str, Totals]:
     """A router's metrics page, as counters per model."""
@@ -134,63 +156,195 @@ def read_totals(text: str) -> dict[str, Totals]:
     return out
 
 
-@dataclass
-class Series:
-    """The points of every model, an hour of them each."""
+# -- what a plot shows ---------------------------------------------------------------------
 
-    interval: float
-    points: dict[str, deque[Point]] = field(default_factory=dict)
 
-    def add(self, at: float, seconds: float, counted: dict[str, Totals]) -> None:
-        keep = max(2, int(KEEP_S / self.interval))
-        for model, t in counted.items():
-            times = {
-                f"{time}_p{round(q * 100)}": t.quantile(time, q)
-                for time in TIMES
-                for q in QUANTILES
+@dataclass(frozen=True)
+class Shown:
+    """One point of a plot: when it ends, and its numbers by name (None: nothing to say)."""
+
+    at: float
+    values: Mapping[str, float | None]
+
+
+def shown_model(t: Totals, seconds: float) -> dict[str, float | None]:
+    """A model's numbers: rates per second, and percentiles in seconds."""
+    out: dict[str, float | None] = {
+        "requests_per_s": t.count("requests") / seconds,
+        "errors_per_s": t.count("errors") / seconds,
+        "refusals_per_s": t.count("refusals") / seconds,
+        "tokens_per_s": t.count("tokens") / seconds,
+    }
+    for time in TIMES:
+        for q in QUANTILES:
+            out[f"{time}_p{round(q * 100)}"] = t.quantile(time, q)
+    return out
+
+
+def shown_node(t: Totals, seconds: float) -> dict[str, float | None]:
+    """A node's GPUs: the mean of the samples heard, memory in GiB and utilisation in %."""
+    n = t.count("samples")
+    if n <= 0:
+        return {"memory_used_gib": None, "memory_total_gib": None, "utilization_pct": None}
+    util_n = t.count("utilization_samples")
+    return {
+        "memory_used_gib": t.count("memory_used") / n / 2**30,
+        "memory_total_gib": t.count("memory_total") / n / 2**30,
+        "utilization_pct": t.count("utilization") / util_n if util_n > 0 else None,
+    }
+
+
+def shown_key(t: Totals, seconds: float) -> dict[str, float | None]:
+    """A key's rates per second."""
+    return {
+        "requests_per_s": t.count("requests") / seconds,
+        "tokens_per_s": (t.count("prompt_tokens") + t.count("completion_tokens")) / seconds,
+        "limited_per_s": t.count("limited") / seconds,
+        "errors_per_s": t.count("errors") / seconds,
+    }
+
+
+SHOWN: dict[str, Callable[[Totals, float], dict[str, float | None]]] = {
+    "model": shown_model,
+    "node": shown_node,
+    "key": shown_key,
+}
+
+
+def source_step(span: int, step: int) -> int:
+    """Which points a plot of the last `span` seconds reads: the step's while they are kept."""
+    return step if span <= FINE_KEEP_S else COARSE_STEP
+
+
+def shown(kind: str, points: Sequence[StoredPoint], span: int, now: float) -> list[Shown]:
+    """The points of one subject over the last `span` seconds, merged into at most
+    MAX_SHOWN: each shown point sums whole stored points, and its rates are over the time
+    those cover. A time with no stored point shows as nothing (a gap), not as zero."""
+    if not points:
+        return []
+    step = points[0].step
+    per = max(1, math.ceil(span / step / MAX_SHOWN))  # stored points per shown one
+    width = per * step
+    groups: dict[int, Totals] = {}
+    for p in points:
+        if p.at + step <= now - span:
+            continue
+        start = p.at // width * width
+        groups[start] = groups.get(start, Totals()).plus(Totals.loads(p.body))
+    judge = SHOWN[kind]
+    return [Shown(start + width, judge(t, width)) for start, t in sorted(groups.items())]
+
+
+# -- recording -----------------------------------------------------------------------------
+
+
+class Recorder:
+    """Sums what the sources add over each step, and writes it to the store as points.
+
+    Only a leading control plane writes (`acting`); one that does not lead drops what it
+    counted. The coarse point of the current quarter hour is kept here as it grows, read back
+    from the store at the first write after this one began to lead (another may have written
+    part of it), and written anew at every step.
+    """
+
+    def __init__(self, step: int, calls: StoreCalls, wall: Callable[[], float]) -> None:
+        if COARSE_STEP % step:
+            raise ValueError(f"a step of {step}s does not divide {COARSE_STEP}s")
+        self.step = step
+        self.calls = calls
+        self.wall = wall
+        self.acting: Callable[[], bool] = lambda: True
+        # Read just before each write, to add what they counted in the step (the routers).
+        self.sources: list[Callable[[], Awaitable[None]]] = []
+        self.written = 0  # writes made: a viewer's cue that there is something new to read
+        self._open: dict[tuple[str, str], Totals] = {}
+        self._coarse: dict[tuple[str, str], Totals] = {}
+        self._coarse_at: int | None = None  # the quarter hour `_coarse` holds; None: unread
+        self._failure = ""
+
+    def add(self, kind: str, subject: str, counted: Totals) -> None:
+        key = (kind, subject)
+        held = self._open.get(key)
+        self._open[key] = counted if held is None else held.plus(counted)
+
+    def gpus(self, node: str, use: NodeUse) -> None:
+        """One sample of a node's GPUs."""
+        t = Totals(
+            {
+                "samples": 1.0,
+                "memory_used": float(use.memory_used),
+                "memory_total": float(use.memory_total),
             }
-            self.points.setdefault(model, deque(maxlen=keep)).append(
-                Point(
-                    at=at,
-                    requests_per_s=t.count("requests") / seconds,
-                    errors_per_s=t.count("errors") / seconds,
-                    refusals_per_s=t.count("refusals") / seconds,
-                    tokens_per_s=t.count("tokens") / seconds,
-                    times=times,
-                )
-            )
+        )
+        if use.utilization is not None:
+            t.counts["utilization"] = use.utilization
+            t.counts["utilization_samples"] = 1.0
+        self.add("node", node, t)
 
-    def of(self, model: str) -> list[Point]:
-        return list(self.points.get(model, ()))
+    async def run(self) -> None:
+        """Write each step as it ends, until cancelled."""
+        while True:
+            now = self.wall()
+            await asyncio.sleep(self.step - now % self.step)
+            await self.write()
+
+    async def write(self) -> None:
+        """Add what the sources counted, and write the step that just ended."""
+        for source in self.sources:
+            await source()
+        taken, self._open = self._open, {}
+        if not self.acting():
+            self._coarse_at = None  # another writes meanwhile: read again when leading
+            return
+        now = self.wall()
+        try:
+            # In a worker thread, building the points too: at 10,000 nodes that is 20,000
+            # points. Waited for however long it takes: a slow write of plots is no outage.
+            await self.calls.background(self._store, taken, now)
+        except StoreError as exc:
+            self._coarse_at = None  # what was added may or may not have landed: read again
+            if str(exc) != self._failure:
+                self._failure = str(exc)
+                log.warning("the plots' points of %d s are lost: %s", self.step, exc)
+            return
+        self._failure = ""
+        self.written += 1
+
+    def _store(self, taken: dict[tuple[str, str], Totals], now: float) -> None:
+        store = self.calls.store
+        at = int(now // self.step) * self.step - self.step
+        quarter = at // COARSE_STEP * COARSE_STEP
+        if self._coarse_at != quarter:
+            self._coarse = {
+                (p.kind, p.subject): Totals.loads(p.body)
+                for p in store.points(None, None, COARSE_STEP, quarter)
+                if p.at == quarter
+            }
+            self._coarse_at = quarter
+        points = []
+        for (kind, subject), counted in taken.items():
+            merged = self._coarse.get((kind, subject), Totals()).plus(counted)
+            self._coarse[(kind, subject)] = merged
+            points.append(StoredPoint(kind, subject, self.step, at, counted.dumps()))
+            points.append(StoredPoint(kind, subject, COARSE_STEP, quarter, merged.dumps()))
+        store.put_points(points, {self.step: now - FINE_KEEP_S, COARSE_STEP: now - COARSE_KEEP_S})
 
 
 class RouterSeries:
-    """Reads the routers' metrics every `interval` into a `Series`."""
+    """Reads the routers' metrics at every step, and adds what each model counted since."""
 
     def __init__(
-        self,
-        routers: Sequence[RouterTarget],
-        http: httpx.AsyncClient,
-        interval: float,
-        wall: Callable[[], float],
+        self, routers: Sequence[RouterTarget], http: httpx.AsyncClient, recorder: Recorder
     ) -> None:
         self.routers = list(routers)
         self.http = http
-        self.wall = wall
-        self.series = Series(interval)
+        self.recorder = recorder
         self._last: dict[str, dict[str, Totals]] = {}  # router url -> model -> as last read
-        self._last_at: float | None = None
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.series.interval)
-            await self.sample()
+        recorder.sources.append(self.sample)
 
     async def sample(self) -> None:
-        """Read every router once and add a point per model."""
+        """Read every router once, and add what each model counted since the last read."""
         read = await asyncio.gather(*(self._read(r) for r in self.routers))
-        now = self.wall()
-        counted: dict[str, Totals] = {}
         for router, totals in zip(self.routers, read, strict=True):
             if totals is None:
                 continue
@@ -199,11 +353,7 @@ class RouterSeries:
             if before is None:
                 continue  # its first reading: nothing to count from yet
             for model, t in totals.items():
-                since = t.minus(before.get(model, Totals()))
-                counted[model] = counted.get(model, Totals()).plus(since)
-        if self._last_at is not None:
-            self.series.add(now, max(1e-3, now - self._last_at), counted)
-        self._last_at = now
+                self.recorder.add("model", model, t.minus(before.get(model, Totals())))
 
     async def _read(self, router: RouterTarget) -> dict[str, Totals] | None:
         try:

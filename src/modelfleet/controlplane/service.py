@@ -193,7 +193,7 @@ async def serve(
                     cp.publisher.run,
                     cp.catalog_loop,
                     cp.usage.run,
-                    cp.series.run,
+                    cp.recorder.run,
                     cp.loads.run,
                     cp.autoscale_loop,
                     lambda: cp.events.run(cp.calls.background),

@@ -18,9 +18,10 @@ import httpx
 from pydantic import ValidationError
 
 from modelfleet.controlplane.config import RouterTarget
+from modelfleet.controlplane.series import Recorder, Totals
 from modelfleet.store import StoredUsage, StoreError
 from modelfleet.store.calls import StoreCalls
-from modelfleet.wire import UsageAck, UsageReport
+from modelfleet.wire import UsageAck, UsageBatch, UsageReport
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -35,8 +36,10 @@ class UsageCollector:
         calls: StoreCalls,
         interval: float,
         wall: Callable[[], float],
+        recorder: Recorder,
     ) -> None:
         self.routers = list(routers)
+        self.recorder = recorder
         self.http = http
         self.calls = calls
         self.store = calls.store
@@ -76,6 +79,7 @@ class UsageCollector:
             try:
                 if await self.calls(self.store.add_usage, batch.run, batch.batch, rows, now):
                     self.stored += 1
+                    self._plot(batch)
             except StoreError as exc:
                 # Not acknowledged: the router keeps the batch and sends it again.
                 if str(exc) != self._failure:
@@ -93,3 +97,15 @@ class UsageCollector:
         except httpx.HTTPError as exc:
             # Stored already; the router sends the batch again and the store counts it once.
             log.debug("router %s did not take the usage acknowledgement: %s", router.url, exc)
+
+    def _plot(self, batch: UsageBatch) -> None:
+        """What each key did in a batch stored for the first time, for its plots."""
+        for r in batch.rows:
+            counted = {
+                "requests": r.requests,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens,
+                "errors": r.errors,
+                "limited": r.limited,
+            }
+            self.recorder.add("key", r.key, Totals({k: float(v) for k, v in counted.items()}))

@@ -783,7 +783,7 @@ class Flight:
         if usage is not None:
             metrics.used(ex.model, usage.prompt, usage.completion)
         if ex.key is not None:
-            parts.ledger.count(ex.key, ex.model, parts.wall(), usage, ex.status >= 400)
+            parts.ledger.count(ex.key, ex.model, parts.wall(), usage, ex.status)
         if parts.spans is not None and ex.sampled:
             self._record(parts.spans)
 

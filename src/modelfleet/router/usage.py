@@ -100,6 +100,7 @@ class _Counts:
     prompt: int = 0
     completion: int = 0
     errors: int = 0
+    limited: int = 0
     last_at: float = 0.0
 
 
@@ -117,7 +118,7 @@ class UsageLedger:
     _batch: UsageBatch | None = None
     _next: int = 1
 
-    def count(self, key: str, model: str, now: float, usage: Usage | None, error: bool) -> None:
+    def count(self, key: str, model: str, now: float, usage: Usage | None, status: int) -> None:
         hour = int(now // 3600) * 3600
         counts = self._pending.get((key, model, hour))
         if counts is None:
@@ -126,7 +127,8 @@ class UsageLedger:
         if usage is not None:
             counts.prompt += usage.prompt
             counts.completion += usage.completion
-        counts.errors += error
+        counts.errors += status >= 400
+        counts.limited += status == 429
         counts.last_at = now
 
     def take(self) -> UsageBatch | None:
@@ -142,6 +144,7 @@ class UsageLedger:
                     completion_tokens=c.completion,
                     errors=c.errors,
                     last_at=c.last_at,
+                    limited=c.limited,
                 )
                 for (key, model, hour), c in self._pending.items()
             ]

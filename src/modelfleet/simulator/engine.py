@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -187,6 +188,23 @@ class SimEngine:
         self.prefix_cache = PrefixCache(settings.prefix_block, settings.prefix_cache_blocks)
         self.sleep = SleepState()
         self.adapters = Adapters(settings.max_loras, settings.lora_load_delay)
+        # Seconds with a request running, as a GPU counts its utilisation (the share of time
+        # a kernel ran): the agent of simulated GPUs reads it as theirs.
+        self._busy = 0.0
+        self._busy_since: float | None = None
+
+    def busy_seconds(self) -> float:
+        """Seconds so far during which at least one request was running."""
+        now = time.monotonic()
+        return self._busy + (now - self._busy_since if self._busy_since is not None else 0.0)
+
+    def _running(self, change: int) -> None:
+        if self.running == 0 and change > 0:
+            self._busy_since = time.monotonic()
+        self.running += change
+        if self.running == 0 and self._busy_since is not None:
+            self._busy += time.monotonic() - self._busy_since
+            self._busy_since = None
 
     async def fall_asleep(self, level: int) -> None:
         """vLLM's sleep: new requests are refused from now on; once those running and waiting
@@ -228,7 +246,7 @@ class SimEngine:
                 await self._slots.acquire()
             finally:
                 self.waiting -= 1
-            self.running += 1
+            self._running(+1)
             self.prompt_tokens_total += n_prompt
             self.requests_total += 1
             held = n_prompt
@@ -247,7 +265,7 @@ class SimEngine:
                     yield " " + _WORDS[(seed + i) % len(_WORDS)]
                 finished = True
             finally:
-                self.running -= 1
+                self._running(-1)
                 self.kv_tokens -= held
                 self._slots.release()
         finally:

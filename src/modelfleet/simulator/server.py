@@ -67,6 +67,7 @@ class _VllmMetrics:
             ("vllm:prefix_cache_hits", "Prompt tokens found cached.", e.prefix_cache.hits),
             ("sim:lora_loads", "LoRA adapters loaded since the start.", e.adapters.loads),
             ("sim:lora_evictions", "Adapters let go to make room.", e.adapters.evicted),
+            ("sim:busy_seconds", "Seconds with a request running.", e.busy_seconds()),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)

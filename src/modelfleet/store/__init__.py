@@ -14,13 +14,13 @@ store whose schema is newer than this modelfleet knows is refused (`check_schema
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 # The schema this modelfleet writes. One more with every change to the tables; each
 # implementation has one migration per version.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,18 @@ class StoredUsage:
     completion_tokens: int
     errors: int
     last_at: float
+
+
+@dataclass(frozen=True)
+class StoredPoint:
+    """What one thing (a model, a node, a key) counted over one step of time: the points the
+    dashboard plots (`controlplane/series.py`), kept so that plots outlive a restart."""
+
+    kind: str  # "model", "node" or "key"
+    subject: str  # its name
+    step: int  # the seconds it covers
+    at: int  # wall-clock seconds at its start: a multiple of `step`
+    body: str  # JSON: its sums, as `series.Totals` writes them
 
 
 @dataclass(frozen=True)
@@ -326,6 +338,18 @@ class Store(Protocol):
 
     def usage_totals(self) -> dict[str, tuple[int, int, float]]:
         """Every key's usage so far: key -> (requests, tokens, when it was last used)."""
+        ...
+
+    def put_points(self, points: Sequence[StoredPoint], forget: Mapping[int, float]) -> None:
+        """Write `points`, each replacing the one of the same kind, subject, step and time;
+        forget the points of each step in `forget` that begin before the time it gives."""
+        ...
+
+    def points(
+        self, kind: str | None, subject: str | None, step: int, since: float
+    ) -> list[StoredPoint]:
+        """The points of one step beginning at `since` or later, by time; `kind` and
+        `subject` None: of every kind or subject."""
         ...
 
     def take_lease(self, holder: str, ttl_s: float) -> Lease:

@@ -135,6 +135,17 @@ CREATE TABLE control_planes (
 );
 """,
     4: "ALTER TABLE catalogs ADD COLUMN IF NOT EXISTS text TEXT;",
+    5: """
+CREATE TABLE IF NOT EXISTS series (
+    kind    TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    step    BIGINT NOT NULL,
+    at      BIGINT NOT NULL,
+    body    TEXT NOT NULL,
+    PRIMARY KEY (kind, subject, step, at)
+);
+CREATE INDEX IF NOT EXISTS series_step_at ON series (step, at);
+""",
 }
 DIALECT = Dialect(
     # The store's clock: the database server's, in seconds since the epoch.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -34,6 +34,7 @@ from modelfleet.store import (
     StoredJoinToken,
     StoredKey,
     StoredMark,
+    StoredPoint,
     StoredUsage,
     WriteHealth,
     fenced_message,
@@ -47,6 +48,7 @@ BATCH_MEMORY_S = 86400.0
 # Rows per statement when events are written in bulk: 8 parameters each stays far below
 # SQLite's limit of 32,766 parameters a statement.
 EVENT_ROWS_PER_STATEMENT = 500
+POINT_ROWS_PER_STATEMENT = 1000  # 5 parameters each
 
 
 @dataclass(frozen=True)
@@ -444,6 +446,29 @@ class SqlStore(ABC):
             "FROM usage GROUP BY key"
         )
         return {key: (int(requests), int(tokens), last) for key, requests, tokens, last in rows}
+
+    def put_points(self, points: Sequence[StoredPoint], forget: Mapping[int, float]) -> None:
+        with self._write() as tx:
+            for chunk in _chunks(points, POINT_ROWS_PER_STATEMENT):
+                rows = ", ".join("(?, ?, ?, ?, ?)" for _ in chunk)
+                tx.execute(
+                    f"INSERT INTO series (kind, subject, step, at, body) VALUES {rows} "
+                    "ON CONFLICT (kind, subject, step, at) DO UPDATE SET body = excluded.body",
+                    [v for p in chunk for v in (p.kind, p.subject, p.step, p.at, p.body)],
+                )
+            for step, before in forget.items():
+                tx.execute("DELETE FROM series WHERE step = ? AND at < ?", (step, before))
+
+    def points(
+        self, kind: str | None, subject: str | None, step: int, since: float
+    ) -> list[StoredPoint]:
+        rows = self._query(
+            "SELECT kind, subject, step, at, body FROM series WHERE step = ? AND at >= ? "
+            "AND (CAST(? AS TEXT) IS NULL OR kind = ?) "
+            "AND (CAST(? AS TEXT) IS NULL OR subject = ?) ORDER BY at",
+            (step, since, kind, kind, subject, subject),
+        )
+        return [StoredPoint(k, s, int(st), int(at), body) for k, s, st, at, body in rows]
 
 
 def _put_join_token(tx: Transaction, t: StoredJoinToken) -> None:

@@ -119,6 +119,18 @@ CREATE TABLE IF NOT EXISTS control_planes (
 """
 # Version 4: the text each catalog was applied from.
 _TEXT = "ALTER TABLE catalogs ADD COLUMN text TEXT"
+# Version 5: the points the dashboard plots.
+_SERIES = """
+CREATE TABLE IF NOT EXISTS series (
+    kind    TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    step    INTEGER NOT NULL,
+    at      INTEGER NOT NULL,
+    body    TEXT NOT NULL,
+    PRIMARY KEY (kind, subject, step, at)
+);
+CREATE INDEX IF NOT EXISTS series_step_at ON series (step, at);
+"""
 
 DIALECT = Dialect(
     # The store's clock, in seconds since the epoch: SQLite's own (the host's: it runs here).
@@ -182,6 +194,10 @@ class SqliteStore(SqlStore):
             columns = {row[1] for row in self._db.execute("PRAGMA table_info(catalogs)")}
             if found < 4 and "text" not in columns:  # SQLite has no ADD COLUMN IF NOT EXISTS
                 self._db.execute(_TEXT)
+            if found < 5:
+                for statement in _SERIES.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._db.execute("COMMIT")
         except BaseException:

@@ -25,6 +25,9 @@ from modelfleet.up.configs import DEFAULT_CATALOG, FleetOptions, agent_gpu_flags
 from modelfleet.up.kept import HOST, Kept, load_or_make
 from modelfleet.wire import RoutingSnapshot
 
+# A fleet on one machine is small: its plots get a point every 10 s, not every minute.
+UP_SERIES_INTERVAL = 10
+
 
 @dataclass
 class RunningFleet:
@@ -143,6 +146,7 @@ def start_fleet(
                 "known_nodes": list(opts.nodes),
                 "reconcile_interval": opts.reconcile_interval,
                 "heartbeat_interval": opts.report_interval,
+                "series_interval": UP_SERIES_INTERVAL,
                 **({"store": store_url} if store_url else {}),
                 **opts.control_plane,
         }  # fmt: skip

@@ -6,9 +6,11 @@
 
   function lines(box, el) {
     var d = JSON.parse(box.dataset.plot);
-    if (box.dataset.kind === "usage") {
-      var keys = Object.keys(d.series);
-      return { xs: d.at, names: keys, ys: keys.map(function (k) { return d.series[k]; }) };
+    if (box.dataset.kind === "keys") {
+      // One line per key, of the one measure this plot shows.
+      var per = d[el.dataset.series] || {};
+      var keys = Object.keys(per);
+      return { xs: d.at, names: keys, ys: keys.map(function (k) { return per[k]; }) };
     }
     var names = el.dataset.series.split(",");
     return { xs: d.at, names: names, ys: names.map(function (n) { return d[n]; }) };
