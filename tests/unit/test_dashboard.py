@@ -17,6 +17,7 @@ from modelfleet.controlplane.dashboard import COOKIE, Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.fleet import Mark
+from modelfleet.store.calls import Outage
 from modelfleet.store.sqlite import SqliteStore
 from modelfleet.wire import LoadReport, ModelLoad
 
@@ -81,6 +82,27 @@ def test_the_dashboard_signs_in_by_cookie_and_shows_the_fleet() -> None:
 
             await c.post("/ui/logout")
             assert (await c.get("/ui/")).status_code == 303
+
+    asyncio.run(go())
+
+
+def test_a_store_outage_leaves_every_plotted_page_up_saying_why() -> None:
+    cp = control_plane()
+    _, client = ui_client(cp)
+
+    async def go() -> None:
+        async with client as c:
+            await c.post("/ui/login", data={"token": TOKEN})
+            cp.calls.outage = Outage(0.0, "PostgreSQL does not answer")
+            for path in ("/ui/models/small?range=7d", "/ui/nodes/a", "/ui/usage?range=6h"):
+                got = await c.get(path)
+                assert got.status_code == 200, (path, got.text[-500:])
+                assert "No plots now:" in got.text and "does not answer" in got.text, path
+            cp.calls.outage = None
+            back = await c.get("/ui/models/small?range=7d")
+            assert 'class="current" aria-current="page">7d<' in back.text
+            assert "a point per 1 h" in back.text  # 7 d of quarter hours, 4 to a point
+            assert '&amp;range=7d"' in back.text  # and its live stream is the 7 d one
 
     asyncio.run(go())
 

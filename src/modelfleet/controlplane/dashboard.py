@@ -363,8 +363,9 @@ class Dashboard:
         context = self.part(part, name, stored)
         if context is None:
             return None
-        if stored.plotted is not None:
-            context = {**context, "span": span, "ranges": list(RANGES), "plotted": stored.plotted}
+        if part in PLOTS:
+            shown = {"span": span, "ranges": list(RANGES), "plotted": stored.plotted}
+            context = {**context, **shown, "problem": stored.problem}
         html = self.env.get_template(f"_{part}.html").render(**context, name=name)
         self._rendered[key] = (basis, html)
         return html
