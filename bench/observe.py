@@ -436,7 +436,7 @@ def big_control_plane(nodes: int, replicas: int) -> ControlPlane:
     """A control plane in this process that has heard from `nodes` nodes of 8 GPUs and
     placed `replicas` replicas over 20 models."""
     keeper = CatalogKeeper(SqliteStore(":memory:"))
-    keeper.start(0.0)
+    keeper.lead(0.0)
     models = [
         {
             "name": f"model-{i:02d}",
@@ -465,18 +465,18 @@ def serve_big(ready: Any, stop: Any) -> None:
     """In a process of its own, as a control plane runs: a 1,000-node control plane's admin
     listener. Puts (its URL, the server's render times of the overview) on `ready`."""
     cp = big_control_plane(1000, 2000)
-    renders = []
-    for _ in range(5):
-        began = time.perf_counter()
-        html = Dashboard(cp).render_part("overview", "")  # a new one: nothing rendered yet
-        renders.append(time.perf_counter() - began)
-    assert html is not None and html.count("data-node=") == 1000
-    _, app = create_apps(cp, Dashboard(cp))
-    listener = Listener("admin", app)
-    sock = listener.bind()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
 
     async def run() -> None:
+        renders = []
+        for _ in range(5):
+            began = time.perf_counter()
+            html = await Dashboard(cp).render_part("overview", "")  # a new one: nothing held
+            renders.append(time.perf_counter() - began)
+        assert html is not None and html.count("data-node=") == 1000
+        _, app = create_apps(cp, Dashboard(cp))
+        listener = Listener("admin", app)
+        sock = listener.bind()
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             await asyncio.sleep(0.01)

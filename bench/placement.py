@@ -116,7 +116,7 @@ def full_state(n: int, replicas: int) -> ControlPlane:
     models = catalog_for(replicas)
     store = SqliteStore(":memory:")
     keeper = CatalogKeeper(store)
-    keeper.start(0.0)
+    keeper.lead(0.0)
     keeper.apply(yaml.safe_dump({"models": models}), "bench", 0.0)
     config = ControlPlaneConfig(admin_token="bench-token", settle_for=-1)
     cp = ControlPlane(config, keeper)
