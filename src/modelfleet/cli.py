@@ -477,7 +477,8 @@ def router(
 
     from modelfleet.config import ConfigError, load_config
     from modelfleet.pki import PkiError, server_context
-    from modelfleet.router.service import RouterConfig, serve
+    from modelfleet.router.config import RouterConfig
+    from modelfleet.router.service import serve
     from modelfleet.router.workers import PortHeld
     from modelfleet.serving import configure_logging, run_fast
 

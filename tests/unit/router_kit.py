@@ -17,7 +17,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from modelfleet.http1 import Http1Server
-from modelfleet.router.service import ClientApp, Router, RouterConfig, create_apps
+from modelfleet.router.config import RouterConfig
+from modelfleet.router.service import ClientApp, Router, create_apps
 from modelfleet.serving import Listener
 
 

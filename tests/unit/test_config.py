@@ -10,7 +10,7 @@ import yaml
 
 from modelfleet.config import ConfigError, load_config, secrets_in
 from modelfleet.controlplane.config import ControlPlaneConfig
-from modelfleet.router.service import RouterConfig
+from modelfleet.router.config import RouterConfig
 
 TOKEN = "admin-token-0123456789"
 

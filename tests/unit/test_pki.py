@@ -155,7 +155,7 @@ def test_the_control_plane_serves_plain_http_on_loopback_only() -> None:
 def test_a_router_beyond_loopback_serves_tls_only(tmp_path: Path) -> None:
     from pydantic import ValidationError
 
-    from modelfleet.router.service import RouterConfig
+    from modelfleet.router.config import RouterConfig
 
     cert, key = tmp_path / "r.crt", tmp_path / "r.key"
     assert RouterConfig().client_tls is None  # loopback: plain HTTP

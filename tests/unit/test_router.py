@@ -14,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from modelfleet.router.service import Router, RouterConfig, create_apps
+from modelfleet.router.config import RouterConfig
+from modelfleet.router.service import Router, create_apps
 from modelfleet.serving import Listener
 from modelfleet.wire import RoutedModel, RoutingSnapshot
 

@@ -10,22 +10,63 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from modelfleet.clock import Clock
+from modelfleet.controlplane.autoscaler import Autoscaler
+from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.config import ControlPlaneConfig
+from modelfleet.controlplane.keys import KeyBook
+from modelfleet.controlplane.state import FleetState
+from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.controlplane.views import replica_state
 from modelfleet.fleet import Mark
-
-if TYPE_CHECKING:
-    from modelfleet.controlplane.plane import ControlPlane
 
 _PASS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _CONFIRM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 NODE_STATES = ("ready", "stale", "lost")
 REPLICA_STATES = ("serving", "starting", "failed", "assigned", "retiring", "sleeping")
+
+
+class Published(Protocol):
+    """What the metrics read of the publisher (which counts its pushes here)."""
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+
+
+class Observed(Protocol):
+    """What the metrics read of the control plane at each scrape (`plane.ControlPlane`,
+    which holds them: named here by what they are, so that this module needs not the
+    control plane's)."""
+
+    @property
+    def state(self) -> FleetState: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def config(self) -> ControlPlaneConfig: ...
+    @property
+    def catalogs(self) -> CatalogKeeper: ...
+    @property
+    def autoscaler(self) -> Autoscaler: ...
+    @property
+    def usage(self) -> UsageCollector: ...
+    @property
+    def publisher(self) -> Published: ...
+    @property
+    def keys(self) -> KeyBook: ...
+    @property
+    def passes(self) -> int: ...
+    @property
+    def plans(self) -> int: ...
+    def settling(self, now: float) -> bool: ...
 
 
 class ControlPlaneMetrics:
@@ -76,7 +117,7 @@ class ControlPlaneMetrics:
             registry=r,
         )
 
-    def watch(self, cp: ControlPlane) -> None:
+    def watch(self, cp: Observed) -> None:
         """Read `cp`'s state at every scrape."""
         self.registry.register(_FleetCollector(cp))
 
@@ -84,7 +125,7 @@ class ControlPlaneMetrics:
 class _FleetCollector(Collector):
     """The fleet as the control plane knows it at the time of the scrape."""
 
-    def __init__(self, cp: ControlPlane) -> None:
+    def __init__(self, cp: Observed) -> None:
         self.cp = cp
 
     def collect(self) -> Iterator[Metric]:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from modelfleet.router.flight import Refusal
+from modelfleet.router.refusal import Refusal
 
 if TYPE_CHECKING:
     from modelfleet.router.balancer import Balancer

@@ -9,6 +9,7 @@ is the largest of them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from modelfleet.engine_metrics import cache_sources, load_sources
 
@@ -17,14 +18,28 @@ from modelfleet.engine_metrics import cache_sources, load_sources
 _LOAD, _CACHE = load_sources(), cache_sources()
 
 
-def _values(page: str, names: frozenset[str]) -> list[float]:
-    """The finite values of the samples of `page` whose metric is one of `names`."""
-    found = []
+@dataclass(frozen=True)
+class EngineReading:
+    """What one read of an engine's page says: its load (requests running and waiting) and
+    the share of its KV cache in use; None where the page does not say."""
+
+    load: int | None
+    cache: float | None
+
+
+def read_engine_page(page: str) -> EngineReading:
+    """An engine's `/metrics` page, read once for its load and its cache."""
+    load: list[float] = []
+    cache: list[float] = []
     for line in page.splitlines():
         if not line or line[0] == "#":
             continue
         end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
-        if end < 0 or line[:end] not in names:
+        if end < 0:
+            continue
+        name = line[:end]
+        into = load if name in _LOAD else cache if name in _CACHE else None
+        if into is None:
             continue
         rest = line[line.rfind("}") + 1 :] if line[end] == "{" else line[end:]
         try:
@@ -32,18 +47,19 @@ def _values(page: str, names: frozenset[str]) -> list[float]:
         except (IndexError, ValueError):
             continue
         if math.isfinite(number):
-            found.append(number)
-    return found
+            into.append(number)
+    return EngineReading(
+        load=round(sum(load)) if load else None,
+        cache=min(1.0, max(0.0, max(cache))) if cache else None,
+    )
 
 
 def read_engine_load(page: str) -> int | None:
     """Requests running and waiting at the engine whose `/metrics` page is `page`; None when
     the page names none of the known gauges."""
-    found = _values(page, _LOAD)
-    return round(sum(found)) if found else None
+    return read_engine_page(page).load
 
 
 def read_cache_usage(page: str) -> float | None:
     """The share of the engine's KV cache in use (0 to 1); None when its page does not say."""
-    found = _values(page, _CACHE)
-    return min(1.0, max(0.0, max(found))) if found else None
+    return read_engine_page(page).cache

@@ -33,6 +33,7 @@ from modelfleet.openai_api import error_body
 from modelfleet.router.limits import Refusal as LimitRefusal
 from modelfleet.router.limits import Ticket
 from modelfleet.router.rates import Rates
+from modelfleet.router.refusal import Refusal
 from modelfleet.router.upstream import UpstreamError
 from modelfleet.tracing import AttributeValue, SpanRecord, format_traceparent, new_span_id
 
@@ -118,20 +119,6 @@ class Exchange:
     # Why the router answered it itself, sending it to no engine (`Refusal.reason`); None
     # once an engine was tried. Refused requests are kept out of the latency histograms.
     refusal: str | None = None
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """The router's own answer to a request it does not send on: an OpenAI-style error, and
-    why (the `refusals` metric, `x-modelfleet-reason`)."""
-
-    status: int
-    message: str
-    type: str
-    reason: str
-    code: str | None = None
-    param: str | None = None
-    retry_after: int | None = None
 
 
 @dataclass

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from modelfleet.openai_api import BadRequest, check_generation, parse_body, prompt_text
 from modelfleet.router.cold import adapter_failed
-from modelfleet.router.flight import ClientGone, Exchange, Flight, Parts, Plan, Refusal
+from modelfleet.router.flight import ClientGone, Exchange, Flight, Parts, Plan
+from modelfleet.router.refusal import Refusal
 from modelfleet.router.usage import UsageScanner
 from modelfleet.tracing import TRACEPARENT, new_span_id, new_trace_id, parse_traceparent
 

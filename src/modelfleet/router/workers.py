@@ -22,13 +22,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 import yaml
 
 from modelfleet.files import private_dir
 from modelfleet.processes import port_holders
+from modelfleet.router.config import RouterConfig
 from modelfleet.router.metrics import COUNTS_SUFFIX, last_shown, summed
 from modelfleet.router.push import PushUnavailable, create_push_app
 from modelfleet.serving import Listener, run_service
@@ -43,9 +43,6 @@ from modelfleet.wire import (
     UsageBatch,
     UsageReport,
 )
-
-if TYPE_CHECKING:
-    from modelfleet.router.service import RouterConfig
 
 log = logging.getLogger("modelfleet.router")
 
