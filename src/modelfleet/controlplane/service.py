@@ -111,10 +111,8 @@ def outlasting_the_store(
 
 def create_apps(cp: ControlPlane, dashboard: Dashboard | None = None) -> tuple[AgentApi, Starlette]:
     """The agent API app and the admin API app, with the `dashboard` at /ui when given."""
-    admin_app = create_admin_app(cp)
-    if dashboard is not None:
-        admin_app.mount("/ui", dashboard.app())
-    return create_agent_app(cp), admin_app
+    ui = dashboard.app() if dashboard is not None else None
+    return create_agent_app(cp), create_admin_app(cp, ui)
 
 
 def open_catalogs(config: ControlPlaneConfig) -> CatalogKeeper:

@@ -1,0 +1,97 @@
+"""The catalog: the current one, its history, and applying another (or previewing it)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+
+from modelfleet import admin
+from modelfleet.catalog import Catalog, CatalogInvalid
+from modelfleet.controlplane import views
+from modelfleet.controlplane.admin_api.shared import Refused, errors
+from modelfleet.controlplane.catalogs import API_SOURCE
+from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.web import read_at_most
+
+_CATALOG_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/yaml": {"schema": {"type": "string"}},
+            "application/json": {"schema": {"type": "object"}},
+        },
+        "description": "A catalog file: `models:` and a list of models (YAML or JSON).",
+    }
+}
+
+
+def routes(cp: ControlPlane) -> APIRouter:
+    api = APIRouter()
+
+    @api.get("/v1/catalog", responses=errors())
+    async def catalog() -> admin.CatalogAnswer:
+        """The current catalog, its version, and the last rejected attempt."""
+        return views.catalog(cp.catalogs)
+
+    @api.get("/v1/catalog/history", responses=errors(400))
+    async def catalog_history(
+        limit: Annotated[int, Query(ge=1, le=admin.MAX_HISTORY)] = 20,
+    ) -> admin.CatalogHistory:
+        """The last applied catalog versions, newest first."""
+        return views.history(await cp.calls(cp.catalogs.history, limit))
+
+    async def changes(
+        candidate: Catalog,
+    ) -> tuple[list[admin.AdapterChange], list[admin.Step], list[admin.PendingStep]]:
+        """What applying `candidate` does: adapters loaded and unloaded, replicas moved and
+        pending. The preview takes the table before anything is awaited: what the next
+        passes do."""
+        demand = cp.term.adapter_demand(candidate)
+        adapters = views.adapter_changes(cp.state, candidate, demand, cp.replica_loads())
+        moves, pending = views.steps(await cp.preview(candidate))
+        return adapters, moves, pending
+
+    @api.put("/v1/catalog", responses=errors(400, 413, 422, 503), openapi_extra=_CATALOG_BODY)
+    async def put_catalog(request: Request, dry_run: bool = False) -> admin.CatalogChange:
+        """Apply the catalog in the body, or with `dry_run` only say what applying it would
+        do. An invalid catalog changes nothing and gets 422 with every problem."""
+        limit = cp.config.max_catalog_bytes
+        body = await read_at_most(request, limit)
+        if body is None:
+            raise Refused.because(413, f"a catalog may have at most {limit} bytes")
+        text = body.decode(errors="replace")
+        current = cp.catalogs.current
+        try:
+            if dry_run:
+                candidate = cp.catalogs.validate(text, API_SOURCE)
+                adapters, moves, pending = await changes(candidate)
+                return admin.CatalogChange(
+                    dry_run=True,
+                    changed=candidate.digest != current.digest,
+                    version=current.version,
+                    steps=moves,
+                    pending=pending,
+                    adapters=adapters,
+                )
+            applied = await cp.calls(cp.catalogs.apply, text, API_SOURCE, cp.clock.time())
+        except CatalogInvalid as exc:
+            if not dry_run:
+                cp.catalog_refused([str(p) for p in exc.problems], API_SOURCE)
+            raise Refused(422, views.refused(exc)) from None
+        cp.catalog_event(applied, API_SOURCE)
+        if applied.changed:
+            cp.wake()
+        adapters, moves, pending = await changes(applied.catalog)
+        return admin.CatalogChange(
+            dry_run=False,
+            changed=applied.changed,
+            version=applied.catalog.version,
+            previous_version=applied.previous.version,
+            digest=applied.catalog.digest,
+            steps=moves,
+            pending=pending,
+            adapters=adapters,
+        )
+
+    return api

@@ -1,0 +1,46 @@
+"""What happened: the events, for a watch or a look back."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from modelfleet import admin
+from modelfleet.controlplane.admin_api.shared import duration, errors
+from modelfleet.controlplane.plane import ControlPlane
+
+
+def routes(cp: ControlPlane) -> APIRouter:
+    api = APIRouter()
+
+    @api.get("/v1/events", responses=errors(400))
+    async def events(
+        regarding: Annotated[
+            str | None,
+            Query(
+                alias="for",
+                description="One object (node/NAME, model/NAME, replica/ID, key/NAME) or kind.",
+                max_length=300,
+            ),
+        ] = None,
+        since: str = "1h",
+        after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    ) -> admin.EventsAnswer:
+        """What happened, oldest first: events last seen from `since` ago (a duration: 10m,
+        1h, 7d) on, with an id above `after` (for a watch), at most `limit` (the newest)."""
+        start = cp.clock.time() - duration("since", since)
+        rows = await cp.calls(cp.read_events, regarding, start, after, limit)
+        return admin.EventsAnswer(
+            events=[
+                admin.EventInfo(
+                    id=e.id, type=e.type, reason=e.reason, regarding=e.regarding,
+                    message=e.message, count=e.count, first_at=e.first_at, last_at=e.last_at,
+                    source=e.source,
+                )
+                for e in rows
+            ]
+        )  # fmt: skip
+
+    return api
