@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import yaml
 
-from modelfleet.loadgen import SteadyClient
+from modelfleet.http.loadgen import SteadyClient
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
 A = {"name": "a", "engine": "sim", "args": ["--ttft", "0.02", "--itl", "0.005"]}

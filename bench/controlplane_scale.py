@@ -64,15 +64,15 @@ import yaml
 from aiohttp import web
 
 from modelfleet.agent.heartbeat import retry_delay
-from modelfleet.files import write_atomic
-from modelfleet.router.upstream import UpstreamError, Upstreams
-from modelfleet.wire import (
+from modelfleet.host.files import write_atomic
+from modelfleet.messages.wire import (
     AgentReport,
     GpuReport,
     NodeAssignment,
     ShardReport,
     ShardState,
 )
+from modelfleet.router.upstream import UpstreamError, Upstreams
 
 GIB = 2**30
 GPUS = tuple(

@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from modelfleet.pki import CertificateAuthority, client_context_with, read_request, request
-from modelfleet.processes import free_port, stop_groups
+from modelfleet.host.processes import free_port, stop_groups
 from modelfleet.router.upstream import Upstreams
+from modelfleet.security.pki import CertificateAuthority, client_context_with, read_request, request
 
 BODY = json.dumps(
     {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1}

@@ -44,7 +44,7 @@ import psutil
 import yaml
 
 from modelfleet.agent.records import read_records
-from modelfleet.processes import group_members
+from modelfleet.host.processes import group_members
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 from modelfleet.up.children import agent_state_dir
 

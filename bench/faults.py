@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import yaml
 
-from modelfleet.loadgen import SteadyClient
+from modelfleet.http.loadgen import SteadyClient
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
 A = {"name": "a", "engine": "sim", "replicas": 2, "args": ["--itl", "0.005"]}

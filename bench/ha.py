@@ -499,13 +499,13 @@ def main() -> None:
 
 
 def _catalog_of(models: list[dict[str, Any]]) -> Any:
-    from modelfleet.catalog import Catalog
+    from modelfleet.core.catalog import Catalog
 
     return Catalog.from_yaml(yaml.safe_dump({"models": models}))
 
 
 def _conninfo(state: Path) -> str:
-    from modelfleet.pgserver import PgServer
+    from modelfleet.host.pgserver import PgServer
 
     kept = json.loads((state / "up-kept.json").read_text())
     conninfo: str = PgServer(state / "postgres", kept["postgres_port"]).conninfo()

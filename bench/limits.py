@@ -41,7 +41,7 @@ import httpx
 import yaml
 from router import Processes, free_port, start_redis, start_sims, wait_ready
 
-from modelfleet.files import write_atomic
+from modelfleet.host.files import write_atomic
 from modelfleet.router.limits import RedisLimits, Ticket
 from modelfleet.router.table import ApiKey
 

@@ -55,7 +55,7 @@ import httpx
 import openai
 import yaml
 
-from modelfleet.processes import free_port, stop_groups
+from modelfleet.host.processes import free_port, stop_groups
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
 ADAPTERS = [f"lora-{i:02d}" for i in range(50)]

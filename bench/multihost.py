@@ -1,5 +1,5 @@
 """A fleet across three hosts, under load, through a partition, a group restart and an
-impersonation: network namespaces on one machine (`modelfleet.hosts`; needs root).
+impersonation: network namespaces on one machine (`modelfleet.host.hosts`; needs root).
 
 Host A (10.10.0.1) runs the control plane and a router, hosts B and C an agent each with two
 simulated GPUs, set up by typing the README's "Across machines" commands, as the multi-host
@@ -52,10 +52,10 @@ from typing import Any
 import httpx
 
 from modelfleet.agent.records import recorded_engine_pids
-from modelfleet.hosts import Capture, Hosts, Shell, call_in, netns_unavailable, shell_blocks
-from modelfleet.pki import client_context
-from modelfleet.processes import running, stop_groups
-from modelfleet.wire import AgentReport
+from modelfleet.host.hosts import Capture, Hosts, Shell, call_in, netns_unavailable, shell_blocks
+from modelfleet.host.processes import running, stop_groups
+from modelfleet.messages.wire import AgentReport
+from modelfleet.security.pki import client_context
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "tests" / "integration" / "openai_client.py"

@@ -1,7 +1,7 @@
 """What an operator can see of the fleet, measured in one run on this machine.
 
 - Traces: two engine simulators and a dead replica behind a router, all sending spans by
-  OTLP to a collector of the bench's own (`modelfleet.otlp.SpanCollector`); `--requests`
+  OTLP to a collector of the bench's own (`modelfleet.http.otlp.SpanCollector`); `--requests`
   requests through the `openai` client, half streamed, some meeting the dead replica first
   and retried: `trace_complete_ratio` is the share of the router's request spans whose tree
   is whole (`tracing.incomplete_traces`: every attempt, and under each attempt an engine
@@ -80,13 +80,13 @@ from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.dashboard import Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
-from modelfleet.otlp import SpanCollector
-from modelfleet.pki import CertificateAuthority
-from modelfleet.serving import Listener
+from modelfleet.http.otlp import SpanCollector
+from modelfleet.http.serving import Listener
+from modelfleet.http.tracing import incomplete_traces
+from modelfleet.messages.wire import AgentReport
+from modelfleet.security.pki import CertificateAuthority
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.tracing import incomplete_traces
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
-from modelfleet.wire import AgentReport
 
 HERE = Path(__file__).resolve().parent
 BASELINE = "f4fabd5"  # the last commit before the router carried trace context

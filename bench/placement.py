@@ -31,14 +31,14 @@ from typing import Any
 
 import yaml
 
-from modelfleet.catalog import Catalog
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.fleet import Gpu, Mark, Node
-from modelfleet.reconcile import plan
+from modelfleet.core.catalog import Catalog
+from modelfleet.core.fleet import Gpu, Mark, Node
+from modelfleet.core.reconcile import plan
+from modelfleet.messages.wire import AgentReport, GpuReport, ShardReport, ShardState
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, GpuReport, ShardReport, ShardState
 
 GIB = 2**30
 NOW = 1000.0

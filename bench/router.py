@@ -59,8 +59,8 @@ import httpx
 import psutil
 import yaml
 
-from modelfleet.files import write_atomic
-from modelfleet.processes import free_port
+from modelfleet.host.files import write_atomic
+from modelfleet.host.processes import free_port
 
 HERE = Path(__file__).resolve().parent
 VENVS = HERE / ".venvs"

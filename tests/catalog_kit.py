@@ -10,7 +10,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from modelfleet.catalog import ENGINES, OVER_CAPS, PLACEMENTS, ROUTINGS
+from modelfleet.core.catalog import ENGINES, OVER_CAPS, PLACEMENTS, ROUTINGS
 
 # Text as operators and engines write it, with what stores and YAML must carry unharmed:
 # accents, quotes, colons, a leading dash, a NUL, words YAML reads as booleans or numbers.

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from modelfleet.processes import free_port, stop_groups
+from modelfleet.host.processes import free_port, stop_groups
 
 
 def _answers_ping(port: int) -> bool:

@@ -111,8 +111,8 @@ def up(
     ] = None,
 ) -> None:
     """Run a whole fleet on this machine: control plane, router, two agents, simulated engines."""
-    from modelfleet.catalog import CatalogInvalid
-    from modelfleet.statedir import StateDirBusy
+    from modelfleet.core.catalog import CatalogInvalid
+    from modelfleet.host.statedir import StateDirBusy
     from modelfleet.up import UpError
     from modelfleet.up import up as run_up
 
@@ -147,8 +147,6 @@ def control_plane(
     log_level: LogLevel = "info",
 ) -> None:
     """Run the control plane: agent API, admin API, reconcile loop, publisher."""
-    from modelfleet.catalog import CatalogInvalid
-    from modelfleet.config import ConfigError, load_config
     from modelfleet.controlplane.config import ControlPlaneConfig
     from modelfleet.controlplane.service import (
         fleet_ca,
@@ -156,9 +154,11 @@ def control_plane(
         open_catalogs,
         serve,
     )
-    from modelfleet.pki import PkiError
-    from modelfleet.serving import configure_logging, run_fast
-    from modelfleet.statedir import StateDirBusy, StateDirLock
+    from modelfleet.core.catalog import CatalogInvalid
+    from modelfleet.host.config import ConfigError, load_config
+    from modelfleet.host.statedir import StateDirBusy, StateDirLock
+    from modelfleet.http.serving import configure_logging, run_fast
+    from modelfleet.security.pki import PkiError
     from modelfleet.store import StoreError, StoreUnreachable
 
     configure_logging(log_level)
@@ -328,9 +328,9 @@ def agent(
     from modelfleet.agent.gpus import CpuSlots
     from modelfleet.agent.service import AgentSettings, serve
     from modelfleet.agent.supervisor import EngineTls, SupervisorSettings
-    from modelfleet.pki import client_context, is_loopback
-    from modelfleet.serving import configure_logging, run_service_loop
-    from modelfleet.statedir import StateDirBusy, StateDirLock
+    from modelfleet.host.statedir import StateDirBusy, StateDirLock
+    from modelfleet.http.serving import configure_logging, run_service_loop
+    from modelfleet.security.pki import client_context, is_loopback
 
     configure_logging(log_level)
     gpus = _gpu_source(simulate_gpus, cpu_slots, unhealthy_gpu or [])
@@ -475,12 +475,12 @@ def router(
     """Run the router: the OpenAI-compatible client API with API keys."""
     from pydantic import ValidationError
 
-    from modelfleet.config import ConfigError, load_config
-    from modelfleet.pki import PkiError, server_context
+    from modelfleet.host.config import ConfigError, load_config
+    from modelfleet.http.serving import configure_logging, run_fast
     from modelfleet.router.config import RouterConfig
     from modelfleet.router.service import serve
     from modelfleet.router.workers import PortHeld
-    from modelfleet.serving import configure_logging, run_fast
+    from modelfleet.security.pki import PkiError, server_context
 
     configure_logging(log_level)
     try:
@@ -531,7 +531,7 @@ def certificate(
     import datetime
 
     from modelfleet.controlplane.config import PKI_DIR
-    from modelfleet.pki import CA_CERT, CA_KEY, CertificateAuthority, PkiError
+    from modelfleet.security.pki import CA_CERT, CA_KEY, CertificateAuthority, PkiError
 
     folder = state_dir / PKI_DIR
     if not (folder / CA_KEY).exists():
@@ -574,7 +574,13 @@ def install_systemd(
     """Write a systemd unit running `modelfleet ROLE` with the options given after `--`,
     e.g. `install systemd --role agent --out DIR -- --control-plane URL --node gpu-1 --ca
     FILE --token T`. Secrets (the agent's --token) go to an env file of mode 0600."""
-    from modelfleet.install import ROLES, InstallError, check_runnable, systemd_unit, write_unit
+    from modelfleet.host.install import (
+        ROLES,
+        InstallError,
+        check_runnable,
+        systemd_unit,
+        write_unit,
+    )
 
     if role not in ROLES:
         fail(f"--role {role!r}: one of {', '.join(ROLES)}")
@@ -624,8 +630,8 @@ def engine_gate(
     only the fleet's routers; exit as the engine exits. The agent runs it for every engine
     other machines reach."""
     from modelfleet.agent.gate import GateSettings, run_gate
-    from modelfleet.pki import TlsFiles
-    from modelfleet.serving import configure_logging
+    from modelfleet.http.serving import configure_logging
+    from modelfleet.security.pki import TlsFiles
 
     configure_logging("info")
     host, sep, port = listen.rpartition(":")
@@ -729,7 +735,7 @@ def engine_sim(
     log_level: LogLevel = "warning",
 ) -> None:
     """Run the engine simulator: an OpenAI-compatible server that behaves like vLLM."""
-    from modelfleet.serving import configure_logging, run_fast
+    from modelfleet.http.serving import configure_logging, run_fast
     from modelfleet.simulator.engine import FAULTS, SimSettings
 
     warn_if_open(host, "the engine", api_key is not None)
@@ -778,7 +784,7 @@ def engine_sim(
 
 def _secret_from(path: Path, option: str) -> str:
     """The secret in file `path`, which its group and others may not read."""
-    from modelfleet.config import ConfigError, owner_only
+    from modelfleet.host.config import ConfigError, owner_only
 
     try:
         owner_only(path, [option])
@@ -794,7 +800,7 @@ def _secret_from(path: Path, option: str) -> str:
 
 def _ca_context(url: str, ca: Path | None) -> ssl.SSLContext | None:
     """How an agent on the shared token checks an https:// control plane: against `ca`."""
-    from modelfleet.pki import PkiError, client_context
+    from modelfleet.security.pki import PkiError, client_context
 
     if not url.startswith("https://"):
         return None
@@ -814,8 +820,8 @@ def _joined(
 ) -> Credential:
     """The credential this agent joined with before, or the one it joins with now."""
     from modelfleet.agent.credential import JoinFailed, join_until_answered, load
-    from modelfleet.joining import BadJoinToken, JoinToken
-    from modelfleet.pki import PkiError
+    from modelfleet.security.joining import BadJoinToken, JoinToken
+    from modelfleet.security.pki import PkiError
 
     try:
         kept = load(state_dir)
@@ -847,8 +853,8 @@ def _address_towards(url: str) -> str:
     reach it. 127.0.0.1 for a loopback URL."""
     from urllib.parse import urlsplit
 
-    from modelfleet.network import route_address
-    from modelfleet.pki import is_loopback
+    from modelfleet.host.network import route_address
+    from modelfleet.security.pki import is_loopback
 
     host = urlsplit(url).hostname
     if host is None:

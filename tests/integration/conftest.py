@@ -22,8 +22,8 @@ import httpx
 import pytest
 import yaml
 
-from modelfleet.loadgen import SteadyClient
-from modelfleet.processes import stop_groups
+from modelfleet.host.processes import stop_groups
+from modelfleet.http.loadgen import SteadyClient
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
 from .vllm_kit import vllm  # noqa: F401 -- a fixture of the real_vllm tests

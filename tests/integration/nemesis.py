@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 import yaml
 
-from modelfleet.admin import MAX_HISTORY
-from modelfleet.catalog import Catalog
+from modelfleet.core.catalog import Catalog
+from modelfleet.messages.admin import MAX_HISTORY
 from modelfleet.up import RunningFleet
 from modelfleet.up.children import Child, UpError
 from modelfleet.up.fleet import wait_serving

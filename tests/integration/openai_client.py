@@ -24,7 +24,7 @@ from typing import Any, TextIO
 import httpx
 import openai
 
-from modelfleet.pki import client_context
+from modelfleet.security.pki import client_context
 
 MAX_LOAD_S = 600.0
 MAX_IN_FLIGHT = 64

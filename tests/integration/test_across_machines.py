@@ -1,5 +1,5 @@
 """The README's "Across machines", run as written on three hosts: network namespaces joined by
-a bridge (`modelfleet.hosts`). Host A runs the control plane and a router, B and C an agent
+a bridge (`modelfleet.host.hosts`). Host A runs the control plane and a router, B and C an agent
 each with simulated GPUs; the official openai client is served through the router over TLS
 all along, while C is added and B removed. Skipped, saying why, where network namespaces
 cannot be made (not root); CI runs as root.
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from modelfleet.agent.records import recorded_engine_pids
-from modelfleet.hosts import Capture, Hosts, Shell, netns_unavailable, shell_blocks
-from modelfleet.processes import stop_groups
+from modelfleet.host.hosts import Capture, Hosts, Shell, netns_unavailable, shell_blocks
+from modelfleet.host.processes import stop_groups
 
 from .conftest import wait_for
 from .openai_client import outcomes

@@ -16,10 +16,10 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from modelfleet.loadgen import SteadyClient
-from modelfleet.processes import running as alive
+from modelfleet.host.processes import running as alive
+from modelfleet.http.loadgen import SteadyClient
+from modelfleet.messages.wire import ShardState
 from modelfleet.up import RunningFleet
-from modelfleet.wire import ShardState
 
 from .conftest import Operator, fleet_of, wait_for, wait_requests
 

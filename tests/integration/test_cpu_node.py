@@ -11,8 +11,8 @@ import pytest
 
 from modelfleet.agent.gpus import CpuSlots
 from modelfleet.agent.service import Agent
+from modelfleet.messages.wire import NodeAssignment, ShardAssignment, ShardState
 from modelfleet.up.configs import agent_gpu_flags
-from modelfleet.wire import NodeAssignment, ShardAssignment, ShardState
 
 from .conftest import Operator, fleet_of, until, wait_for
 from .test_processes import offline_agent

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from modelfleet.catalog import LORA_RANKS, Catalog, CatalogInvalid
 from modelfleet.controlplane.assignments import shard_assignment
+from modelfleet.core.catalog import LORA_RANKS, Catalog, CatalogInvalid
 from modelfleet.engines.base import EngineDriver, Start
 from modelfleet.engines.sglang import SglangDriver
 from modelfleet.engines.vllm import VllmDriver

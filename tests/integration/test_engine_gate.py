@@ -20,7 +20,9 @@ import httpx
 import psutil
 import pytest
 
-from modelfleet.pki import (
+from modelfleet.host.processes import free_port, stop_groups
+from modelfleet.router.upstream import UpstreamError, Upstreams
+from modelfleet.security.pki import (
     CertificateAuthority,
     TlsFiles,
     client_context,
@@ -29,8 +31,6 @@ from modelfleet.pki import (
     read_request,
     request,
 )
-from modelfleet.processes import free_port, stop_groups
-from modelfleet.router.upstream import UpstreamError, Upstreams
 
 from .conftest import wait_for
 

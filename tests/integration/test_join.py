@@ -21,10 +21,10 @@ import yaml
 
 from modelfleet.agent.credential import CREDENTIAL_FILE
 from modelfleet.agent.records import recorded_engine_pids
-from modelfleet.joining import JoinToken
-from modelfleet.pki import client_context, node_host, request
-from modelfleet.processes import stop_groups
-from modelfleet.wire import AgentReport, JoinAnswer, JoinRequest
+from modelfleet.host.processes import stop_groups
+from modelfleet.messages.wire import AgentReport, JoinAnswer, JoinRequest
+from modelfleet.security.joining import JoinToken
+from modelfleet.security.pki import client_context, node_host, request
 
 from .conftest import Procs, wait_for, wait_json
 

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from modelfleet.loadgen import SteadyClient
+from modelfleet.http.loadgen import SteadyClient
 
 from .conftest import fleet_of, wait_for
 from .nemesis import A, Nemesis

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from modelfleet.loadgen import SteadyClient
+from modelfleet.http.loadgen import SteadyClient
 from modelfleet.up import RunningFleet
 
 from .conftest import Operator, fleet_of, wait_for, wait_requests

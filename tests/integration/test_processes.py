@@ -23,10 +23,10 @@ from modelfleet.agent.records import EngineRecord, write_records
 from modelfleet.agent.service import Agent, AgentSettings
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
 from modelfleet.engines import Launch, driver_for
-from modelfleet.network import interface_of
-from modelfleet.processes import ProcessId, stop_groups
-from modelfleet.processes import running as alive
-from modelfleet.wire import AgentReport, NodeAssignment, ShardAssignment, ShardState
+from modelfleet.host.network import interface_of
+from modelfleet.host.processes import ProcessId, stop_groups
+from modelfleet.host.processes import running as alive
+from modelfleet.messages.wire import AgentReport, NodeAssignment, ShardAssignment, ShardState
 
 from .conftest import Procs, until, wait_for, wait_json
 

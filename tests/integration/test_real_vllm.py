@@ -27,10 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from modelfleet.agent.gpus import CpuSlots, SimulatedGpus
 from modelfleet.agent.service import Agent
 from modelfleet.engines.base import core_list
-from modelfleet.loadgen import SteadyClient
-from modelfleet.processes import group_members
+from modelfleet.host.processes import group_members
+from modelfleet.http.loadgen import SteadyClient
+from modelfleet.messages.wire import NodeAssignment, ShardAssignment, ShardState
 from modelfleet.up import RunningFleet
-from modelfleet.wire import NodeAssignment, ShardAssignment, ShardState
 
 from .conftest import Operator, fleet_of, until, wait_for, wait_requests
 from .test_processes import offline_agent

@@ -7,7 +7,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from modelfleet.loadgen import SteadyClient
+from modelfleet.http.loadgen import SteadyClient
 
 from .conftest import Operator, fleet_of, wait_for
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from modelfleet.loadgen import SteadyClient
+from modelfleet.http.loadgen import SteadyClient
 from modelfleet.up import RunningFleet
 
 from .conftest import Operator, fleet_of, wait_for, wait_requests

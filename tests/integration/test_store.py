@@ -21,9 +21,9 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
-from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane.catalogs import API_SOURCE, CatalogKeeper
-from modelfleet.pgserver import PgServer
+from modelfleet.core.catalog import Catalog, CatalogInvalid
+from modelfleet.host.pgserver import PgServer
 from modelfleet.store import (
     SCHEMA_VERSION,
     EventWrite,
@@ -662,7 +662,7 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
     import yaml
 
     from modelfleet.agent.records import recorded_engine_pids
-    from modelfleet.processes import free_port, stop_groups
+    from modelfleet.host.processes import free_port, stop_groups
 
     where = fresh_database(pg)
     token, agent_token = "admin-token-of-the-test", "agent-token-of-the-test"
@@ -890,7 +890,7 @@ def test_a_leader_frozen_then_elected_again_adopts_what_runs_and_restarts_nothin
     import yaml
 
     from modelfleet.agent.records import recorded_engine_pids
-    from modelfleet.processes import stop_groups
+    from modelfleet.host.processes import stop_groups
 
     where, token, agent_token = fresh_database(pg), "admin-token-of-the-test", "a" * 20
     catalog = tmp_path / "catalog.yaml"
@@ -1063,7 +1063,7 @@ def test_control_planes_with_tls_on_one_store_share_the_fleet_ca(
     import httpx
     import yaml
 
-    from modelfleet.pki import client_context
+    from modelfleet.security.pki import client_context
 
     from .conftest import wait_json
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from modelfleet.agent.records import recorded_engine_pids
-from modelfleet.pki import client_context
-from modelfleet.processes import free_port, stop_groups
+from modelfleet.host.processes import free_port, stop_groups
+from modelfleet.security.pki import client_context
 
 from .conftest import Procs, wait_for, wait_json
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from modelfleet.otlp import SpanCollector
-from modelfleet.tracing import SpanRecord, incomplete_traces
+from modelfleet.http.otlp import SpanCollector
+from modelfleet.http.tracing import SpanRecord, incomplete_traces
 
 from .conftest import Procs, wait_for
 from .test_processes import KEY, start_engine, start_router

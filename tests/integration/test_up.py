@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from modelfleet.agent.records import recorded_engine_pids
-from modelfleet.loadgen import SteadyClient
-from modelfleet.processes import running as alive
-from modelfleet.processes import stop_groups
+from modelfleet.host.processes import running as alive
+from modelfleet.host.processes import stop_groups
+from modelfleet.http.loadgen import SteadyClient
 from modelfleet.up.children import stop_leftovers
 
 from .conftest import Procs, wait_for, wait_json

@@ -16,10 +16,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from modelfleet.http1 import Http1Server
+from modelfleet.http.http1 import Http1Server
+from modelfleet.http.serving import Listener
 from modelfleet.router.config import RouterConfig
 from modelfleet.router.service import ClientApp, Router, create_apps
-from modelfleet.serving import Listener
 
 
 class FakeClock:

@@ -15,9 +15,9 @@ from modelfleet.agent.adapters import AdapterSync, EngineAt
 from modelfleet.engines.base import AdapterApi
 from modelfleet.engines.sglang import SglangDriver
 from modelfleet.engines.vllm import VllmDriver
+from modelfleet.messages.wire import AdapterState
 from modelfleet.simulator.engine import SimSettings
 from modelfleet.simulator.server import create_app
-from modelfleet.wire import AdapterState
 
 
 def sim() -> httpx.AsyncClient:

@@ -16,7 +16,6 @@ from fastapi.routing import APIRoute
 from jsonschema import Draft202012Validator
 from rich.console import Console
 
-from modelfleet import admin
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane.admin_api import RESOURCES
 from modelfleet.controlplane.catalogs import CatalogKeeper
@@ -25,9 +24,10 @@ from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.ctl.render import print_mark
-from modelfleet.pki import CertificateAuthority
+from modelfleet.messages import admin
+from modelfleet.messages.wire import AgentReport, ShardReport, ShardState
+from modelfleet.security.pki import CertificateAuthority
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, ShardReport, ShardState
 
 TOKEN = "admin-token-123"
 CATALOG = {

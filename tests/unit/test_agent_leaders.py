@@ -11,7 +11,7 @@ import httpx
 
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.agent.service import Agent, AgentSettings
-from modelfleet.wire import AgentReport, NodeAssignment
+from modelfleet.messages.wire import AgentReport, NodeAssignment
 
 
 def test_a_redirect_is_followed_at_once_and_an_older_epoch_is_refused(tmp_path: Path) -> None:

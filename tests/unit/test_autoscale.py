@@ -11,7 +11,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from modelfleet.autoscale import (
+from modelfleet.core.autoscale import (
     BURST,
     BURST_WAIT,
     DOWN_MARGIN,

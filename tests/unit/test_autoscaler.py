@@ -17,9 +17,9 @@ from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.loads import Load, combine
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
+from modelfleet.messages.wire import AgentReport, LoadReport, ModelLoad
 from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, LoadReport, ModelLoad
 
 from .awaited import Awaited
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from modelfleet.backoff import Backoff
+from modelfleet.core.backoff import Backoff
 
 ENGINES = Backoff(base=10, cap=300, reset_after=600)
 UP = Backoff(base=1, cap=30, reset_after=30, first_at_once=True)

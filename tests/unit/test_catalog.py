@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import yaml
 
-from modelfleet.catalog import Catalog, CatalogInvalid, ModelSpec
+from modelfleet.core.catalog import Catalog, CatalogInvalid, ModelSpec
 
 
 def model(**overrides: object) -> dict[str, object]:

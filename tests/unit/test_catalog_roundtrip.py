@@ -8,11 +8,11 @@ from typing import Any
 
 from hypothesis import HealthCheck, assume, given, settings
 
-from modelfleet import admin
-from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane import views
 from modelfleet.controlplane.catalogs import API_SOURCE, CatalogKeeper
+from modelfleet.core.catalog import Catalog, CatalogInvalid
 from modelfleet.ctl.render import catalog_yaml
+from modelfleet.messages import admin
 from modelfleet.store.sqlite import SqliteStore
 
 from ..catalog_kit import catalogs

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from modelfleet.catalog import CatalogInvalid
 from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.core.catalog import CatalogInvalid
 from modelfleet.store.sqlite import SqliteStore
 
 ONE = "models:\n  - name: a\n    engine: sim\n"

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from modelfleet.clock import wait_set
+from modelfleet.host.clock import wait_set
 
 
 async def _loop_until_cancelled(

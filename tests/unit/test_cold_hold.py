@@ -16,9 +16,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from modelfleet.autoscale import BURST_LEVEL, OVER
+from modelfleet.core.autoscale import BURST_LEVEL, OVER
+from modelfleet.messages.wire import RoutedModel, RoutingSnapshot
 from modelfleet.router.service import Router
-from modelfleet.wire import RoutedModel, RoutingSnapshot
 
 from .router_kit import client_of, keyed, run, serving, until
 

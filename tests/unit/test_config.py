@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from modelfleet.config import ConfigError, load_config, secrets_in
 from modelfleet.controlplane.config import ControlPlaneConfig
+from modelfleet.host.config import ConfigError, load_config, secrets_in
 from modelfleet.router.config import RouterConfig
 
 TOKEN = "admin-token-0123456789"

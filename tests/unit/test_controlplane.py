@@ -15,7 +15,6 @@ import pytest
 import yaml
 from rich.console import Console
 
-from modelfleet.admin import Explanation
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane import views
 from modelfleet.controlplane.autoscaler import Scale
@@ -25,15 +24,16 @@ from modelfleet.controlplane.loads import Load
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.controlplane.views import replica_views
+from modelfleet.core.fleet import Mark
 from modelfleet.ctl.render import print_explanation
-from modelfleet.fleet import Mark
-from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import (
+from modelfleet.messages.admin import Explanation
+from modelfleet.messages.wire import (
     AgentReport,
     NodeAssignment,
     ShardReport,
     ShardState,
 )
+from modelfleet.store.sqlite import SqliteStore
 
 TOKEN = "admin-token-123"
 

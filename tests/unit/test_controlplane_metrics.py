@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from modelfleet.controlplane.agent_api import create_agent_app
 from modelfleet.controlplane.service import create_apps
-from modelfleet.wire import AgentReport
+from modelfleet.messages.wire import AgentReport
 
 from .test_admin_api import TOKEN, control_plane
 

@@ -16,10 +16,10 @@ from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.dashboard import COOKIE, Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
-from modelfleet.fleet import Mark
+from modelfleet.core.fleet import Mark
+from modelfleet.messages.wire import LoadReport, ModelLoad
 from modelfleet.store.calls import Outage
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import LoadReport, ModelLoad
 
 from .test_admin_api import TOKEN, control_plane
 

@@ -13,15 +13,15 @@ import httpx
 import yaml
 from rich.console import Console
 
-from modelfleet.admin import ReplicaInfo, ReplicasAnswer
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.ctl.render import print_replica, print_replicas
+from modelfleet.messages.admin import ReplicaInfo, ReplicasAnswer
+from modelfleet.messages.wire import AgentReport, Ejection, LoadReport, ShardReport, ShardState
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, Ejection, LoadReport, ShardReport, ShardState
 
 TOKEN = "admin-token-123"
 WHY = "3 failures in a row, the last: HTTP 503"

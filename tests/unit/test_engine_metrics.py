@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from modelfleet.engine_metrics import MAPPING_VERSION, load_sources, translate
+from modelfleet.http.engine_metrics import MAPPING_VERSION, load_sources, translate
 
 VLLM = """# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{model_name="m",engine="0"} 2.0

@@ -11,7 +11,7 @@ from modelfleet.engines import Launch, NoDriver, driver_for
 from modelfleet.engines import llamacpp as llamacpp_module
 from modelfleet.engines import vllm as vllm_module
 from modelfleet.engines.base import Start
-from modelfleet.wire import ShardAssignment
+from modelfleet.messages.wire import ShardAssignment
 
 
 def shard(engine: str, rank: int = 0, num_shards: int = 1, **kw: object) -> ShardAssignment:

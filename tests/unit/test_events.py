@@ -11,16 +11,16 @@ import httpx
 import yaml
 from rich.console import Console
 
-from modelfleet.admin import EventsAnswer
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane.config import ControlPlaneConfig, RouterTarget
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
+from modelfleet.core.fleet import Mark
 from modelfleet.ctl.render import print_events
-from modelfleet.fleet import Mark
+from modelfleet.messages.admin import EventsAnswer
+from modelfleet.messages.wire import AgentReport, ShardReport, ShardState
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, ShardReport, ShardState
 
 from .test_admin_api import TOKEN, control_plane
 

@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 import pytest
 
-from modelfleet.http1 import Http1Server
+from modelfleet.http.http1 import Http1Server
+from modelfleet.http.serving import Listener
+from modelfleet.messages.wire import RoutedModel
 from modelfleet.router import flight
 from modelfleet.router.service import create_apps
-from modelfleet.serving import Listener
-from modelfleet.wire import RoutedModel
 
 from .router_kit import keyed, run, until, upstream
 

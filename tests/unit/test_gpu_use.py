@@ -12,7 +12,7 @@ from modelfleet.agent.use import (
     held_memory,
     read_busy_seconds,
 )
-from modelfleet.wire import ShardState
+from modelfleet.messages.wire import ShardState
 
 GIB = 2**30
 TOTALS = {0: 80 * GIB, 1: 80 * GIB, 2: 40 * GIB}

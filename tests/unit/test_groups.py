@@ -15,8 +15,8 @@ from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.views import replica_views
 from modelfleet.ctl.render import print_replica
+from modelfleet.messages.wire import AgentReport, ShardAssignment, ShardReport, ShardState
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, ShardAssignment, ShardReport, ShardState
 
 NODES = {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3", "n4": "10.0.0.4"}
 

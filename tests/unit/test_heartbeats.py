@@ -21,8 +21,7 @@ from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig, Heartbeats
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.watch import AssignmentWatch
-from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import (
+from modelfleet.messages.wire import (
     AgentReport,
     Heartbeat,
     HeartbeatAnswer,
@@ -30,6 +29,7 @@ from modelfleet.wire import (
     ShardReport,
     ShardState,
 )
+from modelfleet.store.sqlite import SqliteStore
 
 TOKEN = "admin-token-123"
 GPUS = SimulatedGpus("2x80GB")

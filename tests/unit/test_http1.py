@@ -13,8 +13,15 @@ from typing import Any
 
 import pytest
 
-from modelfleet.http1 import HIGH_WATER, MAX_HEAD_BYTES, MAX_HEADERS, Bounds, Cycle, Http1Server
-from modelfleet.serving import Listener, run_service, run_service_loop
+from modelfleet.http.http1 import (
+    HIGH_WATER,
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    Bounds,
+    Cycle,
+    Http1Server,
+)
+from modelfleet.http.serving import Listener, run_service, run_service_loop
 
 from .router_kit import run, until
 
@@ -592,7 +599,7 @@ def test_connection_caps_are_lowered_to_fit_the_open_file_limit(
     requests once took every file descriptor of a control plane)."""
     import resource
 
-    from modelfleet.serving import fit_to_open_files
+    from modelfleet.http.serving import fit_to_open_files
 
     monkeypatch.setattr(resource, "getrlimit", lambda _: (4096, 4096))
     listeners = [
@@ -614,7 +621,7 @@ def test_an_answered_request_leaves_nothing_for_the_garbage_collector() -> None:
     agents."""
     import gc
 
-    from modelfleet.http1 import Cycle
+    from modelfleet.http.http1 import Cycle
 
     async def answer(scope: Any, receive: Any, send: Any) -> None:
         await receive()

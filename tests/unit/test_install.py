@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from modelfleet.install import InstallError, Role, check_runnable, systemd_unit, write_unit
+from modelfleet.host.install import InstallError, Role, check_runnable, systemd_unit, write_unit
 
 OPTIONS: dict[Role, list[str]] = {
     "control-plane": ["--config", "/etc/modelfleet/control-plane.yaml"],

@@ -11,12 +11,12 @@ import re
 import httpx
 import pytest
 
+from modelfleet.messages.wire import RoutedModel
 from modelfleet.router import flight
 from modelfleet.router.limits import MemoryLimits, Ticket
 from modelfleet.router.service import Router
 from modelfleet.simulator.engine import SimSettings
 from modelfleet.simulator.server import create_app as create_simulator
-from modelfleet.wire import RoutedModel
 
 from .router_kit import FakeClock, client_of, keyed, router_url, run, serving, until, upstream
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from modelfleet import admin
-from modelfleet.apikeys import hash_key
 from modelfleet.controlplane.keys import KeyBook, KeyRefused, parse_expiry
+from modelfleet.messages import admin
+from modelfleet.messages.wire import RoutedKey, RoutedModel, RoutingSnapshot
+from modelfleet.security.apikeys import hash_key
 from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import RoutedKey, RoutedModel, RoutingSnapshot
 
 from .awaited import Awaited
 from .router_kit import FakeClock, client_of, keyed, run

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from modelfleet.messages.wire import RoutedModel
 from modelfleet.router.limits import (
     LEASE_SHARE,
     SLICE,
@@ -32,7 +33,6 @@ from modelfleet.router.limits.window import check, slice_of
 from modelfleet.router.table import ApiKey
 from modelfleet.simulator.engine import SimSettings
 from modelfleet.simulator.server import create_app as create_simulator
-from modelfleet.wire import RoutedModel
 
 from ..redis_kit import RedisServer, redis_server, running_redis
 from .router_kit import FakeClock, client_of, keyed, run, serving, until

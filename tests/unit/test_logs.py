@@ -20,7 +20,7 @@ from modelfleet.agent.logs import (
 )
 from modelfleet.controlplane.logs import RESEND_AFTER_S, LogRelay, LogUnanswered
 from modelfleet.controlplane.watch import AssignmentWatch
-from modelfleet.wire import LogAnswer, LogRequest
+from modelfleet.messages.wire import LogAnswer, LogRequest
 
 NOW = 1_800_000_000.0
 

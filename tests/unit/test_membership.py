@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from modelfleet.controlplane.membership import Membership, MembershipRefused, token_state
-from modelfleet.joining import BadJoinToken, JoinToken, digest
-from modelfleet.pki import CertificateAuthority, PkiError, node_host, read_request, request
+from modelfleet.messages.wire import JoinRequest
+from modelfleet.security.joining import BadJoinToken, JoinToken, digest
+from modelfleet.security.pki import CertificateAuthority, PkiError, node_host, read_request, request
 from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import JoinRequest
 
 from .awaited import Awaited
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 
-from modelfleet.network import interface_of, route_address
+from modelfleet.host.network import interface_of, route_address
 
 
 def test_the_address_that_reaches_loopback_is_loopback_on_its_interface() -> None:

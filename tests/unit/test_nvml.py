@@ -12,8 +12,8 @@ from modelfleet.controlplane import views
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.messages.wire import AgentReport
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport
 
 from .fake_nvml import FakeGpu, FakeNvml
 

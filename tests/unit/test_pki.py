@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from modelfleet.pki import (
+from modelfleet.http.serving import Listener, run_service
+from modelfleet.security.pki import (
     CA_CERT,
     CA_KEY,
     CertificateAuthority,
@@ -30,7 +31,6 @@ from modelfleet.pki import (
     fingerprint,
     pinned_ca,
 )
-from modelfleet.serving import Listener, run_service
 
 NOW = datetime.datetime(2026, 12, 4, 12, 0, tzinfo=datetime.UTC)
 

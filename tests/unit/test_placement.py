@@ -8,9 +8,9 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modelfleet.catalog import Catalog, ModelSpec
-from modelfleet.fleet import Gpu, Mark, Node, ShardPlacement
-from modelfleet.placement import FreeGpus, Placed, Unplaceable, judge_node, place
+from modelfleet.core.catalog import Catalog, ModelSpec
+from modelfleet.core.fleet import Gpu, Mark, Node, ShardPlacement
+from modelfleet.core.placement import FreeGpus, Placed, Unplaceable, judge_node, place
 
 NOW = 1000.0
 STALE = 10.0
@@ -220,7 +220,7 @@ def test_the_index_sees_what_other_kinds_of_claim_took() -> None:
 )
 def test_nodes_sort_as_people_read_them(names: list[tuple[str, int]]) -> None:
     """Issue 41: node-10 came before node-2 everywhere nodes were listed."""
-    from modelfleet.fleet import natural_key
+    from modelfleet.core.fleet import natural_key
 
     named = [f"{prefix}{n}" for prefix, n in names]
     ordered = sorted(named, key=natural_key)

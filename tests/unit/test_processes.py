@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from modelfleet.processes import _ephemeral_low, free_port
+from modelfleet.host.processes import _ephemeral_low, free_port
 
 
 def test_a_free_port_is_below_the_range_of_outgoing_connections_and_bindable() -> None:

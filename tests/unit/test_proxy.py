@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from modelfleet.messages.wire import RoutedModel
 from modelfleet.router.proxy import asking_usage
 from modelfleet.simulator.engine import SimSettings
 from modelfleet.simulator.server import create_app as create_simulator
-from modelfleet.wire import RoutedModel
 
 from .router_kit import (
     FakeClock,

@@ -7,8 +7,8 @@ import asyncio
 
 import httpx
 
+from modelfleet.messages.wire import RoutingAck, RoutingSnapshot, UsageAck, UsageReport
 from modelfleet.router.push import PushUnavailable, create_push_app
-from modelfleet.wire import RoutingAck, RoutingSnapshot, UsageAck, UsageReport
 
 
 class Target:

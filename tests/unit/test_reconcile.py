@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from modelfleet.catalog import Catalog
-from modelfleet.fleet import Gpu, Mark, Node, Replica, ShardPlacement
-from modelfleet.placement import Placed, Unplaceable
-from modelfleet.reconcile import Pending, plan, preview, rebalance, settling
+from modelfleet.core.catalog import Catalog
+from modelfleet.core.fleet import Gpu, Mark, Node, Replica, ShardPlacement
+from modelfleet.core.placement import Placed, Unplaceable
+from modelfleet.core.reconcile import Pending, plan, preview, rebalance, settling
 
 NOW = 100.0
 GIB = 2**30

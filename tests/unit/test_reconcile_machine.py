@@ -11,9 +11,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from modelfleet.catalog import Catalog
-from modelfleet.fleet import Gpu, Mark, Node, Replica
-from modelfleet.reconcile import plan
+from modelfleet.core.catalog import Catalog
+from modelfleet.core.fleet import Gpu, Mark, Node, Replica
+from modelfleet.core.reconcile import plan
 
 NOW = 1000.0
 STALE_AFTER = 10.0

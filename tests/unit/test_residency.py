@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from modelfleet.residency import Want, decide
+from modelfleet.core.residency import Want, decide
 
 NAMES = [f"a{i}" for i in range(8)]
 REPLICAS = ["r1", "r2", "r3"]

@@ -14,10 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from modelfleet.http.serving import Listener
+from modelfleet.messages.wire import RoutedModel, RoutingSnapshot
 from modelfleet.router.config import RouterConfig
 from modelfleet.router.service import Router, create_apps
-from modelfleet.serving import Listener
-from modelfleet.wire import RoutedModel, RoutingSnapshot
 
 from .router_kit import client_of, keyed, serving
 

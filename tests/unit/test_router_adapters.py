@@ -15,9 +15,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from modelfleet.messages.wire import RoutedModel, RoutingSnapshot
 from modelfleet.router.rates import Rates
 from modelfleet.router.service import Router
-from modelfleet.wire import RoutedModel, RoutingSnapshot
 
 from .router_kit import client_of, keyed, run, serving, until
 
@@ -217,8 +217,8 @@ def test_an_engine_that_let_the_adapter_go_sends_the_request_on_not_the_404(way:
 
 
 def test_a_router_with_workers_reports_the_sum_of_their_held_requests_and_rates() -> None:
+    from modelfleet.messages.wire import LoadReport, ModelLoad
     from modelfleet.router.workers import _summed_loads
-    from modelfleet.wire import LoadReport, ModelLoad
 
     one = LoadReport(models={"x": ModelLoad(held=1, rate=0.5, waited=4.0)})
     two = LoadReport(

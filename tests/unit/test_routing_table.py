@@ -13,9 +13,8 @@ from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig, RouterTarget
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.publisher import Publisher
-from modelfleet.residency import Want
-from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import (
+from modelfleet.core.residency import Want
+from modelfleet.messages.wire import (
     AdapterReport,
     AdapterState,
     AgentReport,
@@ -25,6 +24,7 @@ from modelfleet.wire import (
     ShardReport,
     ShardState,
 )
+from modelfleet.store.sqlite import SqliteStore
 
 GPUS = SimulatedGpus("2x80GB")
 

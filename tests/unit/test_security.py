@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from modelfleet.apikeys import hash_key, new_key
 from modelfleet.cli import warn_if_open
-from modelfleet.files import write_atomic, write_json_atomic
-from modelfleet.web import bearer_matches
+from modelfleet.host.files import write_atomic, write_json_atomic
+from modelfleet.http.web import bearer_matches
+from modelfleet.security.apikeys import hash_key, new_key
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "modelfleet"
 

@@ -29,10 +29,10 @@ from modelfleet.controlplane.series import (
     shown_model,
     shown_node,
 )
+from modelfleet.messages.wire import GpuReport, NodeUse
 from modelfleet.store import StoredPoint, StoreError
 from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import GpuReport, NodeUse
 
 
 def page(requests_200: int, requests_503: int, first_byte_sum: float, count: int) -> str:

@@ -21,10 +21,10 @@ from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.records import ReplicaRecord, ReportFirst
 from modelfleet.controlplane.state import FleetState
 from modelfleet.controlplane.views import replica_views
-from modelfleet.fleet import Mark
-from modelfleet.reconcile import Plan, plan
+from modelfleet.core.fleet import Mark
+from modelfleet.core.reconcile import Plan, plan
+from modelfleet.messages.wire import AgentReport, Heartbeat, ShardReport, ShardState
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, Heartbeat, ShardReport, ShardState
 
 NODES = ("n1", "n2", "n3")
 GPUS = SimulatedGpus("4x80GB")

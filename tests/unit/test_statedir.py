@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from modelfleet.statedir import StateDirBusy, StateDirLock
+from modelfleet.host.statedir import StateDirBusy, StateDirLock
 
 
 def test_a_second_owner_is_refused_with_the_first_named_until_it_lets_go(tmp_path: Path) -> None:

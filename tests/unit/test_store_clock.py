@@ -15,7 +15,7 @@ import yaml
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.pki import CertificateAuthority
+from modelfleet.security.pki import CertificateAuthority
 from modelfleet.store.sqlite import SqliteStore
 
 from .test_admin_api import TOKEN, admin_client

@@ -17,8 +17,8 @@ from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.leadership import Turn
 from modelfleet.controlplane.plane import ROSTER_EVERY_S, ControlPlane
+from modelfleet.messages.wire import AgentReport, ShardReport, ShardState
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import AgentReport, ShardReport, ShardState
 
 from .test_controlplane import FakeClock
 

@@ -15,11 +15,11 @@ from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.dashboard import Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
-from modelfleet.joining import JoinToken
-from modelfleet.pki import CertificateAuthority, request
+from modelfleet.core.throttle import Throttle
+from modelfleet.messages.wire import JoinRequest
+from modelfleet.security.joining import JoinToken
+from modelfleet.security.pki import CertificateAuthority, request
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.throttle import Throttle
-from modelfleet.wire import JoinRequest
 
 from .test_controlplane import TOKEN, FakeClock
 

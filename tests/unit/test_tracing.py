@@ -14,13 +14,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from modelfleet.tracing import (
+from modelfleet.http.tracing import (
     SpanRecord,
     format_traceparent,
     incomplete_traces,
     parse_traceparent,
 )
-from modelfleet.wire import RoutedModel
+from modelfleet.messages.wire import RoutedModel
 
 from .router_kit import client_of, keyed, run, serving, until
 
@@ -140,7 +140,7 @@ def test_the_router_records_its_span_and_one_per_attempt_and_sends_each_engine_i
 
 
 def test_spans_sent_by_otlp_read_back_as_they_went() -> None:
-    from modelfleet.otlp import OtlpSink, spans_of_export
+    from modelfleet.http.otlp import OtlpSink, spans_of_export
 
     received: list[SpanRecord] = []
 

@@ -9,6 +9,7 @@ import pytest
 from modelfleet.controlplane.config import RouterTarget
 from modelfleet.controlplane.series import Recorder, Totals
 from modelfleet.controlplane.usage import UsageCollector
+from modelfleet.messages.wire import RoutedModel, RoutingSnapshot
 from modelfleet.router.service import create_apps
 from modelfleet.router.usage import Usage, UsageLedger
 from modelfleet.simulator.engine import SimSettings
@@ -16,7 +17,6 @@ from modelfleet.simulator.server import create_app as create_simulator
 from modelfleet.store import StoredUsage
 from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
-from modelfleet.wire import RoutedModel, RoutingSnapshot
 
 from .router_kit import FakeClock, client_of, keyed, run, serving
 

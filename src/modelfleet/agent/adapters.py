@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import httpx
 
 from modelfleet.engines.base import AdapterApi
-from modelfleet.wire import AdapterReport, AdapterState
+from modelfleet.messages.wire import AdapterReport, AdapterState
 
 log = logging.getLogger("modelfleet.agent")
 

@@ -18,10 +18,10 @@ import httpx
 from cryptography import x509
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from modelfleet.files import write_atomic
-from modelfleet.joining import JoinToken
-from modelfleet.pki import PkiError, TlsFiles, client_context, pinned_ca, request
-from modelfleet.wire import JoinAnswer, JoinRequest
+from modelfleet.host.files import write_atomic
+from modelfleet.messages.wire import JoinAnswer, JoinRequest
+from modelfleet.security.joining import JoinToken
+from modelfleet.security.pki import PkiError, TlsFiles, client_context, pinned_ca, request
 
 log = logging.getLogger("modelfleet.agent")
 

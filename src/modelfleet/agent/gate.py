@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from modelfleet.pki import PkiError, TlsFiles, gate_context, is_router
-from modelfleet.processes import die_with_parent
+from modelfleet.host.processes import die_with_parent
+from modelfleet.security.pki import PkiError, TlsFiles, gate_context, is_router
 
 log = logging.getLogger("modelfleet.gate")
 

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 import psutil
 
 from modelfleet.agent.use import held_memory
-from modelfleet.units import BadSize, parse_size
-from modelfleet.wire import GpuReport, ShardState
+from modelfleet.core.units import BadSize, parse_size
+from modelfleet.messages.wire import GpuReport, ShardState
 
 _GROUP = re.compile(r"^\s*(\d+)\s*x\s*([0-9.]+\s*[a-zA-Z]*)\s*(?::\s*(\S+))?\s*$")
 

@@ -8,7 +8,7 @@ utilisation, which changes all the time; each heartbeat carries both for the plo
 
 from __future__ import annotations
 
-from modelfleet.wire import AgentReport
+from modelfleet.messages.wire import AgentReport
 
 MEMORY_DRIFT = 1 << 30  # bytes a GPU's memory in use may move before a report goes
 RETRY_SPREAD = 0.2  # a retry comes up to this share of the interval early or late

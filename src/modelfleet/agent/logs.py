@@ -19,8 +19,8 @@ import re
 from collections import deque
 from pathlib import Path
 
-from modelfleet.files import PRIVATE
-from modelfleet.wire import LogAnswer, LogRequest
+from modelfleet.host.files import PRIVATE
+from modelfleet.messages.wire import LogAnswer, LogRequest
 
 KEEP_RUNS = 5
 MAX_RUN_BYTES = 10 << 20  # a run's log moved aside is cut to its last 10 MiB

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from modelfleet.wire import GpuReport, ShardState
+from modelfleet.messages.wire import GpuReport, ShardState
 
 _START_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 # Why an engine failed: the `reason` label of failures and restarts.

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from modelfleet.files import write_json_atomic
-from modelfleet.wire import ShardAssignment, ShardState
+from modelfleet.host.files import write_json_atomic
+from modelfleet.messages.wire import ShardAssignment, ShardState
 
 log = logging.getLogger("modelfleet.agent")
 

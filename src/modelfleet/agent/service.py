@@ -47,16 +47,14 @@ from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import read_records, write_records
 from modelfleet.agent.supervisor import Shard, SupervisorSettings
 from modelfleet.agent.use import USE_EVERY_S, EngineOn, SimulatedUse, read_busy_seconds
-from modelfleet.clock import wait_set
-from modelfleet.engine_metrics import translate
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
-from modelfleet.files import write_json_atomic
-from modelfleet.joining import BadJoinToken, JoinToken
-from modelfleet.pki import PkiError, TlsFiles
-from modelfleet.processes import stop_leftovers
-from modelfleet.serving import Listener, run_service
-from modelfleet.web import bearer_matches, error_response, json_response
-from modelfleet.wire import (
+from modelfleet.host.clock import wait_set
+from modelfleet.host.files import write_json_atomic
+from modelfleet.host.processes import stop_leftovers
+from modelfleet.http.engine_metrics import translate
+from modelfleet.http.serving import Listener, run_service
+from modelfleet.http.web import bearer_matches, error_response, json_response
+from modelfleet.messages.wire import (
     AgentReport,
     Heartbeat,
     HeartbeatAnswer,
@@ -66,6 +64,8 @@ from modelfleet.wire import (
     ShardAssignment,
     ShardState,
 )
+from modelfleet.security.joining import BadJoinToken, JoinToken
+from modelfleet.security.pki import PkiError, TlsFiles
 
 log = logging.getLogger("modelfleet.agent")
 

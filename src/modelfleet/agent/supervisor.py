@@ -28,14 +28,14 @@ from modelfleet.agent.logs import LogMarks, last_error_line, rotate, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.pin import pinned
 from modelfleet.agent.records import EngineRecord
-from modelfleet.backoff import Backoff
+from modelfleet.core.backoff import Backoff
 from modelfleet.engines import EngineDriver, Launch, NoDriver
 from modelfleet.engines.base import Start, engine_environment
-from modelfleet.files import open_private_log
-from modelfleet.network import interface_of
-from modelfleet.pki import TlsFiles
-from modelfleet.processes import ProcessId, free_port, log_tail, stop_groups, stop_leftovers
-from modelfleet.wire import MAX_LOG_TAIL_LINES, ShardAssignment, ShardReport, ShardState
+from modelfleet.host.files import open_private_log
+from modelfleet.host.network import interface_of
+from modelfleet.host.processes import ProcessId, free_port, log_tail, stop_groups, stop_leftovers
+from modelfleet.messages.wire import MAX_LOG_TAIL_LINES, ShardAssignment, ShardReport, ShardState
+from modelfleet.security.pki import TlsFiles
 
 log = logging.getLogger("modelfleet.agent")
 

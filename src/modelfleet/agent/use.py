@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from modelfleet.wire import ShardState
+from modelfleet.messages.wire import ShardState
 
 SIM_MEMORY_SHARE = 0.9
 USE_EVERY_S = 2.0

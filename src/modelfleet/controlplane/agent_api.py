@@ -45,11 +45,16 @@ from starlette.types import Receive, Scope, Send
 from modelfleet.controlplane.membership import MembershipRefused
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.records import ReportFirst, StaleReport
-from modelfleet.fleet import Mark
-from modelfleet.joining import CREDENTIAL_PREFIX
-from modelfleet.store import StoreError
-from modelfleet.web import bearer, bearer_matches, error_json, header, receive_at_most, send_json
-from modelfleet.wire import (
+from modelfleet.core.fleet import Mark
+from modelfleet.http.web import (
+    bearer,
+    bearer_matches,
+    error_json,
+    header,
+    receive_at_most,
+    send_json,
+)
+from modelfleet.messages.wire import (
     AgentReport,
     Heartbeat,
     HeartbeatAnswer,
@@ -57,6 +62,8 @@ from modelfleet.wire import (
     LogAnswer,
     NodeUse,
 )
+from modelfleet.security.joining import CREDENTIAL_PREFIX
+from modelfleet.store import StoreError
 
 log = logging.getLogger("modelfleet.controlplane")
 

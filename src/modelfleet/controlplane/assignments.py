@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.controlplane.records import ReplicaRecord
 from modelfleet.controlplane.state import FleetState
-from modelfleet.wire import NodeAssignment, ShardAssignment, assignment_version
+from modelfleet.core.catalog import Catalog, ModelSpec
+from modelfleet.messages.wire import NodeAssignment, ShardAssignment, assignment_version
 
 
 class Assignments:

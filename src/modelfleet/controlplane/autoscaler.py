@@ -16,10 +16,10 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from modelfleet.autoscale import Trend, decide, up_due
-from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.loads import Load
+from modelfleet.core.autoscale import Trend, decide, up_due
+from modelfleet.core.catalog import Catalog, ModelSpec
 from modelfleet.store import StoreError
 from modelfleet.store.calls import StoreCalls
 

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelfleet.catalog import Catalog, CatalogInvalid
-from modelfleet.files import write_atomic
+from modelfleet.core.catalog import Catalog, CatalogInvalid
+from modelfleet.host.files import write_atomic
 from modelfleet.store import Rejection, Store, StoredCatalog, StoreError
 
 log = logging.getLogger("modelfleet.controlplane")

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from modelfleet.pki import is_loopback, is_wildcard
+from modelfleet.security.pki import is_loopback, is_wildcard
 
 
 @dataclass(frozen=True)

@@ -36,15 +36,15 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from modelfleet import admin
 from modelfleet.controlplane import views
 from modelfleet.controlplane.logs import LogUnanswered
 from modelfleet.controlplane.plane import ControlPlane, MarkRefused
 from modelfleet.controlplane.playground import Playground
 from modelfleet.controlplane.series import MAX_SHOWN, RANGES, Shown, shown, source_step
-from modelfleet.fleet import Mark
+from modelfleet.core.fleet import Mark
+from modelfleet.http.web import bearer_matches, from_elsewhere, read_at_most
+from modelfleet.messages import admin
 from modelfleet.store import StoredEvent, StoredPoint, StoredUsage, StoreError
-from modelfleet.web import bearer_matches, from_elsewhere, read_at_most
 
 UI = Path(__file__).parent / "ui"
 COOKIE = "modelfleet_ui"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from modelfleet.controlplane.metrics import ControlPlaneMetrics
-from modelfleet.throttle import Throttle
+from modelfleet.core.throttle import Throttle
 
 log = logging.getLogger("modelfleet.controlplane")
 

@@ -15,12 +15,12 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from modelfleet import admin
-from modelfleet.apikeys import hash_key, new_key
+from modelfleet.core.units import BadDuration, parse_duration
+from modelfleet.messages import admin
+from modelfleet.messages.wire import RoutedKey
+from modelfleet.security.apikeys import hash_key, new_key
 from modelfleet.store import StoredKey
 from modelfleet.store.calls import StoreCalls
-from modelfleet.units import BadDuration, parse_duration
-from modelfleet.wire import RoutedKey
 
 PREFIX_CHARS = 8  # of the key, after `mf-`, shown by `ctl keys list` to tell keys apart
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelfleet.controlplane.events import EventLog
-from modelfleet.statedir import instance_id
+from modelfleet.host.statedir import instance_id
 from modelfleet.store import Lease, SeenControlPlane, Store, StoreError
 from modelfleet.store.calls import StoreCalls
 

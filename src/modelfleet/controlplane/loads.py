@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from modelfleet.controlplane.config import RouterTarget
 from modelfleet.controlplane.events import EventLog
-from modelfleet.wire import Ejection, LoadReport
+from modelfleet.messages.wire import Ejection, LoadReport
 
 log = logging.getLogger("modelfleet.controlplane")
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from modelfleet.controlplane.watch import AssignmentWatch
-from modelfleet.wire import LogAnswer, LogRequest
+from modelfleet.messages.wire import LogAnswer, LogRequest
 
 RESEND_AFTER_S = 3.0
 

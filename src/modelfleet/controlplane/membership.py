@@ -16,12 +16,12 @@ import hmac
 import ipaddress
 from collections.abc import Collection, Iterable
 
-from modelfleet import admin
-from modelfleet.joining import BadJoinToken, JoinToken, digest, new_credential
-from modelfleet.pki import CertificateAuthority, PkiError, read_request
+from modelfleet.messages import admin
+from modelfleet.messages.wire import JoinAnswer, JoinRequest
+from modelfleet.security.joining import BadJoinToken, JoinToken, digest, new_credential
+from modelfleet.security.pki import CertificateAuthority, PkiError, read_request
 from modelfleet.store import StoredCredential, StoredJoinToken
 from modelfleet.store.calls import StoreCalls
-from modelfleet.wire import JoinAnswer, JoinRequest
 
 
 class MembershipRefused(Exception):

@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from modelfleet.clock import Clock
 from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
@@ -24,7 +23,8 @@ from modelfleet.controlplane.keys import KeyBook
 from modelfleet.controlplane.state import FleetState
 from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.controlplane.views import replica_state
-from modelfleet.fleet import Mark
+from modelfleet.core.fleet import Mark
+from modelfleet.host.clock import Clock
 
 _PASS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _CONFIRM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -26,9 +26,6 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from modelfleet import admin
-from modelfleet.catalog import Catalog, CatalogInvalid
-from modelfleet.clock import SYSTEM_CLOCK, Clock, wait_set
 from modelfleet.controlplane.assignments import Assignments
 from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.catalogs import Applied, CatalogKeeper
@@ -53,9 +50,13 @@ from modelfleet.controlplane.state import FleetState
 from modelfleet.controlplane.term import Term
 from modelfleet.controlplane.usage import UsageCollector
 from modelfleet.controlplane.watch import AssignmentWatch
-from modelfleet.fleet import Mark
-from modelfleet.pki import CertificateAuthority
-from modelfleet.reconcile import Move, Preview
+from modelfleet.core.catalog import Catalog, CatalogInvalid
+from modelfleet.core.fleet import Mark
+from modelfleet.core.reconcile import Move, Preview
+from modelfleet.host.clock import SYSTEM_CLOCK, Clock, wait_set
+from modelfleet.messages import admin
+from modelfleet.messages.wire import EngineClient, JoinAnswer, JoinRequest
+from modelfleet.security.pki import CertificateAuthority
 from modelfleet.store import (
     StoredCredential,
     StoredEvent,
@@ -65,7 +66,6 @@ from modelfleet.store import (
     StoreError,
 )
 from modelfleet.store.calls import StoreCalls
-from modelfleet.wire import EngineClient, JoinAnswer, JoinRequest
 
 log = logging.getLogger("modelfleet.controlplane")
 MIN_AUTOSCALE_WAIT_S = 0.02  # a decision due already (and not taken: settling) waits this

@@ -25,11 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from modelfleet import admin
 from modelfleet.controlplane.keys import KeyRefused
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.pki import client_context
-from modelfleet.web import from_elsewhere, read_at_most
+from modelfleet.http.web import from_elsewhere, read_at_most
+from modelfleet.messages import admin
+from modelfleet.security.pki import client_context
 
 MAX_CHAT_BYTES = 256 * 1024
 PLAYGROUND_KEY_LIFE = "1d"

@@ -21,12 +21,18 @@ from collections.abc import Callable, Sequence
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from modelfleet.admin import RoutedInfo, RoutingAnswer
-from modelfleet.clock import wait_set
 from modelfleet.controlplane.config import RouterTarget
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.metrics import ControlPlaneMetrics
-from modelfleet.wire import EngineClient, RoutedKey, RoutedModel, RoutingAck, RoutingSnapshot
+from modelfleet.host.clock import wait_set
+from modelfleet.messages.admin import RoutedInfo, RoutingAnswer
+from modelfleet.messages.wire import (
+    EngineClient,
+    RoutedKey,
+    RoutedModel,
+    RoutingAck,
+    RoutingSnapshot,
+)
 
 log = logging.getLogger("modelfleet.controlplane")
 

@@ -10,9 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from modelfleet.catalog import ModelSpec
-from modelfleet.fleet import Gpu, Mark, Node, Replica
-from modelfleet.wire import AgentReport, ShardReport, ShardState
+from modelfleet.core.catalog import ModelSpec
+from modelfleet.core.fleet import Gpu, Mark, Node, Replica
+from modelfleet.messages.wire import AgentReport, ShardReport, ShardState
 
 
 class StaleReport(ValueError):

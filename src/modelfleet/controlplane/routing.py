@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from modelfleet.catalog import Catalog, ModelSpec
 from modelfleet.controlplane.state import FleetState
-from modelfleet.wire import AdapterState, RoutedModel, engine_endpoint
+from modelfleet.core.catalog import Catalog, ModelSpec
+from modelfleet.messages.wire import AdapterState, RoutedModel, engine_endpoint
 
 
 class RoutingTable:

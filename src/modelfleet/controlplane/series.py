@@ -38,9 +38,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from modelfleet.controlplane.config import RouterTarget
+from modelfleet.messages.wire import NodeUse
 from modelfleet.store import StoredPoint, StoreError
 from modelfleet.store.calls import StoreCalls
-from modelfleet.wire import NodeUse
 
 log = logging.getLogger("modelfleet.controlplane")
 

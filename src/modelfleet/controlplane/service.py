@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 
-from modelfleet import http1
 from modelfleet.controlplane.admin_api import create_admin_app
 from modelfleet.controlplane.agent_api import AgentApi, create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
@@ -33,7 +32,9 @@ from modelfleet.controlplane.config import (
 )
 from modelfleet.controlplane.dashboard import Dashboard
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.pki import (
+from modelfleet.http import http1
+from modelfleet.http.serving import Listener, run_service
+from modelfleet.security.pki import (
     CA_CERT,
     CA_KEY,
     CertificateAuthority,
@@ -42,7 +43,6 @@ from modelfleet.pki import (
     client_context,
     is_wildcard,
 )
-from modelfleet.serving import Listener, run_service
 from modelfleet.store import Store, StoreError
 from modelfleet.store.postgres import Bounds, PostgresStore
 from modelfleet.store.sqlite import SqliteStore

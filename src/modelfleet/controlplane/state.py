@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar, cast
 
-from modelfleet import residency
-from modelfleet.catalog import Catalog
 from modelfleet.controlplane.records import (
     NO_MARK,
     NodeMark,
@@ -29,10 +27,12 @@ from modelfleet.controlplane.records import (
     ReportFirst,
     StaleReport,
 )
-from modelfleet.fleet import Mark, Node, Replica, ShardPlacement, natural_key
-from modelfleet.placement import Placed, Unplaceable, place
-from modelfleet.reconcile import Pending, Plan
-from modelfleet.wire import AdapterState, AgentReport, Heartbeat, ShardReport, ShardState
+from modelfleet.core import residency
+from modelfleet.core.catalog import Catalog
+from modelfleet.core.fleet import Mark, Node, Replica, ShardPlacement, natural_key
+from modelfleet.core.placement import Placed, Unplaceable, place
+from modelfleet.core.reconcile import Pending, Plan
+from modelfleet.messages.wire import AdapterState, AgentReport, Heartbeat, ShardReport, ShardState
 
 T = TypeVar("T")
 MAX_NEWS = 10_000

@@ -21,7 +21,6 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelfleet.catalog import Catalog
 from modelfleet.controlplane.assignments import Assignments
 from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.config import DEFAULT_SETTLE_FOR_S, ControlPlaneConfig, Heartbeats
@@ -30,10 +29,11 @@ from modelfleet.controlplane.loads import LoadCollector
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.routing import RoutingTable
 from modelfleet.controlplane.state import FleetState
-from modelfleet.fleet import Mark
-from modelfleet.reconcile import Move, Preview, plan, preview, rebalance, settling
-from modelfleet.residency import Want
-from modelfleet.wire import RoutedKey
+from modelfleet.core.catalog import Catalog
+from modelfleet.core.fleet import Mark
+from modelfleet.core.reconcile import Move, Preview, plan, preview, rebalance, settling
+from modelfleet.core.residency import Want
+from modelfleet.messages.wire import RoutedKey
 
 log = logging.getLogger("modelfleet.controlplane")
 

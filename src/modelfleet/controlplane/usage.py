@@ -19,9 +19,9 @@ from pydantic import ValidationError
 
 from modelfleet.controlplane.config import RouterTarget
 from modelfleet.controlplane.series import Recorder, Totals
+from modelfleet.messages.wire import UsageAck, UsageBatch, UsageReport
 from modelfleet.store import StoredUsage, StoreError
 from modelfleet.store.calls import StoreCalls
-from modelfleet.wire import UsageAck, UsageBatch, UsageReport
 
 log = logging.getLogger("modelfleet.controlplane")
 

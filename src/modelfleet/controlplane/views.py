@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from modelfleet import admin, residency
-from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.records import ReplicaRecord
 from modelfleet.controlplane.state import FleetState
-from modelfleet.fleet import Mark, Replica
-from modelfleet.placement import NodeVerdict, Unplaceable, describe_need
-from modelfleet.reconcile import Preview
+from modelfleet.core import residency
+from modelfleet.core.catalog import Catalog, CatalogInvalid
+from modelfleet.core.fleet import Mark, Replica
+from modelfleet.core.placement import NodeVerdict, Unplaceable, describe_need
+from modelfleet.core.reconcile import Preview
+from modelfleet.messages import admin
+from modelfleet.messages.wire import ShardReport, ShardState, engine_endpoint
 from modelfleet.store import StoredCatalog
-from modelfleet.wire import ShardReport, ShardState, engine_endpoint
 
 
 def verdict(v: NodeVerdict) -> admin.NodeVerdict:

@@ -1,4 +1,4 @@
-"""Finding and calling the admin API; every answer is a model of `modelfleet.admin`.
+"""Finding and calling the admin API; every answer is a model of `modelfleet.messages.admin`.
 
 Where to find the admin API, in order: `--admin URL --token T`, then the variables
 `MODELFLEET_ADMIN_URL` / `MODELFLEET_ADMIN_TOKEN`, then `<state-dir>/up.json` written by
@@ -27,8 +27,8 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from modelfleet import admin
-from modelfleet.pki import PkiError, client_context
+from modelfleet.messages import admin
+from modelfleet.security.pki import PkiError, client_context
 
 Answer = TypeVar("Answer", bound=BaseModel)
 

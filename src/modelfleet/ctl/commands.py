@@ -274,7 +274,7 @@ def join_tokens_create(
 ) -> None:
     """Make a join token and print it, with the command an agent joins with. It is shown
     this once: the fleet keeps only a hash of its secret."""
-    from modelfleet import admin
+    from modelfleet.messages import admin
 
     request = _key_request(admin.JoinTokenCreate, ttl=ttl, uses=uses)
     render = "print_join_token_alone" if quiet else "print_join_token_created"
@@ -347,7 +347,7 @@ def _mark(
 ) -> None:
     from pydantic import ValidationError
 
-    from modelfleet.admin import MarkRequest
+    from modelfleet.messages.admin import MarkRequest
 
     try:
         request = MarkRequest.model_validate({"mark": mark, "grace_s": grace, "dry_run": dry_run})
@@ -553,7 +553,7 @@ def keys_create(
     ] = False,
 ) -> None:
     """Make a key and print it. It is shown this once: the fleet keeps only its hash."""
-    from modelfleet import admin
+    from modelfleet.messages import admin
 
     request = _key_request(
         admin.KeyCreate,
@@ -592,7 +592,7 @@ def keys_update(
     ] = None,
 ) -> None:
     """Change a key's models, limits or expiry; what is not named stays as it is."""
-    from modelfleet import admin
+    from modelfleet.messages import admin
 
     request = _key_request(
         admin.KeyUpdate,

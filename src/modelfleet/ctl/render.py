@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from modelfleet import admin
-from modelfleet.units import format_size
+from modelfleet.core.units import format_size
+from modelfleet.messages import admin
 
 
 def gpu_state(gpu: admin.GpuInfo) -> str:
@@ -242,7 +242,7 @@ def print_catalog(data: admin.CatalogAnswer, console: Console) -> None:
 def catalog_yaml(data: admin.CatalogAnswer) -> str:
     """The catalog as a catalog file: what `ctl catalog apply` takes back as the same
     catalog."""
-    from modelfleet.catalog import Catalog
+    from modelfleet.core.catalog import Catalog
 
     models = [m.model_dump(mode="json", exclude_none=True) for m in data.models]
     header = f"# catalog version {data.version}, digest {data.digest}\n"

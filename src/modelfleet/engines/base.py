@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from modelfleet.wire import ShardAssignment
+from modelfleet.messages.wire import ShardAssignment
 
 
 @dataclass(frozen=True)

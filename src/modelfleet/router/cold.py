@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Protocol
 from modelfleet.router.refusal import Refusal
 
 if TYPE_CHECKING:
+    from modelfleet.messages.wire import RoutedModel
     from modelfleet.router.balancer import Balancer
     from modelfleet.router.table import RoutingTable
-    from modelfleet.wire import RoutedModel
 
 COLD_RETRY_AFTER_S = 5  # what a refused held request is told to wait before it tries again
 SPREAD_WAIT_S = 10.0  # how long held requests wait for their share to go to replicas to come

@@ -8,10 +8,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from modelfleet.apikeys import hash_key
-from modelfleet.pki import TlsFiles, is_loopback
+from modelfleet.messages.wire import RoutedModel
 from modelfleet.router.table import ApiKey
-from modelfleet.wire import RoutedModel
+from modelfleet.security.apikeys import hash_key
+from modelfleet.security.pki import TlsFiles, is_loopback
 
 
 class KeyConfig(BaseModel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from modelfleet.engine_metrics import cache_sources, load_sources
+from modelfleet.http.engine_metrics import cache_sources, load_sources
 
 # Every engine's gauges of requests running and waiting, and of its KV cache in use (the one
 # mapping of engines' names).

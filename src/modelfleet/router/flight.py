@@ -29,15 +29,17 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from modelfleet.openai_api import error_body
+from modelfleet.http.openai_api import error_body
+from modelfleet.http.tracing import AttributeValue, SpanRecord, format_traceparent, new_span_id
 from modelfleet.router.limits import Refusal as LimitRefusal
 from modelfleet.router.limits import Ticket
 from modelfleet.router.rates import Rates
 from modelfleet.router.refusal import Refusal
 from modelfleet.router.upstream import UpstreamError
-from modelfleet.tracing import AttributeValue, SpanRecord, format_traceparent, new_span_id
 
 if TYPE_CHECKING:
+    from modelfleet.http.tracing import SpanSink
+    from modelfleet.messages.wire import RoutedModel
     from modelfleet.router.balancer import Balancer
     from modelfleet.router.cold import ColdHold
     from modelfleet.router.limits import Limits
@@ -45,8 +47,6 @@ if TYPE_CHECKING:
     from modelfleet.router.table import ApiKey, RoutingTable
     from modelfleet.router.upstream import Answer, Connection, Upstreams
     from modelfleet.router.usage import UsageLedger, UsageScanner
-    from modelfleet.tracing import SpanSink
-    from modelfleet.wire import RoutedModel
 
 log = logging.getLogger("modelfleet.router")
 

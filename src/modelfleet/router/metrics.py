@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from modelfleet.files import write_atomic
+from modelfleet.host.files import write_atomic
 
 # From 0.1 ms: the router's own time is counted in tenths of milliseconds.
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)

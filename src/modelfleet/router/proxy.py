@@ -22,19 +22,19 @@ import random
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
-from modelfleet.openai_api import BadRequest, check_generation, parse_body, prompt_text
+from modelfleet.http.openai_api import BadRequest, check_generation, parse_body, prompt_text
+from modelfleet.http.tracing import TRACEPARENT, new_span_id, new_trace_id, parse_traceparent
 from modelfleet.router.cold import adapter_failed
 from modelfleet.router.flight import ClientGone, Exchange, Flight, Parts, Plan
 from modelfleet.router.refusal import Refusal
 from modelfleet.router.usage import UsageScanner
-from modelfleet.tracing import TRACEPARENT, new_span_id, new_trace_id, parse_traceparent
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
-    from modelfleet.http1 import Cycle
+    from modelfleet.http.http1 import Cycle
+    from modelfleet.messages.wire import RoutedModel
     from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
-    from modelfleet.wire import RoutedModel
 
 # The lean server's extension by which the proxy learns of a client's disconnect (http1.py).
 ON_DISCONNECT = "modelfleet.on_disconnect"

@@ -23,9 +23,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from modelfleet.web import JSON, bearer_matches
-from modelfleet.web import error_response as web_error
-from modelfleet.wire import LoadReport, RoutingAck, RoutingSnapshot, UsageAck, UsageReport
+from modelfleet.http.web import JSON, bearer_matches
+from modelfleet.http.web import error_response as web_error
+from modelfleet.messages.wire import LoadReport, RoutingAck, RoutingSnapshot, UsageAck, UsageReport
 
 MAX_LOAD_WAIT_S = 10.0
 

@@ -30,18 +30,25 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from modelfleet.autoscale import pressure
-from modelfleet.clock import wait_set
-from modelfleet.files import write_json_atomic
-from modelfleet.http1 import Bounds
-from modelfleet.openai_api import error_response
-from modelfleet.pki import (
-    Issued,
-    PkiError,
-    client_context_with,
-    node_host,
+from modelfleet.core.autoscale import pressure
+from modelfleet.host.clock import wait_set
+from modelfleet.host.files import write_json_atomic
+from modelfleet.host.processes import die_with_parent
+from modelfleet.http.http1 import Bounds
+from modelfleet.http.openai_api import error_response
+from modelfleet.http.serving import Listener, run_service
+from modelfleet.http.tracing import SpanSink
+from modelfleet.http.web import json_response
+from modelfleet.messages.wire import (
+    Ejection,
+    EngineClient,
+    LoadReport,
+    ModelLoad,
+    RoutingAck,
+    RoutingSnapshot,
+    UsageAck,
+    UsageReport,
 )
-from modelfleet.processes import die_with_parent
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.cold import ColdHold
 from modelfleet.router.config import RouterConfig
@@ -54,18 +61,11 @@ from modelfleet.router.push import create_push_app
 from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
 from modelfleet.router.upstream import Upstreams
 from modelfleet.router.usage import UsageLedger
-from modelfleet.serving import Listener, run_service
-from modelfleet.tracing import SpanSink
-from modelfleet.web import json_response
-from modelfleet.wire import (
-    Ejection,
-    EngineClient,
-    LoadReport,
-    ModelLoad,
-    RoutingAck,
-    RoutingSnapshot,
-    UsageAck,
-    UsageReport,
+from modelfleet.security.pki import (
+    Issued,
+    PkiError,
+    client_context_with,
+    node_host,
 )
 
 log = logging.getLogger("modelfleet.router")
@@ -114,7 +114,7 @@ class Router:
         self.ledger = UsageLedger()  # what each key used, until the control plane collects it
         self.spans: SpanSink | None = None
         if config.otlp_endpoint is not None:
-            from modelfleet.otlp import OtlpSink  # the SDK, loaded only when spans are sent
+            from modelfleet.http.otlp import OtlpSink  # the SDK, loaded only when spans are sent
 
             self.spans = OtlpSink(config.otlp_endpoint, "modelfleet-router")
         self.parts = Parts(  # what the data path uses of all this

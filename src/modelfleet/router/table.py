@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from modelfleet.apikeys import hash_key
-from modelfleet.wire import RoutedKey, RoutedModel, RoutingSnapshot
+from modelfleet.messages.wire import RoutedKey, RoutedModel, RoutingSnapshot
+from modelfleet.security.apikeys import hash_key
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from modelfleet.wire import UsageBatch, UsageRow
+from modelfleet.messages.wire import UsageBatch, UsageRow
 
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')

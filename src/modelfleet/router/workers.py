@@ -26,14 +26,11 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from modelfleet.files import private_dir
-from modelfleet.processes import port_holders
-from modelfleet.router.config import RouterConfig
-from modelfleet.router.metrics import COUNTS_SUFFIX, last_shown, summed
-from modelfleet.router.push import PushUnavailable, create_push_app
-from modelfleet.serving import Listener, run_service
-from modelfleet.web import JSON
-from modelfleet.wire import (
+from modelfleet.host.files import private_dir
+from modelfleet.host.processes import port_holders
+from modelfleet.http.serving import Listener, run_service
+from modelfleet.http.web import JSON
+from modelfleet.messages.wire import (
     Ejection,
     LoadReport,
     ModelLoad,
@@ -43,6 +40,9 @@ from modelfleet.wire import (
     UsageBatch,
     UsageReport,
 )
+from modelfleet.router.config import RouterConfig
+from modelfleet.router.metrics import COUNTS_SUFFIX, last_shown, summed
+from modelfleet.router.push import PushUnavailable, create_push_app
 
 log = logging.getLogger("modelfleet.router")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from modelfleet.openai_api import BadRequest
+from modelfleet.http.openai_api import BadRequest
 
 # name: (lowest, highest) for the sampling parameters it takes and ignores, as vLLM bounds them.
 _NUMBERS: dict[str, tuple[float, float]] = {

@@ -24,18 +24,24 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from modelfleet.openai_api import (
+from modelfleet.http.openai_api import (
     BadRequest,
     check_generation,
     error_response,
     parse_body,
     prompt_text,
 )
-from modelfleet.serving import Listener, run_service
+from modelfleet.http.serving import Listener, run_service
+from modelfleet.http.tracing import (
+    TRACEPARENT,
+    SpanRecord,
+    SpanSink,
+    new_span_id,
+    parse_traceparent,
+)
+from modelfleet.http.web import bearer_matches, json_response
 from modelfleet.simulator.checks import check_request
 from modelfleet.simulator.engine import LoraRefused, SimEngine, SimSettings, count_prompt_tokens
-from modelfleet.tracing import TRACEPARENT, SpanRecord, SpanSink, new_span_id, parse_traceparent
-from modelfleet.web import bearer_matches, json_response
 
 
 class _VllmMetrics:
@@ -268,7 +274,7 @@ def create_app(settings: SimSettings) -> Starlette:
         ]
     sink: SpanSink | None = None
     if settings.otlp_endpoint is not None:
-        from modelfleet.otlp import OtlpSink  # the SDK, loaded only when spans are sent
+        from modelfleet.http.otlp import OtlpSink  # the SDK, loaded only when spans are sent
 
         sink = OtlpSink(settings.otlp_endpoint, "modelfleet-engine-sim")
 

@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from modelfleet.pgserver import redacted
+from modelfleet.host.pgserver import redacted
 from modelfleet.store import (
     SCHEMA_VERSION,
     StoreError,

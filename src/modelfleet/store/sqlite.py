@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from modelfleet.files import PRIVATE, private_dir
+from modelfleet.host.files import PRIVATE, private_dir
 from modelfleet.store import SCHEMA_VERSION, StoreError, WriteHealth, check_schema
 from modelfleet.store.sql import Dialect, SqlStore, Transaction
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from modelfleet.agent.records import recorded_engine_pids
-from modelfleet.files import open_private_log, write_json_atomic
-from modelfleet.processes import ProcessId, log_tail, stop_groups
+from modelfleet.host.files import open_private_log, write_json_atomic
+from modelfleet.host.processes import ProcessId, log_tail, stop_groups
 
 # Which processes `up` started (role, node, pid and start time), kept in the state dir as they
 # start, so that an `up` that follows one that was killed finds them.

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from modelfleet.catalog import Catalog
-from modelfleet.files import write_json_atomic
-from modelfleet.statedir import StateDirLock
+from modelfleet.core.catalog import Catalog
+from modelfleet.host.files import write_json_atomic
+from modelfleet.host.statedir import StateDirLock
 from modelfleet.up.children import stop_leftovers
 from modelfleet.up.configs import GPUS_PER_NODE, NODES, FleetOptions, one_machine
 from modelfleet.up.fleet import start_fleet, wait_serving

@@ -14,16 +14,16 @@ import httpx
 import psycopg
 import yaml
 
-from modelfleet import yamltext
-from modelfleet.apikeys import hash_key
-from modelfleet.catalog import Catalog
-from modelfleet.files import private_dir, write_atomic
-from modelfleet.pgserver import PgServer, PgServerError, redacted
-from modelfleet.processes import ProcessId, log_tail, stop_groups
+from modelfleet.core import yamltext
+from modelfleet.core.catalog import Catalog
+from modelfleet.host.files import private_dir, write_atomic
+from modelfleet.host.pgserver import PgServer, PgServerError, redacted
+from modelfleet.host.processes import ProcessId, log_tail, stop_groups
+from modelfleet.messages.wire import RoutingSnapshot
+from modelfleet.security.apikeys import hash_key
 from modelfleet.up.children import Child, Fleet, Leftovers, UpError, agent_state_dir
 from modelfleet.up.configs import DEFAULT_CATALOG, FleetOptions, agent_gpu_flags
 from modelfleet.up.kept import HOST, Kept, load_or_make
-from modelfleet.wire import RoutingSnapshot
 
 # A fleet on one machine is small: its plots get a point every 10 s, not every minute.
 UP_SERIES_INTERVAL = 10

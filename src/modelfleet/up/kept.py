@@ -16,9 +16,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from modelfleet.apikeys import new_key
-from modelfleet.files import write_atomic
-from modelfleet.processes import free_port
+from modelfleet.host.files import write_atomic
+from modelfleet.host.processes import free_port
+from modelfleet.security.apikeys import new_key
 from modelfleet.up.children import UpError
 
 KEPT_FILE = "up-kept.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from modelfleet.backoff import Backoff
+from modelfleet.core.backoff import Backoff
 from modelfleet.up.children import UpError
 from modelfleet.up.fleet import RunningFleet
 

@@ -3,8 +3,8 @@
 One module per resource, each a FastAPI `APIRouter` over one `ControlPlane`; what they share
 (the refusal, the error answer, bounded bodies) is `shared.py`, who answers what (the leader
 everything, a follower reads of the store) is `follower.py`. Every request and answer is a
-model of `modelfleet.admin`; the document at `/openapi.json` describes them all. Every error
-answer is an `ErrorAnswer` (`{"error": ...}`).
+model of `modelfleet.messages.admin`; the document at `/openapi.json` describes them all.
+Every error answer is an `ErrorAnswer` (`{"error": ...}`).
 
 May import: the control plane's modules, the store's errors, the shared HTTP pieces and the
 pure core; nothing imports it but the control plane's service.
@@ -30,7 +30,7 @@ from modelfleet.controlplane.admin_api import (
     usage,
 )
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.web import bearer_matches
+from modelfleet.http.web import bearer_matches
 
 RESOURCES = (status, catalog, nodes, replicas, keys, usage, join_tokens, events, logs)
 

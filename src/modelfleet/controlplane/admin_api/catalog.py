@@ -6,13 +6,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from modelfleet import admin
-from modelfleet.catalog import Catalog, CatalogInvalid
 from modelfleet.controlplane import views
 from modelfleet.controlplane.admin_api.shared import Refused, errors
 from modelfleet.controlplane.catalogs import API_SOURCE
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.web import read_at_most
+from modelfleet.core.catalog import Catalog, CatalogInvalid
+from modelfleet.http.web import read_at_most
+from modelfleet.messages import admin
 
 _CATALOG_BODY = {
     "requestBody": {

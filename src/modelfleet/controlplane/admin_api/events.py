@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from modelfleet import admin
 from modelfleet.controlplane.admin_api.shared import duration, errors
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.messages import admin
 
 
 def routes(cp: ControlPlane) -> APIRouter:

@@ -9,9 +9,9 @@ from collections.abc import Awaitable, Callable
 from fastapi import Request
 from starlette.responses import Response
 
-from modelfleet import admin
 from modelfleet.controlplane.admin_api.shared import error
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.messages import admin
 from modelfleet.store import StoreError
 
 # Reads of what runs, which only the leader learns (from agents' reports): a follower

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from modelfleet import admin
 from modelfleet.controlplane.admin_api.shared import (
     Refused,
     body_of,
@@ -14,6 +13,7 @@ from modelfleet.controlplane.admin_api.shared import (
 )
 from modelfleet.controlplane.membership import MembershipRefused, token_info
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.messages import admin
 
 MAX_TOKEN_BYTES = 16384
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from modelfleet import admin
 from modelfleet.controlplane import keys
 from modelfleet.controlplane.admin_api.shared import Refused, body_of, errors, read_body
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.messages import admin
 
 MAX_KEY_BYTES = 16384
 

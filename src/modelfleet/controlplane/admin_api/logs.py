@@ -6,10 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from modelfleet import admin
 from modelfleet.controlplane.admin_api.shared import Refused, duration, errors
 from modelfleet.controlplane.logs import LogUnanswered
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.messages import admin
 
 LOG_WAIT_S = 15.0  # for an agent to answer a log request: its heartbeat is held, or comes
 

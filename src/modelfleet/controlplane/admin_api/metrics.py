@@ -9,10 +9,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
-from modelfleet import admin
 from modelfleet.controlplane.admin_api.shared import error
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.web import bearer_matches
+from modelfleet.http.web import bearer_matches
+from modelfleet.messages import admin
 
 
 def endpoint(cp: ControlPlane) -> Callable[[Request], Awaitable[Response]]:

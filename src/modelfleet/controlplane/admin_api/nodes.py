@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from modelfleet import admin
 from modelfleet.controlplane import views
 from modelfleet.controlplane.admin_api.shared import Refused, body_of, errors, read_body
 from modelfleet.controlplane.membership import MembershipRefused
 from modelfleet.controlplane.plane import ControlPlane, MarkRefused, NodeBusy
-from modelfleet.fleet import Mark
+from modelfleet.core.fleet import Mark
+from modelfleet.messages import admin
 
 MAX_MARK_BYTES = 4096
 

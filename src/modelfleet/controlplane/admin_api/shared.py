@@ -17,11 +17,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 
-from modelfleet import admin
-from modelfleet.catalog import Catalog
+from modelfleet.core.catalog import Catalog
+from modelfleet.core.units import BadDuration, parse_duration
+from modelfleet.http.web import JSON, read_at_most
+from modelfleet.messages import admin
 from modelfleet.store import StoreError
-from modelfleet.units import BadDuration, parse_duration
-from modelfleet.web import JSON, read_at_most
 
 
 class Refused(Exception):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from modelfleet import admin
 from modelfleet.controlplane import views
 from modelfleet.controlplane.admin_api.shared import errors
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.messages import admin
 
 
 def routes(cp: ControlPlane) -> APIRouter:

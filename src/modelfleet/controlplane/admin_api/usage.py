@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from modelfleet import admin
 from modelfleet.controlplane.admin_api.shared import duration, errors
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.messages import admin
 
 
 def routes(cp: ControlPlane) -> APIRouter:

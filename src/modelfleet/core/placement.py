@@ -11,9 +11,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from modelfleet.catalog import ModelSpec
-from modelfleet.fleet import Gpu, Mark, Node, ShardPlacement
-from modelfleet.units import format_size
+from modelfleet.core.catalog import ModelSpec
+from modelfleet.core.fleet import Gpu, Mark, Node, ShardPlacement
+from modelfleet.core.units import format_size
 
 
 @dataclass(frozen=True)

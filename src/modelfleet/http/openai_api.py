@@ -7,8 +7,8 @@ from typing import Any
 
 from starlette.responses import Response
 
-from modelfleet.catalog import name_problem
-from modelfleet.web import JSON
+from modelfleet.core.catalog import name_problem
+from modelfleet.http.web import JSON
 
 
 def error_body(

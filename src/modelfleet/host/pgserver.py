@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from modelfleet.processes import free_port
+from modelfleet.host.processes import free_port
 
 DATABASE = "modelfleet"
 USER = "modelfleet"

@@ -24,9 +24,9 @@ from typing import Any
 
 import uvloop
 
-from modelfleet.files import write_json_atomic
-from modelfleet.http1 import Bounds, Cycle, Http1Server
-from modelfleet.pki import TlsFiles, server_context
+from modelfleet.host.files import write_json_atomic
+from modelfleet.http.http1 import Bounds, Cycle, Http1Server
+from modelfleet.security.pki import TlsFiles, server_context
 
 log = logging.getLogger("modelfleet")
 FILES_RESERVED = 512  # open files a service keeps for what is not a client connection

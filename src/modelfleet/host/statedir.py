@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-from modelfleet.files import private_dir
+from modelfleet.host.files import private_dir
 
 LOCK_FILE = "lock"
 INSTANCE_FILE = "instance-id"

@@ -35,9 +35,9 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from modelfleet import yamltext
-from modelfleet.autoscale import Policy
-from modelfleet.units import BadDuration, BadSize, parse_duration, parse_size
+from modelfleet.core import yamltext
+from modelfleet.core.autoscale import Policy
+from modelfleet.core.units import BadDuration, BadSize, parse_duration, parse_size
 
 Engine = Literal["vllm", "sglang", "llamacpp", "sim", "command"]
 ENGINES: tuple[str, ...] = get_args(Engine)

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from modelfleet import yamltext
+from modelfleet.core import yamltext
 
 T = TypeVar("T", bound=BaseModel)
 

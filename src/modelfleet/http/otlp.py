@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 from opentelemetry.trace import SpanKind as OtelKind
 from opentelemetry.trace.status import Status, StatusCode
 
-from modelfleet.tracing import AttributeValue, SpanKind, SpanRecord
+from modelfleet.http.tracing import AttributeValue, SpanKind, SpanRecord
 
 _KINDS = {"server": OtelKind.SERVER, "client": OtelKind.CLIENT, "internal": OtelKind.INTERNAL}
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)

@@ -16,9 +16,9 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Literal
 
-from modelfleet.catalog import Catalog, ModelSpec
-from modelfleet.fleet import Mark, Node, Replica, ShardPlacement
-from modelfleet.placement import RULES, FreeGpus, Placed, Unplaceable, place
+from modelfleet.core.catalog import Catalog, ModelSpec
+from modelfleet.core.fleet import Mark, Node, Replica, ShardPlacement
+from modelfleet.core.placement import RULES, FreeGpus, Placed, Unplaceable, place
 
 
 @dataclass(frozen=True)
