@@ -12,6 +12,7 @@ import shutil
 import ssl
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -23,6 +24,8 @@ from modelfleet.ctl.commands import fail, with_options_first
 if TYPE_CHECKING:
     from modelfleet.agent.credential import Credential
     from modelfleet.agent.gpus import GpuSource
+    from modelfleet.agent.supervisor import EngineTls
+    from modelfleet.security.pki import TlsFiles
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -205,72 +208,115 @@ def control_plane(
     lock.release()
 
 
+# The agent's options whose help runs long, named here so that the command reads at a glance.
+JoinUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--join",
+        help="Join the fleet whose agent API is at this URL with the join token --token "
+        "(`ctl join-tokens create`); the credential it is exchanged for is kept in the "
+        "state dir and used from then on.",
+    ),
+]
+ControlPlaneUrls = Annotated[
+    str | None,
+    typer.Option(
+        "--control-plane",
+        help="The control plane's agent API URL, for the fleet's shared agent token "
+        "(the mode `up` runs in); other fleets use --join. Several control planes on one "
+        "store: URL1,URL2,... (it reports to the one that leads).",
+    ),
+]
+SimulatedGpus = Annotated[
+    str | None,
+    typer.Option(
+        "--simulate-gpus",
+        help="Simulated GPUs, COUNTxSIZE[:MODEL][,...], e.g. 4x80GB. Without it the agent "
+        "reads the node's NVIDIA GPUs through NVML.",
+    ),
+]
+CpuSlotsOption = Annotated[
+    str | None,
+    typer.Option(
+        "--cpu-slots",
+        help="A node without GPUs: offer its cores in slots: CORES or CORESxMEMORY each, e.g. "
+        "4 or 4x16GB (default memory: the node's, shared evenly). Each engine runs on its "
+        "slots' cores alone. Place models on them with gpu_model: CPU.",
+    ),
+]
+AgentToken = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        envvar="MODELFLEET_AGENT_TOKEN",
+        help="With --join: the join token (not needed once joined). With "
+        "--control-plane: the fleet's shared agent token. Any local user can read a "
+        "command line: give it by --token-file or MODELFLEET_AGENT_TOKEN instead.",
+    ),
+]
+CaFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--ca",
+        envvar="MODELFLEET_CA",
+        help="The control plane's CA certificate, to check an https:// control plane "
+        "against (its state dir's pki/ca.crt).",
+    ),
+]
+EngineAddress = Annotated[
+    str | None,
+    typer.Option(
+        "--address",
+        help="The address this node's engines listen on and routers reach them at. "
+        "Default: this host's address on the route to the control plane (127.0.0.1 for "
+        "a control plane on loopback).",
+    ),
+]
+ReportInterval = Annotated[
+    float,
+    typer.Option(
+        "--report-interval",
+        help="Seconds between tries while the control plane cannot be reached (once "
+        "reached, it sets how often the agent beats).",
+    ),
+]
+PassEnv = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--pass-env",
+        help="A variable of the agent's environment to pass on to engines (besides PATH, "
+        "HOME, locale, library and cache paths); repeatable.",
+    ),
+]
+EnginePrograms = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--engine-program",
+        help="ENGINE=COMMAND: the command that runs ENGINE on this node, e.g. "
+        "vllm=/opt/vllm/bin/vllm or 'sglang=/opt/sgl/bin/python -m sglang.launch_server' "
+        "(default: vllm and llama-server from PATH, SGLang and llama-cpp-python in the "
+        "agent's Python). A model's `program` in the catalog goes before it; repeatable.",
+    ),
+]
+
+
 @app.command()
 def agent(
     node: Annotated[str, typer.Option(help="This node's name.")],
-    join: Annotated[
-        str | None,
-        typer.Option(
-            help="Join the fleet whose agent API is at this URL with the join token --token "
-            "(`ctl join-tokens create`); the credential it is exchanged for is kept in the "
-            "state dir and used from then on."
-        ),
-    ] = None,
-    control_plane: Annotated[
-        str | None,
-        typer.Option(
-            help="The control plane's agent API URL, for the fleet's shared agent token "
-            "(the mode `up` runs in); other fleets use --join. Several control planes on one "
-            "store: URL1,URL2,... (it reports to the one that leads)."
-        ),
-    ] = None,
-    simulate_gpus: Annotated[
-        str | None,
-        typer.Option(
-            help="Simulated GPUs, COUNTxSIZE[:MODEL][,...], e.g. 4x80GB. Without it the agent "
-            "reads the node's NVIDIA GPUs through NVML."
-        ),
-    ] = None,
-    cpu_slots: Annotated[
-        str | None,
-        typer.Option(
-            help="A node without GPUs: offer its cores in slots: CORES or CORESxMEMORY each, e.g. "
-            "4 or 4x16GB (default memory: the node's, shared evenly). Each engine runs on its "
-            "slots' cores alone. Place models on them with gpu_model: CPU.",
-        ),
-    ] = None,
-    token: Annotated[
-        str | None,
-        typer.Option(
-            envvar="MODELFLEET_AGENT_TOKEN",
-            help="With --join: the join token (not needed once joined). With "
-            "--control-plane: the fleet's shared agent token. Any local user can read a "
-            "command line: give it by --token-file or MODELFLEET_AGENT_TOKEN instead.",
-        ),
-    ] = None,
+    join: JoinUrl = None,
+    control_plane: ControlPlaneUrls = None,
+    simulate_gpus: SimulatedGpus = None,
+    cpu_slots: CpuSlotsOption = None,
+    token: AgentToken = None,
     token_file: Annotated[
         Path | None,
         typer.Option(help="A file holding --token (readable by its owner alone)."),
     ] = None,
-    ca: Annotated[
-        Path | None,
-        typer.Option(
-            envvar="MODELFLEET_CA",
-            help="The control plane's CA certificate, to check an https:// control plane "
-            "against (its state dir's pki/ca.crt).",
-        ),
-    ] = None,
+    ca: CaFile = None,
     state_dir: Annotated[
         Path | None, typer.Option(help="Where the agent records its engines and logs.")
     ] = None,
-    address: Annotated[
-        str | None,
-        typer.Option(
-            help="The address this node's engines listen on and routers reach them at. "
-            "Default: this host's address on the route to the control plane (127.0.0.1 for "
-            "a control plane on loopback)."
-        ),
-    ] = None,
+    address: EngineAddress = None,
     label: Annotated[
         list[str] | None, typer.Option(help="A node label KEY=VALUE; repeatable.")
     ] = None,
@@ -282,13 +328,7 @@ def agent(
         int | None,
         typer.Option(help="Serve the agent's admin API (simulated GPU faults) here; 0: any."),
     ] = None,
-    report_interval: Annotated[
-        float,
-        typer.Option(
-            help="Seconds between tries while the control plane cannot be reached (once "
-            "reached, it sets how often the agent beats)."
-        ),
-    ] = 2.0,
+    report_interval: ReportInterval = 2.0,
     stop_grace: Annotated[float, typer.Option(help="Seconds from SIGTERM to SIGKILL.")] = 30.0,
     backoff_base: Annotated[float, typer.Option(help="First restart delay, seconds.")] = 10.0,
     backoff_max: Annotated[float, typer.Option(help="Longest restart delay, seconds.")] = 300.0,
@@ -301,45 +341,25 @@ def agent(
     liveness_timeout: Annotated[
         float, typer.Option(help="Seconds a health probe of a ready engine may take.")
     ] = 2.0,
-    pass_env: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="A variable of the agent's environment to pass on to engines (besides PATH, "
-            "HOME, locale, library and cache paths); repeatable."
-        ),
-    ] = None,
+    pass_env: PassEnv = None,
     liveness_failures: Annotated[
         int,
         typer.Option(min=1, help="Failed probes in a row after which a ready engine restarts."),
     ] = 3,
-    engine_program: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="ENGINE=COMMAND: the command that runs ENGINE on this node, e.g. "
-            "vllm=/opt/vllm/bin/vllm or 'sglang=/opt/sgl/bin/python -m sglang.launch_server' "
-            "(default: vllm and llama-server from PATH, SGLang and llama-cpp-python in the "
-            "agent's Python). A model's `program` in the catalog goes before it; repeatable."
-        ),
-    ] = None,
+    engine_program: EnginePrograms = None,
     ready_file: ReadyFile = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Run a node's agent: report GPUs and shards, run the engines it is assigned."""
     from modelfleet.agent.gpus import CpuSlots
     from modelfleet.agent.service import AgentSettings, serve
-    from modelfleet.agent.supervisor import EngineTls, SupervisorSettings
+    from modelfleet.agent.supervisor import SupervisorSettings
     from modelfleet.host.statedir import StateDirBusy, StateDirLock
     from modelfleet.http.serving import configure_logging, run_service_loop
-    from modelfleet.security.pki import client_context, is_loopback
 
     configure_logging(log_level)
     gpus = _gpu_source(simulate_gpus, cpu_slots, unhealthy_gpu or [])
-    labels = []
-    for item in label or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            fail(f"--label {item!r}: write KEY=VALUE")
-        labels.append((key, value))
+    labels = _labels(label or [])
     if token_file is not None:
         if token is not None:
             fail("give --token (or MODELFLEET_AGENT_TOKEN) or --token-file, not both")
@@ -349,43 +369,27 @@ def agent(
         lock = StateDirLock(agent_dir, f"the agent of {node}").acquire()
     except (StateDirBusy, OSError) as exc:
         fail(str(exc))
-    urls = [u.strip() for u in control_plane.split(",") if u.strip()] if control_plane else []
-    url = join or (urls[0] if urls else None)
-    if url is None or (join and control_plane):
-        fail("give --join URL (with a join token) or --control-plane URL (shared agent token)")
-    if address is None:
-        address = _address_towards(url)
-    verify: ssl.SSLContext | None
-    join_token, engine_tls = None, None
-    if join is not None:
-        joined = _joined(join, token, node, address, agent_dir, report_interval)
-        join_token, token = token, joined.credential
-        verify = client_context(joined.ca.encode())
-        admin_tls = joined.tls_files(agent_dir)
-        if not is_loopback(address):  # engines other machines reach: behind gates
-            engine_tls = EngineTls(admin_tls, joined.ca_file(agent_dir))
-    else:
-        verify, admin_tls = _ca_context(url, ca), None
-    if admin_port is not None and admin_tls is None and not is_loopback(address):
+    link = _link(node, join, control_plane, token, ca, address, agent_dir, report_interval)
+    if admin_port is not None and link.admin_tls is None and not link.loopback:
         fail(
-            f"the admin API would serve plain HTTP on {address}: plain HTTP stays on loopback. "
-            "Join with --join for a certificate, or leave --admin-port out"
+            f"the admin API would serve plain HTTP on {link.address}: plain HTTP stays on "
+            "loopback. Join with --join for a certificate, or leave --admin-port out"
         )
     settings = AgentSettings(
-        control_plane=url,
-        control_planes=tuple(urls),
+        control_plane=link.url,
+        control_planes=link.urls,
         node=node,
-        token=token,
-        join_token=join_token,
-        verify=verify,
-        admin_tls=admin_tls,
+        token=link.token,
+        join_token=link.join_token,
+        verify=link.verify,
+        admin_tls=link.admin_tls,
         state_dir=agent_dir,
-        address=address,
-        labels=tuple(labels),
+        address=link.address,
+        labels=labels,
         report_interval=report_interval,
         supervisor=SupervisorSettings(
-            engine_host=address,
-            engine_tls=engine_tls,
+            engine_host=link.address,
+            engine_tls=link.engine_tls,
             stop_grace=stop_grace,
             backoff_base=backoff_base,
             backoff_max=backoff_max,
@@ -400,6 +404,71 @@ def agent(
     )
     run_service_loop(serve(settings, gpus, ready_file, admin_port))
     lock.release()
+
+
+def _labels(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """`--label KEY=VALUE` items as pairs; fails naming the item that is not one."""
+    labels = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(f"--label {item!r}: write KEY=VALUE")
+        labels.append((key, value))
+    return tuple(labels)
+
+
+@dataclass(frozen=True)
+class _Link:
+    """How an agent reaches its control plane and proves who it is, and where its engines
+    are reached."""
+
+    url: str
+    urls: tuple[str, ...]
+    address: str
+    loopback: bool
+    token: str | None
+    join_token: str | None
+    verify: ssl.SSLContext | None
+    admin_tls: TlsFiles | None
+    engine_tls: EngineTls | None
+
+
+def _link(
+    node: str,
+    join: str | None,
+    control_plane: str | None,
+    token: str | None,
+    ca: Path | None,
+    address: str | None,
+    agent_dir: Path,
+    report_interval: float,
+) -> _Link:
+    """The agent's link from its options: joined with a join token (a credential of its own,
+    kept in `agent_dir`, and the fleet's CA), or on the shared agent token."""
+    from modelfleet.agent.supervisor import EngineTls
+    from modelfleet.security.pki import client_context, is_loopback
+
+    urls = [u.strip() for u in control_plane.split(",") if u.strip()] if control_plane else []
+    url = join or (urls[0] if urls else None)
+    if url is None or (join and control_plane):
+        fail("give --join URL (with a join token) or --control-plane URL (shared agent token)")
+    if address is None:
+        address = _address_towards(url)
+    if join is None:
+        return _Link(
+            url, tuple(urls), address, is_loopback(address), token, None, _ca_context(url, ca),
+            None, None,
+        )  # fmt: skip
+    joined = _joined(join, token, node, address, agent_dir, report_interval)
+    admin_tls = joined.tls_files(agent_dir)
+    engine_tls = None
+    if not is_loopback(address):  # engines other machines reach: behind gates
+        engine_tls = EngineTls(admin_tls, joined.ca_file(agent_dir))
+    verify = client_context(joined.ca.encode())
+    return _Link(
+        url, tuple(urls), address, is_loopback(address), joined.credential, token, verify,
+        admin_tls, engine_tls,
+    )  # fmt: skip
 
 
 def _gpu_source(simulated: str | None, cpu_slots: str | None, unhealthy: list[str]) -> GpuSource:

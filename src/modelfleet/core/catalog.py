@@ -14,7 +14,7 @@ import json
 import re
 import reprlib
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
@@ -665,95 +665,20 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
                 problems.append(Problem(label, key, _problem_message(key, error, raw)))
         return None
 
-    def problem(key: str, message: str) -> None:
-        problems.append(Problem(label, key, message))
-
-    for key, value in raw.items():
-        if not _is_text(value):
-            problem(
-                _clip(str(key), 80),
-                "holds a string that is not valid Unicode (a lone surrogate, such as \\ud800, "
-                "from a JSON escape): an engine's command line or environment cannot carry it",
-            )
-    if model.engine == "command" and model.command is None:
-        problem("command", "missing: engine 'command' needs a command template")
-    if model.engine != "command" and model.command is not None:
-        problem("command", f"only engine 'command' takes a command template, not {model.engine!r}")
-    if model.program is not None:
-        if model.engine == "command":
-            problem("program", "engine 'command' names its program in its command template")
-        else:
-            try:
-                if not shlex.split(model.program):
-                    problem("program", "must name a program, got only blanks")
-            except ValueError as exc:
-                problem("program", f"cannot be split into words like a shell would: {exc}")
-    if model.engine == "llamacpp" and model.shards > 1:
-        problem("shards", f"engine 'llamacpp' runs one shard per replica, got {model.shards}")
-    scaling = model.autoscale
-    if scaling is not None and "replicas" in raw:
-        problem(
-            "replicas",
-            "a model with autoscale has no fixed count: autoscale's min and max bound the "
-            "replicas the control plane runs; give one or the other",
-        )
-    if scaling is not None and scaling.min > scaling.max:
-        problem("autoscale", f"min ({scaling.min}) is more than max ({scaling.max})")
-    if scaling is None:
-        for key in ("cold_queue", "cold_timeout"):
-            if key in raw:
-                problem(key, "only a model with autoscale holds requests while it has no replica")
-        for key in ("idle_action", "sleep_level"):
-            if key in raw:
-                problem(key, "only a model with autoscale has replicas it no longer needs")
-    if model.idle_action == "sleep" and model.engine not in SLEEPING_ENGINES:
-        problem(
-            "idle_action",
-            f"engine {model.engine!r} has no sleep mode; sleep works with "
-            f"{', '.join(SLEEPING_ENGINES)} (use idle_action: stop)",
-        )
-    if model.idle_action == "sleep" and model.shards > 1:
-        problem("idle_action", "sleep is for replicas of one shard; use idle_action: stop")
-    if "sleep_level" in raw and model.idle_action != "sleep":
-        problem("sleep_level", "only idle_action: sleep has a sleep level")
     max_loras = model.max_loras
     if max_loras is None and model.adapters:
         max_loras = DEFAULT_MAX_LORAS
-    if max_loras is not None and model.engine not in ADAPTER_ENGINES:
-        problem(
-            "adapters" if model.adapters else "max_loras",
-            f"engine {model.engine!r} cannot load LoRA adapters at run time; adapters work "
-            f"with {', '.join(ADAPTER_ENGINES)}",
-        )
-    if "max_lora_rank" in raw and max_loras is None:
-        problem("max_lora_rank", "only a model with adapters or max_loras has a LoRA rank")
-    ranks = LORA_RANKS.get(model.engine)
-    if max_loras is not None and ranks is not None and model.max_lora_rank not in ranks:
-        higher = [r for r in ranks if r >= model.max_lora_rank]
-        hint = f"; the next one up is {higher[0]}" if higher else ""
-        problem(
-            "max_lora_rank",
-            f"engine {model.engine!r} takes a max_lora_rank of "
-            f"{', '.join(str(r) for r in ranks)} only, got {model.max_lora_rank}{hint}",
-        )
-    named: dict[str, int] = {}
-    for number, adapter in enumerate(model.adapters, 1):
-        if adapter.name in named:
-            problem(
-                "adapters",
-                f"#{number}: duplicate adapter name {adapter.name!r} (also #{named[adapter.name]})",
-            )
-        named.setdefault(adapter.name, number)
-        if adapter.name == model.name:
-            problem("adapters", f"#{number}: an adapter cannot be named as its base model")
-        if adapter.max_rank is not None and adapter.max_rank > model.max_lora_rank:
-            problem(
-                "adapters",
-                f"#{number}: max_rank {adapter.max_rank} is over the model's max_lora_rank "
-                f"({model.max_lora_rank}); raise max_lora_rank (its engines restart with it)",
-            )
+    for rules in (_text_problems, _engine_problems, _scaling_problems, _adapter_problems):
+        for key, message in rules(model, raw, max_loras):
+            problems.append(Problem(label, key, message))
     if len(problems) > before:
         return None
+    return _spec(model, max_loras)
+
+
+def _spec(model: _ModelInput, max_loras: int | None) -> ModelSpec:
+    """The spec of a model input that broke no rule."""
+    scaling = model.autoscale
     return ModelSpec(
         name=model.name,
         engine=model.engine,
@@ -797,3 +722,100 @@ def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec 
         max_lora_rank=model.max_lora_rank,
         program=model.program,
     )
+
+
+# Rules across a model's fields, each yielding (field, what is wrong) for every break.
+Found = Iterator[tuple[str, str]]
+
+
+def _text_problems(model: _ModelInput, raw: Mapping[Any, Any], max_loras: int | None) -> Found:
+    for key, value in raw.items():
+        if not _is_text(value):
+            yield (
+                _clip(str(key), 80),
+                "holds a string that is not valid Unicode (a lone surrogate, such as \\ud800, "
+                "from a JSON escape): an engine's command line or environment cannot carry it",
+            )
+
+
+def _engine_problems(model: _ModelInput, raw: Mapping[Any, Any], max_loras: int | None) -> Found:
+    if model.engine == "command" and model.command is None:
+        yield "command", "missing: engine 'command' needs a command template"
+    if model.engine != "command" and model.command is not None:
+        yield "command", f"only engine 'command' takes a command template, not {model.engine!r}"
+    if model.program is not None:
+        if model.engine == "command":
+            yield "program", "engine 'command' names its program in its command template"
+        else:
+            try:
+                if not shlex.split(model.program):
+                    yield "program", "must name a program, got only blanks"
+            except ValueError as exc:
+                yield "program", f"cannot be split into words like a shell would: {exc}"
+    if model.engine == "llamacpp" and model.shards > 1:
+        yield "shards", f"engine 'llamacpp' runs one shard per replica, got {model.shards}"
+
+
+def _scaling_problems(model: _ModelInput, raw: Mapping[Any, Any], max_loras: int | None) -> Found:
+    scaling = model.autoscale
+    if scaling is not None and "replicas" in raw:
+        yield (
+            "replicas",
+            "a model with autoscale has no fixed count: autoscale's min and max bound the "
+            "replicas the control plane runs; give one or the other",
+        )
+    if scaling is not None and scaling.min > scaling.max:
+        yield "autoscale", f"min ({scaling.min}) is more than max ({scaling.max})"
+    if scaling is None:
+        for key in ("cold_queue", "cold_timeout"):
+            if key in raw:
+                yield key, "only a model with autoscale holds requests while it has no replica"
+        for key in ("idle_action", "sleep_level"):
+            if key in raw:
+                yield key, "only a model with autoscale has replicas it no longer needs"
+    if model.idle_action == "sleep" and model.engine not in SLEEPING_ENGINES:
+        yield (
+            "idle_action",
+            f"engine {model.engine!r} has no sleep mode; sleep works with "
+            f"{', '.join(SLEEPING_ENGINES)} (use idle_action: stop)",
+        )
+    if model.idle_action == "sleep" and model.shards > 1:
+        yield "idle_action", "sleep is for replicas of one shard; use idle_action: stop"
+    if "sleep_level" in raw and model.idle_action != "sleep":
+        yield "sleep_level", "only idle_action: sleep has a sleep level"
+
+
+def _adapter_problems(model: _ModelInput, raw: Mapping[Any, Any], max_loras: int | None) -> Found:
+    if max_loras is not None and model.engine not in ADAPTER_ENGINES:
+        yield (
+            "adapters" if model.adapters else "max_loras",
+            f"engine {model.engine!r} cannot load LoRA adapters at run time; adapters work "
+            f"with {', '.join(ADAPTER_ENGINES)}",
+        )
+    if "max_lora_rank" in raw and max_loras is None:
+        yield "max_lora_rank", "only a model with adapters or max_loras has a LoRA rank"
+    ranks = LORA_RANKS.get(model.engine)
+    if max_loras is not None and ranks is not None and model.max_lora_rank not in ranks:
+        higher = [r for r in ranks if r >= model.max_lora_rank]
+        hint = f"; the next one up is {higher[0]}" if higher else ""
+        yield (
+            "max_lora_rank",
+            f"engine {model.engine!r} takes a max_lora_rank of "
+            f"{', '.join(str(r) for r in ranks)} only, got {model.max_lora_rank}{hint}",
+        )
+    named: dict[str, int] = {}
+    for number, adapter in enumerate(model.adapters, 1):
+        if adapter.name in named:
+            yield (
+                "adapters",
+                f"#{number}: duplicate adapter name {adapter.name!r} (also #{named[adapter.name]})",
+            )
+        named.setdefault(adapter.name, number)
+        if adapter.name == model.name:
+            yield "adapters", f"#{number}: an adapter cannot be named as its base model"
+        if adapter.max_rank is not None and adapter.max_rank > model.max_lora_rank:
+            yield (
+                "adapters",
+                f"#{number}: max_rank {adapter.max_rank} is over the model's max_lora_rank "
+                f"({model.max_lora_rank}); raise max_lora_rank (its engines restart with it)",
+            )
