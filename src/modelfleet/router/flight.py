@@ -1,8 +1,11 @@
 """One request through the router, from its plan to its end: a `Flight`.
 
-Every rule of a request's way lives here once: admission under its key's limits, the
-replica tried next and the retries, the first-byte timeout, relaying the answer, a client
-that goes away, settling the key's reservation, the metrics and the usage ledger.
+The flight moves a request through its stages, each a module of its own that a test can
+drive alone: admission under its key's limits (`admit.py`), the replica tried next and why
+none answered (`pick.py`), the answer relayed (`relay.py`), and the key's reservation
+settled and the request counted (`settle.py`). What the stages share is `exchange.py`. The
+flight itself holds the order of the stages: the retries, the first-byte timeout
+(`Attempt`), a client that goes away, and ending exactly once.
 
 A flight is a state machine that moves by callbacks wherever it can and by a task only
 where it must wait. Side by side with vllm-router (`bench/router.py`) a task per request,
@@ -25,150 +28,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
-from modelfleet.http.openai_api import error_body
 from modelfleet.http.tracing import AttributeValue, SpanRecord, format_traceparent, new_span_id
-from modelfleet.router.limits import Refusal as LimitRefusal
-from modelfleet.router.limits import Ticket
-from modelfleet.router.rates import Rates
+from modelfleet.router import settle
+from modelfleet.router.admit import admission
+from modelfleet.router.exchange import Broken, ClientGone
+from modelfleet.router.pick import exhausted, pick
 from modelfleet.router.refusal import Refusal
+from modelfleet.router.relay import Relay, answer_head, scanned
 from modelfleet.router.upstream import UpstreamError
 
 if TYPE_CHECKING:
     from modelfleet.http.tracing import SpanSink
-    from modelfleet.messages.wire import RoutedModel
-    from modelfleet.router.balancer import Balancer
-    from modelfleet.router.cold import ColdHold
-    from modelfleet.router.limits import Limits
-    from modelfleet.router.metrics import RouterMetrics
-    from modelfleet.router.table import ApiKey, RoutingTable
-    from modelfleet.router.upstream import Answer, Connection, Upstreams
-    from modelfleet.router.usage import UsageLedger, UsageScanner
+    from modelfleet.router.exchange import Client, Exchange, Parts, Plan
+    from modelfleet.router.limits import Refusal as LimitRefusal
+    from modelfleet.router.limits import Ticket
+    from modelfleet.router.table import RoutingTable
+    from modelfleet.router.upstream import Answer, Connection
 
 log = logging.getLogger("modelfleet.router")
 
 # Statuses an engine answers before it has produced anything, where another replica may do
 # better: the request goes to another before the client has seen a byte.
 RETRY_STATUSES = frozenset({502, 503, 504})
-# Statuses whose answer names why, in `x-modelfleet-reason`.
-_WHY_STATUSES = frozenset({429, 503, 504})
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The router's settings that the data path reads (`RouterConfig` names each)."""
-
-    max_body_bytes: int
-    first_byte_timeout: float
-    chunk_timeout: float
-    retries: int
-    prefix_chars: int
-    default_max_tokens: int
-
-
-@dataclass(frozen=True)
-class Parts:
-    """What a request uses of its router, and nothing more: the replicas' balance and
-    connections, the keys' limits, what is counted, and the clocks."""
-
-    settings: Settings
-    balancer: Balancer
-    cold: ColdHold  # requests held for models with no replica serving
-    upstreams: Upstreams
-    limits: Limits
-    metrics: RouterMetrics
-    ledger: UsageLedger
-    clock: Callable[[], float]  # a request's own timings
-    now: Callable[[], float]  # ejections
-    wall: Callable[[], float]  # keys' expiry and limits
-    background: set[asyncio.Future[None]]  # settlements under way, awaited at close
-    waiting: Waiting = field(default_factory=lambda: Waiting())  # for their first byte
-    asked: Rates = field(default_factory=lambda: Rates())  # how often each adapter is asked
-    # Where the spans of sampled requests go (`otlp_endpoint`); None: none are built.
-    spans: SpanSink | None = None
-    # Seconds from `clock`'s reading to the epoch, for spans' times.
-    clock_to_epoch: float = 0.0
-
-
-@dataclass
-class Exchange:
-    """What is measured of one request on its way."""
-
-    request_id: str
-    started: float
-    trace_id: str  # the request's trace, taken from its `traceparent` or new
-    span_id: str  # the router's span of the request, the parent of each attempt's
-    caller_span: str | None = None  # the span of the `traceparent` it came with
-    sampled: bool = True  # the caller's say, from its `traceparent`; ours when it made none
-    path: str = ""
-    model: str = "-"
-    upstream_wait: float = 0.0  # seconds spent waiting for engines
-    client_gone: bool = False
-    status: int = 0
-    first_byte_at: float | None = None
-    failures: list[str] = field(default_factory=list)
-    timeouts: int = 0  # attempts that got no first byte in time
-    scanner: UsageScanner | None = None  # finds the tokens the answer used
-    key: str | None = None  # the name of the client's key, once it is known
-    # Attempts written to an engine that it did not refuse (an error status): for these an
-    # engine may have generated tokens, reported or not.
-    maybe_used: int = 0
-    # Why the router answered it itself, sending it to no engine (`Refusal.reason`); None
-    # once an engine was tried. Refused requests are kept out of the latency histograms.
-    refusal: str | None = None
-
-
-@dataclass
-class Plan:
-    """What a request asks for, read once from its body, and where it may go."""
-
-    key: ApiKey
-    path: str
-    raw: bytes  # the body as the engine gets it
-    table: RoutingTable  # taken once: a swap during the request is invisible to it
-    endpoints: tuple[str, ...]
-    route: RoutedModel
-    stream: bool
-    limited: bool  # the key has limits: the request is admitted before it is sent
-    cost: int  # tokens reserved for the key's token limit
-    prefix: bytes | None  # for prefix routing
-    first: str | None = None  # the endpoint to try first: the one a held request went to
-
-
-class Client(Protocol):
-    """The client's side of a flight: where its answer goes, and how it says it has gone."""
-
-    @property
-    def send(self) -> Callable[[Any], Awaitable[None]]:
-        """ASGI's `send`, for an answer relayed as it arrives."""
-        ...
-
-    def answer(
-        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, more: bool
-    ) -> bool:
-        """Send an answer's head and `body` now: the whole answer, or (`more`) its first
-        bytes, the rest to follow by `send`. False when only `send` can, in a task."""
-        ...
-
-    def on_disconnect(self, callback: Callable[[], None] | None) -> None:
-        """Call `callback` once the client goes away (at once if it has); None: no more."""
-        ...
-
-    def host(self, run: Coroutine[Any, Any, None]) -> None:
-        """Run `run` in a task of the request's own: the flight has to wait."""
-        ...
-
-
-class ClientGone(Exception):
-    """The client went away; what was in flight for it is dropped."""
-
-
-class Broken(Exception):
-    """An engine's whole answer broke off after its first byte: the client's connection is
-    closed short of the length it was promised."""
 
 
 class Flight:
@@ -238,10 +122,13 @@ class Flight:
         self._admitted(got)
 
     def _admitted(self, got: Ticket | LimitRefusal) -> None:
-        if isinstance(got, LimitRefusal):
-            self.refuse(self._over_limit(got))
+        plan = self.plan
+        assert plan is not None
+        admitted = admission(got, plan.key.name, plan.cost)
+        if isinstance(admitted, Refusal):
+            self.refuse(admitted)
             return
-        self.ticket = got
+        self.ticket = admitted
         self._next()
 
     def _next(self) -> None:
@@ -257,13 +144,7 @@ class Flight:
             return
         # An engine's 404 for an adapter it let go is no failure: that resend is not a retry.
         while len(tried) <= parts.settings.retries + self.rerouted:
-            if plan.first is not None:
-                # Released from the hold to this replica: it holds the model now, even if it
-                # is the one that said 404 before the request was held.
-                endpoint: str | None = plan.first
-                plan.first = None
-            else:
-                endpoint = parts.balancer.pick(plan.endpoints, exclude=tried, prefix=plan.prefix)
+            endpoint = pick(plan, tried, parts.balancer)
             if endpoint is None:
                 break
             if tried:
@@ -280,7 +161,7 @@ class Flight:
             else:
                 attempt.send(conn, reused=True)
             return
-        self.refuse(self._exhausted())
+        self.refuse(exhausted(self.ex, self.tried, self.first_byte_timeout))
 
     def released(self, table: RoutingTable, endpoint: str | None) -> None:
         """A held request goes on, to `endpoint` of `table` (None: the balancer's pick)."""
@@ -356,7 +237,7 @@ class Flight:
             plan.table, plan.endpoints = table, ()
             plan.route = table.routes[plan.route.name]
             if not parts.cold.take(self, plan.route, ()):
-                self.refuse(self._exhausted())
+                self.refuse(exhausted(self.ex, self.tried, self.first_byte_timeout))
         return True
 
     def timed_out(self, attempt: Attempt) -> None:
@@ -389,15 +270,17 @@ class Flight:
         parts, ex = self.parts, self.ex
         ex.first_byte_at = parts.clock()
         ex.status = upstream.status
-        headers = self._answer_head(upstream, attempt.endpoint)
+        plan = self.plan
+        assert plan is not None
+        headers = answer_head(upstream, plan, attempt.endpoint, ex.request_id, ex.scanner)
         if upstream.at_eof:
-            body = self._scanned(first, last=True)
+            body = scanned(ex.scanner, first, last=True)
             if upstream.status < 500:
                 parts.balancer.succeeded(attempt.endpoint)
             attempt.over(upstream, done=True)
             self._respond(upstream.status, headers, body)
             return
-        out = self._scanned(first, last=False)
+        out = scanned(ex.scanner, first, last=False)
         if self.client.answer(upstream.status, headers, out, more=True):
             self._carry(self._relay(attempt, upstream, None, b""))
         else:
@@ -410,88 +293,27 @@ class Flight:
         headers: list[tuple[bytes, bytes]] | None,
         first: bytes,
     ) -> None:
-        """Relay the rest of an answer, chunk by chunk, after its head and `first` bytes
-        (sent first when `headers` is given; else they went out already). A gap between
-        chunks longer than `chunk_timeout` ends a stream with an OpenAI-style error event; a
-        whole answer cut short is cut for the client too (its Content-Length says so)."""
-        parts, ex = self.parts, self.ex
-        send, clock = self.client.send, parts.clock
-        gap = parts.settings.chunk_timeout
+        """Relay the rest of an answer (`Relay`), and end."""
+        parts, ex, plan = self.parts, self.ex, self.plan
+        assert plan is not None
+        relay = Relay(
+            self.client.send, parts.clock, parts.settings.chunk_timeout, ex.scanner,
+            plan.stream, ex.model, attempt.endpoint,
+        )  # fmt: skip
         done = False
         try:
-            try:
-                if headers is not None:
-                    start = {"type": "http.response.start", "status": upstream.status}
-                    await send({**start, "headers": headers})
-                    if first:
-                        await send({"type": "http.response.body", "body": first, "more_body": True})
-                ended = upstream.at_eof
-                if ended:  # the rest came before this task ran
-                    out = self._scanned(b"", last=True)
-                    await send({"type": "http.response.body", "body": out, "more_body": False})
-                while not ended:
-                    waited = clock()
-                    try:
-                        async with asyncio.timeout(gap):
-                            chunk = await upstream.read()
-                    except (TimeoutError, UpstreamError) as exc:
-                        ex.upstream_wait += clock() - waited
-                        await self._broke_off(attempt.endpoint, exc)
-                        break
-                    ex.upstream_wait += clock() - waited
-                    # The last chunk, when it is known to be the last, ends the answer: its
-                    # end costs no send of its own.
-                    ended = upstream.at_eof
-                    out = self._scanned(chunk, last=ended)
-                    if out or ended:
-                        await send(
-                            {"type": "http.response.body", "body": out, "more_body": not ended}
-                        )
-            except OSError as exc:  # the client went away mid-answer
-                raise ClientGone() from exc
-            done = upstream.at_eof
+            done = await relay.run(upstream, headers, first)
             if upstream.status < 500:
                 parts.balancer.succeeded(attempt.endpoint)
         finally:
+            ex.upstream_wait += relay.waited
             attempt.over(upstream, done)
         self._end()
-
-    async def _broke_off(self, endpoint: str, exc: Exception) -> None:
-        """The engine's answer stopped after its first byte: a stream ends with an error
-        event; a whole answer, which carries its length, is cut short (`Broken`)."""
-        plan = self.plan
-        assert plan is not None
-        gap = self.parts.settings.chunk_timeout
-        why = f"no data for {gap:g} s" if isinstance(exc, TimeoutError) else type(exc).__name__
-        log.warning("answer of %s from %s broke off: %s", self.ex.model, endpoint, why)
-        if not plan.stream:
-            raise Broken(why) from exc
-        event = error_body(
-            f"The engine stopped answering mid-stream ({why}).",
-            "server_error",
-            code="upstream_stalled",
-        )
-        await self.client.send(
-            {
-                "type": "http.response.body",
-                "body": b"data: " + event + b"\n\ndata: [DONE]\n\n",
-                "more_body": False,
-            }
-        )
 
     def refuse(self, refusal: Refusal) -> None:
         """Answer with the router's own OpenAI-style error, counted by its reason."""
         ex = self.ex
-        body = error_body(refusal.message, refusal.type, refusal.code, refusal.param)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", ex.request_id.encode("latin-1")),
-        ]
-        if refusal.status in _WHY_STATUSES:
-            headers.append((b"x-modelfleet-reason", refusal.reason.encode()))
-        if refusal.retry_after is not None:
-            headers.append((b"retry-after", str(refusal.retry_after).encode()))
+        headers, body = refusal.answer(ex.request_id)
         ex.status = refusal.status
         if not self.tried:
             ex.refusal = refusal.reason
@@ -571,9 +393,9 @@ class Flight:
                 cold.release(self.plan.route.name)
         self.client.on_disconnect(None)
         if self.ticket is not None:
-            self._settle(self.ticket)
+            settle.settle(self.parts, self.ex, self.ticket)
         if count:
-            self._count()
+            settle.count(self.parts, self.ex, len(self.tried))
         waker = self._waker
         if waker is not None and not waker.done():
             waker.set_result(None)
@@ -648,167 +470,6 @@ class Flight:
         if engine_key is not None:
             headers.append(("authorization", engine_key))
         return headers
-
-    def _answer_head(self, upstream: Answer, endpoint: str) -> list[tuple[bytes, bytes]]:
-        """The headers the client gets with an engine's answer."""
-        plan = self.plan
-        assert plan is not None
-        headers = [
-            (b"content-type", upstream.headers.get("content-type", "application/json").encode()),
-            (b"x-request-id", self.ex.request_id.encode("latin-1")),
-            (b"x-modelfleet-replica", plan.table.replicas.get(endpoint, endpoint).encode()),
-        ]
-        scanner = self.ex.scanner
-        length = upstream.headers.get("content-length")
-        if length is not None and not (scanner is not None and scanner.hide):
-            headers.append((b"content-length", length.encode()))
-        if plan.stream:
-            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        if upstream.status in _WHY_STATUSES:
-            headers.append((b"x-modelfleet-reason", b"engine"))
-            if "retry-after" in upstream.headers:
-                headers.append((b"retry-after", upstream.headers["retry-after"].encode()))
-        return headers
-
-    def _scanned(self, chunk: bytes, last: bool) -> bytes:
-        """`chunk` as the client gets it, its usage read on the way."""
-        scanner = self.ex.scanner
-        if scanner is None:
-            return chunk
-        out = scanner.feed(chunk)
-        return out + scanner.finish() if last else out
-
-    def _over_limit(self, refusal: LimitRefusal) -> Refusal:
-        plan = self.plan
-        assert plan is not None
-        if refusal.limit == "store":
-            return Refusal(
-                503,
-                "The router cannot reach its limits store and is set to refuse requests "
-                "meanwhile; try again shortly.",
-                "server_error",
-                "limits-store-unreachable",
-                retry_after=1,
-            )
-        return Refusal(
-            429,
-            refusal.message(plan.key.name, plan.cost),
-            "tokens" if refusal.limit == "tpm" else "requests",
-            f"key-{refusal.limit}",
-            code="rate_limit_exceeded",
-            retry_after=refusal.retry_after_s,
-        )
-
-    def _exhausted(self) -> Refusal:
-        """Why no replica answered: none in rotation, all silent, or all failing."""
-        ex, tried = self.ex, self.tried
-        if not tried:
-            return Refusal(
-                503,
-                f"Every replica of `{ex.model}` is out of rotation after failing; "
-                "try again shortly.",
-                "server_error",
-                "all-ejected",
-                retry_after=1,
-            )
-        log.warning("no replica of %s answered: %s", ex.model, "; ".join(ex.failures))
-        if ex.timeouts == len(tried):  # every replica tried was silent: a timeout, not a failure
-            return Refusal(
-                504,
-                f"No replica of `{ex.model}` answered within {self.first_byte_timeout:g} s "
-                f"({len(tried)} tried).",
-                "server_error",
-                "first-byte-timeout",
-                code="upstream_timeout",
-            )
-        return Refusal(
-            503,
-            f"No replica of `{ex.model}` could answer ({len(tried)} tried).",
-            "server_error",
-            "upstream-failed",
-            retry_after=1,
-        )
-
-    def _settle(self, ticket: Ticket) -> None:
-        """Settle the key's reservation to what the engine reported, in the background: the
-        answer does not wait for the store. When the engine reported nothing, the reservation
-        stands if an engine may have worked on the request (the client hung up, the answer
-        broke off, or it named no usage), and nothing was used if none did (no engine took
-        it, or each that did refused it with an error)."""
-        parts, ex = self.parts, self.ex
-        used = ex.scanner.usage if ex.scanner is not None else None
-        if used is not None:
-            tokens: int | None = used.total
-        else:
-            tokens = None if ex.maybe_used else 0
-        if parts.limits.settle_at_once(ticket, tokens, parts.wall()):
-            return
-        settling = asyncio.ensure_future(parts.limits.settle(ticket, tokens, parts.wall()))
-        parts.background.add(settling)
-        settling.add_done_callback(parts.background.discard)
-
-    def _count(self) -> None:
-        """Count the request in the metrics and in its key's usage."""
-        parts, ex = self.parts, self.ex
-        metrics = parts.metrics
-        usage = ex.scanner.usage if ex.scanner is not None else None
-        if ex.client_gone:
-            metrics.child(metrics.cancellations, ex.model).inc()
-            log.debug("the client of %s went away; cancelled upstream", ex.request_id)
-        else:
-            end = parts.clock()
-            first_byte = ex.first_byte_at - ex.started if ex.first_byte_at is not None else None
-            own = max(0.0, end - ex.started - ex.upstream_wait)
-            gap = None
-            streamed = ex.scanner is not None and ex.scanner.stream
-            if streamed and usage is not None and usage.completion > 1 and first_byte is not None:
-                gap = (end - ex.started - first_byte) / (usage.completion - 1)
-            if ex.refusal is None:
-                metrics.request_done(ex.model, ex.status, end - ex.started, first_byte, own, gap)
-            else:
-                metrics.refused(ex.model, ex.status, ex.refusal)
-        if usage is not None:
-            metrics.used(ex.model, usage.prompt, usage.completion)
-        if ex.key is not None:
-            parts.ledger.count(ex.key, ex.model, parts.wall(), usage, ex.status)
-        if parts.spans is not None and ex.sampled:
-            self._record(parts.spans)
-
-    def _record(self, spans: SpanSink) -> None:
-        """The router's span of the request: model, status, attempts, its own overhead and
-        the time to the first byte."""
-        parts, ex = self.parts, self.ex
-        end = parts.clock()
-        attributes: dict[str, AttributeValue] = {
-            "gen_ai.request.model": ex.model,
-            "http.response.status_code": ex.status,
-            "modelfleet.request_id": ex.request_id,
-            "modelfleet.attempts": len(self.tried),
-            "modelfleet.router_overhead_ms": max(0.0, end - ex.started - ex.upstream_wait) * 1e3,
-        }
-        if ex.key is not None:
-            attributes["modelfleet.key"] = ex.key
-        if ex.first_byte_at is not None:
-            attributes["modelfleet.first_byte_ms"] = (ex.first_byte_at - ex.started) * 1e3
-        error = None
-        if ex.client_gone:
-            error = "the client went away"
-        elif ex.status >= 500:
-            error = "; ".join(ex.failures) or f"HTTP {ex.status}"
-        to_ns = parts.clock_to_epoch
-        spans.record(
-            SpanRecord(
-                name=f"router {ex.path}",
-                trace_id=ex.trace_id,
-                span_id=ex.span_id,
-                parent_id=ex.caller_span,
-                start_ns=int((ex.started + to_ns) * 1e9),
-                end_ns=int((end + to_ns) * 1e9),
-                kind="server",
-                attributes=attributes,
-                error=error,
-            )
-        )
 
 
 class Attempt:
@@ -947,34 +608,6 @@ class Attempt:
                 error=error,
             )
         )
-
-
-class Waiting:
-    """The attempts waiting for their engine's first byte, by endpoint. When the router finds
-    an engine unreachable (its load cannot be read: `Router.watch_once`), those are given up
-    at once and go to other replicas, instead of each waiting out its first-byte timeout
-    (minutes for a long completion): a host cut off takes no request with it but those
-    already answering."""
-
-    def __init__(self) -> None:
-        self._of: dict[str, set[Attempt]] = {}
-
-    def add(self, attempt: Attempt) -> None:
-        self._of.setdefault(attempt.endpoint, set()).add(attempt)
-
-    def discard(self, attempt: Attempt) -> None:
-        attempts = self._of.get(attempt.endpoint)
-        if attempts is not None:
-            attempts.discard(attempt)
-            if not attempts:
-                del self._of[attempt.endpoint]
-
-    def give_up(self, endpoint: str, why: str) -> int:
-        """Give up every attempt waiting on `endpoint`; returns how many."""
-        attempts = list(self._of.pop(endpoint, ()))
-        for attempt in attempts:
-            attempt.give_up(why)
-        return len(attempts)
 
 
 def _why(exc: Exception) -> str:

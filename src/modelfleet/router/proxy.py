@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from modelfleet.http.openai_api import BadRequest, check_generation, parse_body, prompt_text
 from modelfleet.http.tracing import TRACEPARENT, new_span_id, new_trace_id, parse_traceparent
 from modelfleet.router.cold import adapter_failed
-from modelfleet.router.flight import ClientGone, Exchange, Flight, Parts, Plan
+from modelfleet.router.exchange import ClientGone, Exchange, Parts, Plan
+from modelfleet.router.flight import Flight
 from modelfleet.router.refusal import Refusal
 from modelfleet.router.usage import UsageScanner
 

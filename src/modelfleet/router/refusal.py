@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modelfleet.http.openai_api import error_body
+
+# Statuses whose answer names why, in `x-modelfleet-reason`.
+WHY_STATUSES = frozenset({429, 503, 504})
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -17,3 +22,17 @@ class Refusal:
     code: str | None = None
     param: str | None = None
     retry_after: int | None = None
+
+    def answer(self, request_id: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        """The head and body the client gets."""
+        body = error_body(self.message, self.type, self.code, self.param)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", request_id.encode("latin-1")),
+        ]
+        if self.status in WHY_STATUSES:
+            headers.append((b"x-modelfleet-reason", self.reason.encode()))
+        if self.retry_after is not None:
+            headers.append((b"retry-after", str(self.retry_after).encode()))
+        return headers, body

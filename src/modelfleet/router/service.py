@@ -53,7 +53,7 @@ from modelfleet.router.balancer import Balancer
 from modelfleet.router.cold import ColdHold
 from modelfleet.router.config import RouterConfig
 from modelfleet.router.engine_load import read_engine_page
-from modelfleet.router.flight import Parts, Settings
+from modelfleet.router.exchange import Parts, Settings
 from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
 from modelfleet.router.metrics import COUNTS_SUFFIX, RouterMetrics, WorkerCounts, last_shown, summed
 from modelfleet.router.proxy import PROXY_PATHS, Proxy
