@@ -24,7 +24,7 @@ from modelfleet.ctl.commands import fail, with_options_first
 if TYPE_CHECKING:
     from modelfleet.agent.credential import Credential
     from modelfleet.agent.gpus import GpuSource
-    from modelfleet.agent.supervisor import EngineTls
+    from modelfleet.agent.settings import EngineTls
     from modelfleet.security.pki import TlsFiles
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -353,7 +353,7 @@ def agent(
     """Run a node's agent: report GPUs and shards, run the engines it is assigned."""
     from modelfleet.agent.gpus import CpuSlots
     from modelfleet.agent.service import AgentSettings, serve
-    from modelfleet.agent.supervisor import SupervisorSettings
+    from modelfleet.agent.settings import SupervisorSettings
     from modelfleet.host.statedir import StateDirBusy, StateDirLock
     from modelfleet.http.serving import configure_logging, run_service_loop
 
@@ -445,7 +445,7 @@ def _link(
 ) -> _Link:
     """The agent's link from its options: joined with a join token (a credential of its own,
     kept in `agent_dir`, and the fleet's CA), or on the shared agent token."""
-    from modelfleet.agent.supervisor import EngineTls
+    from modelfleet.agent.settings import EngineTls
     from modelfleet.security.pki import client_context, is_loopback
 
     urls = [u.strip() for u in control_plane.split(",") if u.strip()] if control_plane else []

@@ -45,7 +45,8 @@ from modelfleet.agent.heartbeat import needs_report, retry_delay
 from modelfleet.agent.logs import read_log, shard_log
 from modelfleet.agent.metrics import AgentMetrics
 from modelfleet.agent.records import read_records, write_records
-from modelfleet.agent.supervisor import Shard, SupervisorSettings
+from modelfleet.agent.settings import SupervisorSettings
+from modelfleet.agent.supervisor import Shard
 from modelfleet.agent.use import USE_EVERY_S, EngineOn, SimulatedUse, read_busy_seconds
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
 from modelfleet.host.clock import wait_set

@@ -1,5 +1,9 @@
 """Supervising one shard: start its engine, probe it until ready, restart it, stop it.
 
+`Shard` holds the shard's state and the order of its stages; each stage is a module of its
+own: `start.py` (what to run, and running it), `probe.py` (the engine asked over HTTP),
+`adopt.py` (an engine an earlier agent started), `stop.py` (its process group stopped).
+
 Each engine runs in its own session and process group with its output in a log file, so it
 does not depend on the agent staying alive: an agent killed with -9 leaves its engines serving,
 and the next run of the agent adopts them from the records it keeps (`Shard.record`). A failure
@@ -9,121 +13,29 @@ report carries the last lines of the engine's log.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
-import secrets
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import httpx
 
+from modelfleet.agent import start
 from modelfleet.agent.adapters import AdapterSync, EngineAt
+from modelfleet.agent.adopt import EngineProcess, still_running
 from modelfleet.agent.logs import LogMarks, last_error_line, rotate, shard_log
 from modelfleet.agent.metrics import AgentMetrics
-from modelfleet.agent.pin import pinned
+from modelfleet.agent.probe import EngineHttp
 from modelfleet.agent.records import EngineRecord
-from modelfleet.core.backoff import Backoff
-from modelfleet.engines import EngineDriver, Launch, NoDriver
-from modelfleet.engines.base import Start, engine_environment
-from modelfleet.host.files import open_private_log
-from modelfleet.host.network import interface_of
-from modelfleet.host.processes import ProcessId, free_port, log_tail, stop_groups, stop_leftovers
+from modelfleet.agent.settings import SupervisorSettings
+from modelfleet.agent.stop import terminate
+from modelfleet.engines import EngineDriver, NoDriver
+from modelfleet.host.processes import ProcessId, free_port, log_tail
 from modelfleet.messages.wire import MAX_LOG_TAIL_LINES, ShardAssignment, ShardReport, ShardState
-from modelfleet.security.pki import TlsFiles
 
 log = logging.getLogger("modelfleet.agent")
 
-ENGINE_KEY_PREFIX = "mfe-"  # an engine's key, recognisable to secret scanners
 ERROR_SEARCH_LINES = 80  # how far back an exited engine's log is searched for its error
-
-
-@dataclass(frozen=True)
-class EngineTls:
-    """The node's certificate and key, and the fleet's CA: an agent that has them starts
-    every engine that serves HTTP on loopback behind a gate on `engine_host` (`gate.py`)."""
-
-    files: TlsFiles
-    ca: Path
-
-
-@dataclass(frozen=True)
-class SupervisorSettings:
-    engine_host: str = "127.0.0.1"
-    engine_tls: EngineTls | None = None  # None: engines listen on engine_host themselves
-    probe_interval: float = 0.25  # while starting
-    watch_interval: float = 0.5  # once ready: how often its exit is looked for
-    # Once ready, its health is probed this often; this many failed probes in a row (each
-    # bounded by liveness_timeout) make it unready, and it is restarted.
-    liveness_interval: float = 5.0
-    liveness_timeout: float = 2.0
-    liveness_failures: int = 3
-    stop_grace: float = 30.0  # SIGTERM, then SIGKILL after this many seconds
-    # An engine that crashes after it served is started again at once; one that keeps crashing
-    # waits backoff_base, doubling up to backoff_max. This long ready starts the count over.
-    backoff_base: float = 10.0
-    backoff_max: float = 300.0
-    healthy_reset: float = 600.0
-    pass_env: tuple[str, ...] = ()  # the agent's variables its engines get besides BASE_ENV
-    # This node's command for an engine, by engine name (`agent --engine-program`); a model's
-    # `program` in the catalog goes before it.
-    programs: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    # A node that offers CPU slots (`agent --cpu-slots`): each slot's cores, by its index.
-    cpu_slots: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-
-    @property
-    def backoff(self) -> Backoff:
-        return Backoff(self.backoff_base, self.backoff_max, self.healthy_reset)
-
-
-LOOPBACK = "127.0.0.1"
-
-
-def gated(launch: Launch, tls: EngineTls, listen: str, engine_port: int) -> Launch:
-    """`launch` wrapped in a gate (`gate.py`) that serves `listen` ("host:port") with TLS to
-    the fleet's routers and relays to the engine on loopback `engine_port`."""
-    argv = [sys.executable, "-m", "modelfleet", "engine-gate", "--listen", listen]
-    argv += ["--engine-port", str(engine_port), "--ca", str(tls.ca)]
-    argv += ["--cert", str(tls.files.cert), "--key", str(tls.files.key), "--", *launch.argv]
-    return dataclasses.replace(launch, argv=argv)
-
-
-def _stop_group(leader: int, grace: float) -> list[int]:
-    """SIGTERM to the engine's own server, which stops its workers its own way once what is in
-    flight has finished; SIGKILL to all of its group still there after `grace`."""
-    return stop_groups([leader], grace, leaders_only=True)
-
-
-class EngineProcess(Protocol):
-    """A running engine: `subprocess.Popen`, or `Adopted` for one an earlier agent started."""
-
-    @property
-    def pid(self) -> int: ...
-
-    def poll(self) -> int | None: ...
-
-
-class Adopted:
-    """An engine started by an earlier run of this agent. It is not this process's child, so
-    its exit is seen by its identity no longer running, and its exit code is unknown (-1)."""
-
-    def __init__(self, process: ProcessId) -> None:
-        self.process = process
-        self.returncode: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def poll(self) -> int | None:
-        if self.returncode is None and not self.process.running():
-            self.returncode = -1
-        return self.returncode
 
 
 class Shard:
@@ -235,14 +147,12 @@ class Shard:
         )
 
     def adopt(self, record: EngineRecord) -> bool:
-        """Take over the engine `record` describes, if that very process still runs (a pid
-        now used by another process does not count: its start time differs)."""
-        if record.pid is None or record.process_started is None:
+        """Take over the engine `record` describes, if that very process still runs."""
+        adopted = still_running(record)
+        if adopted is None:
             return False
-        process = ProcessId(record.pid, record.process_started)
-        if not process.running():
-            return False
-        self.proc = Adopted(process)
+        process = adopted.process
+        self.proc = adopted
         self.process = process
         self.port = record.port
         self.local_port = record.local_port
@@ -259,8 +169,8 @@ class Shard:
     async def check_adopted(self) -> None:
         """Probe an adopted engine once, so that one that answers is reported ready (or
         sleeping) from the agent's first report, and no router drops it meanwhile."""
-        if self.health_path is None or await self._probe(self._health_url()):
-            asleep = self.assignment.sleep_mode and await self._is_sleeping()
+        if self.health_path is None or await self._probe(self.health_path):
+            asleep = self.assignment.sleep_mode and await self._engine().sleeping()
             self._set(ShardState.SLEEPING if asleep else ShardState.READY)
             self._settle_sleep()
 
@@ -296,7 +206,7 @@ class Shard:
                 return
             path = f"/sleep?level={self.assignment.sleep_level}" if want else "/wake_up"
             began = time.monotonic()
-            error = await self._post(path)
+            error = await self._engine().post(path, self.assignment.startup_timeout)
             if error is None:
                 took = time.monotonic() - began
                 what = "asleep" if want else "awake"
@@ -309,30 +219,8 @@ class Shard:
                         path, error, wait)  # fmt: skip
             await asyncio.sleep(wait)
 
-    async def _post(self, path: str) -> str | None:
-        """POST `path` to the engine (sleep and wake wait for what runs to end, and for the
-        memory to be freed or filled); None when it answered 200, else why not."""
-        headers = {"authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
-        url = self.local_url + path
-        try:
-            answer = await self._http.post(
-                url, headers=headers, timeout=self.assignment.startup_timeout
-            )
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return None if answer.status_code == 200 else f"HTTP {answer.status_code}"
-
-    async def _is_sleeping(self) -> bool:
-        headers = {"authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
-        url = self.local_url + "/is_sleeping"
-        try:
-            answer = await self._http.get(url, headers=headers, timeout=5)
-            return answer.status_code == 200 and answer.json().get("is_sleeping") is True
-        except (httpx.HTTPError, ValueError):
-            return False
-
-    def _health_url(self) -> str:
-        return self.local_url + (self.health_path or "")
+    def _engine(self) -> EngineHttp:
+        return EngineHttp(self._http, self.local_url, self.engine_key)
 
     @property
     def local_url(self) -> str:
@@ -418,78 +306,23 @@ class Shard:
             self.backoff_s = None
             self._set(ShardState.STARTING)
 
-    def _distributed_env(self) -> dict[str, str]:
-        """For a replica of several shards: the interface its shards talk over, the one that
-        holds the agent's engine address (NCCL and Gloo otherwise pick their own, often the
-        wrong one on a host with several). The catalog's `env` may set them otherwise."""
-        if self.assignment.num_shards <= 1:
-            return {}
-        interface = interface_of(self.settings.engine_host)
-        if interface is None:
-            return {}
-        return {"NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface}
-
     def _spawn(self) -> bool:
         """Start the engine; False (with the shard failed and why) when it cannot start."""
-        if isinstance(self.driver, NoDriver):
-            self._fail("cannot-start", str(self.driver))
-            return False
-        host, tls = self.settings.engine_host, self.settings.engine_tls
-        self.port = free_port(host, "engines")
-        self.local_port = free_port(LOOPBACK, "engines") if tls is not None else None
-        key = ENGINE_KEY_PREFIX + secrets.token_urlsafe(24)
-        slots = self.settings.cpu_slots
-        cores = tuple(slots.get(g, ()) for g in self.assignment.gpus) if slots else ()
-        if slots and not (cores and all(cores)):
-            self._fail("cannot-start", f"no CPU slot {self.assignment.gpus} on this node")
-            return False
+        settings = self.settings
         try:
-            launch = self.driver.launch(
-                Start(
-                    self.assignment,
-                    host if tls is None else LOOPBACK,
-                    self.port if self.local_port is None else self.local_port,
-                    key,
-                    leader=self.leader,
-                    address=host,
-                    stop_grace=self.settings.stop_grace,
-                    programs=self.settings.programs,
-                    cores=cores,
-                )
-            )
-        except NoDriver as exc:
-            self._fail("cannot-start", str(exc))
-            return False
-        if cores:
-            launch = dataclasses.replace(launch, argv=pinned(launch.argv, sum(cores, ())))
-        self.health_path = launch.health_path
-        if tls is not None and launch.health_path is not None:
-            launch = gated(launch, tls, f"{host}:{self.port}", self.local_port or 0)
-        elif tls is not None:  # it serves no HTTP (a worker rank): nothing to gate
-            self.port, self.local_port = self.local_port, None
-        self.argv = launch.argv
-        try:
+            launched = start.launch(self.assignment, self.driver, settings, self.leader)
             rotate(self.log_path)  # the run before's output is kept for `ctl logs --previous`
             self.log_marks.restart()
-            with open_private_log(self.log_path) as out:
-                proc = subprocess.Popen(
-                    launch.argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=engine_environment(
-                        {**self._distributed_env(), **launch.env},
-                        os.environ,
-                        self.settings.pass_env,
-                    ),
-                    start_new_session=True,
-                )
-        except OSError as exc:
-            what = exc.filename or launch.argv[0]
-            self._fail("cannot-start", f"cannot start {launch.argv[0]}: {what}: {exc.strerror}")
+            extra = start.distributed_env(self.assignment, settings.engine_host)
+            proc = start.spawn(launched, self.log_path, extra, settings.pass_env)
+        except start.CannotStart as exc:
+            self._fail("cannot-start", str(exc))
             return False
+        self.port, self.local_port = launched.port, launched.local_port
+        self.health_path = launched.launch.health_path
+        self.argv = launched.launch.argv
         self.proc = proc
-        self.engine_key = key
+        self.engine_key = launched.key
         if self.adapters is not None:
             self.adapters.restarted()  # a new engine holds none of them
         self.process = ProcessId.of(proc.pid)
@@ -515,7 +348,6 @@ class Shard:
         timeout = self.assignment.startup_timeout
         began = time.monotonic() - max(0.0, time.time() - self.started_at)
         deadline = began + timeout
-        url = self._health_url()
         up = (ShardState.READY, ShardState.SLEEPING)
         ready_since = time.monotonic() if self.state in up else None
         next_probe = time.monotonic() + s.liveness_interval
@@ -535,7 +367,7 @@ class Shard:
                     await self._terminate()
                     self._fail("startup-timeout", f"startup timed out after {timeout:.0f}s")
                     return None
-                if self.health_path is None or await self._probe(url):
+                if self.health_path is None or await self._probe(self.health_path):
                     ready_since = time.monotonic()
                     self.ready_at = time.time()
                     self.startup_s = round(ready_since - began, 3)
@@ -547,7 +379,7 @@ class Shard:
                 await asyncio.sleep(s.probe_interval if self.ready_at is None else s.watch_interval)
                 continue
             if self.health_path is not None and now >= next_probe:
-                if await self._probe(url, s.liveness_timeout):
+                if await self._probe(self.health_path, s.liveness_timeout):
                     misses = 0
                     if ready_since is None:  # adopted unready: ready again
                         ready_since = time.monotonic()
@@ -567,37 +399,15 @@ class Shard:
                 )
             await asyncio.sleep(s.watch_interval)
 
-    async def _probe(self, url: str, timeout: float = 2.0) -> bool:
-        # Some engines guard every route with their key (llama-cpp-python's server), so the
-        # probe carries it too.
-        headers = {"authorization": f"Bearer {self.engine_key}"} if self.engine_key else {}
-        try:
-            response = await self._http.get(url, timeout=timeout, headers=headers)
-        except httpx.HTTPError:
-            return False
-        if response.status_code == 200:
+    async def _probe(self, path: str, timeout: float = 2.0) -> bool:
+        if await self._engine().healthy(path, timeout):
             self.probes += 1
             return True
         return False
 
     async def _terminate(self) -> None:
-        """Stop every process of the engine's group, its leader exited or not: SIGTERM (to the
-        leader while it runs), SIGKILL to the group after the grace period; return once they
-        are all gone (their GPU memory freed)."""
-        proc = self.proc
-        if proc is None:
-            return
-        # Once the leader has exited, its pid may be another process's by now (the kernel
-        # keeps it while the group has members): the group is ours while no process holds it.
-        stop = stop_leftovers if proc.poll() is not None else _stop_group
-        killed = await asyncio.to_thread(stop, proc.pid, self.settings.stop_grace)
-        if killed:
-            log.warning(
-                "shard %s: engine group %d did not end on SIGTERM within %.0fs; killed",
-                self.assignment.key,
-                proc.pid,
-                self.settings.stop_grace,
-            )
+        if self.proc is not None:
+            await terminate(self.proc, self.settings.stop_grace, self.assignment.key)
 
     async def stop(self) -> None:
         """Stop supervising and stop the engine (it finishes in-flight requests first)."""
