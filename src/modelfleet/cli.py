@@ -352,8 +352,8 @@ def agent(
 ) -> None:
     """Run a node's agent: report GPUs and shards, run the engines it is assigned."""
     from modelfleet.agent.gpus import CpuSlots
-    from modelfleet.agent.service import AgentSettings, serve
-    from modelfleet.agent.settings import SupervisorSettings
+    from modelfleet.agent.service import serve
+    from modelfleet.agent.settings import AgentSettings, SupervisorSettings
     from modelfleet.host.statedir import StateDirBusy, StateDirLock
     from modelfleet.http.serving import configure_logging, run_service_loop
 

@@ -20,8 +20,8 @@ import yaml
 
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.agent.records import EngineRecord, write_records
-from modelfleet.agent.service import Agent, AgentSettings
-from modelfleet.agent.settings import SupervisorSettings
+from modelfleet.agent.service import Agent
+from modelfleet.agent.settings import AgentSettings, SupervisorSettings
 from modelfleet.agent.supervisor import Shard
 from modelfleet.engines import Launch, driver_for
 from modelfleet.host.network import interface_of

@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 
 from modelfleet.agent.gpus import SimulatedGpus
-from modelfleet.agent.service import Agent, AgentSettings
+from modelfleet.agent.service import Agent
+from modelfleet.agent.settings import AgentSettings
 from modelfleet.messages.wire import AgentReport, NodeAssignment
 
 
@@ -44,17 +45,17 @@ def test_a_redirect_is_followed_at_once_and_an_older_epoch_is_refused(tmp_path: 
         async with Agent(settings, SimulatedGpus("1x80GB")) as agent:
             report = agent.report()
             assert isinstance(report, AgentReport)
-            first = await agent.send_report(report)
+            first = await agent.link.send_report(report)
             assert first is not None and first.epoch == 3
             assert seen == ["http://a:7070", "http://b:7070"]  # redirected, sent again at once
-            assert agent.control_plane == "http://b:7070" and agent.epoch == 3
+            assert agent.link.control_plane == "http://b:7070" and agent.link.epoch == 3
             # b answers again under epoch 2, older than the 3 taken: refused, and the agent
             # goes on to the next control plane, which names the leader now, c.
-            assert await agent.send_report(agent.report()) is None
-            assert agent.epoch == 3 and agent.control_plane == "http://a:7070"
+            assert await agent.link.send_report(agent.report()) is None
+            assert agent.link.epoch == 3 and agent.link.control_plane == "http://a:7070"
             leader[0] = "http://c:7070"
-            later = await agent.send_report(agent.report())
-            assert later is not None and later.epoch == 4 and agent.epoch == 4
+            later = await agent.link.send_report(agent.report())
+            assert later is not None and later.epoch == 4 and agent.link.epoch == 4
             assert seen[-3:] == ["http://b:7070", "http://a:7070", "http://c:7070"]
 
     asyncio.run(exchange())

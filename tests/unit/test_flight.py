@@ -340,9 +340,9 @@ def test_requests_waiting_on_an_engine_found_unreachable_go_to_another_at_once(
                 await until(
                     "the request to wait on the cut-off engine", lambda: cut_off.requests == 2
                 )
-                router._no_answer(bad)
+                router.engines._no_answer(bad)
                 assert not waiting.done() and router.balancer.usable(bad)  # once: a hiccup
-                router._no_answer(bad)
+                router.engines._no_answer(bad)
                 answered = await asyncio.wait_for(waiting, 5)
                 assert answered.status_code == 200, answered.text
                 assert hits == [200] and spied["timed_out"] == 0

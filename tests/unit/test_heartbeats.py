@@ -15,7 +15,7 @@ import yaml
 
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.agent.heartbeat import MEMORY_DRIFT, needs_report, retry_delay
-from modelfleet.agent.service import describe
+from modelfleet.agent.uplink import describe
 from modelfleet.controlplane.agent_api import create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig, Heartbeats

@@ -68,10 +68,10 @@ def test_a_failing_replica_is_retried_elsewhere_then_ejected_and_probed_back(sta
                     assert (await client.post("/v1/completions", json=COMPLETION)).is_success
                 assert len(failing) == 3 and len(healthy) == answered + 10
 
-                await router.watch_once()  # not yet time to probe it
+                await router.engines.watch_once()  # not yet time to probe it
                 assert not router.balancer.usable(bad)
                 clock.now += 5
-                await router.watch_once()  # its /health answers 200: back in rotation
+                await router.engines.watch_once()  # its /health answers 200: back in rotation
                 assert router.balancer.usable(bad)
                 assert router.load_now().ejected == {}
                 while len(failing) < 6:
@@ -361,7 +361,7 @@ def test_the_load_a_router_reports_has_each_replica_s_engine_queue_and_kv_cache(
                     client.post("/v1/completions", json={**COMPLETION, "prompt": "a b c d"})
                 )
                 await until("the request at the engine", lambda: simulator.state.engine.running)
-                await router.watch_once()
+                await router.engines.watch_once()
                 load = router.load_now().models["m"]
                 asked.cancel()
                 await asyncio.gather(asked, return_exceptions=True)

@@ -1,13 +1,18 @@
-"""How the agent supervises its engines: where they listen (and behind which TLS gate), how
-often they are probed, how long they get to stop, how restarts back off, and what each one
-gets of the agent's environment and of the node (`agent` command line options)."""
+"""What the agent is told at its start (`agent` command line options): how it reaches the
+control plane (`AgentSettings`), and how it supervises its engines (`SupervisorSettings`):
+where they listen (and behind which TLS gate), how often they are probed, how long they get
+to stop, how restarts back off, and what each one gets of the agent's environment and of
+the node."""
 
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
 
 from modelfleet.core.backoff import Backoff
 from modelfleet.security.pki import TlsFiles
@@ -49,3 +54,27 @@ class SupervisorSettings:
     @property
     def backoff(self) -> Backoff:
         return Backoff(self.backoff_base, self.backoff_max, self.healthy_reset)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    control_plane: str
+    node: str
+    token: str | None
+    state_dir: Path
+    # Checks the control plane's certificate (`pki.client_context`); None: the system's CAs.
+    verify: ssl.SSLContext | None = None
+    admin_tls: TlsFiles | None = None  # the admin listener's certificate, once joined
+    address: str = "127.0.0.1"
+    labels: tuple[tuple[str, str], ...] = ()
+    report_interval: float = 2.0
+    supervisor: SupervisorSettings = field(default_factory=SupervisorSettings)
+    # Every control plane of the fleet, `control_plane` first, when several share a store:
+    # the agent reports to one, follows a follower's redirect to the leader, and goes to the
+    # next when it fails.
+    control_planes: tuple[str, ...] = ()
+    # How it reaches the control plane; None: the network (tests pass httpx.MockTransport).
+    transport: httpx.AsyncBaseTransport | None = None
+    # The join token the agent was given (`--join`): once the control plane refuses the kept
+    # credential (the node revoked, and re-added), the agent joins anew with it.
+    join_token: str | None = field(default=None, repr=False)

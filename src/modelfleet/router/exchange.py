@@ -148,7 +148,7 @@ class Waiter(Protocol):
 
 class Waiting:
     """The attempts waiting for their engine's first byte, by endpoint. When the router finds
-    an engine unreachable (its load cannot be read: `Router.watch_once`), those are given up
+    an engine unreachable (its load cannot be read: `EngineWatch.watch_once`), those are given up
     at once and go to other replicas, instead of each waiting out its first-byte timeout
     (minutes for a long completion): a host cut off takes no request with it but those
     already answering."""

@@ -5,7 +5,7 @@ Two listeners. The client API (`/v1/models`, `/v1/chat/completions`, `/v1/comple
 (`proxy.py`, chosen by `balancer.py`). The push API (`PUT /v1/routing`, admin token) takes the
 whole routing table from the control plane. The router also seeds its table from its own
 config, so it serves before the first push and with no control plane at all. In the
-background it reads each engine's queue depth and probes ejected engines (`watch_engines`).
+background it reads each engine's queue depth and probes ejected engines (`engine_watch.py`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from modelfleet.messages.wire import (
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.cold import ColdHold
 from modelfleet.router.config import RouterConfig
-from modelfleet.router.engine_load import read_engine_page
+from modelfleet.router.engine_watch import EngineWatch
 from modelfleet.router.exchange import Parts, Settings
 from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
 from modelfleet.router.metrics import COUNTS_SUFFIX, RouterMetrics, WorkerCounts, last_shown, summed
@@ -69,7 +69,6 @@ from modelfleet.security.pki import (
 )
 
 log = logging.getLogger("modelfleet.router")
-UNREACHABLE_AFTER = 2  # reads of an engine's load in a row with no answer: it is ejected
 LOAD_WATCH_S = 0.1  # how often a model's load is compared with its target (`watch_load`)
 
 
@@ -84,7 +83,6 @@ class Router:
     ) -> None:
         self.config = config
         self.now = now  # the clock of ejections
-        self._unanswered: dict[str, int] = {}  # endpoint -> reads of its load unanswered in a row
         self.wall = wall  # the clock of key expiry
         self._own_keys = [k.to_key() for k in config.api_keys]
         seed = self._restore() or RoutingSnapshot(version=0, models=config.models)
@@ -140,6 +138,7 @@ class Router:
             clock_to_epoch=time.time() - time.perf_counter(),
         )
         self._session: aiohttp.ClientSession | None = None  # scrapes and probes
+        self.engines = EngineWatch(self)  # each engine's load read, the ejected ones probed
 
     def _restore(self) -> RoutingSnapshot | None:
         path = self.config.table_file
@@ -343,72 +342,6 @@ class Router:
             if level := pressure(load, replicas, target):
                 levels[model] = level
         return levels
-
-    async def watch_engines(self) -> None:
-        """Every `watch_interval`, `watch_once`; runs until cancelled."""
-        interval = self.config.watch_interval
-        if interval <= 0:
-            return
-        while True:
-            await self.watch_once()
-            await asyncio.sleep(interval)
-
-    async def watch_once(self) -> None:
-        """Read each engine's queue depth, and probe the ejected engines whose time out is
-        up."""
-        timeout = aiohttp.ClientTimeout(total=max(self.config.watch_interval, 1.0))
-        for gone in self._unanswered.keys() - set(self.table.endpoints):
-            del self._unanswered[gone]
-        probes = self.balancer.probe_due(self.now())
-        await asyncio.gather(
-            *(self._read_load(e, timeout) for e in self.table.endpoints if e not in probes),
-            *(self._probe(e, timeout) for e in probes),
-        )
-
-    async def _read_load(self, endpoint: str, timeout: aiohttp.ClientTimeout) -> None:
-        try:
-            async with self.session.get(
-                endpoint + "/metrics", timeout=timeout, **self.engine_tls(endpoint)
-            ) as answer:
-                self._unanswered.pop(endpoint, None)
-                if answer.status != 200:
-                    return
-                text = await answer.text()
-        except (TimeoutError, aiohttp.ClientError):
-            self._no_answer(endpoint)
-            return
-        read = read_engine_page(text)
-        if read.load is not None:
-            self.balancer.set_engine_load(endpoint, read.load)
-        if read.cache is not None:
-            self.engine_cache[endpoint] = read.cache
-
-    def _no_answer(self, endpoint: str) -> None:
-        """`endpoint` did not answer a read of its load. After UNREACHABLE_AFTER in a row (a
-        host cut off, an engine hung), it is ejected, and the requests waiting for its first
-        byte go to other replicas at once; a probe brings it back once it answers."""
-        missed = self._unanswered.get(endpoint, 0) + 1
-        self._unanswered[endpoint] = missed
-        why = f"engine unreachable: {missed} reads of its load in a row got no answer"
-        if missed < UNREACHABLE_AFTER or not self.balancer.eject(endpoint, self.now(), why):
-            return
-        del self._unanswered[endpoint]
-        self.metrics.ejections.labels(endpoint).inc()
-        moved = self.parts.waiting.give_up(endpoint, why)
-        log.warning("endpoint %s ejected: %s; %d waiting request(s) sent elsewhere", endpoint,
-                    why, moved)  # fmt: skip
-
-    async def _probe(self, endpoint: str, timeout: aiohttp.ClientTimeout) -> None:
-        try:
-            async with self.session.get(
-                endpoint + "/health", timeout=timeout, **self.engine_tls(endpoint)
-            ) as answer:
-                healthy = answer.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            healthy = False
-        self.balancer.probed(endpoint, healthy, self.now())
-        if healthy:
-            log.info("endpoint %s answered its probe; back in rotation", endpoint)
 
     async def health(self, _: Request) -> Response:
         return json_response({"status": "ok", "version": self.snapshot.version})
@@ -620,6 +553,6 @@ async def serve(config: RouterConfig, ready_file: Path | None) -> None:
     await run_service(
         listeners,
         ready_file=ready_file,
-        loops=[router.watch_engines, router.watch_load, *loops],
+        loops=[router.engines.run, router.watch_load, *loops],
         on_stop=router.close,
     )
