@@ -396,12 +396,12 @@ def test_a_replica_failing_on_a_node_moves_off_it() -> None:
     assert list(cp.state.replicas) == [first.replica.id]  # two failures: restarted in place
     cp.state.take_report(failing(3, 3), catalog, 3.0)
     cp.reconcile_once(3.0)
-    views = {v.id: v for v in replica_views(cp.state)}
-    assert views[first.replica.id].state == "retiring"
-    assert "failed 3 times in a row" in views[first.replica.id].reason
-    [moved] = [v for v in views.values() if v.id != first.replica.id]
+    shown = {v.id: v for v in replica_views(cp.state)}
+    assert shown[first.replica.id].state == "retiring"
+    assert "failed 3 times in a row" in shown[first.replica.id].reason
+    [moved] = [v for v in shown.values() if v.id != first.replica.id]
     assert moved.shards[0].node != node
-    explained = cp.state.explain(catalog, "a", 3.0)
+    explained = views.explain(cp.state, catalog, "a", 3.0)
     assert explained is not None
     verdict = next(v for v in explained.verdicts if v.node == node)
     assert any("avoided" in r and "engine exited (1)" in r for r in verdict.reasons)

@@ -116,13 +116,13 @@ def test_a_cordon_from_the_page_needs_the_session_and_this_origin() -> None:
             mark = {"mark": "cordoned"}
             assert (await c.post("/ui/nodes/a/mark", data=mark)).status_code == 401
             await c.post("/ui/login", data={"token": TOKEN})
-            before = await dashboard.render_part("overview", "")
+            before = await dashboard.parts.render_part("overview", "")
             # Rendered again with nothing changed, every live part is the same: its stream
             # sends nothing.
             for part, name in (("overview", ""), ("node", "a"), ("events", ""), ("model", "small")):
-                assert await dashboard.render_part(part, name) == await dashboard.render_part(
+                assert await dashboard.parts.render_part(
                     part, name
-                )
+                ) == await dashboard.parts.render_part(part, name)
             elsewhere = {"origin": "http://evil.example"}
             refused = await c.post("/ui/nodes/a/mark", data=mark, headers=elsewhere)
             assert refused.status_code == 403
@@ -134,7 +134,7 @@ def test_a_cordon_from_the_page_needs_the_session_and_this_origin() -> None:
             done = await c.post("/ui/nodes/a/mark", data=mark, headers={"origin": "http://cp"})
             assert done.status_code == 204
             assert cp.state.nodes["a"].mark.mark is Mark.CORDONED
-            after = await dashboard.render_part("overview", "")
+            after = await dashboard.parts.render_part("overview", "")
             assert before != after and re.search(r'class="mark">cordoned<', after or "")
             page = (await c.get("/ui/nodes/a")).text
             # A drain's confirmation names what moves, and promises no room it has not seen.

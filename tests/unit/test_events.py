@@ -12,6 +12,8 @@ import yaml
 from rich.console import Console
 
 from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.controlplane import nodes
+from modelfleet.controlplane.catalog_file import applied_event
 from modelfleet.controlplane.config import ControlPlaneConfig, RouterTarget
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.plane import ControlPlane
@@ -49,7 +51,7 @@ def test_a_repeat_counts_up_and_the_oldest_go_past_the_bound() -> None:
 def test_changes_and_faults_are_events_an_operator_can_read() -> None:
     cp = control_plane()  # nodes a and b, a replica of small ready on a
     catalog = cp.catalogs.current
-    asyncio.run(cp.set_mark("b", Mark.CORDONED, 0))
+    asyncio.run(nodes.set_mark(cp, "b", Mark.CORDONED, 0))
     [(rid, _)] = list(cp.state.nodes["a"].shards)
     gpus = SimulatedGpus("2x80GB", {1: "XID 79"})
     assignment = next(a for a in cp.assignments.of("a", catalog).shards if a.replica_id == rid)
@@ -63,7 +65,7 @@ def test_changes_and_faults_are_events_an_operator_can_read() -> None:
         "api",
         cp.clock.time(),
     )
-    cp.catalog_event(applied, "api")
+    applied_event(cp.events, applied, "api")
     _, admin_app = create_apps(cp)
 
     async def go() -> EventsAnswer:
@@ -88,8 +90,8 @@ def test_changes_and_faults_are_events_an_operator_can_read() -> None:
         "small on a[0]: 2 wanted, 0 up to date; "
         "spread: the node with the fewest of its replicas, then the most free GPUs"
     )
-    applied_event = seen[("CatalogApplied", f"catalog/{applied.catalog.version}")]
-    assert applied_event.message == "from api: -wide ~small"
+    catalog_event = seen[("CatalogApplied", f"catalog/{applied.catalog.version}")]
+    assert catalog_event.message == "from api: -wide ~small"
     shown = io.StringIO()
     print_events(answer, Console(file=shown, width=200))
     assert "ShardFailed" in shown.getvalue() and "engine exited (1)" in shown.getvalue()
@@ -99,7 +101,7 @@ def test_a_drain_that_finished_and_pushes_a_router_missed_are_events() -> None:
     cp = control_plane()
     empty = AgentReport(node="c", boot_id="b", seq=1, address="127.0.0.1", gpus=[], shards=[])
     cp.state.take_report(empty, cp.catalogs.current, cp.clock.monotonic())
-    asyncio.run(cp.set_mark("c", Mark.DRAINING, 0))
+    asyncio.run(nodes.set_mark(cp, "c", Mark.DRAINING, 0))
     cp.reconcile_once(cp.clock.monotonic())
     cp.replan()
     cp.reconcile_once(cp.clock.monotonic())  # told once per drain

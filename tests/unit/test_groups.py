@@ -135,6 +135,6 @@ def test_a_shard_that_cannot_start_fails_the_whole_replica_with_its_error() -> N
     fleet.report(second, {1: (ShardState.FAILED, error)})
     retiring = [v for v in replica_views(fleet.cp.state) if v.state == "retiring"]
     assert len(retiring) == 1 and error in retiring[0].reason, retiring
-    assert second in fleet.cp.state.avoid["wide"]
+    assert second in fleet.cp.state.faults.avoid["wide"]
     [placed] = [r for r in fleet.cp.state.replicas.values() if not r.retiring]
     assert second not in {s.node for s in placed.replica.shards}

@@ -132,7 +132,7 @@ def test_an_adapter_swap_leaves_the_routers_before_the_agent_unloads_it() -> Non
     cp.reconcile_once(0.0)
     s.take_report(report(cp, "n1", 2, ready=False), catalog, 0.0)
     cp.reconcile_once(0.0)
-    assert s.place_adapters(catalog, {}, 0.0, 5.0) == 1
+    assert s.adapters.place(catalog, {}, 0.0, 5.0) == 1
 
     def told() -> dict[str, str]:
         return {
@@ -149,15 +149,15 @@ def test_an_adapter_swap_leaves_the_routers_before_the_agent_unloads_it() -> Non
 
     # Requests wait for y: it is to take x's slot. x leaves the table at once; the agent is
     # told only once the routers hold a table without it.
-    assert s.place_adapters(catalog, {"a": {"y": Want(held=3)}}, 2.0, 5.0) == 1
+    assert s.adapters.place(catalog, {"a": {"y": Want(held=3)}}, 2.0, 5.0) == 1
     assert holders() == {"x": [], "y": []}
     assert told() == {"x": "/lora/x"}
     s.mark_unrouted(7)
-    assert s.swap_adapters(6, 3.0) == 0  # the routers hold version 6: not yet
+    assert s.adapters.swap(6, 3.0) == 0  # the routers hold version 6: not yet
     assert told() == {"x": "/lora/x"}
-    assert s.swap_adapters(7, 3.0) == 1
+    assert s.adapters.swap(7, 3.0) == 1
     assert told() == {"y": "/lora/y"}
     # A router that never confirms holds a swap up for the grace only.
-    assert s.place_adapters(catalog, {"a": {"x": Want(held=9)}}, 10.0, 5.0) == 1
-    assert s.swap_adapters(-1, 14.9) == 0 and s.swap_adapters(-1, 15.0) == 1
+    assert s.adapters.place(catalog, {"a": {"x": Want(held=9)}}, 10.0, 5.0) == 1
+    assert s.adapters.swap(-1, 14.9) == 0 and s.adapters.swap(-1, 15.0) == 1
     assert told() == {"x": "/lora/x"}

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from modelfleet.agent.gpus import SimulatedGpus
+from modelfleet.controlplane import nodes
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.plane import ControlPlane
@@ -206,9 +207,9 @@ class Fleet(RuleBasedStateMachine):
         at = self.now if at is None else at
         avoid = {
             model: {node: why for node, (until, why) in nodes.items() if at < until}
-            for model, nodes in state.avoid.items()
+            for model, nodes in state.faults.avoid.items()
         }
-        failing = state.failing(cp.config.max_failures)
+        failing = state.faults.failing(cp.config.max_failures)
         for rid, (node, why) in failing.items():
             avoid.setdefault(state.replicas[rid].replica.model, {})[node] = why
         failed = {rid: why for rid, (_, why) in failing.items()}
@@ -264,7 +265,7 @@ class Fleet(RuleBasedStateMachine):
     )
     def mark(self, node: str, mark: Mark, grace: int) -> None:
         if node in self.cp.state.nodes:
-            asyncio.run(self.cp.set_mark(node, mark, grace))
+            asyncio.run(nodes.set_mark(self.cp, node, mark, grace))
 
     @rule(routed=st.integers(0, 50))
     def release(self, routed: int) -> None:
@@ -274,7 +275,7 @@ class Fleet(RuleBasedStateMachine):
     @rule(node=st.sampled_from(NODES))
     def delete_node(self, node: str) -> None:
         if node in self.cp.state.nodes:
-            asyncio.run(self.cp.delete_node(node, force=True))
+            asyncio.run(nodes.delete_node(self.cp, node, force=True))
 
     @invariant()
     def every_changed_assignment_is_notified(self) -> None:
@@ -302,7 +303,7 @@ class Fleet(RuleBasedStateMachine):
         # What every pass asks, kept between changes, is what working it out anew gives.
         assert set(state.serving()) == serving_from_scratch(state)
         assert state.busy_slots() == busy_from_scratch(state)
-        assert dict(state.failing(1)) == failing_from_scratch(state, 1)
+        assert dict(state.faults.failing(1)) == failing_from_scratch(state, 1)
         # The routing table is what the replicas' views (as `ctl replicas` shows them) say.
         routed = {m.name: (m.endpoints, m.replicas, m.keys)
                   for m in self.cp.routing.models(self.keeper.current)}  # fmt: skip

@@ -16,7 +16,8 @@ from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.leadership import Turn
-from modelfleet.controlplane.plane import ROSTER_EVERY_S, ControlPlane
+from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.roster import ROSTER_EVERY_S
 from modelfleet.messages.wire import AgentReport, ShardReport, ShardState
 from modelfleet.store.sqlite import SqliteStore
 
@@ -116,7 +117,7 @@ def test_a_term_settles_until_the_nodes_that_held_replicas_report_and_no_longer(
     cp.reconcile_once(clock.monotonic())
     agents.run_assigned()
     clock.advance(ROSTER_EVERY_S)
-    asyncio.run(cp.keep_roster())
+    asyncio.run(cp.roster.keep(cp.term))
     assert cp.store.get_meta("roster") == '["a", "b"]'
     cp.store.close()
 
@@ -155,7 +156,7 @@ def test_a_term_that_settled_by_its_bound_keeps_waiting_for_the_roster_it_began_
     clock.advance(11)  # the bound: nobody reported
     assert not again.settling(clock.monotonic())
     clock.advance(ROSTER_EVERY_S)
-    asyncio.run(again.keep_roster())
+    asyncio.run(again.roster.keep(again.term))
     assert again.store.get_meta("roster") == '["a", "b"]'
     report = AgentReport(node="a", boot_id="b", seq=1, address="127.0.0.1", gpus=[], shards=[])
     again.state.take_report(report, again.catalogs.current, clock.monotonic())

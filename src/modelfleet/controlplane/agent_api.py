@@ -42,6 +42,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from modelfleet.controlplane import nodes
 from modelfleet.controlplane.membership import MembershipRefused
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.records import ReportFirst, StaleReport
@@ -219,7 +220,7 @@ class AgentApi:
             await send_json(send, 429, error_json(why), retry)
             return
         try:
-            answer = await cp.join(presented, request, source)
+            answer = await nodes.join(cp, presented, request, source)
         except MembershipRefused as exc:
             if exc.status == 401:  # a token that is not one: what a guesser gets
                 cp.doors.failed("join", source, f"node {request.node}: {exc}")

@@ -42,7 +42,7 @@ class Assignments:
     def _kept_for(
         self, node: str, catalog: Catalog
     ) -> tuple[tuple[int, str], list[ShardAssignment], str]:
-        made_from = (self.state.reassigned_at(node), catalog.digest)
+        made_from = (self.state.changes.reassigned_at(node), catalog.digest)
         kept = self._kept.get(node)
         if kept is None or kept[0] != made_from:
             state = self.state

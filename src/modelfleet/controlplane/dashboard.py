@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import math
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,15 +34,14 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from modelfleet.controlplane import views
+from modelfleet.controlplane.dashboard_parts import DEFAULT_RANGE, HEARD_NOW_S, LiveParts
 from modelfleet.controlplane.logs import LogUnanswered
-from modelfleet.controlplane.plane import ControlPlane, MarkRefused
+from modelfleet.controlplane.nodes import MarkRefused, mark_node
+from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.playground import Playground
-from modelfleet.controlplane.series import MAX_SHOWN, RANGES, Shown, shown, source_step
+from modelfleet.controlplane.series import RANGES
 from modelfleet.core.fleet import Mark
 from modelfleet.http.web import bearer_matches, from_elsewhere, read_at_most
-from modelfleet.messages import admin
-from modelfleet.store import StoredEvent, StoredPoint, StoredUsage, StoreError
 
 UI = Path(__file__).parent / "ui"
 COOKIE = "modelfleet_ui"
@@ -52,20 +49,11 @@ SESSION_TTL_S = 12 * 3600.0
 LIVE_EVERY_S = 0.5
 LOG_EVERY_S = 1.0
 LOG_WAIT_S = 15.0
-EVENTS_SHOWN = 200
-HEARD_NOW_S = 5.0  # a node heard from this recently shows as heard "now"
 # A live stream says it is alive at least this often, changed or not: a page that hears
 # nothing for a few of these tells its viewer it is no longer live (ui.js).
 ALIVE_EVERY_S = 2.0
 PARTS = ("overview", "node", "model", "replica", "pending", "events", "usage")
 PLOTTED = frozenset({"model", "node", "usage"})  # the pages that load the plot library
-# The series each plotted page shows (`controlplane/series.py`), by its part.
-PLOTS = {"model": "model", "node": "node", "usage": "key"}
-DEFAULT_RANGE = "1h"
-# A plot's points are read from the store again when the recorder wrote new ones, and at
-# least this often (another control plane may write them: this one follows).
-PLOT_READ_EVERY_S = 5.0
-_PERCENTILE = re.compile(r".+_p\d+")  # a plotted value that is a time: shown in ms
 
 # What each bundle is made of, in order: ours last, so that it may use what comes before.
 BUNDLES = {
@@ -125,9 +113,7 @@ class Dashboard:
         self.bundles = {name: _bundle(name) for name in BUNDLES}
         self.closing = asyncio.Event()  # set when the control plane stops: streams end
         self._nudged = asyncio.Event()  # set, and replaced, when a change is made here
-        # (part, name, range) -> (basis, html)
-        self._rendered: dict[tuple[str, str, str], tuple[Any, str]] = {}
-        self._plotted: dict[tuple[str, str | None, str], Plotted] = {}
+        self.parts = LiveParts(cp, self.env)
 
     async def run(self) -> None:
         """Held while the control plane runs; when it stops, every live stream ends, so that
@@ -224,7 +210,7 @@ class Dashboard:
                     request.query_params.get("for"), request.query_params.get("type")
                 )
             span = _range(request)
-            html = await self.render_part(part, name, span)
+            html = await self.parts.render_part(part, name, span)
             if html is None:
                 return self._html("missing.html", {"what": f"{part} {name}"}, 404)
             # The stream is told what the page holds, and sends nothing until that changes.
@@ -260,7 +246,7 @@ class Dashboard:
         if mark is Mark.REVOKED:
             return Response("revoke a node with `ctl nodes revoke`\n", status_code=400)
         try:
-            await self.cp.mark_node(request.path_params["name"], mark, None)
+            await mark_node(self.cp, request.path_params["name"], mark, None)
         except MarkRefused as exc:
             return Response(f"{exc}\n", status_code=exc.status)
         self._nudge()  # the live parts show it now, not at their next turn
@@ -271,140 +257,6 @@ class Dashboard:
         nudged.set()
 
     # -- live parts ------------------------------------------------------------------------
-
-    async def stored(self, part: str, name: str, span: str = DEFAULT_RANGE) -> Stored:
-        """What a part shows of the store (events, usage, plots), read off the event loop;
-        during a store outage, nothing, with why."""
-        cp, store = self.cp, self.cp.store
-        try:
-            plotted = await self._plots(PLOTS[part], name or None, span) if part in PLOTS else None
-            if part == "model" and plotted is not None:
-                return Stored(plotted=plotted)
-            if part == "events":
-                regarding, kind = _read_filter(name)
-                found = await cp.calls(cp.read_events, regarding, 0.0, 0, EVENTS_SHOWN)
-                return Stored(events=[e for e in found if kind is None or e.type == kind])
-            if part == "node":
-                events = await cp.calls(cp.read_events, f"node/{name}", 0.0, 0, 50)
-                return Stored(events=events, plotted=plotted)
-            if part == "usage":
-                since = int((cp.clock.time() - 24 * 3600) // 3600) * 3600
-                usage = await cp.calls(store.usage, None, None, since)
-                totals = await cp.calls(store.usage_totals)
-                return Stored(usage=usage, totals=totals, plotted=plotted)
-        except StoreError as exc:
-            return Stored(problem=str(exc))
-        return Stored()
-
-    async def _plots(self, kind: str, subject: str | None, span: str) -> Plotted:
-        """The points of `kind` (of one subject, or of each) over `span`, as plotted: read
-        from the store when the recorder wrote since, or PLOT_READ_EVERY_S passed."""
-        cp = self.cp
-        key = (kind, subject, span)
-        now = cp.clock.monotonic()
-        held = self._plotted.get(key)
-        if (
-            held is not None
-            and held.written == cp.recorder.written
-            and now - held.read_at < PLOT_READ_EVERY_S
-        ):
-            return held
-        seconds = RANGES[span]
-        step = source_step(seconds, cp.recorder.step)
-        wall = cp.clock.time()
-        points = await cp.calls(cp.store.points, kind, subject, step, wall - seconds - step)
-        by_subject: dict[str, list[StoredPoint]] = {}
-        for p in points:
-            by_subject.setdefault(p.subject, []).append(p)
-        lines = {s: shown(kind, got, seconds, wall) for s, got in sorted(by_subject.items())}
-        made = Plotted(
-            span=span,
-            lines=lines,
-            width=max(1, math.ceil(seconds / step / MAX_SHOWN)) * step,
-            version=(held.version + 1) if held is not None else 1,
-            written=cp.recorder.written,
-            read_at=now,
-        )
-        # Forget what nobody looked at for a while (a page per node of a large fleet).
-        self._plotted = {k: v for k, v in self._plotted.items() if now - v.read_at < 60.0}
-        self._plotted[key] = made
-        return made
-
-    def part(self, part: str, name: str, stored: Stored) -> dict[str, Any] | None:
-        """What a page's live part shows now; None for a node or model there is not."""
-        cp = self.cp
-        if part == "overview":
-            return self._overview()
-        if part == "node":
-            return self._node(name, stored)
-        if part == "model":
-            return self._model(name, stored)
-        if part == "replica":
-            return self._replica(name)
-        if part == "pending":
-            return {"pending": views.replicas(cp.state, cp.catalogs.current).pending}
-        if part == "events":
-            regarding, kind = _read_filter(name)
-            shown = {"for": regarding or "", "type": kind or ""}
-            return {"events": list(reversed(stored.events)), "filter": shown}
-        if part == "usage":
-            return self._usage(stored)
-        return None
-
-    async def render_part(self, part: str, name: str, span: str = DEFAULT_RANGE) -> str | None:
-        """The live part rendered now, or as rendered last when nothing it shows has changed
-        since (shared by every stream of it: viewers do not multiply the work)."""
-        key = (part, name, span)
-        stored = await self.stored(part, name, span)
-        basis = self._basis(part, name, stored)
-        held = self._rendered.get(key)
-        if held is not None and basis is not None and held[0] == basis:
-            return held[1]
-        context = self.part(part, name, stored)
-        if context is None:
-            return None
-        if part in PLOTS:
-            shown = {"span": span, "ranges": list(RANGES), "plotted": stored.plotted}
-            context = {**context, **shown, "problem": stored.problem}
-        html = self.env.get_template(f"_{part}.html").render(**context, name=name)
-        self._rendered[key] = (basis, html)
-        return html
-
-    def _basis(self, part: str, name: str, stored: Stored) -> tuple[Any, ...] | None:
-        """What a part is made from, in short: while it stays the same, so does the part.
-        None: the part is made anew each time (events and usage, which are read from the
-        store, cheaply)."""
-        cp = self.cp
-        if part not in ("overview", "node", "model", "replica", "pending"):
-            return None
-        state = cp.state
-        now = cp.clock.monotonic()
-        nodes = state.node_list()
-        basis: tuple[Any, ...] = (
-            state.version,
-            cp.catalogs.current.version,
-            cp.frozen,
-            state.pending,
-            tuple(n.name for n in nodes if not n.is_ready(now, state.stale_after)),
-            # What the pages show of time: a node's whole seconds since it was heard, past
-            # HEARD_NOW_S ("now" before).
-            tuple(
-                (n.name, int(now - n.last_report))
-                for n in nodes
-                if n.last_report is not None and now - n.last_report >= HEARD_NOW_S
-            ),
-        )
-        if part == "node":
-            basis += (stored.events[-1].id if stored.events else 0, stored.problem)
-        if stored.plotted is not None:
-            basis += (stored.plotted.version, stored.problem)
-        if part == "replica":
-            seen = self._replica(name)
-            basis += (
-                tuple(cp.loads.ejections(now).get(name, ())),
-                *((seen["load"], seen["at_engine"], seen["cache"]) if seen else ()),
-            )
-        return basis
 
     async def live(self, request: Request) -> Response:
         if not self._signed_in(request):
@@ -418,7 +270,7 @@ class Dashboard:
             last = request.query_params.get("had")  # the digest of what the page holds
             said = -math.inf  # when it last said it is alive
             while not self.closing.is_set():
-                html = await self.render_part(part, name, span)
+                html = await self.parts.render_part(part, name, span)
                 html = html if html is not None else f"<p>{part} {name} is gone.</p>"
                 digest = _digest(html)
                 if digest != last:
@@ -486,160 +338,6 @@ class Dashboard:
             for w in waits:
                 w.cancel()
 
-    # -- what each part shows ----------------------------------------------------------------
-
-    def _overview(self) -> dict[str, Any]:
-        cp = self.cp
-        now = cp.clock.monotonic()
-        nodes = views.nodes(cp.state, now, cp.frozen)
-        return {
-            "nodes": nodes.nodes,
-            "grids": {n.name: _gpu_grid(n.gpus) for n in nodes.nodes},
-            "warning": nodes.warning,
-            "models": _model_rows(cp),
-            "gpus": [g for n in nodes.nodes for g in n.gpus],
-            "pending": sum(p.count for p in cp.state.pending),
-        }
-
-    def _node(self, name: str, stored: Stored) -> dict[str, Any] | None:
-        cp = self.cp
-        now = cp.clock.monotonic()
-        node = next((n for n in views.nodes(cp.state, now).nodes if n.name == name), None)
-        if node is None:
-            return None
-        ejections = cp.loads.ejections(cp.clock.monotonic())
-        replicas = views.replica_views(cp.state, ejections)
-        here = [r for r in replicas if any(s.node == name for s in r.shards)]
-        moving = ", ".join(f"{r.id} ({r.model})" for r in here) or "none"
-        return {
-            "node": node,
-            "replicas": here,
-            "events": list(reversed(stored.events)),
-            "plot": _plot_json(stored.plotted.lines.get(name, []) if stored.plotted else []),
-            "confirm": {
-                "cordoned": f"Cordon {name}? New replicas go elsewhere; its {len(here)} "
-                "replica(s) stay and serve.",
-                "draining": f"Drain {name}? Each of its replicas is replaced elsewhere before "
-                f"it stops, where there is room ({moving}); one whose replacement cannot be "
-                "placed stops when the drain's grace period is over (`ctl drain "
-                f"{name} --dry-run` says which).",
-                "none": f"Uncordon {name}? New replicas may be placed on it again.",
-            },
-        }
-
-    def _model(self, name: str, stored: Stored) -> dict[str, Any] | None:
-        cp = self.cp
-        catalog = cp.catalogs.current
-        model = next((m for m in catalog.models if m.name == name), None)
-        if model is None:
-            return None
-        ejections = cp.loads.ejections(cp.clock.monotonic())
-        replicas = [r for r in views.replica_views(cp.state, ejections) if r.model == name]
-        points = stored.plotted.lines.get(name, []) if stored.plotted else []
-        pending = [p for p in views.replicas(cp.state, catalog).pending if p.model == name]
-        scaling = next((x for x in views.scaling(cp.autoscaler, catalog) if x.model == name), None)
-        return {
-            "model": model,
-            "replicas": replicas,
-            "pending": pending,
-            "scaling": scaling,
-            "plot": _plot_json(points),
-        }
-
-    def _replica(self, rid: str) -> dict[str, Any] | None:
-        """A replica in full: its state, each shard's (restarts, failures in a row, start
-        time, error, the end of its log), why routers send it nothing, and its load."""
-        cp = self.cp
-        record = cp.state.replicas.get(rid)
-        if record is None:
-            return None
-        now = cp.clock.monotonic()
-        ejected = cp.loads.ejections(now).get(rid, [])
-        model = (cp.loads.loads(now) or {}).get(record.replica.model)
-        return {
-            "replica": views.replica_view(cp.state, record, ejected),
-            "load": model.replicas.get(rid) if model else None,
-            "at_engine": model.engines.get(rid) if model else None,
-            "cache": model.cache.get(rid) if model else None,
-        }
-
-    def _usage(self, stored: Stored) -> dict[str, Any]:
-        cp = self.cp
-        used = stored.totals
-        keys = [(name, k, used.get(name)) for name, k in sorted(cp.keys.keys.items())]
-        lines = stored.plotted.lines if stored.plotted else {}
-        at = sorted({p.at for points in lines.values() for p in points})
-        plot: dict[str, Any] = {"at": at}
-        for measure in ("requests_per_s", "tokens_per_s", "limited_per_s"):
-            per_key = plot[measure] = {}
-            for key, points in lines.items():
-                by_at = {p.at: p.values.get(measure) for p in points}
-                per_key[key] = [_round(by_at.get(t)) for t in at]
-        return {"rows": stored.usage, "keys": keys, "plot": json.dumps(plot)}
-
-
-@dataclass(frozen=True)
-class Plotted:
-    """What plots of one range show, as read from the store: each subject's points."""
-
-    span: str  # a name of RANGES
-    lines: dict[str, list[Shown]]
-    width: int  # the seconds each shown point covers
-    version: int  # one more at each reading: a part re-renders when it moves on
-    written: int  # the recorder's writes when read
-    read_at: float  # the control plane's monotonic clock when read
-
-
-@dataclass(frozen=True)
-class Stored:
-    """What a live part shows of the store, read for one rendering."""
-
-    events: list[StoredEvent] = field(default_factory=list)
-    usage: list[StoredUsage] = field(default_factory=list)
-    totals: dict[str, tuple[int, int, float]] = field(default_factory=dict)
-    plotted: Plotted | None = None
-    problem: str | None = None  # why the store could not be read
-
-
-def _model_rows(cp: ControlPlane) -> list[dict[str, Any]]:
-    by_state: dict[str, dict[str, int]] = {}
-    ejections = cp.loads.ejections(cp.clock.monotonic())
-    for record in cp.state.replicas.values():
-        counts = by_state.setdefault(record.replica.model, {})
-        shown = views.replica_state(cp.state, record, ejections.get(record.replica.id, ()))
-        counts[shown] = counts.get(shown, 0) + 1
-    pending = {p.model: p.count for p in cp.state.pending}
-    catalog = cp.catalogs.current
-    scaled = cp.autoscaler.wanted(catalog)  # a model that follows its load: its count now
-    return [
-        {
-            "name": m.name,
-            "engine": m.engine,
-            "desired": scaled.get(m.name, m.replicas),
-            "states": by_state.get(m.name, {}),
-            "serving": by_state.get(m.name, {}).get("ready", 0),
-            "pending": pending.get(m.name, 0),
-        }
-        for m in catalog.models
-    ]
-
-
-def _gpu_grid(gpus: list[admin.GpuInfo]) -> Markup:
-    """A node's GPUs as the overview's cells, made here rather than in the template: at
-    1,000 nodes of 8 GPUs the template's per-value escaping was most of the page's time."""
-    cells = []
-    for g in gpus:
-        used = g.memory_total - g.memory_free
-        # Memory used in fifths, as a class: 8,000 inline styles cost the browser most of
-        # a 1,000-node page's time.
-        fifths = round(used / g.memory_total * 5) if g.memory_total else 0
-        classes = f"gpu m{fifths}" + ("" if g.healthy else " bad") + (" used" if g.in_use else "")
-        title = f"GPU {g.index}: {used / 2**30:.0f}/{g.memory_total / 2**30:.0f} GiB"
-        if not g.healthy:
-            title += f", unhealthy: {g.reason}"
-        cells.append(f'<i class="{classes}" title="{escape(title)}"></i>')
-    return Markup("".join(cells))
-
 
 def _nodes_of(cp: ControlPlane, replica: str) -> tuple[str, ...] | None:
     record = cp.state.replicas.get(replica)
@@ -660,11 +358,6 @@ def _event_filter(regarding: str | None, kind: str | None) -> str:
         "type": kind if kind in ("normal", "warning") else "",
     }
     return urlencode({k: v for k, v in chosen.items() if v})
-
-
-def _read_filter(name: str) -> tuple[str | None, str | None]:
-    found = {k: v[0] for k, v in parse_qs(name).items()}
-    return found.get("for") or None, found.get("type") or None
 
 
 def _event(name: str, html: str) -> bytes:
@@ -699,25 +392,6 @@ def _int(text: str | None, default: int) -> int:
         return max(0, int(text)) if text is not None else default
     except ValueError:
         return default
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
-
-
-def _plot_json(points: list[Shown]) -> str:
-    """A subject's points as its plots read them: "at", and a line per value; times (the
-    percentiles, "..._p95") in milliseconds, as "..._p95_ms"."""
-    plot: dict[str, list[Any]] = {"at": [p.at for p in points]}
-    for p in points:
-        for name, value in p.values.items():
-            if _PERCENTILE.fullmatch(name):
-                plot.setdefault(f"{name}_ms", []).append(
-                    None if value is None else round(value * 1000, 2)
-                )
-            else:
-                plot.setdefault(name, []).append(_round(value))
-    return json.dumps(plot)
 
 
 def _span_words(seconds: int) -> str:

@@ -16,18 +16,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import json
 import logging
-import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 
 from modelfleet.controlplane.assignments import Assignments
 from modelfleet.controlplane.autoscaler import Autoscaler
+from modelfleet.controlplane.catalog_file import CatalogFile, applied_event
 from modelfleet.controlplane.catalogs import Applied, CatalogKeeper
 from modelfleet.controlplane.config import (
     ROUTING_EPOCH_KEY,
@@ -40,10 +38,11 @@ from modelfleet.controlplane.keys import KeyBook
 from modelfleet.controlplane.leadership import Leadership, Turn, holder_name
 from modelfleet.controlplane.loads import LoadCollector
 from modelfleet.controlplane.logs import LogRelay
-from modelfleet.controlplane.membership import Membership, MembershipRefused
+from modelfleet.controlplane.membership import Membership
 from modelfleet.controlplane.metrics import ControlPlaneMetrics
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.records import NodeMark
+from modelfleet.controlplane.roster import Roster, read_roster
 from modelfleet.controlplane.routing import RoutingTable
 from modelfleet.controlplane.series import Recorder, RouterSeries
 from modelfleet.controlplane.state import FleetState
@@ -55,7 +54,7 @@ from modelfleet.core.fleet import Mark
 from modelfleet.core.reconcile import Move, Preview
 from modelfleet.host.clock import SYSTEM_CLOCK, Clock, wait_set
 from modelfleet.messages import admin
-from modelfleet.messages.wire import EngineClient, JoinAnswer, JoinRequest
+from modelfleet.messages.wire import EngineClient
 from modelfleet.security.pki import CertificateAuthority
 from modelfleet.store import (
     StoredCredential,
@@ -70,8 +69,6 @@ from modelfleet.store.calls import StoreCalls
 log = logging.getLogger("modelfleet.controlplane")
 MIN_AUTOSCALE_WAIT_S = 0.02  # a decision due already (and not taken: settling) waits this
 STORE_DEADLINE_S = 0.9  # the longest a store call is waited for (`StoreCalls`)
-ROSTER_KEY = "roster"  # in the store: the nodes that hold replicas (`keep_roster`)
-ROSTER_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -93,25 +90,6 @@ class TermStart:
     applied: Applied | None  # the catalog file, applied as the term began
     routing_epoch: int
     roster: frozenset[str] | None  # the nodes that held replicas, as the term before kept them
-
-
-class MarkRefused(RuntimeError):
-    """An operator's mark that cannot be set: the node is unknown (404) or revoked (409)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class NodeBusy(RuntimeError):
-    """A node that still holds replicas cannot be deleted without force."""
-
-    def __init__(self, node: str, replicas: list[str]) -> None:
-        super().__init__(
-            f"node {node} holds replica(s) {', '.join(replicas)}: drain it first, or delete it "
-            "with force to place them anew elsewhere at once"
-        )
-        self.replicas = replicas
 
 
 class ControlPlane:
@@ -172,14 +150,16 @@ class ControlPlane:
             self.events,
         )
         self.watch = AssignmentWatch()
+        self.catalog_file = CatalogFile(
+            catalogs, self.calls, self.events, clock.time, config, self.acting, self.wake
+        )
         self._beginning = False  # a term's store I/O under way: elected, not acting yet
         self.logs = LogRelay(self.watch)
-        self._file_error = ""
         self.last_plan_s: float | None = None  # how long the last pass that planned took
         self.last_idle_pass_s: float | None = None  # and the last that did not
         self._told_no_routers = False  # warned that autoscaled models have no load to follow
         self._usage_totals: dict[str, tuple[int, int, float]] = {}  # as last read
-        self._roster: tuple[frozenset[str] | None, float] = (None, -math.inf)  # stored, when
+        self.roster = Roster(self.calls, self.store, clock.monotonic)  # kept for the next term
         # What this control plane knows of the fleet: a term of its own while it leads, one
         # that acts on nothing while it follows (`Term`).
         self.term = self._new_term(None, None)
@@ -255,22 +235,21 @@ class ControlPlane:
         if it changed since it last read it, and a routing epoch newer than any a router
         holds, taken by a fenced write."""
         desired = self._read_desired()
-        roster = self.store.get_meta(ROSTER_KEY)
+        roster = read_roster(self.store)
         applied = self.catalogs.lead(self.clock.time())
         epoch = int(self.store.get_meta(ROUTING_EPOCH_KEY) or 0) + 1
         self.store.set_meta(ROUTING_EPOCH_KEY, str(epoch))
-        held = None if roster is None else frozenset(json.loads(roster))
-        return TermStart(desired, applied, epoch, held)
+        return TermStart(desired, applied, epoch, roster)
 
     def _begin_term(self, start: TermStart) -> None:
         """A new term begins with this control plane leading, from what `_term_io` read, and
         from nothing else: what the term before learned is dropped. It settles (adopts what
         agents report before it plans) and publishes no table until nodes report."""
         self.term = self._new_term(self.leadership.leading_epoch, start)
-        self._roster = (start.roster, self.clock.monotonic())
+        self.roster.began(start.roster)
         self._take_desired(start.desired, marks=True)
         if start.applied is not None:
-            self.catalog_event(start.applied, self.catalogs.current_info.source)
+            applied_event(self.events, start.applied, self.catalogs.current_info.source)
         self.publisher.new_term(start.routing_epoch)
         log.info(
             "term of epoch %s begins: settling until %s node(s) report",
@@ -356,116 +335,6 @@ class ControlPlane:
         self.wake()
         return key, stored
 
-    async def mark_node(self, node: str, mark: Mark, grace: float | None) -> Mark:
-        """An operator's cordon, drain (bounded by `grace` seconds, or the configured
-        `drain_grace` when None) or uncordon of `node`; returns the mark it had. Raises
-        MarkRefused for a node that never reported or was revoked."""
-        if node not in self.state.nodes:
-            known = ", ".join(sorted(self.state.nodes)) or "none has reported yet"
-            raise MarkRefused(404, f"no node {node!r} has reported (nodes: {known})")
-        if self.state.nodes[node].mark.mark is Mark.REVOKED:
-            raise MarkRefused(409, f"node {node} was revoked: it comes back only by joining anew")
-        grace = self.config.drain_grace if grace is None else grace
-        return await self.set_mark(node, mark, grace)
-
-    async def set_mark(self, node: str, mark: Mark, grace: float) -> Mark:
-        """Mark `node` (a drain bounded by `grace` seconds; 0: no bound), persist it, and
-        return the mark it had."""
-        wall, mono = self.clock.time(), self.clock.monotonic()
-        bounded = mark is Mark.DRAINING and grace > 0
-        if mark is Mark.NONE:
-            await self.calls(self.store.clear_mark, node)
-        else:
-            stored = StoredMark(node, mark.value, wall, wall + grace if bounded else None)
-            await self.calls(self.store.set_mark, stored)
-        was = self.state.marks.get(node)  # as it is now, after the write
-        self.state.set_mark(node, NodeMark(mark, mono + grace if bounded else None))
-        self.wake()
-        previous = was.mark if was else Mark.NONE
-        log.info("node %s marked %s (was %s)", node, mark.value, previous.value)
-        bound = f", {grace:.0f}s of grace" if bounded else ""
-        self.events.normal(
-            "NodeMarked", f"node/{node}", f"marked {mark.value}{bound} (was {previous.value})"
-        )
-        return previous
-
-    async def delete_node(self, node: str, force: bool) -> list[str]:
-        """Forget `node`. Refused (NodeBusy) while replicas run on it, unless `force`: then
-        they are taken out of service at once and placed anew elsewhere. Returns their ids."""
-        held = self.state.holding(node)
-        if held and not force:
-            raise NodeBusy(node, held)
-        await self.calls(self.store.clear_mark, node)  # first: a refused write changes nothing
-        held = self.state.holding(node)  # as it is now, after the write
-        self.state.retire(held, f"node {node} deleted by an operator", self.clock.monotonic())
-        self.state.forget(node)
-        self.wake()
-        retired = f"; replicas retired: {', '.join(held)}" if held else ""
-        log.info("node %s deleted%s", node, retired)
-        self.events.normal("NodeDeleted", f"node/{node}", f"deleted by an operator{retired}")
-        return held
-
-    async def join(self, token: str, request: JoinRequest, source: str) -> JoinAnswer:
-        """Give a node its credential for a join token, the join having come from address
-        `source` (MembershipRefused if not). A name the fleet knows is never given again: a
-        node that reports (with the shared agent token too), or one the term waits for; a node
-        revoked before, joining anew, is no longer revoked."""
-        node = request.node
-        mark = self.state.marks.get(node)
-        revoked = mark is not None and mark.mark is Mark.REVOKED
-        known = node in self.state.nodes or node in (self.term.roster or ())
-        if known and not revoked and not self.membership.has_joined(node):
-            raise MembershipRefused(
-                409,
-                f"node {node} is a node of the fleet already (it reports with the shared agent "
-                f"token): pick another name, or, once that machine is gone for good, delete it "
-                f"(`modelfleet ctl nodes delete {node}`) and join again",
-            )
-        answer = await self.membership.join(
-            token, request, self.store_time(), source, self.reserved_names()
-        )
-        if revoked:
-            await self.set_mark(node, Mark.NONE, 0)
-        log.info("node %s joined", node)
-        self.events.normal("NodeJoined", f"node/{node}", "joined with a join token")
-        return answer
-
-    def reserved_names(self) -> set[str]:
-        """The hosts a control plane or router of this fleet is reached by: a node's
-        certificate names none of them."""
-        names = set(self.config.certificate_names())
-        urls = [r.url for r in self.config.routers]
-        for plane in self.leadership.planes:
-            urls += [plane.agent_url, plane.admin_url]
-        names.update(host for url in urls if (host := urlsplit(url).hostname))
-        return names
-
-    async def revoke_node(self, node: str) -> list[str]:
-        """Cut `node` off: delete its credential, so that nothing it sends is taken, and mark
-        it revoked, so that its replicas are replaced elsewhere as a lost node's are. Returns
-        them. MembershipRefused when the node holds no credential (it reports with the fleet's
-        shared agent token, which cannot be taken from one node)."""
-        if not self.membership.has_joined(node):
-            if node in self.state.nodes:
-                raise MembershipRefused(
-                    409,
-                    f"node {node} reports with the fleet's shared agent token, which cannot be "
-                    "revoked for one node: change agent_token, or join nodes with join tokens",
-                )
-            raise MembershipRefused(404, f"no node {node!r} has joined")
-        await self.membership.revoke_node(node)
-        replacing = self.state.holding(node)
-        if node in self.state.nodes:
-            await self.set_mark(node, Mark.REVOKED, 0)
-        moved = f"; its replicas are replaced elsewhere: {', '.join(replacing)}"
-        log.warning(
-            "node %s revoked: its credential is deleted%s", node, moved if replacing else ""
-        )
-        self.events.warning(
-            "NodeRevoked", f"node/{node}", f"credential revoked{moved if replacing else ''}"
-        )
-        return replacing
-
     async def preview(self, catalog: Catalog, marks: Mapping[str, Mark] | None = None) -> Preview:
         """What the next passes would start and stop to make `catalog` true (with `marks` on
         those nodes instead of theirs, for a mark's dry run), the first exactly as the next
@@ -525,7 +394,7 @@ class ControlPlane:
     def _routers_confirmed(self) -> None:
         """Every router holds the current table: an adapter swap waiting for it goes on now
         (not at the next pass)."""
-        if self.state.swaps_waiting():
+        if self.state.adapters.waiting():
             self.wake()
 
     def read_events(
@@ -580,31 +449,6 @@ class ControlPlane:
                 if self.place_adapters():  # a router holds requests for an adapter
                     self.wake()
 
-    def catalog_event(self, applied: Applied, source: str) -> None:
-        """The event of a catalog applied: its version, from where, what it changes."""
-        if not applied.changed:
-            return
-        new, old = applied.catalog, applied.previous
-        before = {m.name: m for m in old.models}
-        after = {m.name: m for m in new.models}
-        parts = [
-            *(f"+{name}" for name in sorted(after.keys() - before.keys())),
-            *(f"-{name}" for name in sorted(before.keys() - after.keys())),
-            *(
-                f"~{name}"
-                for name in sorted(after.keys() & before.keys())
-                if after[name] != before[name]
-            ),
-        ]
-        changes = " ".join(parts) or "no model changed"
-        self.events.normal("CatalogApplied", f"catalog/{new.version}", f"from {source}: {changes}")
-
-    def catalog_refused(self, problems: Sequence[str], source: str) -> None:
-        shown = "; ".join(problems[:3]) + (
-            f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-        )
-        self.events.warning("CatalogRefused", "catalog/refused", f"from {source}: {shown}")
-
     async def reconcile_loop(self) -> None:
         while True:
             if not self.acting():  # a follower plans nothing
@@ -627,7 +471,7 @@ class ControlPlane:
                 self.last_idle_pass_s = took
                 self.metrics.pass_seconds.labels("no").observe(took)
             await self.clear_forgotten_marks()
-            await self.keep_roster()
+            await self.roster.keep(self.term)
             await wait_set(self._wake, self.config.reconcile_interval)
 
     async def clear_forgotten_marks(self) -> None:
@@ -641,58 +485,6 @@ class ControlPlane:
                 log.debug("cannot clear the mark of forgotten node %s yet: %s", node, exc)
                 return
             term.forgotten.discard(node)
-
-    async def keep_roster(self) -> None:
-        """Keep in the store the nodes that hold replicas (at most every ROSTER_EVERY_S, and
-        never while settling, when what is known is partial): the next term, here or on
-        another control plane, settles until they have reported."""
-        now = self.clock.monotonic()
-        stored, at = self._roster
-        if self.term.settling(now) or now - at < ROSTER_EVERY_S:
-            return
-        roster = self.term.roster_now(now)
-        if roster == stored:
-            return
-        try:
-            await self.calls(self.store.set_meta, ROSTER_KEY, json.dumps(sorted(roster)))
-        except StoreError as exc:
-            log.debug("cannot keep the roster yet: %s", exc)
-            return
-        self._roster = (roster, now)
-
-    async def catalog_loop(self) -> None:
-        """Apply the catalog file whenever its content changes, while leading; while
-        following, say once when it changed to a catalog only the leader could apply."""
-        while True:
-            await asyncio.sleep(self.config.catalog_poll_interval)
-            if self.calls.outage is not None:
-                continue  # read once the store answers again: nothing could be applied
-            if not self.acting():
-                try:
-                    told = await self.calls(self.catalogs.follow_file)
-                except (OSError, StoreError) as exc:
-                    told = f"cannot read the catalog file or the store's catalog: {exc}"
-                if told is not None and told != self._file_error:
-                    self._file_error = told
-                    log.warning("%s", told)
-                continue
-            refused = self.catalogs.last_rejection()
-            try:
-                applied = await self.calls(self.catalogs.check_file, self.clock.time())
-                self._file_error = ""
-            except (OSError, StoreError) as exc:
-                if str(exc) != self._file_error:  # once per distinct error, not every poll
-                    self._file_error = str(exc)
-                    what = "read the catalog file" if isinstance(exc, OSError) else "apply it"
-                    log.warning("cannot %s: %s; the current catalog stays", what, exc)
-                continue
-            if applied is not None:
-                self.catalog_event(applied, str(self.config.catalog))
-            rejection = self.catalogs.last_rejection()
-            if rejection is not None and rejection != refused:
-                self.catalog_refused(rejection.problems, rejection.source)
-            if applied is not None and applied.changed:
-                self.wake()
 
     async def close(self) -> None:
         """At the stop: the lease let go and the events noted written, each bounded by the

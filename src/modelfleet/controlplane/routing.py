@@ -34,7 +34,7 @@ class RoutingTable:
         table = []
         for spec in catalog.models:
             count = wanted.get(spec.name)
-            made_from = (self.state.rerouted_at(spec.name), catalog.digest, count)
+            made_from = (self.state.changes.rerouted_at(spec.name), catalog.digest, count)
             kept = self._kept.get(spec.name)
             if kept is None or kept[0] != made_from:
                 kept = (made_from, _entry(self.state, spec, count))

@@ -216,6 +216,12 @@ def source_step(span: int, step: int) -> int:
     return step if span <= FINE_KEEP_S else COARSE_STEP
 
 
+def shown_width(span: int, step: int) -> int:
+    """The seconds each point of a plot of `span` seconds covers, of stored points `step`
+    seconds apart: whole stored points, at most MAX_SHOWN shown."""
+    return max(1, math.ceil(span / step / MAX_SHOWN)) * step
+
+
 def shown(kind: str, points: Sequence[StoredPoint], span: int, now: float) -> list[Shown]:
     """The points of one subject over the last `span` seconds, merged into at most
     MAX_SHOWN: each shown point sums whole stored points, and its rates are over the time
@@ -223,8 +229,7 @@ def shown(kind: str, points: Sequence[StoredPoint], span: int, now: float) -> li
     if not points:
         return []
     step = points[0].step
-    per = max(1, math.ceil(span / step / MAX_SHOWN))  # stored points per shown one
-    width = per * step
+    width = shown_width(span, step)
     groups: dict[int, Totals] = {}
     for p in points:
         if p.at + step <= now - span:

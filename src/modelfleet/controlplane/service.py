@@ -189,7 +189,7 @@ async def serve(
                     cp.lease_loop,
                     cp.reconcile_loop,
                     cp.publisher.run,
-                    cp.catalog_loop,
+                    cp.catalog_file.run,
                     cp.usage.run,
                     cp.recorder.run,
                     cp.loads.run,

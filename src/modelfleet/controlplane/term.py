@@ -26,6 +26,7 @@ from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.config import DEFAULT_SETTLE_FOR_S, ControlPlaneConfig, Heartbeats
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.loads import LoadCollector
+from modelfleet.controlplane.plan_news import tell_decided, tell_pending, tell_placed
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.routing import RoutingTable
 from modelfleet.controlplane.state import FleetState
@@ -159,7 +160,7 @@ class Term:
             "busy": s.busy_slots(),
             "now": now,
             "stale_after": s.stale_after,
-            "avoid": s.avoiding(now),
+            "avoid": s.faults.avoiding(now),
             "lost_after": self.config.heartbeats(len(s.nodes)).lost_after,
             "moving": s.moving,
             "wanted": self.autoscaler.wanted(catalog),
@@ -175,7 +176,7 @@ class Term:
         self.passes += 1
         s = self.state
         timing = self.retime()
-        planned_from = (s.version, catalog.digest)
+        planned_from = (s.changes.version, catalog.digest)
         safety_net = now - self._whole_at >= self.config.reconcile_full_interval
         if now >= self._due:
             # Nodes heard from since the due time was worked out moved it on.
@@ -187,7 +188,7 @@ class Term:
         # Only some models changed (their replicas, or reports of nodes holding them), and
         # nothing that concerns every model (another catalog, a node come or gone, a time come):
         # those are planned, with the ones left pending (what changed may make room for them).
-        whole = (s.membership, catalog.digest, s.stamp)
+        whole = (s.changes.membership, catalog.digest, s.changes.stamp)
         models: set[str] | None = None
         if (
             self._planned_whole is not None
@@ -195,7 +196,11 @@ class Term:
             and not safety_net
             and not due
         ):
-            models = {m.name for m in catalog.models if s.rerouted_at(m.name) > self._planned_stamp}
+            models = {
+                m.name
+                for m in catalog.models
+                if s.changes.rerouted_at(m.name) > self._planned_stamp
+            }
             models |= {p.model for p in s.pending}
         self.planned_models = len(catalog.models) if models is None else len(models)
         if models is None:
@@ -205,13 +210,13 @@ class Term:
         self.note_drains()
         # Taken before the plan is carried out: what it changes is planned from once more, so
         # anything a pass leaves for the next (a replacement held back) is not left waiting.
-        self._planned, self.planned_at = (s.version, catalog.digest), now
-        self._planned_whole, self._planned_stamp = whole, s.stamp
+        self._planned, self.planned_at = (s.changes.version, catalog.digest), now
+        self._planned_whole, self._planned_stamp = whole, s.changes.stamp
         self.restart_groups()
         failed = {}
-        for rid, (node, why) in s.failing(self.config.max_failures).items():
+        for rid, (node, why) in s.faults.failing(self.config.max_failures).items():
             model = s.replicas[rid].replica.model
-            s.keep_off(model, node, why, now + self.config.failure_avoid)
+            s.faults.keep_off(model, node, why, now + self.config.failure_avoid)
             failed[rid] = why
             self.events.warning("ModelKeptOff", f"node/{node}", f"{model} kept off: {why}")
         decided = plan(
@@ -230,49 +235,14 @@ class Term:
                 log.info("nodes report again: lost nodes are handled as usual")
                 self.events.normal("FleetThawed", "fleet/all", "nodes report again")
             self.frozen = decided.frozen
-        for stop in decided.stop:
-            log.info("retiring replica %s: %s", stop.replica_id, stop.reason)
-            if stop.drops_capacity:
-                self.events.warning("CapacityDropped", f"replica/{stop.replica_id}", stop.reason)
-            else:
-                self.events.normal("ReplicaRetiring", f"replica/{stop.replica_id}", stop.reason)
-        for sleep in decided.sleep:
-            log.info("putting replica %s to sleep: %s", sleep.replica_id, sleep.reason)
-            self.events.normal("ReplicaSleeping", f"replica/{sleep.replica_id}", sleep.reason)
-        for wake in decided.wake:
-            log.info("waking replica %s: %s", wake.replica_id, wake.reason)
-            self.events.normal("ReplicaWaking", f"replica/{wake.replica_id}", wake.reason)
+        tell_decided(self.events, decided)
         before = s.pending
         if models is not None:  # the models not planned keep what they had pending
             kept = tuple(p for p in before if p.model not in models)
             decided = dataclasses.replace(decided, pending=kept + decided.pending)
         created = s.apply(decided, catalog, now, self.config.retire_timeout)
-        for replica, planned in zip(created, decided.new, strict=True):
-            where = ", ".join(f"{p.node}{list(p.gpus)}" for p in replica.shards)
-            log.info("placed %s (%s) on %s", replica.id, replica.model, where)
-            self.events.normal(
-                "ReplicaPlaced",
-                f"replica/{replica.id}",
-                f"{replica.model} on {where}: {planned.reason}",
-            )
-        # Pending replicas are logged when their count changes, without the explanation: it
-        # judges every node, and at 10,000 nodes going silent, working it out for each model at
-        # each pass kept the control plane busy for minutes (even with the line not logged).
-        was = {p.model: p.count for p in before}
-        for p in decided.pending:
-            if was.get(p.model) != p.count:
-                log.info(
-                    "%d replica(s) of %s pending; `modelfleet ctl explain %s` says why",
-                    p.count,
-                    p.model,
-                    p.model,
-                )
-                self.events.warning(
-                    "ReplicaPending",
-                    f"model/{p.model}",
-                    f"{p.count} replica(s) cannot be placed now: `ctl explain-placement "
-                    f"{p.model}` says why",
-                )
+        tell_placed(self.events, created, decided.new)
+        tell_pending(self.events, before, decided.pending)
         self._due = self._next_due(now, timing)
 
     def preview_work(
@@ -284,7 +254,7 @@ class Term:
         plans from. `marks`: those nodes as if they had these marks (a drain without a bound,
         so that what could not be replaced shows as pending, not as stopped)."""
         s = self.state
-        failing = {rid: why for rid, (_, why) in s.failing(self.config.max_failures).items()}
+        failing = {rid: why for rid, (_, why) in s.faults.failing(self.config.max_failures).items()}
         table, serving = s.planned(), frozenset(r.id for r in s.planned() if s.is_serving(r.id))
         inputs = self.plan_inputs(catalog, now)
         if marks:
@@ -328,7 +298,7 @@ class Term:
     def forget_silent(self, now: float) -> None:
         """Forget nodes silent for `node_forget_after` that hold no replica (their marks
         leave the store after the pass: `forgotten`)."""
-        for name in self.state.silent_for(self.config.node_forget_after, now):
+        for name in self.state.heard.silent_for(self.config.node_forget_after, now):
             if not self.state.holding(name):
                 silent = now - self.state.nodes[name].received
                 log.info(
@@ -346,11 +316,11 @@ class Term:
         report that said so. After `max_failures` restarts in a row that never served, it is
         left to `failing`: placed anew elsewhere, its model kept off the node."""
         s = self.state
-        for rid, why in s.broken_groups().items():
+        for rid, why in s.faults.broken_groups().items():
             record = s.replicas[rid]
             if record.group_restarts >= self.config.max_failures:
                 continue
-            count = s.restart_group(rid, why)
+            count = s.faults.restart_group(rid, why)
             log.warning(
                 "replica %s: %s; restarting its %d shards together, rank 0 first (%d in a row)",
                 rid,
@@ -373,7 +343,7 @@ class Term:
         kept the control plane planning back to back.
         """
         spans = (timing.stale_after, timing.lost_after, self.config.node_forget_after)
-        times = [self.state.next_silence(since, spans), self.state.avoided_until()]
+        times = [self.state.heard.next_silence(since, spans), self.state.faults.avoided_until()]
         times += [m.drain_deadline for m in self.state.marks.values()]
         first = min((t for t in times if t is not None and t >= since), default=math.inf)
         return first + self.config.reconcile_interval
@@ -382,7 +352,7 @@ class Term:
         """Event the nodes that went stale or lost since the last look (those heard from
         again are told by the state, `NodeBack`)."""
         for kind, span in (("stale", timing.stale_after), ("lost", timing.lost_after)):
-            silent = set(self.state.silent_for(span, now))
+            silent = set(self.state.heard.silent_for(span, now))
             for node in sorted(silent - self._silent[kind]):
                 quiet = now - self.state.nodes[node].received
                 self.events.warning(
@@ -427,7 +397,7 @@ class Term:
         """Let go of the retiring replicas every router has stopped routing to, and tell the
         agents of those put to sleep to put them to sleep."""
         routed = self.publisher.routed_version()
-        self.state.swap_adapters(routed, now)
+        self.state.adapters.swap(routed, now)
         for rid, why in self.state.tell_sleepers(routed, now):
             log.info("replica %s is out of every routing table; its engine sleeps (%s)", rid, why)
         for rid, why in self.state.release(routed, now):
@@ -457,7 +427,7 @@ class Term:
             return False
         demand = self.adapter_demand(catalog)
         busy = self.replica_loads()
-        return self.state.place_adapters(catalog, demand, now, ADAPTER_SWAP_GRACE_S, busy) > 0
+        return self.state.adapters.place(catalog, demand, now, ADAPTER_SWAP_GRACE_S, busy) > 0
 
     def adapter_demand(self, catalog: Catalog) -> dict[str, dict[str, Want]]:
         """Model -> adapter -> how much it is wanted: the requests the routers hold for it

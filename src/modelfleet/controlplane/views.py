@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from modelfleet.controlplane.autoscaler import Autoscaler
@@ -11,7 +12,7 @@ from modelfleet.controlplane.state import FleetState
 from modelfleet.core import residency
 from modelfleet.core.catalog import Catalog, CatalogInvalid
 from modelfleet.core.fleet import Mark, Replica
-from modelfleet.core.placement import NodeVerdict, Unplaceable, describe_need
+from modelfleet.core.placement import NodeVerdict, Placed, Unplaceable, describe_need, place
 from modelfleet.core.reconcile import Preview
 from modelfleet.messages import admin
 from modelfleet.messages.wire import ShardReport, ShardState, engine_endpoint
@@ -34,7 +35,7 @@ def adapter_changes(
 ) -> list[admin.AdapterChange]:
     """What `catalog` makes each replica kept under it load and unload."""
     changes = []
-    for rid, names in sorted(state.adapter_changes(catalog, demand, busy).items()):
+    for rid, names in sorted(state.adapters.changes_for(catalog, demand, busy).items()):
         held = state.replicas[rid].adapters
         changes.append(
             admin.AdapterChange(
@@ -268,12 +269,29 @@ def replicas(
     return admin.ReplicasAnswer(replicas=listed, pending=pending, scaling=scaled)
 
 
+def explain(
+    state: FleetState, catalog: Catalog, model: str, now: float
+) -> Placed | Unplaceable | None:
+    """Where the next replica of `model` would go, or why it could go nowhere; None when
+    `catalog` has no such model."""
+    spec = catalog.get(model)
+    if spec is None:
+        return None
+    on_node: Counter[str] = Counter()
+    for replica in state.planned():
+        if replica.model == model:
+            on_node.update(s.node for s in replica.shards)
+    avoid = state.faults.avoiding(now).get(model, {})
+    nodes, used = state.node_list(), state.used_slots()
+    return place(spec, nodes, used, on_node, now, state.stale_after, avoid)
+
+
 def explanation(
     state: FleetState, catalog: Catalog, model: str, now: float
 ) -> admin.Explanation | None:
     """Where `model`'s next replica would go, or why it cannot; None when it is not in
     `catalog`."""
-    answer = state.explain(catalog, model, now)
+    answer = explain(state, catalog, model, now)
     spec = catalog.get(model)
     if answer is None or spec is None:
         return None

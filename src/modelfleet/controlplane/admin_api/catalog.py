@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request
 
 from modelfleet.controlplane import views
 from modelfleet.controlplane.admin_api.shared import Refused, errors
+from modelfleet.controlplane.catalog_file import applied_event, refused_event
 from modelfleet.controlplane.catalogs import API_SOURCE
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.core.catalog import Catalog, CatalogInvalid
@@ -77,9 +78,9 @@ def routes(cp: ControlPlane) -> APIRouter:
             applied = await cp.calls(cp.catalogs.apply, text, API_SOURCE, cp.clock.time())
         except CatalogInvalid as exc:
             if not dry_run:
-                cp.catalog_refused([str(p) for p in exc.problems], API_SOURCE)
+                refused_event(cp.events, [str(p) for p in exc.problems], API_SOURCE)
             raise Refused(422, views.refused(exc)) from None
-        cp.catalog_event(applied, API_SOURCE)
+        applied_event(cp.events, applied, API_SOURCE)
         if applied.changed:
             cp.wake()
         adapters, moves, pending = await changes(applied.catalog)

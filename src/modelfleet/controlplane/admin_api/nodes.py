@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from modelfleet.controlplane import nodes as node_changes
 from modelfleet.controlplane import views
 from modelfleet.controlplane.admin_api.shared import Refused, body_of, errors, read_body
 from modelfleet.controlplane.membership import MembershipRefused
-from modelfleet.controlplane.plane import ControlPlane, MarkRefused, NodeBusy
+from modelfleet.controlplane.nodes import MarkRefused, NodeBusy
+from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.core.fleet import Mark
 from modelfleet.messages import admin
 
@@ -39,7 +41,7 @@ def routes(cp: ControlPlane) -> APIRouter:
             preview = await cp.preview(cp.catalogs.current, {node: Mark(body.mark)})
         else:
             try:
-                was = await cp.mark_node(node, Mark(body.mark), body.grace_s)
+                was = await node_changes.mark_node(cp, node, Mark(body.mark), body.grace_s)
             except MarkRefused as exc:
                 raise Refused.because(exc.status, str(exc)) from None
             preview = await cp.preview(cp.catalogs.current)
@@ -71,7 +73,7 @@ def routes(cp: ControlPlane) -> APIRouter:
             known = ", ".join(sorted(cp.state.nodes)) or "none has reported yet"
             raise Refused.because(404, f"no node {node!r} has reported (nodes: {known})")
         try:
-            retired = await cp.delete_node(node, force)
+            retired = await node_changes.delete_node(cp, node, force)
         except NodeBusy as exc:
             raise Refused.because(409, str(exc)) from None
         return admin.NodeDeleted(node=node, retired=retired)
@@ -82,7 +84,7 @@ def routes(cp: ControlPlane) -> APIRouter:
         its replicas are replaced elsewhere as a lost node's are. It comes back only by
         joining anew with a join token."""
         try:
-            replacing = await cp.revoke_node(node)
+            replacing = await node_changes.revoke_node(cp, node)
         except MembershipRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         return admin.NodeRevoked(node=node, replacing=replacing)
