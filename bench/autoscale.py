@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import tempfile
 import threading
@@ -52,15 +51,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import yaml
+from kit import AdminFleet, answered, end_on_sigterm, json_line
+from kit import wait as _wait
 
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
 SIM = ["--ttft", "0.03", "--itl", "0.01", "--startup-delay", "5"]
 STARTUP_S, WAKE_S = 5.0, 1.0
-MODELS = [
+MODELS: list[dict[str, Any]] = [
     {"name": "cold", "engine": "sim", "args": SIM, "max_parallel": 2,
      "autoscale": {"min": 0, "max": 2, "target_in_flight": 4, "scale_down_after": "3s",
                    "scale_to_zero_after": "6s"}},
@@ -84,43 +84,24 @@ MODELS = [
 
 
 def wait(what: str, check: Callable[[], Any], timeout: float = 120) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result is not None and result is not False:
-            return result
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
+    return _wait(what, check, timeout, done=answered)
 
 
-class Fleet:
+class Fleet(AdminFleet):
     """The fleet as the bench reads and drives it."""
 
     def __init__(self, running: RunningFleet) -> None:
-        self.running = running
-        self.admin = httpx.Client(
-            base_url=running.admin_url,
-            headers={"authorization": f"Bearer {running.admin_token}"},
-            timeout=10,
-        )
+        super().__init__(running)
         self.client = openai.OpenAI(
             base_url=running.router_url + "/v1",
             api_key=running.api_key,
-            http_client=httpx.Client(timeout=120, limits=httpx.Limits(max_connections=256)),
+            timeout=120,  # its client's default pool (100 connections) holds the 80 clients
             max_retries=0,
         )
 
-    def replicas(self, model: str) -> list[dict[str, Any]]:
-        listed = self.admin.get("/v1/replicas").json()["replicas"]
-        return [r for r in listed if r["model"] == model]
-
     def count(self, model: str) -> int:
         scaling = self.admin.get("/v1/status").json()["scaling"]
-        return next(s["replicas"] for s in scaling if s["model"] == model)
-
-    def events(self, reason: str) -> list[dict[str, Any]]:
-        events = self.admin.get("/v1/events", params={"limit": 1000}).json()["events"]
-        return [e for e in events if e["reason"] == reason]
+        return int(next(s["replicas"] for s in scaling if s["model"] == model))
 
     def ask(self, model: str, tokens: int = 32) -> dict[str, Any]:
         """One streamed chat completion: when it began and got its first token (monotonic),
@@ -242,7 +223,7 @@ class GpuSeconds:
         pairs = itertools.pairwise(self.counts)
         used = sum(n * (t1 - t0) for (t0, n), (t1, _) in pairs)
         span = self.counts[-1][0] - self.counts[0][0] if len(self.counts) > 1 else 0.0
-        fixed = sum(m["autoscale"]["max"] for m in MODELS) * span  # type: ignore[index]
+        fixed = sum(m["autoscale"]["max"] for m in MODELS) * span
         return {
             "gpu_seconds_used": round(used, 1),
             "gpu_seconds_fixed_max": round(fixed, 1),
@@ -319,10 +300,10 @@ def cold_load(fleet: Fleet, seconds: float, clients: int = 80) -> dict[str, Any]
     def rate(done: list[dict[str, Any]]) -> float:
         counted = [d for d in done if d["after_first"] and not d["error"]]
         span = max(d["end"] for d in counted) - min(d["began"] for d in counted)
-        return len(counted) / span
+        return float(len(counted) / span)
 
     def warm_serving() -> bool:
-        return sum(r["state"] == "ready" for r in fleet.replicas("warmload")) == 3
+        return len([r for r in fleet.replicas("warmload") if r["state"] == "ready"]) == 3
 
     wait("coldload at zero replicas", lambda: not fleet.replicas("coldload"), 60)
     cold = closed_loop(fleet, "coldload", clients, seconds)
@@ -362,6 +343,7 @@ def wake(fleet: Fleet) -> dict[str, Any]:
 
 
 def main() -> None:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--wave-s", type=float, default=180.0)
@@ -387,7 +369,7 @@ def main() -> None:
         results.update(gpus.finish())
     finally:
         running.fleet.stop()
-    print(json.dumps(results))
+    json_line(results)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import yaml
+from kit import end_on_sigterm, json_line
 
 from modelfleet.http.loadgen import SteadyClient
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
@@ -123,6 +124,7 @@ def measure(fleet: RunningFleet, changes: int, gap: float, window: float) -> dic
 
 
 def main() -> None:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--changes", type=int, default=20, help="changes by file, and by API")
     parser.add_argument("--gap", type=float, default=0.5, help="seconds between changes")
@@ -145,7 +147,7 @@ def main() -> None:
         print(f"  failure: {failure}")
     figures = {k: v for k, v in result.items() if k != "failures"}
     rounded = json.loads(json.dumps(figures), parse_float=lambda x: round(float(x), 4))
-    print(json.dumps({"bench": "catalog_swap", **rounded}))
+    json_line({"bench": "catalog_swap", **rounded})
 
 
 if __name__ == "__main__":

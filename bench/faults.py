@@ -21,7 +21,6 @@ Target: zero failed requests, except while a process that clients reach is down:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import tempfile
@@ -32,9 +31,11 @@ from typing import Any
 
 import httpx
 import yaml
+from kit import AdminFleet, end_on_sigterm, json_line
+from kit import wait as _wait
 
 from modelfleet.http.loadgen import SteadyClient
-from modelfleet.up import FleetOptions, RunningFleet, start_fleet
+from modelfleet.up import FleetOptions, start_fleet
 
 A = {"name": "a", "engine": "sim", "replicas": 2, "args": ["--itl", "0.005"]}
 B = {"name": "b", "engine": "sim", "args": ["--itl", "0.005"]}
@@ -42,31 +43,11 @@ H = {"name": "h", "engine": "sim", "args": ["--hang-after", "4"]}
 
 
 def wait(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if result := check():
-                return result
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
+    return _wait(what, check, timeout, ignore=(httpx.TransportError,))
 
 
-class Fleet:
+class Fleet(AdminFleet):
     """The running fleet as an operator reaches it."""
-
-    def __init__(self, running: RunningFleet) -> None:
-        self.running = running
-        self.admin = httpx.Client(
-            base_url=running.admin_url,
-            headers={"authorization": f"Bearer {running.admin_token}"},
-            timeout=10,
-        )
-
-    def replicas(self, model: str) -> list[dict[str, Any]]:
-        reps = self.admin.get("/v1/replicas").json()["replicas"]
-        return [r for r in reps if r["model"] == model]
 
     def ready(self, model: str) -> list[dict[str, Any]]:
         return [r for r in self.replicas(model) if r["state"] == "ready"]
@@ -78,14 +59,6 @@ class Fleet:
     def all_settled(self) -> bool:
         return self.settled("a", 2) and self.settled("b", 1)
 
-    def mark(self, node: str, mark: str, **extra: Any) -> None:
-        r = self.admin.post(f"/v1/nodes/{node}/mark", json={"mark": mark, **extra})
-        r.raise_for_status()
-
-    def apply(self, *models: dict[str, Any]) -> None:
-        r = self.admin.put("/v1/catalog", content=yaml.safe_dump({"models": list(models)}))
-        r.raise_for_status()
-
     def child(self, role: str, node: str | None = None) -> Any:
         [c] = [c for c in self.running.fleet.children if c.role == role and c.node == node]
         return c
@@ -96,11 +69,7 @@ class Fleet:
         child.proc.wait()
         self.running.fleet.restart(child)
         if role == "control-plane":
-            self.admin = httpx.Client(
-                base_url=self.running.admin_url,
-                headers={"authorization": f"Bearer {self.running.admin_token}"},
-                timeout=10,
-            )
+            self.admin = self.connect()
 
     def kill_engine(self, replica: dict[str, Any]) -> None:
         pid = replica["shards"][0]["pid"]
@@ -285,13 +254,15 @@ def run(rate: float) -> dict[str, Any]:
 
 
 def main() -> None:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=20.0, help="requests/s over a and b")
     args = parser.parse_args()
     results = run(args.rate)
     every = all(not r["events_missing"] for r in results.values())
-    print(json.dumps({"bench": "faults", "rate": args.rate, "scenarios": results,
-                      "events_per_fault": every}))  # fmt: skip
+    json_line(
+        {"bench": "faults", "rate": args.rate, "scenarios": results, "events_per_fault": every}
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ simulated engine on one GPU. It checks, and prints as one JSON line:
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from typing import Any
 import httpx
 import psutil
 import yaml
+from kit import end_on_sigterm, json_line
+from kit import wait as _wait
 
 from modelfleet.up import FleetOptions, start_fleet
 from modelfleet.up.configs import REAL_GPUS
@@ -43,13 +44,7 @@ time.sleep(120)
 
 
 def wait(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return _wait(what, check, timeout, every=0.1)
 
 
 def gpu_used(metrics: str, gpu: str = "0") -> float:
@@ -60,6 +55,7 @@ def gpu_used(metrics: str, gpu: str = "0") -> float:
 
 
 def main() -> None:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hold-gib", type=int, default=20)
     args = parser.parse_args()
@@ -137,7 +133,7 @@ def main() -> None:
                 holder.wait()
         finally:
             running.fleet.stop()
-    print(json.dumps(out), flush=True)
+    json_line(out)
 
 
 if __name__ == "__main__":

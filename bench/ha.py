@@ -63,6 +63,8 @@ from typing import Any
 import httpx
 import psycopg
 import yaml
+from kit import answered, end_on_sigterm, json_line
+from kit import wait as _wait
 
 from modelfleet.ctl.client import AdminClient, AdminTarget, CtlError
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
@@ -84,13 +86,7 @@ OUTAGE_S = 30.0  # PostgreSQL frozen this long, then stopped this long
 
 
 def wait(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result is not None and result is not False:  # 0 is an answer: the first plane
-            return result
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
+    return _wait(what, check, timeout, done=answered)  # 0 is an answer: the first plane
 
 
 class Planes:
@@ -446,6 +442,7 @@ def nemesis(bench: Bench, minutes: float, seed: int) -> None:
 
 
 def main() -> None:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--ttl", type=float, default=3.0, help="the lease's TTL, seconds")
@@ -495,7 +492,7 @@ def main() -> None:
             load.wait(60)
         running.fleet.stop()
     shutil.rmtree(folder)  # kept when the run failed: its logs say why
-    print(json.dumps(bench.results))
+    json_line(bench.results)
 
 
 def _catalog_of(models: list[dict[str, Any]]) -> Any:

@@ -39,9 +39,11 @@ from pathlib import Path
 
 import httpx
 import yaml
-from router import Processes, free_port, start_redis, start_sims, wait_ready
+from kit import end_on_sigterm, json_line
+from router import Processes, start_redis, start_sims, wait_ready
 
 from modelfleet.host.files import write_atomic
+from modelfleet.host.processes import free_port
 from modelfleet.router.limits import RedisLimits, Ticket
 from modelfleet.router.table import ApiKey
 
@@ -204,6 +206,7 @@ async def hung_added_ms(router: str, redis_pid: int) -> float:
 
 
 def main() -> None:
+    end_on_sigterm()
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="bench-limits-") as tmp:
         procs = Processes(Path(tmp))
@@ -230,7 +233,7 @@ def main() -> None:
             figures["leaked_slots_after_redis_restart"] = leaked
         finally:
             procs.stop_all()
-    print(json.dumps(figures))
+    json_line(figures)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
+import functools
 import os
 import random
 import signal
@@ -54,6 +54,7 @@ from typing import Any
 import httpx
 import openai
 import yaml
+from kit import AdminFleet, answers, end_on_sigterm, json_line, wait
 
 from modelfleet.host.processes import free_port, stop_groups
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
@@ -62,7 +63,7 @@ ADAPTERS = [f"lora-{i:02d}" for i in range(50)]
 LOAD_DELAY_S = 0.5
 MAX_LORAS = 4
 SIM = ["--ttft", "0.03", "--itl", "0.01", "--lora-load-delay", str(LOAD_DELAY_S)]
-BASE = {
+BASE: dict[str, Any] = {
     "name": "base",
     "engine": "sim",
     "args": SIM,
@@ -75,15 +76,7 @@ ERRORS: dict[str, int] = {}  # why requests through the fleet failed, and how of
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if found := check():
-                return found
-        except httpx.TransportError:
-            pass
-        time.sleep(0.02)
-    raise SystemExit(f"timed out after {timeout}s waiting for {what}")
+    return wait(what, check, timeout, every=0.02, ignore=(httpx.TransportError,))
 
 
 def workload(duration: float) -> list[str]:
@@ -97,7 +90,7 @@ def workload(duration: float) -> list[str]:
 
 def found_loaded_bound() -> float:
     weights = sorted((k**-ZIPF_S for k in range(1, len(ADAPTERS) + 1)), reverse=True)
-    return sum(weights[: 2 * MAX_LORAS]) / sum(weights)
+    return float(sum(weights[: 2 * MAX_LORAS]) / sum(weights))
 
 
 async def paced(asks: list[str], send: Callable[[str], Any]) -> list[tuple[bool, float]]:
@@ -125,17 +118,9 @@ def percentiles(done: list[tuple[bool, float]], prefix: str) -> dict[str, float]
     return {f"{prefix}_p{p}_s": round(v, 3) for p, v in at.items()}
 
 
-class Fleet:
+class Fleet(AdminFleet):
     def __init__(self, running: RunningFleet) -> None:
-        self.running = running
-        self.admin = httpx.Client(
-            base_url=running.admin_url,
-            headers={"authorization": f"Bearer {running.admin_token}"},
-            timeout=30,
-        )
-
-    def replicas(self) -> list[dict[str, Any]]:
-        return list(self.admin.get("/v1/replicas").json()["replicas"])
+        super().__init__(running, timeout=30)
 
     def adapters(self, replica: dict[str, Any]) -> dict[str, dict[str, Any]]:
         return {a["name"]: a for a in replica["shards"][0]["adapters"]}
@@ -228,7 +213,7 @@ def random_router(asks: list[str], folder: Path) -> tuple[int, int, list[tuple[b
                                               env=env, start_new_session=True))  # fmt: skip
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
-            wait_for(f"{url} ready", lambda url=url: httpx.get(url + "/health").status_code == 200)
+            wait_for(f"{url} ready", functools.partial(answers, url + "/health"))
         return asyncio.run(through_random_router(urls, asks))
     finally:
         stop_groups([p.pid for p in procs], 10)
@@ -243,7 +228,7 @@ def restart(fleet: Fleet) -> float:
     def seen() -> dict[str, Any] | None:
         return next(r for r in fleet.replicas() if r["id"] == replica["id"])
 
-    ready = wait_for(
+    ready: float = wait_for(
         "the new engine ready",
         lambda: (r := seen()) and r["state"] == "ready" and r["shards"][0]["pid"] != pid
         and time.monotonic(),
@@ -286,6 +271,7 @@ def bad_source(fleet: Fleet, folder: Path) -> tuple[bool, str]:
 
 
 def main() -> None:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument(
@@ -346,7 +332,7 @@ def main() -> None:
             results["errors"] = dict(sorted(ERRORS.items(), key=lambda kv: -kv[1])[:3])
         finally:
             running.fleet.stop()
-    print(json.dumps(results))
+    json_line(results)
 
 
 if __name__ == "__main__":

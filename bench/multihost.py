@@ -36,6 +36,7 @@ false.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -50,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kit import end_on_sigterm, json_line
+from kit import wait as _wait
 
 from modelfleet.agent.records import recorded_engine_pids
 from modelfleet.host.hosts import Capture, Hosts, Shell, call_in, netns_unavailable, shell_blocks
@@ -76,12 +79,7 @@ GROUP_CATALOG = """models:
 
 
 def wait(what: str, check: Callable[[], Any], timeout: float, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(every)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return _wait(what, check, timeout, every=every)
 
 
 class Bench:
@@ -166,7 +164,7 @@ class Bench:
         for host, node in NODES.items():
             began = time.monotonic()
             self.shell(host, NODE=node, TOKEN=token).run(agent)
-            wait(f"{node} to report", lambda n=node: self._has_node(n), 30, 0.05)
+            wait(f"{node} to report", functools.partial(self._has_node, node), 30, 0.05)
             join_s = max(join_s, time.monotonic() - began)
         print(f"join: {join_s:.2f}s from the agent's start to its node's first report")
         wait("both replicas of chat to serve", lambda: len(self.ready("chat")) == 2, 90)
@@ -242,7 +240,7 @@ class Bench:
 
         ok = True
         for name, url in LISTENERS.items():
-            plain_refused, served = call_in(self.net.netns("b"), lambda u=url: probe(u))
+            plain_refused, served = call_in(self.net.netns("b"), functools.partial(probe, url))
             print(f"tls: {name}: plain HTTP refused {plain_refused}, TLS served {served}")
             ok = ok and plain_refused and served
         return ok
@@ -337,13 +335,14 @@ def _outcomes(path: Path) -> list[dict[str, Any]]:
 
 
 def main() -> int:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=10.0, help="requests/s to chat")
     args = parser.parse_args()
     why = netns_unavailable()
     if why is not None:
         print(f"cannot run: {why}")
-        print(json.dumps({"skipped": why}))
+        json_line({"skipped": why})
         return 2
     folder = Path(tempfile.mkdtemp(prefix="modelfleet-multihost-"))
     try:
@@ -368,7 +367,7 @@ def main() -> int:
     }
     for name, met in targets.items():
         print(f"target {name}: {'met' if met else 'MISSED'} ({result[name]})")
-    print(json.dumps(result))
+    json_line(result)
     return 0
 
 

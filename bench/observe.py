@@ -49,7 +49,6 @@ import asyncio
 import contextlib
 import datetime
 import itertools
-import json
 import multiprocessing
 import os
 import shutil
@@ -60,7 +59,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -71,6 +70,7 @@ import psutil
 import router as bench_router
 import uvicorn
 import yaml
+from kit import end_on_sigterm, json_line, state_dir, wait
 from playwright.sync_api import Browser, sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -98,16 +98,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 
 def say(text: str) -> None:
     print(text, flush=True)
-
-
-def wait(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def closed_port() -> str:
@@ -390,7 +380,8 @@ def previous_logs(running: RunningFleet) -> dict[str, Any]:
 
 
 def launch(p: Any) -> Browser:
-    return p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    browser: Browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    return browser
 
 
 def sign_in(browser: Browser, admin_url: str, token: str) -> Any:
@@ -448,7 +439,9 @@ def big_control_plane(nodes: int, replicas: int) -> ControlPlane:
     ]
     keeper.apply(yaml.safe_dump({"models": models}), "api", 0.0)
     ca = CertificateAuthority.create("bench CA", datetime.datetime.now(datetime.UTC))
-    config = ControlPlaneConfig(admin_token="bench-admin-token", settle_for=-1)
+    config = ControlPlaneConfig(
+        admin_token="bench-admin-token", settle_for=-1, state_dir=state_dir("observe")
+    )
     cp = ControlPlane(config, keeper, ca=ca)
     now = time.monotonic()
     gpus = SimulatedGpus("8x80GB", {}).gpus()
@@ -470,7 +463,7 @@ def serve_big(ready: Any, stop: Any) -> None:
         renders = []
         for _ in range(5):
             began = time.perf_counter()
-            html = await Dashboard(cp).render_part("overview", "")  # a new one: nothing held
+            html = await Dashboard(cp).parts.render_part("overview", "")  # a new one: nothing held
             renders.append(time.perf_counter() - began)
         assert html is not None and html.count("data-node=") == 1000
         _, app = create_apps(cp, Dashboard(cp))
@@ -517,6 +510,7 @@ def dashboard_at_scale() -> dict[str, Any]:
 
 
 def main() -> None:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--rate", type=float, default=200.0)
@@ -530,7 +524,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "truth").mkdir()
             out.update(truth(Path(tmp) / "truth"))
-        print(json.dumps(out), flush=True)
+        json_line(out)
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -561,7 +555,7 @@ def main() -> None:
         out["events_missing"] = {
             k: r["events_missing"] for k, r in results.items() if r["events_missing"]
         }
-    print(json.dumps(out), flush=True)
+    json_line(out)
 
 
 if __name__ == "__main__":

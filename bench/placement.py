@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import time
 import tracemalloc
@@ -30,6 +29,7 @@ from collections import Counter
 from typing import Any
 
 import yaml
+from kit import end_on_sigterm, json_line, state_dir
 
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
@@ -51,9 +51,12 @@ def catalog_for(replicas: int) -> list[dict[str, Any]]:
     """Models in the mix, with replica counts summing to about `replicas`."""
     models = []
     for i, (gpus, shards, share) in enumerate(MIX):
-        for variant, extra in enumerate(
-            ({}, {"node_labels": {"zone": "b"}}, {"placement": "pack"})
-        ):
+        variants: tuple[dict[str, Any], ...] = (
+            {},
+            {"node_labels": {"zone": "b"}},
+            {"placement": "pack"},
+        )
+        for variant, extra in enumerate(variants):
             models.append(
                 {
                     "name": f"m{gpus}x{shards}-{variant}-{i}",
@@ -118,7 +121,9 @@ def full_state(n: int, replicas: int) -> ControlPlane:
     keeper = CatalogKeeper(store)
     keeper.lead(0.0)
     keeper.apply(yaml.safe_dump({"models": models}), "bench", 0.0)
-    config = ControlPlaneConfig(admin_token="bench-token", settle_for=-1)
+    config = ControlPlaneConfig(
+        admin_token="bench-token", settle_for=-1, state_dir=state_dir("placement")
+    )
     cp = ControlPlane(config, keeper)
     catalog = keeper.current
     gpus = gpu_reports(n)
@@ -179,6 +184,7 @@ def time_pass(cp: ControlPlane, planning: bool, runs: int = 7) -> float:
 
 
 def main() -> None:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="100,1000,5000,10000")
     parser.add_argument("--pass-nodes", type=int, default=10000)
@@ -232,17 +238,15 @@ def main() -> None:
     tracemalloc.stop()
     print(f"peak Python heap building that state and running a pass: {peak / 2**20:.0f} MiB")
 
-    print(
-        json.dumps(
-            {
-                "bench": "placement",
-                "placements_per_s": {k: round(v) for k, v in rates.items()},
-                "reconcile_pass_ms_10000": round(pass_s * 1000, 2),
-                "idle_pass_ms_10000": round(idle_s * 1000, 3),
-                "replicas_10000": held,
-                "peak_mib_10000": round(peak / 2**20, 1),
-            }
-        )
+    json_line(
+        {
+            "bench": "placement",
+            "placements_per_s": {k: round(v) for k, v in rates.items()},
+            "reconcile_pass_ms_10000": round(pass_s * 1000, 2),
+            "idle_pass_ms_10000": round(idle_s * 1000, 3),
+            "replicas_10000": held,
+            "peak_mib_10000": round(peak / 2**20, 1),
+        }
     )
 
 

@@ -49,15 +49,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import psutil
 import yaml
+from kit import answers, end_on_sigterm, json_line, wait
 
 from modelfleet.host.files import write_atomic
 from modelfleet.host.processes import free_port
@@ -138,16 +138,15 @@ class Processes:
 def wait_ready(procs: Processes, what: str, url: str, timeout: float = 120.0) -> None:
     """Wait until GET `url` answers 200; fail naming `what` after `timeout` s, or at once
     when a process this bench started has exited."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         for proc in procs.started:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}); see {procs.tmp}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s")
+                argv = proc.args if isinstance(proc.args, list) else [proc.args]
+                raise RuntimeError(f"{argv[0]!s} exited ({proc.returncode}); see {procs.tmp}")
+        return answers(url)
+
+    wait(f"{what} to answer {url}", ready, timeout, every=0.1)
 
 
 def start_sims(procs: Processes, n: int, *extra: str) -> list[str]:
@@ -482,7 +481,7 @@ def run_prefix(procs: Processes, args: argparse.Namespace) -> dict[str, Any]:
     caches: no router inherits what the one before it warmed)."""
     requests = int(args.prefix_rate * args.prefix_duration)
     bodies = prefix_workload(prefixes=32, words=2000, requests=requests)
-    starts = {
+    starts: dict[str, Callable[[list[str]], Target | None]] = {
         "modelfleet_prefix": lambda e: start_modelfleet(procs, e, "prefix"),
         "modelfleet_least_load": lambda e: start_modelfleet(procs, e, "least_load"),
         "vllm_router_round_robin": lambda e: start_vllm_router(procs, e, "round_robin"),
@@ -505,6 +504,7 @@ def run_prefix(procs: Processes, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    end_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
     parser.add_argument("--rates", default="50,200", help="open-loop requests/s, comma-separated")
@@ -575,7 +575,7 @@ def main() -> None:
         line["round_robin_ttft_p50_ms"] = round(rr["ttft_p50_ms"], 1)
         line["least_load_ttft_p50_ms"] = round(prefix["modelfleet_least_load"]["ttft_p50_ms"], 1)
         line["prefix_ttft_p50_gain"] = round(rr["ttft_p50_ms"] / ours, 2)
-    print(json.dumps(line))
+    json_line(line)
 
 
 if __name__ == "__main__":
