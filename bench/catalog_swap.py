@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 import yaml
-from kit import end_on_sigterm, json_line
+from kit import end_on_sigterm, json_line, wait
 
 from modelfleet.http.loadgen import SteadyClient
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
@@ -45,10 +45,13 @@ def router_catalog_version(push: httpx.Client) -> int:
 
 def wait_router(push: httpx.Client, version: int, began: float, timeout: float = 10) -> float:
     """Seconds from `began` until the router holds catalog `version`."""
-    while router_catalog_version(push) < version:
-        if time.monotonic() - began > timeout:
-            raise RuntimeError(f"the router did not get catalog version {version} in {timeout}s")
-        time.sleep(0.005)
+    left = timeout - (time.monotonic() - began)
+    wait(
+        f"the router to hold catalog version {version}",
+        lambda: router_catalog_version(push) >= version,
+        left,
+        every=0.005,
+    )
     return time.monotonic() - began
 
 

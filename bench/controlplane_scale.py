@@ -54,7 +54,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +61,7 @@ import aiohttp
 import uvloop
 import yaml
 from aiohttp import web
-from kit import end_on_sigterm, json_line
+from kit import end_on_sigterm, json_line, waited
 
 from modelfleet.agent.heartbeat import retry_delay
 from modelfleet.host.files import write_atomic
@@ -280,19 +279,6 @@ def rss_mb(pid: int) -> float:
     return math.nan
 
 
-async def wait_for(
-    what: str, done: Callable[[], bool], timeout: float, seen: Callable[[], str] = str
-) -> float:
-    """Seconds until `done()`; raises TimeoutError naming `what`, and what was `seen` by
-    then, after `timeout`."""
-    began = time.perf_counter()
-    while not done():
-        if time.perf_counter() - began > timeout:
-            raise TimeoutError(f"waited {timeout:.0f}s for {what}; {seen()}")
-        await asyncio.sleep(0.02)
-    return time.perf_counter() - began
-
-
 class ControlPlaneProcess:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -309,7 +295,7 @@ class ControlPlaneProcess:
              "--log-level", "warning"],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        await wait_for("the control plane's ready file", ready.exists, 60)
+        await waited("the control plane's ready file", ready.exists, 60)
         self.urls = json.loads(ready.read_text())["urls"]
 
     def stop(self) -> None:
@@ -368,13 +354,13 @@ async def measure(
                 if len(tasks) % 300 == 0:
                     await asyncio.sleep(0.01)
             began = time.perf_counter()
-            await wait_for(
+            await waited(
                 f"a routing table of all {replicas} replicas",
                 lambda: fleet.table[1] >= replicas,
                 600,
             )
             up_s = time.perf_counter() - began
-            await wait_for("every agent beating", lambda: fleet.beating == nodes, 120, fleet.seen)
+            await waited("every agent beating", lambda: fleet.beating == nodes, 120, fleet.seen)
             # This process holds 10,000 simulated agents: kept out of its collector's sight,
             # as the control plane keeps its state, so that its pauses do not show as theirs.
             gc.freeze()
@@ -410,15 +396,15 @@ async def measure(
             ) as response:
                 assert response.status == 200, await response.text()
                 put_s = time.perf_counter() - began
-            await wait_for(f"{ADDED} replicas assigned", lambda: fleet.added_shards >= ADDED, 120)
+            await waited(f"{ADDED} replicas assigned", lambda: fleet.added_shards >= ADDED, 120)
             assigned_s = time.perf_counter() - began
             replicas += ADDED
-            await wait_for(
+            await waited(
                 f"a routing table of all {replicas} replicas",
                 lambda: fleet.table[1] >= replicas,
                 120,
             )
-            await wait_for("every agent beating", lambda: fleet.beating == nodes, 120, fleet.seen)
+            await waited("every agent beating", lambda: fleet.beating == nodes, 120, fleet.seen)
 
             # A restart on the same state dir, until every replica is adopted and routed.
             epoch = fleet.table[0]
@@ -431,11 +417,11 @@ async def measure(
             ready_s = time.perf_counter() - began
             for sim in sims:
                 sim.url = cp.urls["agent"]
-            await wait_for(
+            await waited(
                 "every agent reporting again", lambda: fleet.beating == nodes, 300, fleet.seen
             )
             reported_s = time.perf_counter() - began
-            await wait_for(
+            await waited(
                 "a full routing table from the restarted control plane",
                 lambda: fleet.table[0] > epoch and fleet.table[1] >= replicas,
                 300,

@@ -9,6 +9,7 @@ longer imports, because what it measures moved, fails there instead of rotting u
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import sys
@@ -51,6 +52,20 @@ def wait(
                 return result
         time.sleep(every)
     raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+async def waited(
+    what: str, done: Callable[[], bool], timeout: float, seen: Callable[[], str] = str
+) -> float:
+    """Seconds until `done()`, asked every 20 ms without blocking the event loop (a bench
+    that serves agents from it); raises TimeoutError naming `what`, and what was `seen` by
+    then, after `timeout`."""
+    began = time.perf_counter()
+    while not done():
+        if time.perf_counter() - began > timeout:
+            raise TimeoutError(f"waited {timeout:.0f}s for {what}; {seen()}")
+        await asyncio.sleep(0.02)
+    return time.perf_counter() - began
 
 
 def answers(url: str, verify: Any = True) -> bool:

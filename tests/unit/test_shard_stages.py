@@ -59,7 +59,7 @@ def test_behind_a_gate_the_engine_listens_on_loopback_and_the_gate_where_routers
     assert engine[engine.index("--host") + 1] == "127.0.0.1"
 
 
-def test_what_cannot_start_says_why() -> None:
+def test_what_cannot_start_says_why(tmp_path: Path) -> None:
     with pytest.raises(CannotStart, match="no driver"):
         launch(assignment(), NoDriver("no driver for engine 'x'"), SupervisorSettings(), None)
     slots = SupervisorSettings(cpu_slots={0: (0, 1)})
@@ -68,7 +68,8 @@ def test_what_cannot_start_says_why() -> None:
     got = launch(assignment(), SimDriver(), SupervisorSettings(), None)
     missing = got.launch.__class__(["/no/such/engine"], {})
     with pytest.raises(CannotStart, match="cannot start /no/such/engine"):
-        spawn(got.__class__(missing, got.port, None, got.key), Path(os.devnull), {}, ())
+        # (A log in a folder of its own: spawn makes the log's folder private.)
+        spawn(got.__class__(missing, got.port, None, got.key), tmp_path / "logs" / "x", {}, ())
 
 
 # -- probe -----------------------------------------------------------------------------------

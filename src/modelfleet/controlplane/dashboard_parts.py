@@ -190,11 +190,7 @@ class LiveParts:
         if stored.plotted is not None:
             basis += (stored.plotted.version, stored.problem)
         if part == "replica":
-            seen = self._replica(name)
-            basis += (
-                tuple(cp.loads.ejections(now).get(name, ())),
-                *((seen["load"], seen["at_engine"], seen["cache"]) if seen else ()),
-            )
+            basis += (tuple(cp.loads.ejections(now).get(name, ())), *self._load(name).values())
         return basis
 
     # -- what each part shows -----------------------------------------------------------
@@ -264,11 +260,16 @@ class LiveParts:
         record = cp.state.replicas.get(rid)
         if record is None:
             return None
-        now = cp.clock.monotonic()
-        ejected = cp.loads.ejections(now).get(rid, [])
-        model = (cp.loads.loads(now) or {}).get(record.replica.model)
+        ejected = cp.loads.ejections(cp.clock.monotonic()).get(rid, [])
+        return {"replica": views.replica_view(cp.state, record, ejected), **self._load(rid)}
+
+    def _load(self, rid: str) -> dict[str, Any]:
+        """A replica's load as the routers report it: requests here, at its engine, and its
+        KV cache in use (None for what no router has said)."""
+        record = self.cp.state.replicas.get(rid)
+        loads = self.cp.loads.loads(self.cp.clock.monotonic()) or {}
+        model = loads.get(record.replica.model) if record is not None else None
         return {
-            "replica": views.replica_view(cp.state, record, ejected),
             "load": model.replicas.get(rid) if model else None,
             "at_engine": model.engines.get(rid) if model else None,
             "cache": model.cache.get(rid) if model else None,

@@ -3,6 +3,9 @@
 A driver turns an assignment into a command line, an environment and a readiness probe
 (`Launch`). The agent's supervisor does the rest (start, probe, restart, stop), the same for
 every engine. One module per engine.
+
+May import: the messages and the pure core; the agent alone uses it (and the command line,
+to name the engines it knows).
 """
 
 from __future__ import annotations

@@ -58,6 +58,10 @@ class Parts:
     # Seconds from `clock`'s reading to the epoch, for spans' times.
     clock_to_epoch: float = 0.0
 
+    def epoch_ns(self, reading: float) -> int:
+        """A reading of `clock` as nanoseconds since the epoch, as spans carry times."""
+        return int((reading + self.clock_to_epoch) * 1e9)
+
 
 @dataclass
 class Exchange:

@@ -583,7 +583,6 @@ class Attempt:
         flight = self.flight
         parts, ex, plan = flight.parts, flight.ex, flight.plan
         assert plan is not None
-        to_ns = parts.clock_to_epoch
         attributes: dict[str, AttributeValue] = {
             "modelfleet.replica": plan.table.replicas.get(self.endpoint, self.endpoint),
             "server.address": self.endpoint,
@@ -601,8 +600,8 @@ class Attempt:
                 trace_id=ex.trace_id,
                 span_id=self.span_id,
                 parent_id=ex.span_id,
-                start_ns=int((self.began + to_ns) * 1e9),
-                end_ns=int((parts.clock() + to_ns) * 1e9),
+                start_ns=parts.epoch_ns(self.began),
+                end_ns=parts.epoch_ns(parts.clock()),
                 kind="client",
                 attributes=attributes,
                 error=error,

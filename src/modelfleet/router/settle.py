@@ -86,15 +86,14 @@ def record(spans: SpanSink, parts: Parts, ex: Exchange, attempts: int) -> None:
         error = "the client went away"
     elif ex.status >= 500:
         error = "; ".join(ex.failures) or f"HTTP {ex.status}"
-    to_ns = parts.clock_to_epoch
     spans.record(
         SpanRecord(
             name=f"router {ex.path}",
             trace_id=ex.trace_id,
             span_id=ex.span_id,
             parent_id=ex.caller_span,
-            start_ns=int((ex.started + to_ns) * 1e9),
-            end_ns=int((end + to_ns) * 1e9),
+            start_ns=parts.epoch_ns(ex.started),
+            end_ns=parts.epoch_ns(end),
             kind="server",
             attributes=attributes,
             error=error,

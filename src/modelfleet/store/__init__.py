@@ -9,6 +9,10 @@ never stored here: it is learned from agents' reports.
 
 Each keeps a schema version (SCHEMA_VERSION) and brings an older schema up to it at open; a
 store whose schema is newer than this modelfleet knows is refused (`check_schema`).
+
+May import: host (files, a PostgreSQL of our own), the messages and the pure core, and the
+SQLite and PostgreSQL drivers; only the control plane (and the command that starts it)
+uses it.
 """
 
 from __future__ import annotations

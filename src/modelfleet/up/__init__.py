@@ -13,6 +13,10 @@ the state dir and is the same at the next `up` on it.
 `configs.py` says what runs, `kept.py` what is kept across restarts, `children.py` starts and
 stops processes, `fleet.py` starts a fleet in order, `restarts.py` keeps it up, `command.py`
 is the command itself.
+
+May import: the agent's records (to read what its agents run), host, security, the messages
+and the pure core; never a service's code: it starts them as processes (the contract "up
+starts services as processes").
 """
 
 from modelfleet.up.children import UpError
