@@ -97,7 +97,7 @@ def test_changes_and_faults_are_events_an_operator_can_read() -> None:
     assert "ShardFailed" in shown.getvalue() and "engine exited (1)" in shown.getvalue()
 
 
-def test_a_drain_that_finished_and_pushes_a_router_missed_are_events() -> None:
+def test_a_drain_of_an_empty_node_is_told_once() -> None:
     cp = control_plane()
     empty = AgentReport(node="c", boot_id="b", seq=1, address="127.0.0.1", gpus=[], shards=[])
     cp.state.take_report(empty, cp.catalogs.current, cp.clock.monotonic())
@@ -108,6 +108,35 @@ def test_a_drain_that_finished_and_pushes_a_router_missed_are_events() -> None:
     drained = [e for e in cp.read_events("node/c") if e.reason == "NodeDrained"]
     assert len(drained) == 1 and drained[0].count == 1
 
+
+def test_the_release_that_empties_a_draining_node_tells_it_drained_without_another_pass() -> None:
+    cp = control_plane()  # a and b each hold a replica of `small` on their one healthy GPU
+    now = time.monotonic()
+    [on_b] = cp.assignments.of("b", cp.catalogs.current).shards
+    b = cp.state.nodes["b"].report
+    b_ready = ShardReport.of(on_b, ShardState.READY, port=9000, pid=123)
+    cp.state.take_report(
+        b.model_copy(update={"seq": 2, "shards": [b_ready]}), cp.catalogs.current, now
+    )
+    gpus = SimulatedGpus("1x80GB", {}).gpus()
+    room = AgentReport(node="c", boot_id="b", seq=1, address="127.0.0.1", gpus=gpus, shards=[])
+    cp.state.take_report(room, cp.catalogs.current, now)
+    asyncio.run(nodes.set_mark(cp, "a", Mark.DRAINING, 600))
+    cp.reconcile_once(now)  # a's replacement is placed on c
+    [placed] = cp.assignments.of("c", cp.catalogs.current).shards
+    ready = ShardReport.of(placed, ShardState.READY, port=9001, pid=124)
+    serving = room.model_copy(update={"seq": 2, "shards": [ready]})
+    cp.state.take_report(serving, cp.catalogs.current, now)
+    cp.reconcile_once(now)  # the replacement serves: the replica on a retires
+    cp.publish()
+    cp.release_retired(now)  # no router to wait for: released, and node a is empty
+    assert not cp.state.on_node("a")
+    drained = [e for e in cp.read_events("node/a") if e.reason == "NodeDrained"]
+    assert len(drained) == 1
+
+
+def test_a_push_a_router_missed_is_an_event() -> None:
+    cp = control_plane()
     answers = iter([httpx.Response(500, text="down"), httpx.Response(500, text="down")])
     publisher = cp.publisher
     router = RouterTarget(url="http://r1", token="t")

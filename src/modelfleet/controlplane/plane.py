@@ -7,7 +7,7 @@ event log, and its loops. What it learns of the fleet while it leads belongs to 
 every `reconcile_interval` seconds and at once after a report, a mark or a catalog swap that
 changed something; each pass that changes the routing table is pushed to every router
 (`publisher.py`), and a replica taken out of service is stopped only after every router has
-confirmed a table without it. The listeners (`agent_api.py`, `admin_api.py`) call into it;
+confirmed a table without it. The listeners (`agent_api.py`, `admin_api/`) call into it;
 `service.py` runs it all as a process.
 """
 

@@ -1,7 +1,7 @@
 """The control plane as a process: its two listeners and its loops, until SIGINT/SIGTERM.
 
 Two listeners on their own ports: the agent API (`agent_api.py`, agent token) and the admin
-API (`admin_api.py`, admin token), both around one `ControlPlane` (`plane.py`).
+API (`admin_api/`, admin token), both around one `ControlPlane` (`plane.py`).
 """
 
 from __future__ import annotations

@@ -400,11 +400,16 @@ class Term:
         self.state.adapters.swap(routed, now)
         for rid, why in self.state.tell_sleepers(routed, now):
             log.info("replica %s is out of every routing table; its engine sleeps (%s)", rid, why)
-        for rid, why in self.state.release(routed, now):
+        released = self.state.release(routed, now)
+        for rid, why in released:
             log.info("replica %s is out of every routing table; stopping it (%s)", rid, why)
             self.events.normal(
                 "ReplicaStopped", f"replica/{rid}", f"out of every router's table; stopping: {why}"
             )
+        if released:
+            # The release that empties a draining node says so now: an operator who uncordons
+            # it as soon as it is empty left no pass after it to see it drained.
+            self.note_drains()
 
     def roster_now(self, now: float) -> frozenset[str]:
         """What the next term waits for: the nodes that hold replicas now, and those of the
