@@ -270,7 +270,7 @@ class Fleet(RuleBasedStateMachine):
     @rule(routed=st.integers(0, 50))
     def release(self, routed: int) -> None:
         self.now += 5
-        self.cp.state.release(routed, self.now)
+        self.cp.state.leaving.release(routed, self.now)
 
     @rule(node=st.sampled_from(NODES))
     def delete_node(self, node: str) -> None:

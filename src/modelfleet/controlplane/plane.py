@@ -478,13 +478,13 @@ class ControlPlane:
         """Take the marks of the nodes a pass forgot out of the store (a mark of a node
         nobody knows does no harm meanwhile: tried again after the next pass)."""
         term = self.term
-        for node in list(term.forgotten):
+        for node in list(term.node_news.forgotten):
             try:
                 await self.calls(self.store.clear_mark, node)
             except StoreError as exc:
                 log.debug("cannot clear the mark of forgotten node %s yet: %s", node, exc)
                 return
-            term.forgotten.discard(node)
+            term.node_news.forgotten.discard(node)
 
     async def close(self) -> None:
         """At the stop: the lease let go and the events noted written, each bounded by the

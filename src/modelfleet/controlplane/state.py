@@ -24,6 +24,7 @@ from modelfleet.controlplane.adoption import adoptable
 from modelfleet.controlplane.changes import Changes
 from modelfleet.controlplane.faults import Faults
 from modelfleet.controlplane.heard import Heard
+from modelfleet.controlplane.leaving import Leaving
 from modelfleet.controlplane.records import (
     NO_MARK,
     NodeMark,
@@ -67,8 +68,6 @@ class FleetState:
     # replica id -> (node, rank) -> that shard as its node last reported it;
     _seen: dict[str, dict[tuple[str, int], ShardReport]] = field(default_factory=dict)
     # the replicas that are retiring, and those put to sleep whose agents are not yet told;
-    _retiring: set[str] = field(default_factory=set)
-    _dozing: set[str] = field(default_factory=set)
     # replicas some node reports that are not in the table (engines outside it hold GPUs);
     _strays: set[str] = field(default_factory=set)
     changes: Changes = field(default_factory=Changes)
@@ -84,11 +83,13 @@ class FleetState:
     faults: Faults = field(init=False)  # replicas that keep failing, nodes models keep off
     adapters: AdapterSwaps = field(init=False)  # which adapters each replica holds
     heard: Heard = field(init=False)  # the nodes, the one heard from longest ago first
+    leaving: Leaving = field(init=False)  # replicas retiring, and those put to sleep
 
     def __post_init__(self) -> None:
         self.faults = Faults(self)
         self.adapters = AdapterSwaps(self)
         self.heard = Heard(self.nodes)
+        self.leaving = Leaving(self)
 
     def _put(self, record: ReplicaRecord) -> None:
         self.changes.version += 1
@@ -101,15 +102,15 @@ class FleetState:
         self.changes.reassign(p.node for p in record.replica.shards)
         self.changes.reroute((record.replica.model,))
 
-    def _drop(self, rid: str) -> ReplicaRecord:
+    def drop(self, rid: str) -> ReplicaRecord:
+        """Take `rid` out of the table (its nodes' next assignments leave it out)."""
         self.changes.version += 1
         self.moving.pop(rid, None)
         record = self.replicas.pop(rid)
         self.dropped[rid] = tuple(p.node for p in record.replica.shards)
         if len(self.dropped) > MAX_DROPPED:
             del self.dropped[next(iter(self.dropped))]
-        self._retiring.discard(rid)
-        self._dozing.discard(rid)
+        self.leaving.discard(rid)
         self.adapters.discard(rid)
         if rid in self._seen:
             self._strays.add(rid)
@@ -126,13 +127,6 @@ class FleetState:
                 if not held:
                     del self._on_node[placement.node]
         return record
-
-    def _start_retiring(self, record: ReplicaRecord, why: str, by: float) -> None:
-        record.retiring = why
-        record.retire_by = by
-        self._retiring.add(record.replica.id)
-        self.changes.reroute((record.replica.model,))
-        self.changes.version += 1
 
     def of_model(self, model: str) -> Collection[str]:
         """The replicas of `model` in the table (retiring ones too)."""
@@ -311,7 +305,7 @@ class FleetState:
             for (node, _), s in self._seen[rid].items()
             for g in s.gpus
         }
-        for rid in self._retiring:
+        for rid in self.leaving.retiring:
             busy |= self.replicas[rid].replica.gpu_slots()
         return frozenset(busy)
 
@@ -361,23 +355,15 @@ class FleetState:
         for stop in plan.stop:
             record = self.replicas.get(stop.replica_id)
             if record is not None and not record.retiring:
-                self._start_retiring(record, stop.reason, now + retire_within)
+                self.leaving.retire(record, stop.reason, now + retire_within)
         for sleep in plan.sleep:
             record = self.replicas.get(sleep.replica_id)
             if record is not None and not record.retiring and not record.sleep:
-                record.sleep, record.unrouted_in = sleep.reason, None
-                record.retire_by = now + retire_within
-                self._dozing.add(sleep.replica_id)
-                self.changes.reroute((record.replica.model,))
-                self.changes.version += 1
+                self.leaving.doze(record, sleep.reason, now + retire_within)
         for wake in plan.wake:
             record = self.replicas.get(wake.replica_id)
             if record is not None and record.sleep:
-                record.sleep, record.told_to_sleep, record.unrouted_in = "", False, None
-                self._dozing.discard(wake.replica_id)
-                self.changes.reassign(p.node for p in record.replica.shards)
-                self.changes.reroute((record.replica.model,))
-                self.changes.version += 1
+                self.leaving.wake(record)
         created = []
         for new in plan.new:
             spec = catalog.get(new.model)
@@ -404,7 +390,7 @@ class FleetState:
         for rid in replica_ids:
             record = self.replicas.get(rid)
             if record is not None and not record.retiring:
-                self._start_retiring(record, why, now)
+                self.leaving.retire(record, why, now)
 
     def holding(self, node: str) -> list[str]:
         """The replicas in service (not retiring) with a shard on `node`."""
@@ -429,43 +415,8 @@ class FleetState:
     def mark_unrouted(self, version: int) -> None:
         """Note that routing `version` is the first without each retiring (or sleeping)
         replica not yet noted."""
-        for rid in (*self._retiring, *self._dozing):
-            record = self.replicas[rid]
-            if record.unrouted_in is None:
-                record.unrouted_in = version
+        self.leaving.unrouted(version)
         self.adapters.unrouted(version)
-
-    def release(self, routed_version: int, now: float) -> list[tuple[str, str]]:
-        """Drop from the table the retiring replicas that every router has stopped routing to
-        (it holds `routed_version` or later), or whose time to retire is up.
-
-        Their nodes' next assignments leave them out, so their agents stop the engines.
-        Returns (replica id, why) for each one released.
-        """
-        released = []
-        for rid in sorted(self._retiring):
-            record = self.replicas[rid]
-            confirmed = record.unrouted_in is not None and record.unrouted_in <= routed_version
-            if confirmed or now >= record.retire_by:
-                self._drop(rid)
-                why = record.retiring if confirmed else f"{record.retiring}; routers unconfirmed"
-                self.retired[rid] = (why, now)
-                released.append((rid, why))
-        return released
-
-    def tell_sleepers(self, routed_version: int, now: float) -> list[tuple[str, str]]:
-        """Tell the agents of the replicas put to sleep that every router has stopped routing
-        to (or whose time is up) to put their engines to sleep. Returns (replica id, why)."""
-        told = []
-        for rid in sorted(self._dozing):
-            record = self.replicas[rid]
-            confirmed = record.unrouted_in is not None and record.unrouted_in <= routed_version
-            if confirmed or now >= record.retire_by:
-                record.told_to_sleep = True
-                self._dozing.discard(rid)
-                self.changes.reassign(p.node for p in record.replica.shards)
-                told.append((rid, record.sleep))
-        return told
 
     def asleep(self) -> set[str]:
         """The replicas put to sleep (told so or not yet), not retiring."""

@@ -26,6 +26,7 @@ from modelfleet.controlplane.autoscaler import Autoscaler
 from modelfleet.controlplane.config import DEFAULT_SETTLE_FOR_S, ControlPlaneConfig, Heartbeats
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.loads import LoadCollector
+from modelfleet.controlplane.node_news import NodeNews
 from modelfleet.controlplane.plan_news import tell_decided, tell_pending, tell_placed
 from modelfleet.controlplane.publisher import Publisher
 from modelfleet.controlplane.routing import RoutingTable
@@ -81,9 +82,7 @@ class Term:
         self._waited = frozenset(config.known_nodes) | (roster or frozenset())
         self.took_over = took_over  # another led before: no table until a node reported
         self._settled = False
-        self._silent: dict[str, set[str]] = {"stale": set(), "lost": set()}
-        self._drained: set[str] = set()  # draining nodes told drained
-        self.forgotten: set[str] = set()  # nodes forgotten whose marks the store still holds
+        self.node_news = NodeNews(self.state, config, events)  # silences, drains, forgetting
         self.passes = 0  # reconcile passes made (after settling), for operators and tests
         self.plans = 0  # those of them that planned: the others had nothing new to plan from
         # What the last pass that planned planned from (the table's change count, the
@@ -205,9 +204,9 @@ class Term:
         self.planned_models = len(catalog.models) if models is None else len(models)
         if models is None:
             self._whole_at = now
-        self.forget_silent(now)
-        self.note_silences(now, timing)
-        self.note_drains()
+        self.node_news.forget_silent(now)
+        self.node_news.note_silences(now, timing)
+        self.node_news.note_drains()
         # Taken before the plan is carried out: what it changes is planned from once more, so
         # anything a pass leaves for the next (a replacement held back) is not left waiting.
         self._planned, self.planned_at = (s.changes.version, catalog.digest), now
@@ -295,21 +294,6 @@ class Term:
                 )
         return moves
 
-    def forget_silent(self, now: float) -> None:
-        """Forget nodes silent for `node_forget_after` that hold no replica (their marks
-        leave the store after the pass: `forgotten`)."""
-        for name in self.state.heard.silent_for(self.config.node_forget_after, now):
-            if not self.state.holding(name):
-                silent = now - self.state.nodes[name].received
-                log.info(
-                    "node %s forgotten: no report for %.0fs and no replica on it", name, silent
-                )
-                self.events.normal(
-                    "NodeForgotten", f"node/{name}", f"no report for {silent:.0f}s, no replica"
-                )
-                self.state.forget(name)
-                self.forgotten.add(name)
-
     def restart_groups(self) -> None:
         """Restart together every shard of each replica of several shards one shard of which
         failed (as LeaderWorkerSet recreates a group): it left the routers' table with the
@@ -348,27 +332,6 @@ class Term:
         first = min((t for t in times if t is not None and t >= since), default=math.inf)
         return first + self.config.reconcile_interval
 
-    def note_silences(self, now: float, timing: Heartbeats) -> None:
-        """Event the nodes that went stale or lost since the last look (those heard from
-        again are told by the state, `NodeBack`)."""
-        for kind, span in (("stale", timing.stale_after), ("lost", timing.lost_after)):
-            silent = set(self.state.heard.silent_for(span, now))
-            for node in sorted(silent - self._silent[kind]):
-                quiet = now - self.state.nodes[node].received
-                self.events.warning(
-                    f"Node{kind.capitalize()}", f"node/{node}", f"no word for {quiet:.0f}s"
-                )
-            self._silent[kind] = silent
-
-    def note_drains(self) -> None:
-        """Event each draining node that holds nothing any more, once per drain."""
-        draining = {n for n, m in self.state.marks.items() if m.mark is Mark.DRAINING}
-        self._drained &= draining
-        for node in sorted(draining - self._drained):
-            if not self.state.on_node(node):
-                self._drained.add(node)
-                self.events.normal("NodeDrained", f"node/{node}", "drained: nothing runs there")
-
     def record_news(self) -> None:
         """Take the events the state noted into the event log."""
         news, self.state.news = self.state.news, []
@@ -398,9 +361,9 @@ class Term:
         agents of those put to sleep to put them to sleep."""
         routed = self.publisher.routed_version()
         self.state.adapters.swap(routed, now)
-        for rid, why in self.state.tell_sleepers(routed, now):
+        for rid, why in self.state.leaving.tell_sleepers(routed, now):
             log.info("replica %s is out of every routing table; its engine sleeps (%s)", rid, why)
-        released = self.state.release(routed, now)
+        released = self.state.leaving.release(routed, now)
         for rid, why in released:
             log.info("replica %s is out of every routing table; stopping it (%s)", rid, why)
             self.events.normal(
@@ -409,7 +372,7 @@ class Term:
         if released:
             # The release that empties a draining node says so now: an operator who uncordons
             # it as soon as it is empty left no pass after it to see it drained.
-            self.note_drains()
+            self.node_news.note_drains()
 
     def roster_now(self, now: float) -> frozenset[str]:
         """What the next term waits for: the nodes that hold replicas now, and those of the
