@@ -21,6 +21,7 @@ from modelfleet.controlplane.autoscaler import Scale
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.loads import Load
+from modelfleet.controlplane.nodes import set_mark
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.controlplane.views import replica_views
@@ -490,11 +491,17 @@ def test_a_node_silent_for_node_forget_after_is_forgotten_unless_it_holds_replic
         cp.state.take_report(report(node, gpus), catalogs.current, 0.0)
     cp.reconcile_once(0.0)
     [holder] = {s.node for r in cp.state.replicas.values() for s in r.replica.shards}
+    for node in ("busy", "idle"):  # cordoned: what they hold stays, nothing new comes
+        asyncio.run(set_mark(cp, node, Mark.CORDONED, 0))
     cp.reconcile_once(100.0)
     assert set(cp.state.nodes) == {"busy", "idle"}  # not yet: silent for exactly 100 s
     cp.reconcile_once(100.5)
     cp.reconcile_once(101.0)  # a pass plans for silences a reconcile interval (1 s) late
     assert set(cp.state.nodes) == {holder}  # the idle one is forgotten, the holder kept
+    # Their marks go with them, out of the store, after the pass.
+    assert {m.node for m in cp.store.marks()} == {"busy", "idle"}
+    asyncio.run(cp.term.node_news.clear_marks(cp.calls))
+    assert {m.node for m in cp.store.marks()} == {holder}
 
 
 def test_a_slow_preview_and_a_hung_router_hold_up_neither_reports_nor_passes(

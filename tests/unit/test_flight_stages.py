@@ -18,7 +18,7 @@ from modelfleet.router.balancer import Balancer
 from modelfleet.router.exchange import Broken, ClientGone, Exchange, Plan
 from modelfleet.router.limits import Ticket
 from modelfleet.router.limits.window import Refusal as LimitRefusal
-from modelfleet.router.pick import exhausted, pick
+from modelfleet.router.pick import engine_headers, exhausted, pick
 from modelfleet.router.refusal import Refusal
 from modelfleet.router.relay import Relay, answer_head, scanned
 from modelfleet.router.settle import tokens_used
@@ -29,7 +29,8 @@ USAGE = b'{"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens":
 
 
 def exchange(**fields: Any) -> Exchange:
-    return Exchange(request_id="r-1", started=0.0, trace_id="t", span_id="s", **fields)
+    defaults: dict[str, Any] = dict(request_id="r-1", started=0.0, trace_id="t", span_id="s")
+    return Exchange(**(defaults | fields))
 
 
 # -- admit -----------------------------------------------------------------------------------
@@ -74,6 +75,16 @@ def test_a_released_request_goes_first_where_it_was_released_then_where_the_bala
     assert pick(p, tried, Balancer()) == "a"
     tried.append("a")
     assert pick(p, tried, Balancer()) is None
+
+
+def test_an_engine_is_asked_with_its_own_key_and_the_try_as_the_trace_parent() -> None:
+    table = SimpleNamespace(keys={"https://a:1": "Bearer engine-a"})
+    p = cast(Plan, SimpleNamespace(table=table))
+    ex = exchange(trace_id="4bf92f3577b34da6a3ce929d0e0e4736", sampled=False)
+    keyed = dict(engine_headers(p, ex, "https://a:1", "00f067aa0ba902b7"))
+    assert keyed["authorization"] == "Bearer engine-a" and keyed["x-request-id"] == "r-1"
+    assert keyed["traceparent"] == "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    assert "authorization" not in dict(engine_headers(p, ex, "http://b:2", "00f067aa0ba902b7"))
 
 
 def test_why_no_replica_answered() -> None:

@@ -1,6 +1,6 @@
 """What a term tells of its nodes as passes see them: the nodes that went stale or lost, a
 draining node that holds nothing any more (once per drain), and the silent nodes holding
-nothing that are forgotten (their marks left for the store to drop after the pass)."""
+nothing that are forgotten (their marks taken out of the store after the pass)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from modelfleet.controlplane.config import ControlPlaneConfig, Heartbeats
 from modelfleet.controlplane.events import EventLog
 from modelfleet.controlplane.state import FleetState
 from modelfleet.core.fleet import Mark
+from modelfleet.store import StoreError
+from modelfleet.store.calls import StoreCalls
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -60,3 +62,14 @@ class NodeNews:
             if not self.state.on_node(node):
                 self._drained.add(node)
                 self.events.normal("NodeDrained", f"node/{node}", "drained: nothing runs there")
+
+    async def clear_marks(self, calls: StoreCalls) -> None:
+        """Take the marks of the nodes forgotten out of the store (a mark of a node nobody
+        knows does no harm meanwhile: tried again after the next pass)."""
+        for node in list(self.forgotten):
+            try:
+                await calls(calls.store.clear_mark, node)
+            except StoreError as exc:
+                log.debug("cannot clear the mark of forgotten node %s yet: %s", node, exc)
+                return
+            self.forgotten.discard(node)

@@ -470,21 +470,9 @@ class ControlPlane:
             elif not self.settling(self.clock.monotonic()):
                 self.last_idle_pass_s = took
                 self.metrics.pass_seconds.labels("no").observe(took)
-            await self.clear_forgotten_marks()
+            await self.term.node_news.clear_marks(self.calls)
             await self.roster.keep(self.term)
             await wait_set(self._wake, self.config.reconcile_interval)
-
-    async def clear_forgotten_marks(self) -> None:
-        """Take the marks of the nodes a pass forgot out of the store (a mark of a node
-        nobody knows does no harm meanwhile: tried again after the next pass)."""
-        term = self.term
-        for node in list(term.node_news.forgotten):
-            try:
-                await self.calls(self.store.clear_mark, node)
-            except StoreError as exc:
-                log.debug("cannot clear the mark of forgotten node %s yet: %s", node, exc)
-                return
-            term.node_news.forgotten.discard(node)
 
     async def close(self) -> None:
         """At the stop: the lease let go and the events noted written, each bounded by the

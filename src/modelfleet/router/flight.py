@@ -31,11 +31,11 @@ import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from modelfleet.http.tracing import AttributeValue, SpanRecord, format_traceparent, new_span_id
+from modelfleet.http.tracing import AttributeValue, SpanRecord, new_span_id
 from modelfleet.router import settle
 from modelfleet.router.admit import admission
 from modelfleet.router.exchange import Broken, ClientGone
-from modelfleet.router.pick import exhausted, pick
+from modelfleet.router.pick import engine_headers, exhausted, pick
 from modelfleet.router.refusal import Refusal
 from modelfleet.router.relay import Relay, answer_head, scanned
 from modelfleet.router.upstream import UpstreamError
@@ -456,21 +456,6 @@ class Flight:
         assert plan is not None
         return plan.route.first_byte_timeout or self.parts.settings.first_byte_timeout
 
-    def engine_headers(self, attempt: Attempt) -> list[tuple[str, str]]:
-        """The headers `attempt` sends the request with: the engine's key, and the request's
-        trace with the attempt's span as the parent."""
-        plan, ex = self.plan, self.ex
-        assert plan is not None
-        headers = [
-            ("content-type", "application/json"),
-            ("x-request-id", ex.request_id),
-            ("traceparent", format_traceparent(ex.trace_id, attempt.span_id, ex.sampled)),
-        ]
-        engine_key = plan.table.keys.get(attempt.endpoint)
-        if engine_key is not None:
-            headers.append(("authorization", engine_key))
-        return headers
-
 
 class Attempt:
     """One try of one replica: the request written on a connection, and the answer's first
@@ -514,7 +499,8 @@ class Attempt:
         self.conn = conn
         self.reused = reused
         flight.ex.maybe_used += 1
-        parts.upstreams.send(self.endpoint, conn, plan.path, plan.raw, flight.engine_headers(self))
+        headers = engine_headers(plan, flight.ex, self.endpoint, self.span_id)
+        parts.upstreams.send(self.endpoint, conn, plan.path, plan.raw, headers)
         self.sent_at = parts.clock()
         conn.listener = self._news
         loop = conn.loop

@@ -1,10 +1,12 @@
-"""A flight's second stage: the replica tried next, and why none answered when none did."""
+"""A flight's second stage: the replica tried next, the headers it is asked with, and why none
+answered when none did."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
 
+from modelfleet.http.tracing import format_traceparent
 from modelfleet.router.refusal import Refusal
 
 if TYPE_CHECKING:
@@ -24,6 +26,20 @@ def pick(plan: Plan, tried: list[str], balancer: Balancer) -> str | None:
         endpoint, plan.first = plan.first, None
         return endpoint
     return balancer.pick(plan.endpoints, exclude=tried, prefix=plan.prefix)
+
+
+def engine_headers(plan: Plan, ex: Exchange, endpoint: str, span_id: str) -> list[tuple[str, str]]:
+    """The headers a try of `endpoint` sends the request with: the engine's key, and the
+    request's trace with the try's span (`span_id`) as the parent."""
+    headers = [
+        ("content-type", "application/json"),
+        ("x-request-id", ex.request_id),
+        ("traceparent", format_traceparent(ex.trace_id, span_id, ex.sampled)),
+    ]
+    engine_key = plan.table.keys.get(endpoint)
+    if engine_key is not None:
+        headers.append(("authorization", engine_key))
+    return headers
 
 
 def exhausted(ex: Exchange, tried: list[str], first_byte_timeout: float) -> Refusal:
