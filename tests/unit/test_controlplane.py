@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import yaml
 from rich.console import Console
 
 from modelfleet.agent.gpus import SimulatedGpus
-from modelfleet.controlplane import views
+from modelfleet.controlplane import service, views
 from modelfleet.controlplane.autoscaler import Scale
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
@@ -675,3 +677,47 @@ def test_the_replica_ctl_catalog_apply_shows_stopping_is_the_one_the_pass_stops(
         assert retiring == [least]
 
     asyncio.run(go())
+
+
+def test_the_control_plane_freezes_what_lived_a_second_and_collects_fully_now_and_then() -> None:
+    """A restart at 10,000 nodes spent 0.6-1.4 CPU-seconds of its 10 in the collector,
+    scanning reports' objects that live as long as the term; what has lived a second is
+    frozen out of its sight, and a full collection now and then finds the cycles among it
+    that went out of use."""
+
+    class Cycle:
+        me: object
+
+    clock = FakeClock(wall=0.0, mono=0.0)
+    kept: list[object] = []
+    seen: list[str] = []
+
+    def collectable() -> set[int]:  # what the collector looks at (frozen objects it does not)
+        return {id(o) for o in gc.get_objects()}
+
+    async def tick(seconds: float) -> None:
+        assert seconds == service.FREEZE_EVERY_S
+        seen.append("tick")
+        if len(seen) == 1:
+            cycle = Cycle()
+            cycle.me = cycle
+            kept.extend([[], cycle])
+            assert id(kept[0]) in collectable()
+        elif len(seen) == 2:
+            assert id(kept[0]) not in collectable(), "not frozen after a second"
+            kept.append(weakref.ref(kept.pop()))  # the cycle goes out of use, frozen
+            clock.advance(service.FULL_COLLECTION_S + 1)
+        else:
+            dead = kept[-1]
+            assert isinstance(dead, weakref.ref) and dead() is None, "the cycle was kept"
+            raise asyncio.CancelledError
+
+    threshold = gc.get_threshold()
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(service.keep_heap(tick, clock.monotonic))
+        assert gc.get_threshold() == service.GC_THRESHOLDS
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+    assert len(seen) == 3

@@ -135,6 +135,52 @@ def test_a_term_settles_until_the_nodes_that_held_replicas_report_and_no_longer(
     assert not again.settling(clock.monotonic())  # both did: settled, long before 30 s
 
 
+def test_a_term_that_takes_a_fleet_over_says_so_once_not_once_per_node_and_shard(
+    tmp_path: Path,
+) -> None:
+    """10,000 nodes coming back to a restarted control plane made 30,000 events (a
+    NodeReported per node, a ShardAdopted per shard), a third of the kept history pushed out at
+    each restart. While a term that takes a fleet over settles, they are counted, and told
+    once when it has settled; a node new after that is told as before."""
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    cp = start(tmp_path, clock, settle_for=30)
+    agents = Agents(cp)
+    agents.report()
+    clock.advance(31)
+    agents.report()
+    cp.reconcile_once(clock.monotonic())
+    agents.run_assigned()
+    clock.advance(ROSTER_EVERY_S)
+    asyncio.run(cp.roster.keep(cp.term))
+    assert cp.store.get_meta("roster") == '["a", "b"]'
+    cp.record_news()
+    before = {e.id for e in cp.read_events()}
+    cp.store.close()
+
+    clock.advance(1)
+    again = start(tmp_path, clock, settle_for=30)
+    agents.cp = again
+    agents.report()  # both nodes, each with its replica serving
+    again.record_news()
+    assert again.settling(clock.monotonic()) is False  # both waited for have reported
+    again.record_news()
+    late = AgentReport(node="c", boot_id="b", seq=1, address="127.0.0.1", gpus=[], shards=[])
+    again.state.take_report(late, again.catalogs.current, clock.monotonic())
+    again.record_news()
+    told = [(e.reason, e.regarding, e.message) for e in again.read_events() if e.id not in before]
+    assert [t for t in told if t[0] in ("NodeReported", "ShardAdopted")] == [
+        ("NodeReported", "node/c", "0 GPU(s) at 127.0.0.1")
+    ]
+    assert [t for t in told if t[0] == "FleetTakenOver"] == [
+        (
+            "FleetTakenOver",
+            "fleet/all",
+            "settled after 0.0s: 2 node(s) reported (2 waited for); 2 replica(s) found serving "
+            "taken over as they run (2 shard(s))",
+        )
+    ]
+
+
 def test_a_term_that_settled_by_its_bound_keeps_waiting_for_the_roster_it_began_with(
     tmp_path: Path,
 ) -> None:

@@ -29,6 +29,7 @@ from modelfleet.controlplane.loads import LoadCollector
 from modelfleet.controlplane.node_news import NodeNews
 from modelfleet.controlplane.plan_news import tell_decided, tell_pending, tell_placed
 from modelfleet.controlplane.publisher import Publisher
+from modelfleet.controlplane.report_news import TakeOver
 from modelfleet.controlplane.routing import RoutingTable
 from modelfleet.controlplane.state import FleetState
 from modelfleet.core.catalog import Catalog
@@ -82,6 +83,9 @@ class Term:
         self._waited = frozenset(config.known_nodes) | (roster or frozenset())
         self.took_over = took_over  # another led before: no table until a node reported
         self._settled = False
+        if epoch is not None and self.settle_for >= 0 and (roster or took_over):
+            # A running fleet to take over (not a first start), in a settling window.
+            self.state.taking_over = TakeOver()
         self.node_news = NodeNews(self.state, config, events)  # silences, drains, forgetting
         self.passes = 0  # reconcile passes made (after settling), for operators and tests
         self.plans = 0  # those of them that planned: the others had nothing new to plan from
@@ -126,14 +130,20 @@ class Term:
             max(self.started_at, self.state.newest_node_at),
             everyone,
         )
-        if self._settled and self.epoch is not None:  # (a follower's term only waits)
+        if not self._settled:
+            return True
+        if self.epoch is not None:  # (a follower's term only waits)
             log.info(
                 "settled after %.1fs: %d node(s) reported, %d waited for",
                 now - self.started_at,
                 reported,
                 len(waited),
             )
-        return not self._settled
+        took_over, self.state.taking_over = self.state.taking_over, None
+        if took_over is not None:
+            adopted = sum(r.adopted for r in self.state.replicas.values())
+            self.state.tell(*took_over.news(len(waited), adopted, now - self.started_at))
+        return False
 
     # -- passes ----------------------------------------------------------------------------
 
