@@ -12,7 +12,8 @@ import httpx
 from modelfleet.agent.gpus import SimulatedGpus
 from modelfleet.agent.service import Agent
 from modelfleet.agent.settings import AgentSettings
-from modelfleet.messages.wire import AgentReport, NodeAssignment
+from modelfleet.agent.uplink import Beat
+from modelfleet.messages.wire import AgentReport, NodeAssignment, NodeUse
 
 
 def test_a_redirect_is_followed_at_once_and_an_older_epoch_is_refused(tmp_path: Path) -> None:
@@ -57,5 +58,80 @@ def test_a_redirect_is_followed_at_once_and_an_older_epoch_is_refused(tmp_path: 
             later = await agent.link.send_report(agent.report())
             assert later is not None and later.epoch == 4 and agent.link.epoch == 4
             assert seen[-3:] == ["http://b:7070", "http://a:7070", "http://c:7070"]
+
+    asyncio.run(exchange())
+
+
+def test_an_agent_tries_the_next_control_plane_at_once_when_one_cannot_be_reached(
+    tmp_path: Path,
+) -> None:
+    """A leader killed -9: its agents waited a retry before trying another control plane, and
+    the new leader's first pass waited for them. Now each is tried once at once; with all of
+    them unreachable the agent gives up this try (and waits, as before)."""
+    seen: list[str] = []
+    down = {"http://a:7070"}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        seen.append(f"{request.url.path} {base}")
+        if base in down:
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/v1/heartbeat":
+            return httpx.Response(409, json={"error": "send the whole report"})
+        made = NodeAssignment(node="n1", shards=[], version="v", epoch=5)
+        return httpx.Response(200, content=made.model_dump_json())
+
+    settings = AgentSettings(
+        control_plane="http://a:7070",
+        node="n1",
+        token="t",
+        state_dir=tmp_path,
+        control_planes=("http://a:7070", "http://b:7070", "http://c:7070"),
+        transport=httpx.MockTransport(answer),
+    )
+
+    async def exchange() -> None:
+        async with Agent(settings, SimulatedGpus("1x80GB")) as agent:
+            taken = await agent.link.send_report(agent.report())
+            assert taken is not None and taken.epoch == 5
+            assert seen == ["/v1/report http://a:7070", "/v1/report http://b:7070"]
+            # A heartbeat that cannot reach its control plane: the whole report, to the next.
+            down.add("http://b:7070")
+            seen.clear()
+            beat = await agent.link.send_heartbeat(2, taken, NodeUse(memory_used=0, memory_total=1))
+            assert beat is Beat.REPORT and agent.link.control_plane == "http://c:7070"
+            # None reachable: each tried once, then this try is given up.
+            down.add("http://c:7070")
+            assert await agent.link.send_report(agent.report()) is None
+            assert seen == ["/v1/heartbeat http://b:7070", "/v1/report http://c:7070",
+                            "/v1/report http://a:7070", "/v1/report http://b:7070"]  # fmt: skip
+
+    asyncio.run(exchange())
+
+
+def test_an_agent_of_one_control_plane_waits_instead_of_trying_again_at_once(
+    tmp_path: Path,
+) -> None:
+    tries: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        tries.append(request.url.path)
+        raise httpx.ConnectError("connection refused", request=request)
+
+    settings = AgentSettings(
+        control_plane="http://a:7070",
+        node="n1",
+        token="t",
+        state_dir=tmp_path,
+        transport=httpx.MockTransport(answer),
+    )
+
+    async def exchange() -> None:
+        async with Agent(settings, SimulatedGpus("1x80GB")) as agent:
+            assert await agent.link.send_report(agent.report()) is None
+            held = NodeAssignment(node="n1", shards=[], version="v")
+            use = NodeUse(memory_used=0, memory_total=1)
+            assert await agent.link.send_heartbeat(2, held, use) is Beat.FAILED
+            assert tries == ["/v1/report", "/v1/heartbeat"]
 
     asyncio.run(exchange())

@@ -125,14 +125,20 @@ class Uplink:
 
     async def send_report(self, report: AgentReport) -> NodeAssignment | None:
         """One exchange with the control plane; None when it failed (logged, retried later).
-        Sent again at once to the leader a follower names."""
-        for _ in range(len(self._urls) + 1):
+        Sent again at once to the leader a follower names, and, with several control planes,
+        to the next when one cannot be reached (each once): the one it talked to may be a
+        leader killed, whose successor then waited for the agent's next try to settle."""
+        body, unreached = report.model_dump_json(), 0
+        for _ in range(2 * len(self._urls) + 1):
             try:
-                response = await self._cp.post("/v1/report", content=report.model_dump_json())
+                response = await self._cp.post("/v1/report", content=body)
             except httpx.HTTPError as exc:
                 log.warning("report to %s failed: %s", self.control_plane, describe(exc))
                 self._next_control_plane()
-                return None
+                unreached += 1
+                if unreached >= len(self._urls):
+                    return None
+                continue
             if response.status_code != 307 or not self._follow(response):
                 break
         if response.status_code == 401:
@@ -240,7 +246,8 @@ class Uplink:
         except httpx.HTTPError as exc:
             log.warning("heartbeat to %s failed: %s", self.control_plane, describe(exc))
             self._next_control_plane()
-            return Beat.FAILED
+            # With several, the whole report to the next at once (it asks for it anyway).
+            return Beat.REPORT if len(self._urls) > 1 else Beat.FAILED
         if response.status_code == 409:  # it holds no report of this run: send one
             log.info("control plane asks for the whole report: %s", response.text[:300])
             return Beat.REPORT

@@ -263,9 +263,10 @@ class ControlPlane:
         self.term = self._new_term(None, None)
 
     async def lease_loop(self) -> None:
-        """Take or renew the lease every third of its TTL; begin a term when elected."""
+        """Take or renew the lease every third of its TTL (a follower: as soon as the leader's
+        runs out, if sooner); begin a term when elected."""
         while True:
-            await asyncio.sleep(self.leadership.interval)
+            await asyncio.sleep(self.leadership.next_try_in())
             await self.renew_lease()
 
     async def renew_lease(self) -> Turn:
