@@ -150,6 +150,9 @@ def control_plane(
     log_level: LogLevel = "info",
 ) -> None:
     """Run the control plane: agent API, admin API, reconcile loop, publisher."""
+    import gc
+
+    gc.disable()  # until it serves (`service.keep_heap`): what the start makes lives for good
     from modelfleet.controlplane.config import ControlPlaneConfig
     from modelfleet.controlplane.service import (
         fleet_ca,

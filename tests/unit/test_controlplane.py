@@ -698,6 +698,7 @@ def test_the_control_plane_freezes_what_lived_a_second_and_collects_fully_now_an
     async def tick(seconds: float) -> None:
         assert seconds == service.FREEZE_EVERY_S
         seen.append("tick")
+        assert gc.isenabled(), "the collector is left off (`modelfleet control-plane` starts so)"
         if len(seen) == 1:
             cycle = Cycle()
             cycle.me = cycle
@@ -714,10 +715,12 @@ def test_the_control_plane_freezes_what_lived_a_second_and_collects_fully_now_an
 
     threshold = gc.get_threshold()
     try:
+        gc.disable()
         with pytest.raises(asyncio.CancelledError):
             asyncio.run(service.keep_heap(tick, clock.monotonic))
         assert gc.get_threshold() == service.GC_THRESHOLDS
     finally:
+        gc.enable()
         gc.unfreeze()
         gc.set_threshold(*threshold)
     assert len(seen) == 3

@@ -44,7 +44,6 @@ from modelfleet.security.pki import (
     is_wildcard,
 )
 from modelfleet.store import Store, StoreError
-from modelfleet.store.postgres import Bounds, PostgresStore
 from modelfleet.store.sqlite import SqliteStore
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -60,11 +59,13 @@ ADMIN_CONNECTIONS = 1_000
 # process's CPU in the collector). Almost all that lives here a second lives long (the state,
 # held heartbeats) and makes no reference cycles (a few thousand objects' worth in a
 # 10,000-node bench run), so what has lived a second is frozen out of the collector's sight,
-# and young objects are collected only past GC_THRESHOLDS[0] made within one second: a
-# restart taking 10,000 reports makes about 130,000 a second, which a collection every 50,000
-# scanned for nothing (0.6-1.4 CPU-seconds of the restart). A full collection (cycles that
-# went out of use among frozen objects) runs every FULL_COLLECTION_S.
-GC_THRESHOLDS = (250_000, 20, 100)
+# and young objects are collected only past GC_THRESHOLDS[0] more made than freed within one
+# second: a restart taking 10,000 reports makes 200,000-400,000 a second, which a collection
+# every 50,000 scanned for nothing (0.6-1.4 CPU-seconds of the restart). A full collection
+# (cycles that went out of use among frozen objects) runs every FULL_COLLECTION_S. The
+# collector is off while the process starts (`modelfleet control-plane`): what its imports
+# and its start make lives for good, and is frozen at once here.
+GC_THRESHOLDS = (1_000_000, 20, 100)
 FREEZE_EVERY_S = 1.0
 FULL_COLLECTION_S = 600.0
 
@@ -76,6 +77,8 @@ async def keep_heap(
     """Freeze what has lived a second out of the collector's sight; collect fully every
     FULL_COLLECTION_S."""
     gc.set_threshold(*GC_THRESHOLDS)
+    gc.freeze()
+    gc.enable()
     collected = monotonic()
     while True:
         await sleep(FREEZE_EVERY_S)
@@ -127,6 +130,10 @@ def open_catalogs(config: ControlPlaneConfig) -> CatalogKeeper:
     """
     store: Store
     if config.store is not None:
+        # Imported here: psycopg is 0.09 s of a start that has no use for it (a restart's
+        # agents wait for it to listen).
+        from modelfleet.store.postgres import Bounds, PostgresStore
+
         store = PostgresStore(config.store, bounds=Bounds.for_lease(config.lease_ttl))
     else:
         store = SqliteStore(config.state_dir / STORE_FILE)
