@@ -66,6 +66,21 @@ class Agents:
         self.report()
 
 
+def serving_and_kept(cp: ControlPlane, clock: FakeClock) -> Agents:
+    """Nodes a and b past `cp`'s settling (30 s), each running the replica placed on it, and
+    the roster of them kept in the store: what a restarted control plane takes over."""
+    agents = Agents(cp)
+    agents.report()
+    clock.advance(31)
+    agents.report()
+    cp.reconcile_once(clock.monotonic())
+    agents.run_assigned()
+    clock.advance(ROSTER_EVERY_S)
+    asyncio.run(cp.roster.keep(cp.term))
+    assert cp.store.get_meta("roster") == '["a", "b"]'
+    return agents
+
+
 def test_a_control_plane_whose_acting_lapsed_begins_a_new_term_from_nothing(
     tmp_path: Path,
 ) -> None:
@@ -110,15 +125,7 @@ def test_a_term_settles_until_the_nodes_that_held_replicas_report_and_no_longer(
     those nodes have reported, then plans at once, without waiting out a timer."""
     clock = FakeClock(wall=time.time(), mono=100.0)
     cp = start(tmp_path, clock, settle_for=30)
-    agents = Agents(cp)
-    agents.report()
-    clock.advance(31)
-    agents.report()
-    cp.reconcile_once(clock.monotonic())
-    agents.run_assigned()
-    clock.advance(ROSTER_EVERY_S)
-    asyncio.run(cp.roster.keep(cp.term))
-    assert cp.store.get_meta("roster") == '["a", "b"]'
+    serving_and_kept(cp, clock)
     cp.store.close()
 
     clock.advance(1)
@@ -140,19 +147,12 @@ def test_a_term_that_takes_a_fleet_over_says_so_once_not_once_per_node_and_shard
 ) -> None:
     """10,000 nodes coming back to a restarted control plane made 30,000 events (a
     NodeReported per node, a ShardAdopted per shard), a third of the kept history pushed out at
-    each restart. While a term that takes a fleet over settles, they are counted, and told
-    once when it has settled; a node new after that is told as before."""
+    each restart. While a term that takes a fleet over settles, they are held back, and it
+    tells what it took over once when it has settled; a node new after that is told as
+    before."""
     clock = FakeClock(wall=time.time(), mono=100.0)
     cp = start(tmp_path, clock, settle_for=30)
-    agents = Agents(cp)
-    agents.report()
-    clock.advance(31)
-    agents.report()
-    cp.reconcile_once(clock.monotonic())
-    agents.run_assigned()
-    clock.advance(ROSTER_EVERY_S)
-    asyncio.run(cp.roster.keep(cp.term))
-    assert cp.store.get_meta("roster") == '["a", "b"]'
+    agents = serving_and_kept(cp, clock)
     cp.record_news()
     before = {e.id for e in cp.read_events()}
     cp.store.close()

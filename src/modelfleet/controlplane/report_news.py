@@ -6,7 +6,6 @@ asleep, awake, adopted), its GPUs' changes of health. Pure: the control plane re
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from modelfleet.messages.wire import AgentReport, ShardState
 
@@ -14,34 +13,23 @@ from modelfleet.messages.wire import AgentReport, ShardState
 News = tuple[str, str, str, str]
 
 
-@dataclass
-class TakeOver:
-    """What a term that takes a fleet over (after a restart or a failover) found as it settled:
-    the nodes that reported and the shards found serving, counted instead of told one by one.
-    Told one by one, 10,000 nodes coming back to a restarted control plane made 30,000 events
-    that say nothing happened: each restart pushed a third of the kept history out, and
-    writing them took CPU the agents waiting to be taken needed."""
+# The news of a term taking a running fleet over (after a restart or a failover): while it
+# settles, these are not told one by one but once, settled (`taken_over`). Told one by one,
+# 10,000 nodes coming back to a restarted control plane made 30,000 events that say nothing
+# happened: each restart pushed a third of the kept history out, and writing them took CPU
+# the agents waiting to be taken needed.
+TAKING_OVER = frozenset({"NodeReported", "ShardAdopted"})
 
-    nodes: int = 0
-    shards: int = 0
 
-    def counted(self, news: News) -> bool:
-        """Whether `news` is of the take-over, and so counted here instead of told."""
-        reason = news[1]
-        self.nodes += reason == "NodeReported"
-        self.shards += reason == "ShardAdopted"
-        return reason in ("NodeReported", "ShardAdopted")
-
-    def news(self, waited: int, replicas: int, took_s: float) -> News:
-        """The one event saying it, once the term has settled."""
-        return (
-            "normal",
-            "FleetTakenOver",
-            "fleet/all",
-            f"settled after {took_s:.1f}s: {self.nodes} node(s) reported ({waited} waited for); "
-            f"{replicas} replica(s) found serving taken over as they run ({self.shards} "
-            "shard(s))",
-        )
+def taken_over(nodes: int, waited: int, replicas: int, shards: int, took_s: float) -> News:
+    """The one event saying what a term took over, once it has settled."""
+    return (
+        "normal",
+        "FleetTakenOver",
+        "fleet/all",
+        f"settled after {took_s:.1f}s: {nodes} node(s) reported ({waited} waited for); "
+        f"{replicas} replica(s) found serving taken over as they run ({shards} shard(s))",
+    )
 
 
 def report_news(node: str, old: AgentReport | None, new: AgentReport) -> Iterator[News]:

@@ -33,7 +33,7 @@ from modelfleet.controlplane.records import (
     ReportFirst,
     StaleReport,
 )
-from modelfleet.controlplane.report_news import TakeOver, report_news
+from modelfleet.controlplane.report_news import TAKING_OVER, report_news
 from modelfleet.core.catalog import Catalog
 from modelfleet.core.fleet import Mark, Node, Replica, natural_key
 from modelfleet.core.reconcile import Pending, Plan
@@ -76,8 +76,8 @@ class FleetState:
     # plane takes them into its event log after each pass (`ControlPlane.record_news`).
     news: list[tuple[str, str, str, str]] = field(default_factory=list)
     # While a term that takes a fleet over settles: its nodes' first reports and the shards
-    # found serving, counted here instead of told (the term tells them once, settled).
-    taking_over: TakeOver | None = None
+    # found serving are not told (the term tells what it took over once, settled).
+    taking_over: bool = False
     # replica id -> the nodes of its shards, for replicas dropped from the table (the newest
     # MAX_DROPPED): their engines' logs stay on those nodes, for `ctl logs`.
     dropped: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -195,7 +195,7 @@ class FleetState:
         self.heard.hear(report.node)
         self._index_report(report.node, before.report if before else None, report)
         for news in report_news(report.node, before.report if before else None, report):
-            if self.taking_over is None or not self.taking_over.counted(news):
+            if not (self.taking_over and news[1] in TAKING_OVER):
                 self.tell(*news)
         if before is not None and now - before.received > self.stale_after:
             silent = now - before.received

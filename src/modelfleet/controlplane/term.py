@@ -29,7 +29,7 @@ from modelfleet.controlplane.loads import LoadCollector
 from modelfleet.controlplane.node_news import NodeNews
 from modelfleet.controlplane.plan_news import tell_decided, tell_pending, tell_placed
 from modelfleet.controlplane.publisher import Publisher
-from modelfleet.controlplane.report_news import TakeOver
+from modelfleet.controlplane.report_news import taken_over
 from modelfleet.controlplane.routing import RoutingTable
 from modelfleet.controlplane.state import FleetState
 from modelfleet.core.catalog import Catalog
@@ -85,7 +85,7 @@ class Term:
         self._settled = False
         if epoch is not None and self.settle_for >= 0 and (roster or took_over):
             # A running fleet to take over (not a first start), in a settling window.
-            self.state.taking_over = TakeOver()
+            self.state.taking_over = True
         self.node_news = NodeNews(self.state, config, events)  # silences, drains, forgetting
         self.passes = 0  # reconcile passes made (after settling), for operators and tests
         self.plans = 0  # those of them that planned: the others had nothing new to plan from
@@ -139,10 +139,12 @@ class Term:
                 reported,
                 len(waited),
             )
-        took_over, self.state.taking_over = self.state.taking_over, None
-        if took_over is not None:
-            adopted = sum(r.adopted for r in self.state.replicas.values())
-            self.state.tell(*took_over.news(len(waited), adopted, now - self.started_at))
+        if self.state.taking_over:
+            self.state.taking_over = False
+            adopted = [r.replica for r in self.state.replicas.values() if r.adopted]
+            shards = sum(len(r.shards) for r in adopted)
+            took = now - self.started_at
+            self.state.tell(*taken_over(reported, len(waited), len(adopted), shards, took))
         return False
 
     # -- passes ----------------------------------------------------------------------------
