@@ -17,6 +17,7 @@ from modelfleet.http.http1 import (
     HIGH_WATER,
     MAX_HEAD_BYTES,
     MAX_HEADERS,
+    MAX_PIPELINED,
     Bounds,
     Cycle,
     Http1Server,
@@ -494,24 +495,91 @@ def test_past_max_connections_the_longest_idle_makes_room() -> None:
 
 
 async def _test_past_max_connections_the_longest_idle_makes_room() -> None:
-    async with serve(echo, max_connections=2) as served:
+    release = asyncio.Event()
+
+    async def hold(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/hold":
+            await release.wait()
+        await echo(scope, receive, send)
+
+    async with serve(hold, max_connections=2) as served:
         first_r, first_w = await served.connect()
         await until("one connection", lambda: len(served.server.connections) == 1)
-        _, second_w = await served.connect()
+        second_r, second_w = await served.connect()
         await until("two connections", lambda: len(served.server.connections) == 2)
         third_r, third_w = await served.connect()
         assert await asyncio.wait_for(first_r.read(), 5) == b""  # the longest idle, closed
         third_w.write(post("/x", b"3"))
         assert (await read_answer(third_r))[2] == b"POST /x 3"
-        # Both busy (a head under way): a new connection is closed at once.
-        second_w.write(b"GET / HTTP/1.1\r\n")
-        third_w.write(b"GET / HTTP/1.1\r\n")
-        await until("both busy", lambda: not served.server.idle)
+        # Both being answered: closing either would cost an answer, so a new connection is
+        # closed at once. (A head still under way costs nothing: such a connection is
+        # closable, see test_a_source_that_floods_a_listener_loses_its_own_connections.)
+        second_w.write(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        third_w.write(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        await until("both busy", lambda: len(served.server.tasks) == 2)
         fourth_r, _ = await served.connect()
         assert await asyncio.wait_for(fourth_r.read(), 5) == b""
-        assert served.server.turned_away == 1 and len(served.server.connections) == 2
+        assert served.server.door.turned_away == 1 and len(served.server.connections) == 2
+        release.set()
+        assert (await read_answer(second_r))[0] == 200
         for writer in (first_w, second_w, third_w):
             writer.close()
+
+
+async def _connect_from(
+    port: int, source: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+
+
+def test_a_source_that_floods_a_listener_loses_its_own_connections() -> None:
+    run(_test_a_source_that_floods_a_listener_loses_its_own_connections())
+
+
+async def _test_a_source_that_floods_a_listener_loses_its_own_connections() -> None:
+    """Issue 56: about 400 connections sending their heads slowly locked operators out of the
+    admin API. The cap is shared between sources: a flood from one source (here 127.0.0.2,
+    idle and slow heads, past the cap) loses its own connections to another source's
+    newcomers, and the honest source is served every time."""
+    async with serve(echo, max_connections=20) as served:
+        flood = []
+        for _ in range(40):
+            reader, writer = await _connect_from(served.port, "127.0.0.2")
+            writer.write(b"GET / HTTP/1.1\r\nX-Slow: ")  # a head that never ends
+            flood.append((reader, writer))
+        await until("the flood at the cap", lambda: len(served.server.connections) == 20)
+        for i in range(30):
+            reader, writer = await _connect_from(served.port, "127.0.0.3")
+            writer.write(post("/honest", str(i).encode()))
+            assert (await read_answer(reader))[2] == f"POST /honest {i}".encode()
+            writer.close()
+        door = served.server.door
+        by_source = {source: len(v) for source, v in door.open.by_source.items()}
+        assert by_source.get("127.0.0.2", 0) <= 20 and door.open.count <= 20, by_source
+        for _, writer in flood:
+            writer.close()
+
+
+def test_requests_pipelined_past_the_limit_are_not_read_and_answers_wait_for_the_reader() -> None:
+    run(_test_requests_pipelined_past_the_limit_are_not_read())
+
+
+async def _test_requests_pipelined_past_the_limit_are_not_read() -> None:
+    """Issue 56: pipelined `GET /metrics` never read grew a router by 88 MiB. At most
+    MAX_PIPELINED requests are read ahead; what is sent past them is dropped and the
+    connection closed once those are answered."""
+    seen = []
+
+    async def count(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append(scope["path"])
+        await echo(scope, receive, send)
+
+    async with serve(count) as served:
+        reader, writer = await served.connect()
+        writer.write(b"GET /p HTTP/1.1\r\nhost: x\r\n\r\n" * 5_000)
+        answers = await asyncio.wait_for(reader.read(), 10)  # to the close
+        assert answers.count(b"HTTP/1.1 200") == len(seen) <= MAX_PIPELINED + 2, len(seen)
+        writer.close()
 
 
 def test_a_transfer_encoding_other_than_chunked_gets_400() -> None:

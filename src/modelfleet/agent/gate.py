@@ -23,12 +23,12 @@ import logging
 import os
 import signal
 import socket
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 from modelfleet.host.processes import die_with_parent
+from modelfleet.http.door import Door, DoorBounds, Visit
 from modelfleet.security.pki import PkiError, TlsFiles, gate_context, is_router
 
 log = logging.getLogger("modelfleet.gate")
@@ -108,12 +108,18 @@ class _Side(asyncio.Protocol):
 
 
 class _Client(_Side):
-    """A client's connection: a router's is relayed to the engine, any other is closed."""
+    """A client's connection, let in by the door after its TLS handshake: a router's is
+    relayed to the engine, any other is closed."""
 
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, gate: Gate, visit: Visit) -> None:
         super().__init__()
         self.gate = gate
+        self.visit = visit
         self.connecting: asyncio.Future[None] | None = None
+
+    @property
+    def idle(self) -> bool:
+        return False  # relayed bytes may be a request under way: never closed for room
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -126,40 +132,22 @@ class _Client(_Side):
         self.connecting = asyncio.ensure_future(self.gate.connect_engine(self))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # Also called for a handshake that failed (asyncio's start_tls), before any
+        # connection_made: the visit counts once whichever way it ends.
         super().connection_lost(exc)
         self.gate.clients.discard(self)
-        self.gate.release(self)
-
-
-class _Accepted(asyncio.Protocol):
-    """A connection as accepted, before TLS: counted against the gate's cap (so that
-    handshakes begun and never finished cannot take every file descriptor), then made TLS."""
-
-    def __init__(self, gate: Gate) -> None:
-        self.gate = gate
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        gate = self.gate
-        if gate.open >= gate.settings.max_connections:
-            gate.refused(transport.get_extra_info("peername"), "too many connections")
-            transport.close()
-            return
-        cast(asyncio.Transport, transport).pause_reading()  # the handshake reads it
-        gate.open += 1
-        gate.tasks.add(asyncio.ensure_future(gate.secure(cast(asyncio.Transport, transport))))
+        self.visit.release()
 
 
 class Gate:
-    """The gate of one engine: its listener and the connections it relays."""
+    """The gate of one engine: its door (`http.door`: connections counted from accept, shared
+    fairly between sources, TLS with a deadline) and the connections it relays."""
 
     def __init__(self, settings: GateSettings) -> None:
         self.settings = settings
         self.clients: set[_Client] = set()
         self.refusals = 0
-        self.open = 0  # connections accepted and not yet closed, handshakes included
-        self.tasks: set[asyncio.Future[None]] = set()
-        self._released: set[int] = set()
-        self.context: ssl.SSLContext | None = None
+        self.door: Door | None = None
 
     def refused(self, peer: object, why: str = "no router certificate of the fleet") -> None:
         # One line for the first refusal and then one in a thousand: a scan must not fill
@@ -167,38 +155,6 @@ class Gate:
         self.refusals += 1
         if self.refusals == 1 or self.refusals % 1000 == 0:
             log.warning("engine gate: refused %s: %s (%d refused)", peer, why, self.refusals)
-
-    def release(self, client: _Client | None) -> None:
-        """A connection counted by `_Accepted` ended (a client's, at most once)."""
-        if client is not None:
-            if id(client) in self._released:
-                return
-            self._released.add(id(client))
-        self.open -= 1
-
-    async def secure(self, transport: asyncio.Transport) -> None:
-        """The TLS handshake of an accepted connection, then the client's own checks."""
-        loop = asyncio.get_running_loop()
-        client = _Client(self)
-        try:
-            tls = await loop.start_tls(
-                transport,
-                client,
-                cast(ssl.SSLContext, self.context),
-                server_side=True,
-                ssl_handshake_timeout=_HANDSHAKE_TIMEOUT,
-            )
-        except (OSError, ssl.SSLError, TimeoutError, ConnectionError) as exc:
-            self.refused(transport.get_extra_info("peername"), f"TLS handshake: {exc}")
-            transport.close()
-            self.release(client)
-            return
-        finally:
-            self.tasks.discard(cast(asyncio.Future[None], asyncio.current_task()))
-        if tls is None:
-            self.release(client)
-            return
-        client.connection_made(tls)
 
     async def connect_engine(self, client: _Client) -> None:
         loop = asyncio.get_running_loop()
@@ -216,23 +172,36 @@ class Gate:
     async def run(self) -> int:
         """Start the engine, serve until it exits; its exit status (128 + N for a signal)."""
         s = self.settings
-        self.context = gate_context(s.tls, s.ca)
+        bounds = DoorBounds(
+            max_connections=s.max_connections,
+            max_handshakes=min(256, s.max_connections),
+            handshake_timeout=_HANDSHAKE_TIMEOUT,
+        )
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _Accepted(self), s.host, s.port)
+        door = self.door = Door(
+            lambda visit: _Client(self, visit), bounds, gate_context(s.tls, s.ca), "engine gate"
+        )
+        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((s.host, s.port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        await door.start(sock)
         gate_pid = os.getpid()
         engine = await asyncio.create_subprocess_exec(
             *s.argv, preexec_fn=lambda: die_with_parent(gate_pid)
         )
 
         def stop(sig: signal.Signals) -> None:
-            server.close()
+            door.close()
             if engine.returncode is None:
                 engine.send_signal(sig)  # the agent signals the gate alone
 
         loop.add_signal_handler(signal.SIGTERM, stop, signal.SIGTERM)
         loop.add_signal_handler(signal.SIGINT, stop, signal.SIGINT)
         code = await engine.wait()
-        server.close()
+        door.close()
         for client in list(self.clients):
             client.close()
         return 128 - code if code < 0 else code
@@ -243,6 +212,6 @@ def run_gate(settings: GateSettings) -> int:
     `start_tls` on an accepted connection lost handshakes (one in three timed out here)."""
     try:
         return asyncio.run(Gate(settings).run())
-    except (OSError, ssl.SSLError, PkiError) as exc:
+    except (OSError, PkiError) as exc:
         log.error("engine gate: cannot serve on %s:%d: %s", settings.host, settings.port, exc)
         return 1

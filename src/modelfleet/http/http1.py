@@ -45,12 +45,18 @@ from typing import Any, Literal
 
 import httptools
 
+from modelfleet.http.door import Door, DoorBounds, Visit
+
 log = logging.getLogger("modelfleet.http")
 
 # Unread request body above which the connection stops reading from its client.
 HIGH_WATER = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers, counted as they arrive; past this: 431
 MAX_HEADERS = 100  # header lines in one request; past this: 431
+# Requests read ahead of their turn on one connection (pipelined); past this the connection
+# reads no more until they are answered, and an answer is not started while the client leaves
+# the one before unread: 10,000 pipelined `GET /metrics` never read grew a router by 88 MiB.
+MAX_PIPELINED = 16
 # Seconds a connection that answered before its request's body was in keeps reading (and
 # dropping) what the client still sends, after its answer and a half-close: closed at once,
 # the client's unread data would reset the connection before it read the answer.
@@ -314,8 +320,9 @@ class Cycle:
 class _Connection(asyncio.Protocol):
     """One client connection: parses its requests and runs the app for each in turn."""
 
-    def __init__(self, server: Http1Server) -> None:
+    def __init__(self, server: Http1Server, visit: Visit) -> None:
         self.server = server
+        self.visit = visit
         self.loop = server.loop
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.parser = httptools.HttpRequestParser(self)
@@ -331,6 +338,9 @@ class _Connection(asyncio.Protocol):
         self.discarding = False  # answered and half-closed: what comes in is dropped
         self.read_paused = False
         self.write_paused = False
+        self.write_paused_at = 0.0
+        self.held = False  # a pipelined request waits for the client to read what went before
+        self.overfull = False  # it pipelined past `MAX_PIPELINED`: closed once they are answered
         self._drain: asyncio.Future[None] | None = None
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -356,9 +366,14 @@ class _Connection(asyncio.Protocol):
         self.server_addr = tuple(own[:2]) if isinstance(own, tuple) else None
         self.server.connections.add(self)
         self.set_idle()
-        self.server.admitted(self)
+
+    @property
+    def idle(self) -> bool:
+        """Between requests or still sending a request's head: closing it costs no answer."""
+        return self.cycle is None and not self.queue
 
     def set_idle(self) -> None:
+        self.visit.touch()
         self.idle_since = self.loop.time()
         self.server.idle[self] = None  # the newest idle connection, last
 
@@ -367,6 +382,7 @@ class _Connection(asyncio.Protocol):
         self.server.idle.pop(self, None)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.visit.release()
         self.server.connections.discard(self)
         self.server.idle.pop(self, None)
         if self.cycle is not None:
@@ -385,7 +401,7 @@ class _Connection(asyncio.Protocol):
                     cycle.on_gone()
 
     def data_received(self, data: bytes) -> None:
-        if self.discarding:
+        if self.discarding or self.overfull:
             return
         if self.idle_since is not None:
             self.set_busy()
@@ -414,13 +430,22 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             # httptools wraps what a callback raises in its own error.
             status, message = self._refusal or (400, f"Invalid HTTP request: {exc}")
+            if status == 0:  # pipelined past the limit: answer what is queued, then close
+                self.overfull = True
+                self.pause_reading()
+                return
             self._refuse(status, message)
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        self.write_paused_at = self.loop.time()
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.held:
+            self.held = False
+            if self.queue and self.cycle is None:
+                self.start(self.queue.popleft())
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
@@ -506,6 +531,9 @@ class _Connection(asyncio.Protocol):
                 cycle.awaiting_take = True
                 return
             self.start(cycle)
+        elif len(self.queue) >= MAX_PIPELINED:
+            self.parsing = None
+            self._stop(0, "pipelined past the limit")
         else:
             self.queue.append(cycle)  # answered after the one before it
             self.pause_reading()
@@ -592,7 +620,15 @@ class _Connection(asyncio.Protocol):
         # dropped (`on_body`), and the next request starts after it.
         self.cycle = None
         if self.queue:
+            if self.write_paused:
+                # The client reads nothing of what was answered: the next answer waits for it
+                # (`resume_writing`), cut off after `write_timeout` by the sweep.
+                self.held = True
+                return
             self.start(self.queue.popleft())
+        elif self.overfull:
+            self._linger()  # it pipelined past the limit: what it sent after is dropped
+            return
         else:
             self.set_idle()
             if self.server.stopping:
@@ -647,23 +683,29 @@ class _Connection(asyncio.Protocol):
 
 @dataclass(frozen=True)
 class Bounds:
-    """What a client may cost the server: seconds, and connections."""
+    """What a client may cost the server: seconds, connections, handshakes."""
 
     keep_alive: float = 30.0  # an idle connection is kept this long
     head_timeout: float = 10.0  # a request's head is in within this of its first byte
     body_timeout: float = 60.0  # its body within this of its head
     write_timeout: float = 60.0  # an answer the client reads nothing of is cut off after this
-    max_connections: int = 10_000
+    max_connections: int = 10_000  # open at once, from accept (`door.Door`)
+    max_handshakes: int = 256  # TLS handshakes under way at once
+    handshake_timeout: float = 10.0  # seconds a TLS handshake may take
+
+    @property
+    def door(self) -> DoorBounds:
+        return DoorBounds(self.max_connections, self.max_handshakes, self.handshake_timeout)
 
 
 class Http1Server:
-    """Serves an ASGI app over HTTP/1.1 on listening sockets.
+    """Serves an ASGI app over HTTP/1.1 on listening sockets, behind a `door.Door`.
 
-    What bounds a client (`Bounds`): a request's head and body that come too slowly get 408
-    and the connection is closed (the same sweep finds them that closes idle connections);
-    an answer the client reads nothing of for `write_timeout` is cut off; past
-    `max_connections` the longest idle connection is closed for each new one, and a new one
-    is closed at once when none is idle.
+    What bounds a client (`Bounds`): the door counts connections from accept, shares
+    `max_connections` fairly between sources and bounds TLS handshakes; a request's head and
+    body that come too slowly get 408 and the connection is closed (the same sweep finds them
+    that closes idle connections); an answer the client reads nothing of for `write_timeout`
+    is cut off; at most `MAX_PIPELINED` requests are read ahead of their turn.
     """
 
     def __init__(
@@ -672,6 +714,7 @@ class Http1Server:
         take: Callable[[Cycle], bool] | None = None,
         bounds: Bounds = Bounds(),
         tls: ssl.SSLContext | None = None,
+        name: str = "listener",
     ) -> None:
         self.app = app
         self.tls = tls  # the listener speaks TLS only (`pki.server_context`)
@@ -680,9 +723,7 @@ class Http1Server:
         self.head_timeout = bounds.head_timeout
         self.body_timeout = bounds.body_timeout
         self.write_timeout = bounds.write_timeout
-        self.max_connections = bounds.max_connections
         self.idle: dict[_Connection, None] = {}  # idle connections, the longest idle first
-        self.turned_away = 0  # connections closed at once: over the cap, none idle
         # Gets each small POST once its body is in; True: it answers or carries it on.
         self.take = take
         self.connections: set[_Connection] = set()
@@ -691,7 +732,7 @@ class Http1Server:
         self._quiet: asyncio.Future[None] | None = None  # set once nothing is in flight
         self.stopping = False
         self.loop = asyncio.get_running_loop()
-        self._servers: list[asyncio.AbstractServer] = []
+        self.door = Door(lambda visit: _Connection(self, visit), bounds.door, tls, name)
         self._sweeper: asyncio.Task[None] | None = None
 
     def task_done(self, task: asyncio.Task[None]) -> None:
@@ -709,33 +750,9 @@ class Http1Server:
         if quiet is not None and not quiet.done() and not self.tasks and not self.taken:
             quiet.set_result(None)
 
-    def admitted(self, conn: _Connection) -> None:
-        """A new connection: past `max_connections`, the longest idle one makes room, or,
-        with none idle, the new one is closed."""
-        if len(self.connections) <= self.max_connections:
-            return
-        for oldest in self.idle:
-            if oldest is not conn:
-                oldest.transport.close()
-                self.idle.pop(oldest, None)
-                self.connections.discard(oldest)
-                return
-        self.turned_away += 1
-        if self.turned_away == 1 or self.turned_away % 1000 == 0:
-            log.warning(
-                "%d connections open, none idle: turned away %d new connection(s)",
-                len(self.connections),
-                self.turned_away,
-            )
-        conn.transport.close()
-
     async def start(self, sock: socket.socket, backlog: int = 2048) -> None:
-        """Accept connections on `sock`, which is bound and listening. `backlog` again,
-        because asyncio listens on the socket anew (at its own default of 100)."""
-        server = await self.loop.create_server(
-            lambda: _Connection(self), sock=sock, backlog=backlog, ssl=self.tls
-        )
-        self._servers.append(server)
+        """Accept connections on `sock`, which is bound and listening."""
+        await self.door.start(sock, backlog)
         if self._sweeper is None:
             self._sweeper = self.loop.create_task(self._sweep())
 
@@ -753,18 +770,20 @@ class Http1Server:
                     break  # the rest have been idle for less time
                 conn.transport.close()
                 self.idle.pop(conn, None)
+            stalled = now - self.write_timeout
             for conn in list(self.connections):
                 deadline = conn.deadline
                 if deadline is not None and deadline < now and not conn.read_paused:
                     conn.timed_out()
+                elif conn.held and conn.write_paused_at < stalled:
+                    conn.transport.abort()  # it pipelined and reads none of the answers
 
     async def shutdown(self, drain_timeout: float) -> None:
         """Stop accepting, close idle connections, let requests in flight finish within
         `drain_timeout` seconds (each connection closes after its answer), cancel what is
         left, close every connection."""
         self.stopping = True
-        for server in self._servers:
-            server.close()
+        self.door.close()
         for conn in list(self.connections):
             if conn.cycle is None:
                 conn.transport.close()
@@ -784,6 +803,4 @@ class Http1Server:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        for server in self._servers:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), timeout=1)
+        await self.door.wait_closed()

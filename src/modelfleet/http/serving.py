@@ -94,6 +94,13 @@ def fit_to_open_files(listeners: list[Listener], reserve: int = FILES_RESERVED) 
     everything else the process opens: a cap above the limit is none (20,100 half-sent
     requests once took every file descriptor of a control plane)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = os.environ.get("MODELFLEET_MAX_OPEN_FILES", "")
+    if ceiling.isdigit() and 0 < int(ceiling) < hard:
+        # An operator's ceiling (as systemd's LimitNOFILE would set), below the hard limit.
+        hard = int(ceiling)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, hard), hard))
+        soft = min(soft, hard)
     if soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -156,7 +163,9 @@ async def run_service(
     for listener in listeners:
         sock = listener.sock or listener.bind()
         tls = server_context(listener.tls) if listener.tls is not None else None
-        http1 = Http1Server(listener.app, take=listener.take, bounds=listener.bounds, tls=tls)
+        http1 = Http1Server(
+            listener.app, take=listener.take, bounds=listener.bounds, tls=tls, name=listener.name
+        )
         await http1.start(sock)
         lean.append(http1)
 
@@ -164,7 +173,13 @@ async def run_service(
     if on_ready is not None:
         await on_ready()
     if ready_file is not None:
-        ready = {"pid": os.getpid(), "urls": {li.name: li.url for li in listeners}}
+        # Each listener's bounds too, so that whoever attacks it (the suite's hostile-client
+        # kit) knows the caps it must meet without being told them again.
+        ready = {
+            "pid": os.getpid(),
+            "urls": {li.name: li.url for li in listeners},
+            "bounds": {li.name: dataclasses.asdict(li.bounds) for li in listeners},
+        }
         ready.update(ready_extra or {})
         write_json_atomic(ready_file, ready)
     for listener in listeners:

@@ -1,0 +1,131 @@
+"""The hostile-client kit (`hostile.py`) against every listener of a running fleet.
+
+The listeners are not named here: they are read from the fleet's ready files (each service
+writes the URL, bounds and pid of every listener it opens, `http/serving.py`) and from the
+replicas' endpoints (the engines), so a listener added to any service is attacked by these
+tests without a test written for it. The fleet runs with `MODELFLEET_MAX_OPEN_FILES` low, so
+that every cap is small enough to flood from one test.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelfleet.up import RunningFleet
+
+from . import hostile
+from .conftest import Operator, fleet_of, wait_for
+
+OPEN_FILES = 900  # each service's caps are fitted to this (http/serving.fit_to_open_files)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
+    tmp = tmp_path_factory.mktemp("doors")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MODELFLEET_MAX_OPEN_FILES", str(OPEN_FILES))
+        with fleet_of(tmp, [{"name": "m", "engine": "sim", "replicas": 2}]) as running:
+            operator = Operator(running, tmp)
+            wait_for(
+                "two replicas of m ready",
+                lambda: sum(r["state"] == "ready" for r in operator.replicas("m")) == 2,
+                60,
+            )
+            yield running
+
+
+def doors(fleet: RunningFleet) -> list[hostile.Door]:
+    """Every listener the fleet registered: each service's ready file, and each engine."""
+    found = []
+    for ready in sorted((fleet.catalog_file.parent / "run").glob("*.json")):
+        described = json.loads(ready.read_text())
+        for name, url in described.get("urls", {}).items():
+            bounds = described.get("bounds", {}).get(name, {})
+            found.append(hostile.Door(f"{ready.stem} {name}", url, described["pid"], bounds))
+    for replica in Operator(fleet, Path()).replicas():
+        if replica.get("endpoint"):
+            found.append(hostile.Door(f"engine {replica['id']}", replica["endpoint"], 0))
+    assert len(found) >= 8, [d.name for d in found]  # router x2, control plane x2, agents, engines
+    return found
+
+
+def each(targets: list[hostile.Door], attack: Callable[[hostile.Door], Any]) -> dict[str, Any]:
+    """`attack` on every door at once (threads): what each gave."""
+    results: dict[str, Any] = {}
+
+    def run(door: hostile.Door) -> None:
+        try:
+            results[door.name] = attack(door)
+        except Exception as exc:  # the result names the door that failed and how
+            results[door.name] = f"failed: {exc!r}"
+
+    threads = [threading.Thread(target=run, args=(door,)) for door in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
+def served_after(attack: Callable[[hostile.Door], Any]) -> Callable[[hostile.Door], Any]:
+    def both(door: hostile.Door) -> Any:
+        return attack(door), bool(door.served())
+
+    return both
+
+
+def test_every_door_closes_slow_heads_and_refuses_huge_ones_deep_bodies_and_bad_utf8(
+    fleet: RunningFleet,
+) -> None:
+    targets = doors(fleet)
+    assert each(targets, served_after(hostile.slow_head)) == {
+        d.name: ("HTTP/1.1 408 Request Timeout", True) for d in targets
+    }
+    assert each(targets, served_after(hostile.huge_head)) == {
+        d.name: ("HTTP/1.1 431 Request Header Fields Too Large", True) for d in targets
+    }
+    for attack in (hostile.deep_body, hostile.bad_utf8):
+        found = each(targets, served_after(attack))
+        for name, (answer, served) in found.items():
+            assert served and answer.startswith("HTTP/1.1 4"), (attack.__name__, name, answer)
+
+
+def test_every_door_shares_its_cap_between_sources(fleet: RunningFleet) -> None:
+    """Issue 56: about 400 slow heads locked operators out of the admin API, about 9,850 every
+    tenant out of the router. A stranger floods each listener past its cap (idle
+    connections and heads that never end) and an honest client from another address is
+    served five times over while the flood is open."""
+    targets = [d for d in doors(fleet) if d.bounds.get("max_connections", 10**9) <= 1000]
+    assert {d.name.split()[0] for d in targets} >= {"router", "control-plane"}, targets
+
+    def attack(door: hostile.Door) -> Any:
+        with hostile.flood(door, door.bounds["max_connections"] + 20) as held:
+            return len(held) > 0, [bool(door.served()) for _ in range(5)]
+
+    assert each(targets, attack) == {d.name: (True, [True] * 5) for d in targets}
+
+
+def test_every_door_outlives_churn_and_unread_pipelines(fleet: RunningFleet) -> None:
+    """Issue 56: thousands of connections opened and closed (the engine gate's lock-out), and
+    pipelined requests never read (a router grew by 88 MiB): each listener is served after
+    both, and no process serving one grew by more than 20 MB while its answers went unread."""
+    targets = doors(fleet)
+    assert each(targets, served_after(lambda door: hostile.churn(door, 300))) == {
+        d.name: (None, True) for d in targets
+    }
+    grown = each([d for d in targets if d.pid], served_after(hostile.pipeline_unread))
+    for name, (mb, served) in grown.items():
+        assert served and mb <= 20, (name, mb)
+
+
+def test_the_fleet_wrote_each_listeners_bounds(fleet: RunningFleet) -> None:
+    ready = json.loads((fleet.catalog_file.parent / "run" / "router.json").read_text())
+    assert set(ready["bounds"]) == set(ready["urls"])
+    assert all(b["max_connections"] < OPEN_FILES for b in ready["bounds"].values())
+    assert Path(fleet.catalog_file.parent).is_dir()
