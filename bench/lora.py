@@ -125,10 +125,11 @@ class Fleet(AdminFleet):
     def adapters(self, replica: dict[str, Any]) -> dict[str, dict[str, Any]]:
         return {a["name"]: a for a in replica["shards"][0]["adapters"]}
 
-    def scrape(self, url: str, name: str) -> dict[str, float]:
-        """Samples of metric `name` at `url`: labels (as text) -> value."""
+    def scrape(self, url: str, name: str, token: str | None = None) -> dict[str, float]:
+        """Samples of metric `name` at `url` (asked with `token`): labels (as text) -> value."""
         found = {}
-        for line in httpx.get(url, timeout=10).text.splitlines():
+        auth = {"authorization": f"Bearer {token}"} if token else {}
+        for line in httpx.get(url, headers=auth, timeout=10).text.splitlines():
             if line.startswith(name):
                 labels, _, value = line.rpartition(" ")
                 found[labels] = float(value)
@@ -143,7 +144,8 @@ class Fleet(AdminFleet):
 
     def router_count(self, name: str) -> float:
         """Metric `name` of the router, summed over the adapters."""
-        samples = self.scrape(self.running.router_url + "/metrics", name)
+        running = self.running
+        samples = self.scrape(running.push_url + "/metrics", name, running.admin_token)
         return sum(v for labels, v in samples.items() if "lora-" in labels)
 
 

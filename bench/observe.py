@@ -17,7 +17,8 @@
   `router_own_mean_ms_added_with_tracing`, `router_own_mean_ms_exporter_added`.
 - What is shown is true, on a fleet as `up` starts one with router `workers: 2`:
   `counter_decreases` (samples of counters and histograms lower than in an earlier scrape of
-  the router's `/metrics`, while clients send and one worker is killed -9; target 0),
+  the router's `/metrics`, on its push API, while clients send and one worker is killed -9;
+  target 0),
   `refusals_in_latency` (requests in the request-time histogram beyond those sent to an
   engine, while refused ones, a bad key and an unknown model, are mixed in; target 0), and
   `ejected_shown_ready` (a replica whose engine is stopped with SIGSTOP, once a router has it
@@ -189,7 +190,7 @@ def tracing_cost(tmp: Path, rev: str, rate: float, duration: float) -> dict[str,
         p50 = {name: figures["p50_ms"] for name, figures in got.items()}
         # The router's own time per request (its overhead metric: arrival to end, less the
         # waits for the engine), which the engine's side of the wire does not blur.
-        own = {t.name: own_ms(t.urls[0]) for t in targets if t.name != "direct"}
+        own = {t.name: own_ms(t) for t in targets if t.name != "direct"}
         say(f"  router's own time per request, mean ms: {own}")
         out: dict[str, Any] = {
             "router_overhead_added_p50_ms_exporter": round(p50["exporter"] - p50["now"], 4),
@@ -205,10 +206,12 @@ def tracing_cost(tmp: Path, rev: str, rate: float, duration: float) -> dict[str,
         collector.stop()
 
 
-def own_ms(router: str) -> float:
+def own_ms(router: bench_router.Target) -> float:
     """A router's own time per request so far, mean, in ms, from its metrics."""
     total = count = 0.0
-    for line in httpx.get(f"{router}/metrics", timeout=10).text.splitlines():
+    assert router.metrics is not None
+    auth = {"authorization": f"Bearer {bench_router.PUSH_TOKEN}"}
+    for line in httpx.get(router.metrics, headers=auth, timeout=10).text.splitlines():
         if line.startswith("modelfleet_router_overhead_seconds_sum"):
             total = float(line.rsplit(" ", 1)[1])
         elif line.startswith("modelfleet_router_overhead_seconds_count"):
@@ -281,10 +284,12 @@ def truth(tmp: Path) -> dict[str, Any]:
             t.start()
         shown: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         decreases = 0
+        push_auth = {"authorization": f"Bearer {running.admin_token}"}
 
         def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             nonlocal decreases
-            now = samples(httpx.get(f"{running.router_url}/metrics", timeout=5).text)
+            page = httpx.get(f"{running.push_url}/metrics", headers=push_auth, timeout=5)
+            now = samples(page.text)
             decreases += sum(1 for k, v in shown.items() if now.get(k, 0.0) < v)
             shown.update(now)
             return now

@@ -66,6 +66,7 @@ HERE = Path(__file__).resolve().parent
 VENVS = HERE / ".venvs"
 KEY = "sk-bench-0123456789abcdef0123456789abcdef"  # LiteLLM wants a strong master key
 MODEL = "m"
+PUSH_TOKEN = "push-bench-0123456789abcdef"  # a modelfleet router's push API (its metrics)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Target:
     urls: list[str]
     pids: list[int] = field(default_factory=list)
     keys: list[str] = field(default_factory=lambda: [KEY])  # requests take them in turn
+    metrics: str | None = None  # a modelfleet router's metrics (its push API, PUSH_TOKEN)
 
     def cpu_seconds(self) -> float:
         total = 0.0
@@ -203,6 +205,7 @@ def start_modelfleet(
     config: dict[str, Any] = {
         "port": port,
         "push_port": push,
+        "push_token": PUSH_TOKEN,
         "api_keys": [{"name": "bench", "key": KEY}],
         "models": [{"name": MODEL, "endpoints": engines, "routing": routing}],
         **config_extra,
@@ -223,9 +226,11 @@ def start_modelfleet(
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     wait_ready(procs, "the modelfleet router", url + "/health")
+    # /v1/metrics: where routers before and after /metrics moved off the client port serve it.
+    metrics = f"http://127.0.0.1:{push}/v1/metrics"
     if limits_store:
-        return Target("limits", [url], [pid], LIMITED_KEYS)
-    return Target(name, [url], [pid])
+        return Target("limits", [url], [pid], LIMITED_KEYS, metrics)
+    return Target(name, [url], [pid], metrics=metrics)
 
 
 def start_vllm_router(procs: Processes, engines: list[str], policy: str) -> Target | None:

@@ -216,8 +216,9 @@ JoinUrl = Annotated[
     str | None,
     typer.Option(
         "--join",
-        help="Join the fleet whose agent API is at this URL with the join token --token "
-        "(`ctl join-tokens create`); the credential it is exchanged for is kept in the "
+        help="Join the fleet whose agent API is at this URL with a join token (`ctl "
+        "join-tokens create`; by --token-file or MODELFLEET_AGENT_TOKEN); the credential it "
+        "is exchanged for is kept in the "
         "state dir and used from then on.",
     ),
 ]
@@ -859,7 +860,7 @@ def _secret_from(path: Path, option: str) -> str:
     from modelfleet.host.config import ConfigError, owner_only
 
     try:
-        owner_only(path, [option])
+        owner_only(path, ["the token"])
         text = path.read_text().strip()
     except ConfigError as exc:
         fail(f"{option}: {exc}")
@@ -905,7 +906,10 @@ def _joined(
                 )
             return kept
         if token is None:
-            fail("--join needs --token, a join token (`modelfleet ctl join-tokens create`)")
+            fail(
+                "--join needs a join token (`modelfleet ctl join-tokens create`): give it by "
+                "--token-file FILE or MODELFLEET_AGENT_TOKEN"
+            )
         parsed = JoinToken.parse(token)
         joined = join_until_answered(url, parsed, node, [address], state_dir, retry_every)
     except BadJoinToken as exc:

@@ -190,6 +190,11 @@ class Operator:
         began = time.monotonic()
         return began, self.ctl("catalog", "apply", str(path), check=check)
 
+    def router_metrics(self) -> str:
+        """The router's metrics, from its push API (with the fleet's admin token)."""
+        auth = {"authorization": f"Bearer {self.fleet.admin_token}"}
+        return httpx.get(f"{self.fleet.push_url}/metrics", headers=auth, timeout=10).text
+
     def get(self, path: str) -> Any:
         r = self.admin.get(path)
         assert r.status_code == 200, r.text

@@ -102,7 +102,7 @@ def test_adapters_are_loaded_routed_reported_reloaded_and_swapped_live(tmp_path:
         assert op.replicas("base")[0]["shards"][0]["pid"] == pid
 
         # Each adapter counted as a model of its own: the router's metrics and `ctl usage`.
-        page = op.client.get("/metrics").text
+        page = op.router_metrics()
         assert 'modelfleet_router_requests_total{model="sql",status="200"}' in page
         assert 'modelfleet_router_first_byte_seconds_count{model="chat"}' in page
         assert 'modelfleet_router_tokens_total{kind="completion",model="sql"}' in page

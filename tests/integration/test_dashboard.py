@@ -249,7 +249,7 @@ def test_the_playground_chats_with_a_model_through_the_router_with_a_key_made_th
     page.click("#send")
     page.locator("#answer-info").filter(has_text="first token after").wait_for()
     assert page.inner_text("#answer-info").startswith("answered by sim-chat-")
-    metrics = httpx.get(f"{fleet.router_url}/metrics", timeout=10).text
+    metrics = httpx.get(f"{fleet.push_url}/metrics", headers=admin, timeout=10).text
     assert 'modelfleet_router_requests_total{model="sql",status="200"} 1.0' in metrics, metrics
 
 

@@ -351,3 +351,28 @@ def test_a_revoked_agent_says_so_once_and_joins_anew_when_given_a_new_token(
     nodes = {n["name"]: n for n in fleet.ctl_json("nodes")["nodes"]}
     assert nodes["b"]["mark"] == "none" and nodes["b"]["ready"], nodes
     assert again["node"] == "b"
+
+
+def test_join_tokens_create_says_to_give_the_token_by_file_and_that_joins(fleet: Fleet) -> None:
+    """`ctl join-tokens create` told operators to run `agent --join URL --token TOKEN`: the
+    token on a command line, which any local user can read with `ps` (the README forbids it).
+    It names --token-file now; followed to the letter, the agent joins. An agent given no
+    token is told the same."""
+    made = fleet.ctl("join-tokens", "create", "--uses", "1", "--ttl", "10m")
+    assert made.returncode == 0, made.stderr
+    said = " ".join(made.stdout.split())
+    assert "--token-file FILE" in said and "chmod 600 FILE" in said
+    assert "--token TOKEN" not in said
+    [token] = [ln[len("token: ") :] for ln in made.stdout.splitlines() if ln.startswith("token: ")]
+
+    without = fleet.run_agent("b", "")
+    assert without.returncode != 0 and "--token-file FILE" in without.stderr, without.stderr
+
+    file = fleet.folder / "join-token"
+    file.write_text(token + "\n")
+    file.chmod(0o600)
+    ready = fleet.folder / "agent-b.json"
+    args = [*fleet.agent_args("b", None), "--token-file", str(file), "--ready-file", str(ready)]
+    wait_json(ready, fleet.procs.start(*args, log="agent-b"))
+    assert (fleet.folder / "b" / CREDENTIAL_FILE).exists()
+    assert [n["name"] for n in fleet.ctl_json("nodes")["nodes"]] == ["b"]

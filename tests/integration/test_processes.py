@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import os
 import shlex
 import signal
@@ -32,6 +33,7 @@ from modelfleet.messages.wire import AgentReport, NodeAssignment, ShardAssignmen
 from .conftest import Procs, until, wait_for, wait_json
 
 KEY = "mf-test-key"
+PUSH_TOKEN = "push-token-0123456789"
 
 
 def start_engine(procs: Procs, tmp: Path, name: str, *extra: str) -> tuple[str, int]:
@@ -46,7 +48,7 @@ def start_router(
     procs: Procs, tmp: Path, models: list[dict[str, object]], **options: object
 ) -> str:
     """A router process with the client key `KEY`, routing `models`; `options`: more of its
-    config."""
+    config (`push_token=PUSH_TOKEN` for its push API and metrics: `router_metrics`)."""
     config = tmp / "router.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -59,9 +61,17 @@ def start_router(
             }
         )
     )
+    config.chmod(0o600)
     ready = tmp / "router.json"
     proc = procs.start("router", "--config", str(config), "--ready-file", str(ready), log="router")
     return wait_json(ready, proc)["urls"]["router"]
+
+
+def router_metrics(tmp: Path) -> str:
+    """The metrics of the router `start_router(procs, tmp, ...)` started, from its push API."""
+    push = json.loads((tmp / "router.json").read_text())["urls"]["push"]
+    auth = {"authorization": f"Bearer {PUSH_TOKEN}"}
+    return httpx.get(f"{push}/metrics", headers=auth, timeout=10).text
 
 
 def offline_agent(state_dir: Path, stop_grace: float, **supervisor: Any) -> AgentSettings:

@@ -20,7 +20,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Procs, wait_for, wait_json
-from .test_processes import KEY, start_engine, start_router
+from .test_processes import KEY, PUSH_TOKEN, router_metrics, start_engine, start_router
 
 
 def engine_of(procs: Procs, tmp: Path, model: str, name: str) -> tuple[str, int]:
@@ -45,7 +45,9 @@ def test_the_openai_client_streams_through_the_router_which_names_the_replica(
     procs: Procs, tmp_path: Path
 ) -> None:
     engine, _ = start_engine(procs, tmp_path, "m", "--itl", "0.005")
-    router = start_router(procs, tmp_path, [{"name": "m", "endpoints": [engine]}])
+    router = start_router(
+        procs, tmp_path, [{"name": "m", "endpoints": [engine]}], push_token=PUSH_TOKEN
+    )
     client = openai.OpenAI(base_url=f"{router}/v1", api_key=KEY, timeout=20, max_retries=0)
     stream = client.chat.completions.create(
         model="m",
@@ -61,7 +63,7 @@ def test_the_openai_client_streams_through_the_router_which_names_the_replica(
     raw = client.completions.with_raw_response.create(model="m", prompt="x", max_tokens=2)
     assert raw.headers["x-modelfleet-replica"] == engine  # a static config names no replica ids
     assert raw.parse().usage.completion_tokens == 2
-    page = httpx.get(f"{router}/metrics", timeout=10).text
+    page = router_metrics(tmp_path)
     assert counter(page, 'modelfleet_router_requests_total{model="m",status="200"}') == 2
     assert counter(page, "modelfleet_router_overhead_seconds_count") == 2
 
@@ -72,7 +74,9 @@ def test_a_replica_killed_mid_run_fails_no_request(procs: Procs, tmp_path: Path)
     doomed, doomed_pid = engine_of(procs, tmp_path, "m", "doomed")
     survivor, _ = engine_of(procs, tmp_path, "m", "survivor")
     assert doomed != survivor
-    router = start_router(procs, tmp_path, [{"name": "m", "endpoints": [doomed, survivor]}])
+    router = start_router(
+        procs, tmp_path, [{"name": "m", "endpoints": [doomed, survivor]}], push_token=PUSH_TOKEN
+    )
     failures: list[str] = []
     answered = [0]
     stop = threading.Event()
@@ -104,7 +108,7 @@ def test_a_replica_killed_mid_run_fails_no_request(procs: Procs, tmp_path: Path)
         for thread in threads:
             thread.join(timeout=40)
     assert failures == []
-    page = httpx.get(f"{router}/metrics", timeout=10).text
+    page = router_metrics(tmp_path)
     assert counter(page, 'modelfleet_router_retries_total{model="m"}') >= 1
     assert counter(page, f'modelfleet_router_ejections_total{{endpoint="{doomed}"}}') == 1
 
@@ -153,7 +157,7 @@ def two_workers(procs: Procs, tmp_path: Path) -> tuple[Path, subprocess.Popen[by
             {
                 "port": 0,
                 "push_port": 0,
-                "push_token": "push-token-0123456789",
+                "push_token": PUSH_TOKEN,
                 "workers": 2,
                 "api_keys": [{"name": "t", "key": KEY}],
                 "models": [],
@@ -174,7 +178,7 @@ def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Pa
     workers = [psutil.Process(pid) for pid in urls["workers"]]
     assert len(workers) == 2
     table = {"epoch": 1, "version": 3, "models": [{"name": "m", "endpoints": [engine]}]}
-    admin = {"authorization": "Bearer push-token-0123456789"}
+    admin = {"authorization": f"Bearer {PUSH_TOKEN}"}
     taken = httpx.put(f"{push}/v1/routing", json=table, headers=admin, timeout=20)
     assert taken.status_code == 200 and taken.json()["applied"] is True
     held = httpx.get(f"{push}/v1/routing/held", headers=admin, timeout=20).json()
@@ -185,9 +189,10 @@ def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Pa
     after = [w.cpu_times() for w in workers]
     busy = [a.user + a.system - b.user - b.system for a, b in zip(after, before, strict=True)]
     assert all(b > 0.01 for b in busy), f"CPU seconds per worker: {busy}"
-    # One scrape of the client port (it lands on one worker) counts every worker's requests,
-    # as does the parent's push API.
-    for url, headers in ((f"{router}/metrics", {}), (f"{push}/v1/metrics", admin)):
+    # One scrape of the parent's push API counts every worker's requests (`/metrics` is where
+    # Prometheus looks; the client port serves none).
+    assert httpx.get(f"{router}/metrics", timeout=20).status_code == 404
+    for url, headers in ((f"{push}/metrics", admin), (f"{push}/v1/metrics", admin)):
         page = httpx.get(url, headers=headers, timeout=20)
         assert page.status_code == 200, page.text
         counted = sum(
@@ -274,12 +279,12 @@ def test_router_counters_never_go_back_when_a_worker_dies_or_stalls(
     """Issue 41: with `workers: 2`, the summed counters went back when a worker stalled (left
     out of the sum) or was restarted (from zero), and Prometheus read each drop as a reset:
     403 requests counted in a minute with none sent. Under load, one worker is killed -9 and
-    the other stopped (SIGSTOP); no scrape of the client port or the parent shows a count
-    lower than one shown before."""
+    the other stopped (SIGSTOP); no scrape of the parent shows a count lower than one shown
+    before."""
     engine, _ = engine_of(procs, tmp_path, "m", "engine")
     _, proc, urls = two_workers(procs, tmp_path)
     router, push = urls["urls"]["router"], urls["urls"]["push"]
-    admin = {"authorization": "Bearer push-token-0123456789"}
+    admin = {"authorization": f"Bearer {PUSH_TOKEN}"}
     table = {"epoch": 1, "version": 1, "models": [{"name": "m", "endpoints": [engine]}]}
     assert httpx.put(f"{push}/v1/routing", json=table, headers=admin, timeout=20).is_success
     stop = threading.Event()
@@ -299,11 +304,8 @@ def test_router_counters_never_go_back_when_a_worker_dies_or_stalls(
 
     def scrape() -> None:
         nonlocal scrapes
-        for url, headers in ((f"{router}/metrics", {}), (f"{push}/v1/metrics", admin)):
-            try:
-                page = httpx.get(url, headers=headers, timeout=3)
-            except httpx.TimeoutException:
-                continue  # landed on the stopped worker's socket: no answer is no count
+        for url in (f"{push}/metrics", f"{push}/v1/metrics"):
+            page = httpx.get(url, headers=admin, timeout=3)
             assert page.status_code == 200, page.text
             now = counts(page.text)
             went_back = {k: (v, now.get(k, 0.0)) for k, v in shown.items() if now.get(k, 0.0) < v}

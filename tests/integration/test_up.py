@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 import yaml
 
@@ -280,7 +281,12 @@ def test_one_up_per_state_dir_and_an_up_after_a_killed_one_duplicates_nothing(
 def test_up_gives_its_router_a_redis_and_keeps_the_choice(procs: Procs, tmp_path: Path) -> None:
     """`up --redis` runs Debian's redis-server in the state dir and the router counts keys'
     limits there; the next `up` keeps that (router.yaml was written anew at every start with
-    no way to name a limits store); `--limits-store ''` goes back to the router's memory."""
+    no way to name a limits store); `--limits-store ''` goes back to the router's memory.
+
+    That Redis asks a password (it took none: any local process could read the keys' names
+    or FLUSHALL their counts), set in its config file (0600), never on a command line; the
+    router has it in router.yaml (0600). It is kept: an `up` after a kill -9 adopts the Redis
+    and the router left running, and the counts go on."""
     import redis
 
     state = tmp_path / "state"
@@ -306,9 +312,20 @@ def test_up_gives_its_router_a_redis_and_keeps_the_choice(procs: Procs, tmp_path
 
     first, info = run_up("--redis", log="up-redis")
     url = limits_store()
-    assert url and url.startswith("redis://127.0.0.1:")
+    assert url and url.startswith("redis://:")
     redis_pid = info["pids"]["redis"]
     assert alive(redis_pid)
+    password = redis.Redis.from_url(url).connection_pool.connection_kwargs["password"]
+    assert len(password) >= 24
+    port = redis.Redis.from_url(url).connection_pool.connection_kwargs["port"]
+    with pytest.raises(redis.AuthenticationError):  # NOAUTH: no password, no answer
+        redis.Redis(host="127.0.0.1", port=port).keys("*")
+    conf = state / "redis" / "redis.conf"
+    assert f"requirepass {password}" in conf.read_text()
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    assert stat.S_IMODE((state / "router.yaml").stat().st_mode) == 0o600
+    for pid in (redis_pid, info["pids"]["router"]):
+        assert not any(password in arg for arg in psutil.Process(pid).cmdline())
     target = ["--admin", info["admin_url"], "--token", info["admin_token"]]
     made = ctl("keys", "create", "limited", "--rpm", "2", "-o", "json", *target)
     assert made.returncode == 0, made.stderr
@@ -332,11 +349,22 @@ def test_up_gives_its_router_a_redis_and_keeps_the_choice(procs: Procs, tmp_path
 
     second, info = run_up(log="up-again")
     assert limits_store() == url and alive(info["pids"]["redis"])  # kept
-    stop(second)
-
-    third, info = run_up("--limits-store", "", log="up-memory")
-    assert limits_store() is None and "redis" not in info["pids"]
+    wait_for("the key limited again", lambda: statuses()[-1] == 429)
+    os.kill(second.pid, signal.SIGKILL)  # its Redis and router are left running
+    second.wait()
+    third, again = run_up(log="up-after-kill")
+    assert "the Redis an earlier `up` left running serves on: adopted" in procs.log("up-after-kill")
+    assert again["pids"]["redis"] == info["pids"]["redis"] and limits_store() == url
+    assert again["pids"]["router"] == info["pids"]["router"]
+    assert redis.Redis.from_url(url).keys("modelfleet:limits:limited:*")  # counts kept
+    assert statuses()[-1] == 429
     stop(third)
+    logs = [*(state / "logs").rglob("*.log"), *tmp_path.glob("up-*.log")]
+    assert [log for log in logs if password in log.read_text(errors="replace")] == []
+
+    fourth, info = run_up("--limits-store", "", log="up-memory")
+    assert limits_store() is None and "redis" not in info["pids"]
+    stop(fourth)
 
 
 def test_up_on_real_gpus_without_nvml_says_so_and_leaves_nothing(tmp_path: Path) -> None:

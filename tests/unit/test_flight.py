@@ -176,7 +176,7 @@ def test_a_pooled_request_is_answered_without_a_task_as_the_proxy_answers_it(
                     for name in ("content-type", "content-length", "x-request-id"):
                         assert answer.headers[name] == proxied.headers[name], name
                     assert answer.headers["x-modelfleet-replica"] == "r1"
-                page = (await client.get("/metrics")).text
+                page = (await router.metrics_text()).decode()
                 assert 'modelfleet_router_requests_total{model="m",status="200"} 7.0' in page
                 assert f'modelfleet_router_in_flight{{endpoint="{url}"}} 0.0' in page
                 batch = router.ledger.take()  # the engine's usage, counted per request
@@ -202,7 +202,7 @@ def test_a_replica_failing_by_callbacks_is_left_for_another(spied: Counter[str])
                 retried = await client.post("/v1/completions", json=COMPLETION)
                 assert retried.status_code == 200, retried.text
                 assert spied["_failed"] == 1 and flaky.requests == 2 and hits == [200]
-                page = (await client.get("/metrics")).text
+                page = (await router.metrics_text()).decode()
                 assert 'modelfleet_router_retries_total{model="m"} 1.0' in page
             await router.close()
 
@@ -286,7 +286,7 @@ def test_a_client_gone_carried_by_callbacks_aborts_the_request_at_the_engine(
                     await pending
                 await until("the engine to see the request abandoned", lambda: engine.closed == 1)
                 assert spied["gone"] == 1
-                page = (await client.get("/metrics")).text
+                page = (await router.metrics_text()).decode()
                 assert 'modelfleet_router_client_disconnects_total{model="m"} 1.0' in page
                 assert f'modelfleet_router_in_flight{{endpoint="{url}"}} 0.0' in page
             await router.close()

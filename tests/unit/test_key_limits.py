@@ -355,7 +355,7 @@ def test_a_model_name_the_table_does_not_know_makes_no_label_and_no_usage_row() 
                     assert len(refused.text) < 1000  # the name is not echoed whole
                 ok = {"model": "m", "prompt": "hi", "max_tokens": 1}
                 assert (await c.post("/v1/completions", json=ok)).status_code == 200
-                page = (await c.get("/metrics")).text
+                page = (await router.metrics_text()).decode()
             await until_settled(router)
             labels = set(re.findall(r'model="([^"]*)"', page))
             assert labels <= {"m", "-"} and "m" in labels, labels

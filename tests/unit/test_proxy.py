@@ -78,7 +78,7 @@ def test_a_failing_replica_is_retried_elsewhere_then_ejected_and_probed_back(sta
                     assert (await client.post("/v1/completions", json=COMPLETION)).is_success
                 assert router.balancer.state[bad].ejected_until == clock.now + 10
 
-                page = (await client.get("/metrics")).text
+                page = (await router.metrics_text()).decode()
                 assert f'modelfleet_router_ejections_total{{endpoint="{bad}"}} 2.0' in page
                 assert 'modelfleet_router_retries_total{model="m"} 6.0' in page
             await router.close()
@@ -198,7 +198,7 @@ def test_a_client_that_goes_away_cancels_the_request_upstream(stream: bool) -> N
                         "the engine to count the request cancelled",
                         lambda: engine.cancelled_total == 1 and engine.running == 0,
                     )
-                    page = (await client.get("/metrics")).text
+                    page = (await router.metrics_text()).decode()
                     assert 'modelfleet_router_client_disconnects_total{model="m"} 1.0' in page
             await router.close()
 
@@ -271,7 +271,7 @@ def test_answers_name_their_replica_and_metrics_move() -> None:
                 )
                 assert busy.status_code == 503
                 assert busy.headers["x-modelfleet-reason"] == "no-ready-replica"
-                page = (await client.get("/metrics")).text
+                page = (await router.metrics_text()).decode()
             await router.close()
         assert 'modelfleet_router_requests_total{model="m",status="200"} 3.0' in page
         assert 'modelfleet_router_requests_total{model="none-ready",status="503"} 1.0' in page
@@ -332,7 +332,7 @@ def test_a_stream_s_time_between_tokens_is_a_histogram_of_its_own() -> None:
                 assert (await client.post("/v1/completions", json=body)).is_success
                 streamed = await client.post("/v1/completions", json={**body, "stream": True})
                 assert streamed.text.rstrip().endswith("data: [DONE]")
-                page = (await client.get("/metrics")).text
+                page = (await router.metrics_text()).decode()
             await router.close()
         count = 'modelfleet_router_inter_token_seconds_count{model="m"} 1.0'
         assert count in page, page

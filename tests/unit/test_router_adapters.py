@@ -147,7 +147,7 @@ def test_requests_held_for_an_adapter_that_then_fails_to_load_are_refused_with_w
             assert answer.headers["x-modelfleet-reason"] == "adapter-failed"
             assert "No adapter found for /x" in answer.json()["error"]["message"]
             assert router.cold.waiting == 0
-            page = (await client.get("/metrics")).text
+            page = (await router.metrics_text()).decode()
             assert 'modelfleet_router_held_total{model="bad"} 1.0' in page
         await router.close()
 
@@ -181,7 +181,7 @@ def test_an_engine_that_let_the_adapter_go_sends_the_request_on_not_the_404(way:
                 answers.append(await client.post("/v1/completions", json=ask("x")))
             assert [a.status_code for a in answers] == [200] * len(answers)
             assert engines.got.count((0, "x")) == len(answers)  # each answered by engine 0
-            page = (await client.get("/metrics")).text
+            page = (await router.metrics_text()).decode()
             resent = engines.got.count((1, "x"))
             assert f'modelfleet_router_retries_total{{model="x"}} {resent}.0' in page
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import stat
 from pathlib import Path
@@ -53,3 +54,23 @@ def test_an_unreadable_kept_file_stops_up_and_is_left_as_it_was(tmp_path: Path) 
     with pytest.raises(KeptError, match=f"cannot read {path}.*delete it to make new ones"):
         load_or_make(tmp_path)
     assert path.read_text() == '{"api_key": "mf-x"}'
+
+
+def test_the_redis_up_runs_has_a_password_kept_as_long_as_it_is_run(tmp_path: Path) -> None:
+    """`--redis` gives that Redis a password, in the router's URL; later `up`s keep it (the
+    Redis and router left running are adopted with it), a kept file from before passwords gets
+    one, and `--limits-store` (no Redis run) drops it."""
+    first = load_or_make(tmp_path, redis=True).kept
+    assert first.redis_password and len(first.redis_password) >= 24
+    assert first.limits_url == f"redis://:{first.redis_password}@127.0.0.1:{first.redis_port}/0"
+    assert load_or_make(tmp_path).kept.redis_password == first.redis_password
+    kept = tmp_path / KEPT_FILE
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    older = json.loads(kept.read_text())
+    del older["redis_password"]
+    kept.write_text(json.dumps(older))
+    given = load_or_make(tmp_path).kept
+    assert given.redis_password and given.redis_password != first.redis_password
+    assert given.redis_port == first.redis_port
+    own = load_or_make(tmp_path, limits_store="redis://cache:6379/0").kept
+    assert own.redis_password is None and own.limits_url == "redis://cache:6379/0"

@@ -135,7 +135,7 @@ catalog_app = typer.Typer(
 replicas_app = typer.Typer(help="The replicas, their shards and state, and what is pending.")
 nodes_app = typer.Typer(help="The nodes, their GPUs and health; forget or revoke a node.")
 join_tokens_app = typer.Typer(
-    help="Join tokens: what an agent on a new machine joins the fleet with (--join, --token)."
+    help="Join tokens: what an agent on a new machine joins the fleet with (--join, --token-file)."
 )
 keys_app = typer.Typer(
     help="Client API keys: make, list, change and revoke them while the fleet runs.",

@@ -103,7 +103,9 @@ def print_join_token_created(data: admin.JoinTokenCreated, console: Console) -> 
     console.print(f"token: {data.token}", highlight=False, soft_wrap=True)
     console.print(
         f"It pins the fleet's CA ({data.ca_fingerprint}) and is shown this once. On the new "
-        "machine: modelfleet agent --join AGENT_API_URL --token TOKEN --node NAME",
+        "machine, with the token in a file only its owner may read (`chmod 600 FILE`): "
+        "modelfleet agent --join AGENT_API_URL --token-file FILE --node NAME (or the token "
+        "in MODELFLEET_AGENT_TOKEN); never on a command line, which any local user can read",
         highlight=False,
     )
 

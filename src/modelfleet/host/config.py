@@ -43,7 +43,9 @@ def load_config(path: Path, model: type[T]) -> T:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must be a mapping of settings")
-    owner_only(path, secrets_in(data))
+    found = secrets_in(data)
+    # Of these, the top-level secrets may come from a file of their own (`push_token_file`).
+    owner_only(path, found, [name for name in found if name in SECRET_KEYS])
     data = _secret_files(data, path.parent)
     try:
         return model.model_validate(data)
@@ -80,8 +82,9 @@ def _has_password(url: str) -> bool:
         return False
 
 
-def owner_only(path: Path, secrets: list[str]) -> None:
-    """Refuse `path` if it holds `secrets` and its group or others may read it."""
+def owner_only(path: Path, secrets: list[str], by_file: list[str] | None = None) -> None:
+    """Refuse `path` if it holds `secrets` and its group or others may read it; the message
+    names the `<secret>_file` keys of those in `by_file` (top-level secrets of a config)."""
     if not secrets:
         return
     try:
@@ -89,10 +92,11 @@ def owner_only(path: Path, secrets: list[str]) -> None:
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from exc
     if mode & 0o077:
+        instead = ", ".join(f"{name}{FILE_SUFFIX}: PATH" for name in by_file or [])
         raise ConfigError(
             f"{path} holds secrets ({', '.join(secrets)}) and its group or others may read it "
-            f"(mode {mode:04o}): `chmod 600 {path}`, or give each by a file of its own "
-            "(admin_token_file: PATH)"
+            f"(mode {mode:04o}): `chmod 600 {path}`"
+            + (f", or give {', '.join(by_file or [])} by a file ({instead})" if instead else "")
         )
 
 

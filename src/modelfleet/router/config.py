@@ -13,6 +13,10 @@ from modelfleet.router.table import ApiKey
 from modelfleet.security.apikeys import hash_key
 from modelfleet.security.pki import TlsFiles, is_loopback
 
+# The folder in the system's temp dir of a router of several workers (their configs, with
+# the push token): `host.files.owned_temp_dir`'s, swept by every router's start.
+WORKERS_TEMP_PREFIX = "modelfleet-router-"
+
 
 class KeyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -90,10 +94,6 @@ class RouterConfig(BaseModel):
     # it checks every second): a worker left behind served the port with no new tables or
     # keys, beside the next router started on it.
     parent_pid: int | None = None
-    # Set too: the folder of the workers' ready files. A scrape of /metrics on the client port
-    # (which lands on any one worker) answers the sum over every worker, read from each
-    # one's push API.
-    peers_dir: Path | None = None
     # Set too: where this worker keeps the counts it showed (`metrics.WorkerCounts`), so that
     # the router's counters go on from them when it is restarted, or stalls.
     counts_file: Path | None = None

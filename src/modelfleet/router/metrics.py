@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics, served at `GET /metrics` on its client listener.
+"""The router's Prometheus metrics, served at `GET /metrics` on its push listener (its token).
 
 `modelfleet_router_overhead_seconds` is the time a request spent in the router itself: its whole
 time here less the time spent waiting for the engine (connecting, the first byte, each chunk

@@ -157,6 +157,7 @@ def create_push_app(target: PushTarget, token: str | None) -> Starlette:
             Route("/v1/usage", get_usage, methods=["GET"]),
             Route("/v1/load", get_load, methods=["GET"]),
             Route("/v1/metrics", get_metrics, methods=["GET"]),
+            Route("/metrics", get_metrics, methods=["GET"]),  # where Prometheus looks
             Route("/v1/usage/ack", ack_usage, methods=["POST"]),
         ]
     )

@@ -1,17 +1,18 @@
 """The router: the only client-facing listener, OpenAI-compatible, with API keys.
 
 Two listeners. The client API (`/v1/models`, `/v1/chat/completions`, `/v1/completions`,
-`/v1/embeddings`, `/metrics`) proxies each request to a ready replica of the model it names
+`/v1/embeddings`) proxies each request to a ready replica of the model it names
 (`proxy.py`, chosen by `balancer.py`). The push API (`PUT /v1/routing`, admin token) takes the
-whole routing table from the control plane. The router also seeds its table from its own
-config, so it serves before the first push and with no control plane at all. In the
-background it reads each engine's queue depth and probes ejected engines (`engine_watch.py`).
+whole routing table from the control plane and serves `/metrics` (same token: the metrics
+name engine addresses, which no client of the client API is to see). The router also seeds
+its table from its own config, so it serves before the first push and with no control plane
+at all. In the background it reads each engine's queue depth and probes ejected engines
+(`engine_watch.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -32,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from modelfleet.core.autoscale import pressure
 from modelfleet.host.clock import wait_set
-from modelfleet.host.files import write_json_atomic
+from modelfleet.host.files import sweep_owned, write_json_atomic
 from modelfleet.host.processes import die_with_parent
 from modelfleet.http.http1 import Bounds
 from modelfleet.http.openai_api import error_response
@@ -51,11 +52,11 @@ from modelfleet.messages.wire import (
 )
 from modelfleet.router.balancer import Balancer
 from modelfleet.router.cold import ColdHold
-from modelfleet.router.config import RouterConfig
+from modelfleet.router.config import WORKERS_TEMP_PREFIX, RouterConfig
 from modelfleet.router.engine_watch import EngineWatch
 from modelfleet.router.exchange import Parts, Settings
 from modelfleet.router.limits import Limits, MemoryLimits, RedisLimits
-from modelfleet.router.metrics import COUNTS_SUFFIX, RouterMetrics, WorkerCounts, last_shown, summed
+from modelfleet.router.metrics import RouterMetrics, WorkerCounts
 from modelfleet.router.proxy import PROXY_PATHS, Proxy
 from modelfleet.router.push import create_push_app
 from modelfleet.router.table import ApiKey, KeyRing, RoutingTable
@@ -268,50 +269,9 @@ class Router:
             return _no_model(model)
         return json_response(_card(model, self.table.parents.get(model)))
 
-    async def metrics_page(self, _: Request) -> Response:
-        own = await self.metrics_text()
-        if self.config.peers_dir is None:
-            return Response(own, media_type=CONTENT_TYPE_LATEST)
-        texts = [own.decode(), *await self._peers_metrics(self.config.peers_dir)]
-        return Response(summed(texts), media_type=CONTENT_TYPE_LATEST)
-
     async def metrics_text(self) -> bytes:
         own = generate_latest(self.metrics.registry)
         return own if self.counts is None else self.counts.shown(own)
-
-    async def _peers_metrics(self, folder: Path) -> list[str]:
-        """The other workers' own metrics, from their push APIs; one that does not answer
-        within a second, or is being restarted (no ready file), counts as what it last showed
-        (and is logged)."""
-        own = self.config.counts_file.stem if self.config.counts_file else None
-        names = {f.stem for f in folder.glob("worker-*.json")}
-        names |= {f.stem for f in folder.glob(f"worker-*{COUNTS_SUFFIX}")}
-        headers = {"authorization": f"Bearer {self.config.push_token}"}
-        timeout = aiohttp.ClientTimeout(total=1.0)
-
-        async def one(name: str) -> str | None:
-            counts = folder / f"{name}{COUNTS_SUFFIX}"
-            try:
-                found = json.loads((folder / f"{name}.json").read_text())
-                if found["pid"] == os.getpid():
-                    return None
-                url = found["urls"]["push"]
-            except (OSError, ValueError, KeyError):
-                return last_shown(counts)  # being restarted: its ready file is not there
-            try:
-                async with self.session.get(
-                    url + "/v1/metrics", headers=headers, timeout=timeout
-                ) as answer:
-                    if answer.status == 200:
-                        return await answer.text()
-                    status = answer.status
-                    log.warning("worker at %s answered %d; its last counts used", url, status)
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                log.warning("worker at %s did not answer (%s); its last counts used", url, exc)
-            return last_shown(counts)
-
-        texts = await asyncio.gather(*(one(name) for name in sorted(names - {own})))
-        return [text for text in texts if text is not None]
 
     async def watch_load(self) -> None:
         """Answer the control plane's load poll at once when a model that follows its load
@@ -483,7 +443,6 @@ def create_apps(router: Router) -> tuple[ClientApp, Starlette]:
     rest = Starlette(
         routes=[
             Route("/health", router.health),
-            Route("/metrics", router.metrics_page),
             Route("/v1/models", router.list_models),
             Route("/v1/models/{model:path}", router.get_model),
             *(Route(path, proxy, methods=post) for path in sorted(PROXY_PATHS)),
@@ -504,6 +463,9 @@ async def watch_parent(parent: int, every: float = 1.0) -> None:
 
 async def serve(config: RouterConfig, ready_file: Path | None) -> None:
     """Run a router until SIGINT/SIGTERM."""
+    if config.parent_pid is None:  # what routers killed before they could remove it left
+        for folder in sweep_owned(WORKERS_TEMP_PREFIX):
+            log.warning("removed %s, which a router killed before it stopped left", folder)
     if config.workers > 1:
         from modelfleet.router.workers import serve_workers
 

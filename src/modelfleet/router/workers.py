@@ -20,13 +20,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import aiohttp
 import yaml
 
-from modelfleet.host.files import private_dir
+from modelfleet.host.files import owned_temp_dir
 from modelfleet.host.processes import port_holders
 from modelfleet.http.serving import Listener, run_service
 from modelfleet.http.web import JSON
@@ -40,7 +39,7 @@ from modelfleet.messages.wire import (
     UsageBatch,
     UsageReport,
 )
-from modelfleet.router.config import RouterConfig
+from modelfleet.router.config import WORKERS_TEMP_PREFIX, RouterConfig
 from modelfleet.router.metrics import COUNTS_SUFFIX, last_shown, summed
 from modelfleet.router.push import PushUnavailable, create_push_app
 
@@ -92,7 +91,9 @@ class Workers:
     def __init__(self, config_data: dict[str, object], workers: int, token: str | None) -> None:
         self.token = token
         self.data = config_data
-        self.folder = private_dir(Path(tempfile.mkdtemp(prefix="modelfleet-router-")))
+        # Named with this process's pid, so that the next router removes it (and the push
+        # token its workers' configs hold) if this one is killed before it can.
+        self.folder = owned_temp_dir(WORKERS_TEMP_PREFIX)
         self.workers = [_Worker(i, self.folder) for i in range(workers)]
         self._session: aiohttp.ClientSession | None = None
 
@@ -106,7 +107,6 @@ class Workers:
                 "workers": 1,
                 "reuse_port": True,
                 "parent_push": True,
-                "peers_dir": str(self.folder),
                 "counts_file": str(worker.counts_file),
                 "parent_pid": os.getpid(),
                 "table_file": table_file,

@@ -116,7 +116,7 @@ def start_fleet(
     fleet = Fleet(state_dir)
     try:
         if kept.redis_port is not None:
-            _start_redis(fleet, state_dir, kept.redis_port, adoptable.pop("redis", None), notes)
+            _start_redis(fleet, state_dir, kept, adoptable.pop("redis", None), notes)
         router_urls = _start_router(
             fleet, state_dir, kept, unchanged, adoptable.pop("router", None), notes
         )
@@ -300,11 +300,17 @@ def _start_router(
 
 
 def _start_redis(
-    fleet: Fleet, state_dir: Path, port: int, left: ProcessId | None, notes: list[str]
+    fleet: Fleet, state_dir: Path, kept: Kept, left: ProcessId | None, notes: list[str]
 ) -> None:
     """Run Debian's redis-server for the router's limits (`up --redis`) in the state dir, on
-    its kept port; adopt the one an earlier `up` left running if it answers there."""
-    if left is not None and _pings(port):
+    its kept port, with its kept password; adopt the one an earlier `up` left running if it
+    answers there to that password (one that takes no password is stopped).
+
+    Its settings, the password with them, are in `<state_dir>/redis/redis.conf` (0600), not
+    on its command line, which any local user can read."""
+    port, password = kept.redis_port, kept.redis_password
+    assert port is not None and password is not None
+    if left is not None and _pings(port, password):
         fleet.spawn("redis", [], command=["redis-server"], adopt=left)
         notes.append(f"the Redis an earlier `up` left running serves on: adopted (pid {left.pid})")
         return
@@ -317,13 +323,17 @@ def _start_redis(
             "`apt-get install redis-server`, or give --limits-store URL of a Redis you run"
         )
     folder = private_dir(state_dir / "redis")
-    command = [binary, "--port", str(port), "--bind", HOST, "--dir", str(folder),
-               "--save", "", "--appendonly", "no", "--protected-mode", "yes"]  # fmt: skip
+    settings = {
+        "port": port, "bind": HOST, "dir": f'"{folder}"', "save": '""', "appendonly": "no",
+        "protected-mode": "yes", "requirepass": password,
+    }  # fmt: skip
+    conf = folder / "redis.conf"
+    write_atomic(conf, "".join(f"{name} {value}\n" for name, value in settings.items()))
     redis = fleet.spawn(
         "redis",
         [],
-        command=command,
-        ready_check=lambda: {"url": f"redis://{HOST}:{port}/0"} if _pings(port) else None,
+        command=[binary, str(conf)],
+        ready_check=lambda: {"url": f"redis://{HOST}:{port}/0"} if _pings(port, password) else None,
     )
     fleet.wait_ready(redis, 15)
 
@@ -335,11 +345,15 @@ def _answers(url: str, token: str) -> bool:
         return False
 
 
-def _pings(port: int) -> bool:
+def _pings(port: int, password: str) -> bool:
+    """Whether the Redis on `port` takes `password` and answers."""
     try:
         with socket.create_connection((HOST, port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+            sock.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+            answer = b""
+            while answer.count(b"\r\n") < 2 and (got := sock.recv(64)):
+                answer += got
+            return answer == b"+OK\r\n+PONG\r\n"
     except OSError:
         return False
 

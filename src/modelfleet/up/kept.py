@@ -1,6 +1,7 @@
 """What `modelfleet up` keeps across its restarts on one state dir: the client API key, the
 admin and agent tokens, the ports of the router and the control plane, and where the
-router's limits count (`--limits-store URL`, or `--redis`: a Redis server `up` runs).
+router's limits count (`--limits-store URL`, or `--redis`: a Redis server `up` runs, and its
+password).
 
 A client configured against yesterday's `up` still reaches the router today with the same
 key at the same URL. A kept port that something else holds now is replaced by a free one, and
@@ -43,6 +44,8 @@ class Kept(BaseModel):
     admin_port: int = Field(gt=0, lt=65536)
     limits_store: str | None = None  # a Redis URL the router counts keys' limits in
     redis_port: int | None = Field(default=None, gt=0, lt=65536)  # set: `up` runs Redis there
+    # That Redis's password (its `requirepass`); made with its port, kept as long as it is.
+    redis_password: str | None = None
     # The control planes' store: None, SQLite in the control plane's state dir; "postgres",
     # a PostgreSQL `up` runs in the state dir on `postgres_port`; or a PostgreSQL URL.
     store: str | None = None
@@ -55,7 +58,7 @@ class Kept(BaseModel):
         """Where the router counts keys' limits: the Redis `up` runs, the URL given, or its
         own memory (None)."""
         if self.redis_port is not None:
-            return f"redis://{HOST}:{self.redis_port}/0"
+            return f"redis://:{self.redis_password}@{HOST}:{self.redis_port}/0"
         return self.limits_store
 
 
@@ -142,6 +145,11 @@ def load_or_make(
         kept = kept.model_copy(update={"redis_port": port})
         if redis:
             kept = kept.model_copy(update={"limits_store": None})
+    # A Redis `up` runs has a password (one kept from before the password was: given one now).
+    if kept.redis_port is None:
+        kept = kept.model_copy(update={"redis_password": None})
+    elif not kept.redis_password:
+        kept = kept.model_copy(update={"redis_password": secrets.token_urlsafe(24)})
     if store is not None:
         if store not in ("sqlite", "postgres") and not store.startswith(
             ("postgresql://", "postgres://")
