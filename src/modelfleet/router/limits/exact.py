@@ -77,7 +77,11 @@ class ExactCounts:
     async def _flush_admissions(self) -> None:
         store = self.store
         while self._admitting:
-            batch, self._admitting = self._admitting, []
+            # An admission whose client left before it was sent is not sent.
+            batch = [item for item in self._admitting if not item[2].done()]
+            self._admitting = []
+            if not batch:
+                continue
             try:
                 if len(batch) == 1:
                     keys, args, _ = batch[0]
@@ -89,9 +93,13 @@ class ExactCounts:
                     if not future.done():
                         future.set_exception(exc)
                 continue
-            for (_, _, future), result in zip(batch, results, strict=True):
+            for (keys, args, future), result in zip(batch, results, strict=True):
                 if future.done():
-                    continue  # its request was cancelled meanwhile
+                    # Its client left while the store counted it: what was counted for it in
+                    # flight and of tokens goes back at once, not when its slot lapses.
+                    if not isinstance(result, Exception) and result[0] == 1:
+                        self._unadmit(keys, args)
+                    continue
                 if isinstance(result, Exception):
                     future.set_exception(StoreUnavailable(str(result)))
                 else:
@@ -103,7 +111,18 @@ class ExactCounts:
         self.held.pop(ticket.entry, None)
         back, more = settlement(ticket.tokens, tokens) if tokens is not None else (0, 0)
         args = [ticket.slice, back, slice_of(now), more, ticket.entry]
-        keys = self.store.keys(ticket.key)
+        return self._queue_settlement(self.store.keys(ticket.key), args, now)
+
+    def _unadmit(self, keys: list[str], args: list[Any]) -> None:
+        """Settle an admission the store made for a request whose client had left: no engine
+        saw it, so its tokens all go back and its slot is freed."""
+        now, tpm, tokens, entry = float(args[0]), args[2], args[4], args[5]
+        here = slice_of(now)
+        self._queue_settlement(keys, [here, tokens if tpm else 0, here, 0, entry], now)
+
+    def _queue_settlement(
+        self, keys: list[str], args: list[Any], now: float
+    ) -> asyncio.Future[None]:
         self._settling.append(([keys[2], keys[3]], args, now + SLOT_TTL))
         if self._settle_flusher is None or self._settle_flusher.done():
             self._settle_flusher = asyncio.ensure_future(self._flush_settlements(now))
