@@ -739,6 +739,61 @@ def test_a_hung_redis_costs_a_few_timeouts_then_nothing_until_it_answers(
         run(go(server))
 
 
+def test_a_settlement_sent_twice_gives_its_tokens_back_once(redis_url: str) -> None:
+    """A settlement whose answer timed out is sent again at the next renewal, though it may
+    have run: it gave its unused tokens back twice, taking them from other requests'
+    reservations, and a key of tpm 1,000 then had 1,400 reserved at once."""
+
+    async def go() -> None:
+        (a,) = _routers(redis_url, 1)
+        key = ApiKey("k", "h", rpm=100, tpm=1_000, max_concurrent=10)  # counted exactly
+        first = await a.admit(key, 600, "r1", T0)
+        second = await a.admit(key, 400, "r2", T0)
+        assert isinstance(first, Ticket) and isinstance(second, Ticket)
+        await a.settle(first, 0, T0 + 1)
+        await a.settle(first, 0, T0 + 1)  # the same settlement, again
+        over = await a.admit(key, 1_000, "r3", T0 + 2)
+        assert isinstance(over, Refusal) and over.limit == "tpm"  # 400 still reserved
+        assert isinstance(await a.admit(key, 600, "r4", T0 + 2), Ticket)
+        await a.close()
+
+    run(go())
+
+
+def test_an_admission_that_timed_out_gives_back_what_it_counted_once_redis_answers(
+    tmp_path: Path,
+) -> None:
+    """Redis paused past the 0.5 s timeout: the router refused the request (503), but the
+    script ran when Redis came back, and held the key's slot for 30 s and its tokens for a
+    minute. Now the router settles such an admission as unused once Redis answers again."""
+
+    async def go(server: RedisServer) -> None:
+        a, b = _routers(server.url, 2, prefix=f"test:{uuid.uuid4().hex}:")
+        key = ApiKey("k", "h", rpm=100, tpm=1_000, max_concurrent=1)
+        warm = await a.admit(key, 10, "warm", T0)  # the script is loaded, a connection open
+        assert isinstance(warm, Ticket)
+        await a.settle(warm, 10, T0)
+        server.pause()
+        try:
+            late = await a.admit(key, 900, "late", T0 + 1)
+        finally:
+            server.resume()
+        assert isinstance(late, Refusal) and late.limit == "store"
+        await a.renew()  # the renewal sends what could not be sent meanwhile
+        deadline = time.monotonic() + 5
+        while True:  # the admission that ran late is taken back: its tokens and its slot
+            got = await b.admit(key, 990, "next", T0 + 2)
+            if isinstance(got, Ticket):
+                break
+            assert time.monotonic() < deadline, f"still counted: {got}"
+            await asyncio.sleep(0.05)
+        await a.close()
+        await b.close()
+
+    with running_redis(tmp_path) as server:
+        run(go(server))
+
+
 def test_routers_whose_clocks_differ_count_on_redis_clock(redis_url: str) -> None:
     """A router whose clock ran 59.9 s ahead took the others' requests for a minute old, and
     let a key of 3 requests a minute through twice over (a 5 s skew did it 1.5 times). Each

@@ -7,7 +7,9 @@ which its router moves on every `RENEW_EVERY` seconds while the request runs (pu
 back if Redis lost it in a restart). A router that dies stops moving it: its requests stop
 counting at most `SLOT_TTL` seconds later (they were held an hour). A settlement that fails
 is tried again at the next renewal, until its deadline has passed anyway; a settlement that
-never arrives frees its slot at the deadline.
+never arrives frees its slot at the deadline. The store gives a reservation's tokens back
+once, however often its settlement is sent (a timeout does not say it did not run). An
+admission that timed out is settled as unused when the store answers again: it may have run.
 """
 
 from __future__ import annotations
@@ -89,9 +91,14 @@ class ExactCounts:
                 else:
                     results = await store.pipelined([(store.admit, k, a) for k, a, _ in batch])
             except StoreUnavailable as exc:
-                for _, _, future in batch:
+                for keys, args, future in batch:
                     if not future.done():
                         future.set_exception(exc)
+                    if exc.sent:
+                        # It timed out, yet may run when the store catches up: its slot and
+                        # tokens go back at the next renewal (once at most), not now, while
+                        # the store is failing.
+                        self._unadmit(keys, args, at_once=False)
                 continue
             for (keys, args, future), result in zip(batch, results, strict=True):
                 if future.done():
@@ -111,19 +118,24 @@ class ExactCounts:
         self.held.pop(ticket.entry, None)
         back, more = settlement(ticket.tokens, tokens) if tokens is not None else (0, 0)
         args = [ticket.slice, back, slice_of(now), more, ticket.entry]
-        return self._queue_settlement(self.store.keys(ticket.key), args, now)
+        flusher = self._queue_settlement(self.store.keys(ticket.key), args, now)
+        assert flusher is not None
+        return flusher
 
-    def _unadmit(self, keys: list[str], args: list[Any]) -> None:
-        """Settle an admission the store made for a request whose client had left: no engine
-        saw it, so its tokens all go back and its slot is freed."""
+    def _unadmit(self, keys: list[str], args: list[Any], at_once: bool = True) -> None:
+        """Settle an admission the store made, or may have made, for a request no engine will
+        see (its client left, or the router refused it when the store answered too late):
+        its tokens all go back, if they were counted, and its slot is freed."""
         now, tpm, tokens, entry = float(args[0]), args[2], args[4], args[5]
         here = slice_of(now)
-        self._queue_settlement(keys, [here, tokens if tpm else 0, here, 0, entry], now)
+        self._queue_settlement(keys, [here, tokens if tpm else 0, here, 0, entry], now, at_once)
 
     def _queue_settlement(
-        self, keys: list[str], args: list[Any], now: float
-    ) -> asyncio.Future[None]:
-        self._settling.append(([keys[2], keys[3]], args, now + SLOT_TTL))
+        self, keys: list[str], args: list[Any], now: float, at_once: bool = True
+    ) -> asyncio.Future[None] | None:
+        self._settling.append(([keys[2], keys[3], keys[6]], args, now + SLOT_TTL))
+        if not at_once:
+            return None
         if self._settle_flusher is None or self._settle_flusher.done():
             self._settle_flusher = asyncio.ensure_future(self._flush_settlements(now))
         return self._settle_flusher
