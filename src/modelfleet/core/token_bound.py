@@ -31,7 +31,7 @@ bounds can only over-count, by the bytes a token holds beyond one.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeGuard
 
 PER_TEXT = 2  # tokens a tokenizer adds around one text: BOS/EOS, a leading piece
 # Tokens a chat template adds once: BOS, the reply's header, a default system prompt (Llama
@@ -103,7 +103,7 @@ def chat_prompt(body: dict[str, Any]) -> int:
 def output_bound(body: dict[str, Any], default_max: int) -> int:
     """The most tokens one choice may produce: the larger of `max_tokens` and
     `max_completion_tokens`, `default_max` when neither is a number."""
-    bounds = [v for k in ("max_tokens", "max_completion_tokens") if _is_id(v := body.get(k))]
+    bounds = _numbers(body, ("max_tokens", "max_completion_tokens"))
     return max(bounds) if bounds else default_max
 
 
@@ -156,10 +156,20 @@ def _other_fields(body: dict[str, Any]) -> int:
 def _choices(body: dict[str, Any]) -> int:
     """Choices made for each prompt: `n`, or `best_of` when larger (vLLM makes that many
     and returns the best `n`)."""
-    return max([1] + [v for k in ("n", "best_of") if _is_id(v := body.get(k))])
+    return max([1, *_numbers(body, ("n", "best_of"))])
 
 
-def _is_id(value: Any) -> bool:
+def _numbers(body: dict[str, Any], names: tuple[str, ...]) -> list[int]:
+    """The whole numbers among `body`'s fields `names`."""
+    found = []
+    for name in names:
+        value = body.get(name)
+        if _is_id(value):
+            found.append(value)
+    return found
+
+
+def _is_id(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
