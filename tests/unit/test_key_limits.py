@@ -11,6 +11,7 @@ import re
 import httpx
 import pytest
 
+from modelfleet.core.token_bound import token_bound
 from modelfleet.messages.wire import RoutedModel
 from modelfleet.router import flight
 from modelfleet.router.limits import MemoryLimits, Ticket
@@ -268,7 +269,8 @@ def test_a_client_that_hangs_up_before_its_answer_is_charged_its_reservation() -
                 writer.close()  # hang up well before the 50 tokens' 2.5 s
                 await until("the hang-up noticed", lambda: in_flight(router) == 0)
                 await until_settled(router)
-                assert tokens_counted(router) == 80 // 4 + 1 + 50  # the whole reservation
+                reserved = token_bound(json.loads(body), "/v1/completions", 1)
+                assert tokens_counted(router) == reserved == 80 + 2 + 50  # all of it
 
     run(go())
 

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from modelfleet.core.token_bound import token_bound
 from modelfleet.messages.wire import RoutedModel
 from modelfleet.router.limits import (
     LEASE_SHARE,
@@ -277,6 +278,100 @@ def test_an_unreachable_store_lets_requests_through_or_refuses_them_as_configure
     run(go())
 
 
+def test_a_router_whose_limits_store_is_down_refuses_limited_keys_with_503_naming_why(
+    tmp_path: Path,
+) -> None:
+    """With two routers failing open, a key of rpm 100 was served 220 requests in a minute
+    while Redis answered slowly. By default a router now fails closed: a key with limits
+    gets 503 saying why, a key without limits is served as ever."""
+    with redis_server(tmp_path) as url:
+        pass  # stopped: nothing listens at url any more
+
+    async def go() -> None:
+        sim = create_simulator(SimSettings(model="m", ttft=0, itl=0))
+        async with serving(sim) as engine:
+            router = keyed(
+                models=[RoutedModel(name="m", endpoints=[engine])],
+                api_keys=[
+                    {"name": "alice", "key": "alice-key", "rpm": 100},
+                    {"name": "bob", "key": "bob-key"},
+                ],
+                limits_store=url,
+            )
+            body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+            async with client_of(router) as c:
+                answer = await c.post(
+                    "/v1/completions", json=body, headers={"authorization": "Bearer alice-key"}
+                )
+                assert answer.status_code == 503
+                message = answer.json()["error"]["message"]
+                assert "limits store does not answer" in message and "alice" in message
+                assert "ConnectionError" in message  # what the store did
+                assert answer.headers["retry-after"] == "1"
+                served = await c.post(
+                    "/v1/completions", json=body, headers={"authorization": "Bearer bob-key"}
+                )
+                assert served.status_code == 200
+            await router.close()
+
+    run(go())
+
+
+def _held(limits: RedisLimits) -> asyncio.Event:
+    """Hold every round trip of `limits` to its store until the returned event is set: a
+    store that answers slowly."""
+    gate = asyncio.Event()
+    real = limits.store.call
+
+    async def call(work: Callable[[], Awaitable[object]]) -> object:
+        await gate.wait()
+        return await real(work)
+
+    limits.store.call = call  # type: ignore[method-assign]
+    return gate
+
+
+@pytest.mark.parametrize("rpm", [100, 1_000], ids=["exact", "leased"])
+def test_a_client_that_leaves_while_its_admission_waits_for_the_store_frees_its_slot(
+    redis_url: str, rpm: int
+) -> None:
+    """A client that left while its router waited for Redis held its key's slot for 30 s (an
+    exact key: until the slot's deadline) or a minute (a leased key: until the lease went
+    idle). The store's answer for it now gives the slot back at once."""
+
+    async def go() -> None:
+        a, b = _routers(redis_url, 2)
+        key = ApiKey("k", "h", rpm=rpm, max_concurrent=1)
+        gate = _held(a)
+        asking = asyncio.ensure_future(a.admit(key, 0, "r1", T0))
+        sent = (
+            (lambda: getattr(a.leases._leases.get("k"), "fetching", None) is not None)
+            if rpm >= 1_000
+            else (lambda: not a.exact._admitting and a.exact._admit_flusher is not None)
+        )
+        await until("the admission on its way to the store", sent)
+        asking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
+        gate.set()  # the store answers: admitted, for a client that is gone
+
+        async def slot_free() -> bool:
+            got = await b.admit(key, 0, "r2", T0 + 1)
+            if isinstance(got, Ticket):
+                return True
+            assert got.limit == "max_concurrent"
+            await asyncio.sleep(0.02)
+            return False
+
+        deadline = time.monotonic() + 5
+        while not await slot_free():
+            assert time.monotonic() < deadline, "the slot was not given back"
+        await a.close()
+        await b.close()
+
+    run(go())
+
+
 # -- leases: large limits, admitted from what each router holds ----------------------------
 
 
@@ -505,9 +600,9 @@ def test_through_the_router_a_leased_key_settles_into_its_lease_without_the_stor
             limits.store.sync_clock = False  # the test's clock is the router's
             async with client_of(router) as c:
                 c.headers["authorization"] = "Bearer alice-key"
-                prompt = "abcdefghij " * 40  # 40 tokens to the simulator, 111 estimated
+                prompt = "abcdefghij " * 40  # 40 tokens to the simulator, 442 reserved
                 body = {"model": "m", "prompt": prompt, "max_tokens": 10}
-                reserved = len(prompt) // 4 + 1 + 10
+                reserved = token_bound(body, "/v1/completions", 1)
                 for _ in range(3):
                     answer = await c.post("/v1/completions", json=body)
                     assert answer.status_code == 200
@@ -616,8 +711,8 @@ def test_a_hung_redis_costs_a_few_timeouts_then_nothing_until_it_answers(
     tmp_path: Path,
 ) -> None:
     """A silent Redis (not down) added a second to every request of an exact key. After
-    three timeouts the breaker opens: requests go by `limits_fail` at once, until a probe is
-    answered again."""
+    three timeouts the breaker opens: requests go by `limits_fail` at once (refused, by
+    default, naming why), until a probe is answered again."""
 
     async def go(server: RedisServer) -> None:
         (a,) = _routers(server.url, 1)
@@ -626,11 +721,12 @@ def test_a_hung_redis_costs_a_few_timeouts_then_nothing_until_it_answers(
         server.pause()
         try:
             slow = [await a.admit(key, 0, f"s{i}", T0 + 1) for i in range(3)]
-            assert all(isinstance(t, Ticket) and not t.backed for t in slow)  # fail open
+            assert all(isinstance(t, Refusal) and t.limit == "store" for t in slow)
+            assert all("Timeout" in t.why for t in slow if isinstance(t, Refusal))
             assert a.store.breaker.open
             began = time.monotonic()
             fast = [await a.admit(key, 0, f"f{i}", T0 + 2) for i in range(100)]
-            assert all(isinstance(t, Ticket) and not t.backed for t in fast)
+            assert all(isinstance(t, Refusal) and t.limit == "store" for t in fast)
             assert time.monotonic() - began < 0.5  # no round trip among them (0.5 s each)
         finally:
             server.resume()
@@ -638,6 +734,61 @@ def test_a_hung_redis_costs_a_few_timeouts_then_nothing_until_it_answers(
         back = await a.admit(key, 0, "b", T0 + 3)
         assert isinstance(back, Ticket) and back.backed
         await a.close()
+
+    with running_redis(tmp_path) as server:
+        run(go(server))
+
+
+def test_a_settlement_sent_twice_gives_its_tokens_back_once(redis_url: str) -> None:
+    """A settlement whose answer timed out is sent again at the next renewal, though it may
+    have run: it gave its unused tokens back twice, taking them from other requests'
+    reservations, and a key of tpm 1,000 then had 1,400 reserved at once."""
+
+    async def go() -> None:
+        (a,) = _routers(redis_url, 1)
+        key = ApiKey("k", "h", rpm=100, tpm=1_000, max_concurrent=10)  # counted exactly
+        first = await a.admit(key, 600, "r1", T0)
+        second = await a.admit(key, 400, "r2", T0)
+        assert isinstance(first, Ticket) and isinstance(second, Ticket)
+        await a.settle(first, 0, T0 + 1)
+        await a.settle(first, 0, T0 + 1)  # the same settlement, again
+        over = await a.admit(key, 1_000, "r3", T0 + 2)
+        assert isinstance(over, Refusal) and over.limit == "tpm"  # 400 still reserved
+        assert isinstance(await a.admit(key, 600, "r4", T0 + 2), Ticket)
+        await a.close()
+
+    run(go())
+
+
+def test_an_admission_that_timed_out_gives_back_what_it_counted_once_redis_answers(
+    tmp_path: Path,
+) -> None:
+    """Redis paused past the 0.5 s timeout: the router refused the request (503), but the
+    script ran when Redis came back, and held the key's slot for 30 s and its tokens for a
+    minute. Now the router settles such an admission as unused once Redis answers again."""
+
+    async def go(server: RedisServer) -> None:
+        a, b = _routers(server.url, 2, prefix=f"test:{uuid.uuid4().hex}:")
+        key = ApiKey("k", "h", rpm=100, tpm=1_000, max_concurrent=1)
+        warm = await a.admit(key, 10, "warm", T0)  # the script is loaded, a connection open
+        assert isinstance(warm, Ticket)
+        await a.settle(warm, 10, T0)
+        server.pause()
+        try:
+            late = await a.admit(key, 900, "late", T0 + 1)
+        finally:
+            server.resume()
+        assert isinstance(late, Refusal) and late.limit == "store"
+        await a.renew()  # the renewal sends what could not be sent meanwhile
+        deadline = time.monotonic() + 5
+        while True:  # the admission that ran late is taken back: its tokens and its slot
+            got = await b.admit(key, 990, "next", T0 + 2)
+            if isinstance(got, Ticket):
+                break
+            assert time.monotonic() < deadline, f"still counted: {got}"
+            await asyncio.sleep(0.05)
+        await a.close()
+        await b.close()
 
     with running_redis(tmp_path) as server:
         run(go(server))

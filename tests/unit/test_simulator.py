@@ -309,3 +309,32 @@ def test_lora_adapters_load_after_a_delay_are_listed_with_their_base_and_the_lea
             assert out.status_code == 404
 
     run(go())
+
+
+def test_output_is_bounded_as_vllm_bounds_it() -> None:
+    """A chat's null `max_completion_tokens` once made the simulator ignore `max_tokens`
+    (16 tokens for a request of 5), and a completion's `max_completion_tokens` was honoured
+    over its `max_tokens`, which vLLM's completions ignore. Neither bound: the model's length."""
+
+    async def go() -> None:
+        async with client(output_tokens=10_000, max_model_len=40) as c:
+            chat = {"model": "m", "messages": [{"role": "user", "content": "a b"}]}
+            for fields, used in (
+                ({"max_completion_tokens": None, "max_tokens": 5}, 5),
+                ({"max_completion_tokens": 7, "max_tokens": 5}, 7),
+                ({"max_completion_tokens": None}, 40 - 2),  # the rest of the model's length
+                ({}, 40 - 2),
+            ):
+                answer = await c.post("/v1/chat/completions", json={**chat, **fields})
+                assert answer.json()["usage"]["completion_tokens"] == used, fields
+            done = await c.post(
+                "/v1/completions",
+                json={"model": "m", "prompt": "a b", "max_completion_tokens": 30, "max_tokens": 3},
+            )
+            assert done.json()["usage"]["completion_tokens"] == 3
+            done = await c.post(
+                "/v1/completions", json={"model": "m", "prompt": "a b", "max_tokens": None}
+            )
+            assert done.json()["usage"]["completion_tokens"] == 40 - 2
+
+    run(go())

@@ -13,15 +13,17 @@ from modelfleet.router.refusal import Refusal
 
 def admission(got: Ticket | LimitRefusal, key: str, cost: int) -> Ticket | Refusal:
     """The limits' answer for key `key` reserving `cost` tokens: its ticket, or the refusal
-    the client gets (429 naming the limit, or 503 while the limits store cannot be reached
-    and the router is set to refuse meanwhile)."""
+    the client gets (429 naming the limit, or 503 naming why the limits store cannot count
+    it)."""
     if not isinstance(got, LimitRefusal):
         return got
     if got.limit == "store":
+        why = f" ({got.why})" if got.why else ""
         return Refusal(
             503,
-            "The router cannot reach its limits store and is set to refuse requests "
-            "meanwhile; try again shortly.",
+            f"The router cannot count key '{key}' against its limits: its limits store does "
+            f"not answer{why}. Requests of keys with limits are refused until it does; try "
+            "again shortly.",
             "server_error",
             "limits-store-unreachable",
             retry_after=1,

@@ -100,11 +100,13 @@ class RouterConfig(BaseModel):
     # Where keys' rate counters live: None keeps them in this router's memory (right for one
     # router); a Redis URL (redis://host:port/db) shares them with every router naming it.
     limits_store: str | None = None
-    # When the limits store cannot be reached: let requests through unlimited (open) or
-    # refuse them with 503 (closed). Logged either way.
-    limits_fail: Literal["open", "closed"] = "open"
-    # What a request that names no max_tokens is taken to ask for, for token limits (its
-    # real usage settles the count when it ends).
+    # When the limits store cannot be reached or answers too slowly: refuse requests of keys
+    # with limits with 503 naming why (closed), or let them through unlimited (open: their
+    # limits do not hold meanwhile). Logged either way.
+    limits_fail: Literal["open", "closed"] = "closed"
+    # The output bound of a request of a key with a token limit that names no number in
+    # max_tokens (nor max_completion_tokens): reserved against the limit, and sent to the
+    # engine as its max_tokens, so that the engine is held to what was reserved.
     default_max_tokens: int = Field(default=1024, gt=0)
     # Where the spans of requests are sent, by OTLP over HTTP: the full traces URL of a
     # collector (http://collector:4318/v1/traces). None: none are built (the trace context

@@ -10,8 +10,9 @@ A request comes one of two ways, and both end in the same `Flight`:
   pipelined behind another, or another server altogether). The flight runs in its task.
 
 What is read, in order: the key (401), the body (413 past `max_body_bytes`, unread), the
-JSON parsed once for `model`, `stream`, `max_tokens` and, for limits and prefix routing, the
-prompt (400 for what no engine should be sent), and where the model may go (404, 503).
+JSON parsed once for `model`, `stream`, `max_tokens` and, for token limits, the most tokens
+the request can cost (`core/token_bound.py`; 400 for what no engine should be sent), and
+where the model may go (404, 503).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import random
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
+from modelfleet.core.token_bound import bounded_output, token_bound
 from modelfleet.http.openai_api import BadRequest, check_generation, parse_body, prompt_text
 from modelfleet.http.tracing import TRACEPARENT, new_span_id, new_trace_id, parse_traceparent
 from modelfleet.router.cold import adapter_failed
@@ -214,6 +216,9 @@ class Proxy:
                 "no-ready-replica",
                 retry_after=1,
             )
+        if key.tpm is not None and path != "/v1/embeddings":
+            # The output bound reserved is the one the engine is held to (`token_bound.py`).
+            raw = bounded_output(body, raw, settings.default_max_tokens)
         stream = body.get("stream") is True
         hide_usage = False
         if stream and path != "/v1/embeddings":
@@ -224,12 +229,10 @@ class Proxy:
                 hide_usage = True
         ex.scanner = UsageScanner(stream, hide_usage)
         limited = key.rpm is not None or key.tpm is not None or key.max_concurrent is not None
-        prompt = ""  # read only when a limit or the routing needs it
-        if path != "/v1/embeddings" and (limited or route.routing == "prefix"):
-            prompt = _prompt(body, path)
-        cost = _token_estimate(body, prompt, path, settings.default_max_tokens) if limited else 0
+        cost = token_bound(body, path, settings.default_max_tokens) if key.tpm is not None else 0
         prefix = None
         if route.routing == "prefix":
+            prompt = _prompt(body, path) if path != "/v1/embeddings" else ""
             prefix = prompt[: settings.prefix_chars].encode()
         return Plan(key, path, raw, table, endpoints, route, stream, limited, cost, prefix)
 
@@ -331,25 +334,6 @@ def _prompt(body: dict[str, Any], path: str) -> str:
         return prompt_text(body, chat=path == "/v1/chat/completions")
     except BadRequest:
         return ""
-
-
-def _token_estimate(body: dict[str, Any], prompt: str, path: str, default_max: int) -> int:
-    """What a request may use at most, for token limits before its usage is known: the
-    prompt at about four characters a token, and every choice's output bound: the largest
-    of `max_tokens` and `max_completion_tokens` (an engine obeys either; the smaller one
-    once reserved 1 token for a request that used 900), `default_max` when it names none."""
-    if path == "/v1/embeddings":
-        return len(str(body.get("input", ""))) // 4 + 1
-    bounds = [
-        v
-        for k in ("max_tokens", "max_completion_tokens")
-        if isinstance(v := body.get(k), int) and not isinstance(v, bool)
-    ]
-    asked = max(bounds) if bounds else default_max
-    n = body.get("n") or 1
-    if not isinstance(n, int):
-        n = 1
-    return len(prompt) // 4 + 1 + asked * max(1, n)
 
 
 def asking_usage(body: dict[str, Any], raw: bytes) -> bytes:

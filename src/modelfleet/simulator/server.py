@@ -296,7 +296,7 @@ async def _complete(request: Request, engine: SimEngine, chat: bool) -> Response
         check_generation(body)
         check_request(body, chat)
         prompt = prompt_text(body, chat)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = output_bound(body, chat)
         n_prompt = count_prompt_tokens(prompt)
         max_len = engine.settings.max_model_len
         if n_prompt + (max_tokens or 1) > max_len:
@@ -382,6 +382,18 @@ async def _unless_gone(request: Request, work: Coroutine[Any, Any, str]) -> str 
             await job
         return None
     return job.result()
+
+
+def output_bound(body: dict[str, Any], chat: bool) -> int | None:
+    """A choice's output bound as vLLM reads it: a chat's `max_completion_tokens`, or its
+    `max_tokens` where that is null or absent; a completion's `max_tokens` alone (vLLM's
+    completions know no `max_completion_tokens`). None: bounded by the model's length alone
+    (and the simulator's `output_tokens`, where its made-up answer ends)."""
+    if chat:
+        bound = body.get("max_completion_tokens") or body.get("max_tokens")
+    else:
+        bound = body.get("max_tokens")
+    return bound if isinstance(bound, int) else None
 
 
 def _finish_reason(n_out: int, max_tokens: int | None) -> str:

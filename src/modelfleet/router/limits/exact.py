@@ -7,7 +7,9 @@ which its router moves on every `RENEW_EVERY` seconds while the request runs (pu
 back if Redis lost it in a restart). A router that dies stops moving it: its requests stop
 counting at most `SLOT_TTL` seconds later (they were held an hour). A settlement that fails
 is tried again at the next renewal, until its deadline has passed anyway; a settlement that
-never arrives frees its slot at the deadline.
+never arrives frees its slot at the deadline. The store gives a reservation's tokens back
+once, however often its settlement is sent (a timeout does not say it did not run). An
+admission that timed out is settled as unused when the store answers again: it may have run.
 """
 
 from __future__ import annotations
@@ -77,7 +79,11 @@ class ExactCounts:
     async def _flush_admissions(self) -> None:
         store = self.store
         while self._admitting:
-            batch, self._admitting = self._admitting, []
+            # An admission whose client left before it was sent is not sent.
+            batch = [item for item in self._admitting if not item[2].done()]
+            self._admitting = []
+            if not batch:
+                continue
             try:
                 if len(batch) == 1:
                     keys, args, _ = batch[0]
@@ -85,13 +91,22 @@ class ExactCounts:
                 else:
                     results = await store.pipelined([(store.admit, k, a) for k, a, _ in batch])
             except StoreUnavailable as exc:
-                for _, _, future in batch:
+                for keys, args, future in batch:
                     if not future.done():
                         future.set_exception(exc)
+                    if exc.sent:
+                        # It timed out, yet may run when the store catches up: its slot and
+                        # tokens go back at the next renewal (once at most), not now, while
+                        # the store is failing.
+                        self._unadmit(keys, args, at_once=False)
                 continue
-            for (_, _, future), result in zip(batch, results, strict=True):
+            for (keys, args, future), result in zip(batch, results, strict=True):
                 if future.done():
-                    continue  # its request was cancelled meanwhile
+                    # Its client left while the store counted it: what was counted for it in
+                    # flight and of tokens goes back at once, not when its slot lapses.
+                    if not isinstance(result, Exception) and result[0] == 1:
+                        self._unadmit(keys, args)
+                    continue
                 if isinstance(result, Exception):
                     future.set_exception(StoreUnavailable(str(result)))
                 else:
@@ -103,8 +118,24 @@ class ExactCounts:
         self.held.pop(ticket.entry, None)
         back, more = settlement(ticket.tokens, tokens) if tokens is not None else (0, 0)
         args = [ticket.slice, back, slice_of(now), more, ticket.entry]
-        keys = self.store.keys(ticket.key)
-        self._settling.append(([keys[2], keys[3]], args, now + SLOT_TTL))
+        flusher = self._queue_settlement(self.store.keys(ticket.key), args, now)
+        assert flusher is not None
+        return flusher
+
+    def _unadmit(self, keys: list[str], args: list[Any], at_once: bool = True) -> None:
+        """Settle an admission the store made, or may have made, for a request no engine will
+        see (its client left, or the router refused it when the store answered too late):
+        its tokens all go back, if they were counted, and its slot is freed."""
+        now, tpm, tokens, entry = float(args[0]), args[2], args[4], args[5]
+        here = slice_of(now)
+        self._queue_settlement(keys, [here, tokens if tpm else 0, here, 0, entry], now, at_once)
+
+    def _queue_settlement(
+        self, keys: list[str], args: list[Any], now: float, at_once: bool = True
+    ) -> asyncio.Future[None] | None:
+        self._settling.append(([keys[2], keys[3], keys[6]], args, now + SLOT_TTL))
+        if not at_once:
+            return None
         if self._settle_flusher is None or self._settle_flusher.done():
             self._settle_flusher = asyncio.ensure_future(self._flush_settlements(now))
         return self._settle_flusher

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -156,7 +157,13 @@ class Leases:
                 # A task of its own, so that a grant is recorded even when the request that
                 # asked for it is cancelled meanwhile (its client gone).
                 fetching = self._fetch_in_background(key, lease, got, tokens, now)
-            refusal = await asyncio.shield(fetching)
+            try:
+                refusal = await asyncio.shield(fetching)
+            except asyncio.CancelledError:
+                # Its client left: slots granted for it go back once the grant is in (after
+                # any request woken by the same grant has taken what it needs).
+                fetching.add_done_callback(self._trim_soon(key.name, lease, now))
+                raise
             if refusal is not None and mine:
                 return refusal
             # A grant came (or another request's was refused): look again.
@@ -267,9 +274,23 @@ class Leases:
                 self._give(ticket.key, ticket.slice, 0, back, 0)
         if more:
             self._give(ticket.key, slice_of(now), 0, -more, 0)
+        self._trim(ticket.key, lease, now)
+
+    def _trim_soon(
+        self, name: str, lease: _Lease, now: float
+    ) -> Callable[[asyncio.Future[Any]], None]:
+        """A grant's callback that trims `lease` once the requests it woke have run."""
+
+        def trim(fetched: asyncio.Future[Any]) -> None:
+            fetched.get_loop().call_soon(self._trim, name, lease, now)
+
+        return trim
+
+    def _trim(self, name: str, lease: _Lease, now: float) -> None:
+        """Give back the slots `lease` holds beyond its requests in flight and its share."""
         keep = lease.in_flight + lease.slot_share
         if lease.slots > keep:
-            self._give(ticket.key, slice_of(now), 0, 0, lease.slots - keep)
+            self._give(name, slice_of(now), 0, 0, lease.slots - keep)
             lease.slots = keep
 
     def _lapse(self, name: str, lease: _Lease, now: float) -> None:

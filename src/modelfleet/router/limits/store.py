@@ -36,7 +36,12 @@ TIMEOUT = 0.5  # seconds a command may take before it counts as a failure
 
 
 class StoreUnavailable(Exception):
-    """The limits store did not answer (or is taken as unreachable): nothing was counted."""
+    """The limits store did not answer (or is taken as unreachable). `sent`: the command may
+    have reached it all the same (a timeout), so it may have counted."""
+
+    def __init__(self, message: str, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
 
 
 class Breaker:
@@ -72,7 +77,9 @@ class Breaker:
 # admission -> time), KEYS[2] requests leased, by slice (hash), KEYS[3] tokens by slice
 # (hash), KEYS[4] requests in flight counted exactly (sorted set: admission -> deadline),
 # KEYS[5] slots leased (hash: router -> slots), KEYS[6] the leasing routers' deadlines
-# (sorted set: router -> deadline). Times are Redis-clock seconds sent by the router.
+# (sorted set: router -> deadline), KEYS[7] the tokens reserved by requests counted exactly
+# and not yet settled (sorted set: admission -> slice), so that a settlement counts once.
+# Times are Redis-clock seconds sent by the router.
 # Seconds a key's counts are kept after their last change: a minute and what a slice adds.
 _KEEP = f"local KEEP = {math.ceil(WINDOW + 2 * SLICE)}\n"
 _COMMON = (
@@ -97,6 +104,7 @@ end
 local function totals(now, first)
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - WINDOW)
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', '(' .. first)
   local gone = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)
   for _, holder in ipairs(gone) do redis.call('HDEL', KEYS[5], holder) end
   if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now) end
@@ -135,7 +143,11 @@ if (maxc > 0 and in_flight >= maxc) or (rpm > 0 and requests >= rpm)
 end
 redis.call('ZADD', KEYS[1], now, ARGV[6])
 redis.call('EXPIRE', KEYS[1], KEEP)
-if tpm > 0 and cost > 0 then add(KEYS[3], here, cost) end
+if tpm > 0 and cost > 0 then
+  add(KEYS[3], here, cost)
+  redis.call('ZADD', KEYS[7], here, ARGV[6])
+  redis.call('EXPIRE', KEYS[7], KEEP)
+end
 if maxc > 0 then
   redis.call('ZADD', KEYS[4], ARGV[7], ARGV[6])
   redis.call('EXPIRE', KEYS[4], math.ceil(tonumber(ARGV[7]) - now) + 1)
@@ -144,14 +156,18 @@ return {1}
 """
 )
 
-# A request counted exactly has ended. KEYS: tokens by slice, in flight. ARGV: the slice its
-# tokens were reserved in, tokens going back there, the slice of now, tokens used beyond the
-# reservation (counted now), the admission's name.
+# A request counted exactly has ended. KEYS: tokens by slice, in flight, reservations.
+# ARGV: the slice its tokens were reserved in, tokens going back there, the slice of now,
+# tokens used beyond the reservation (counted now), the admission's name. Tokens go back
+# once: a settlement sent again (its first answer timed out, yet it ran) once gave them back
+# twice, taking them from other requests' reservations; nor do they go back for an admission
+# that never ran.
 SETTLE = (
     _KEEP
     + """
 local back, more = tonumber(ARGV[2]), tonumber(ARGV[4])
-if back > 0 and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+local reserved = redis.call('ZREM', KEYS[3], ARGV[5]) == 1
+if back > 0 and reserved and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[1], ARGV[1], -back)
 end
 if more > 0 then
@@ -276,7 +292,7 @@ class LimitsStore:
         self.round_trips = 0  # a figure for tests and the benchmark
 
     def keys(self, name: str) -> list[str]:
-        """A key's six counts, in the order the scripts take them."""
+        """A key's seven counts, in the order the scripts take them."""
         return [
             f"{self.prefix}{name}:{what}"
             for what in (
@@ -286,6 +302,7 @@ class LimitsStore:
                 "in-flight",
                 "lease-slots",
                 "lease-holders",
+                "reserved",
             )
         ]
 
@@ -298,7 +315,7 @@ class LimitsStore:
         import redis.exceptions
 
         if self.breaker.open:
-            raise StoreUnavailable("the limits store is taken as unreachable")
+            raise StoreUnavailable("the limits store is taken as unreachable", sent=False)
         try:
             if self.sync_clock and self.clock() - self._synced_at > SYNC_EVERY:
                 await self._sync()

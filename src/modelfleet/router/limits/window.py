@@ -37,6 +37,7 @@ class Refusal:
     limit: str  # "rpm", "tpm", "max_concurrent", or "store" (the store cannot be reached)
     allowed: int
     retry_after: float  # seconds
+    why: str = ""  # for "store": what the store did (refused the connection, timed out, ...)
 
     @property
     def retry_after_s(self) -> int:
@@ -52,8 +53,9 @@ class Refusal:
         }[self.limit]
         if self.limit == "tpm" and cost > self.allowed:
             return (
-                f"This request needs about {cost} tokens (prompt + max_tokens), more than the "
-                f"{what} of key '{key}' ever allows: lower max_tokens."
+                f"This request may cost up to {cost} tokens (its prompt, and max_tokens for "
+                f"each choice), more than the {what} of key '{key}' ever allows: lower "
+                "max_tokens, n or the prompt."
             )
         return (
             f"Rate limit reached for key '{key}': {what} ({self.limit}). "
