@@ -5,6 +5,11 @@ credential of its node (`joining.py` says how the agent side goes). From then on
 takes a report or heartbeat carrying a credential only for the node that credential was given
 to. The store and this book keep SHA-256 digests, never a token's secret or a credential.
 Every refusal is a `MembershipRefused` carrying the HTTP status to answer, and changes nothing.
+
+A revoke is final for the tokens there were: a node name revoked (or deleted) at time T joins
+again only with a join token made after T. A credential keeps the address its node joined
+from, and that node may advertise no other for its engines (`address_refusal`): a node must
+not steer the routers, and the prompts they carry, to a listener of its choosing.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import dataclasses
 import datetime
 import hmac
 import ipaddress
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from modelfleet.messages import admin
 from modelfleet.messages.wire import JoinAnswer, JoinRequest
@@ -77,6 +82,28 @@ def node_addresses(
     return kept
 
 
+def address_refusal(node: str, advertised: str, joined_from: Collection[str] | None) -> str | None:
+    """Why node `node`, which joined from the addresses `joined_from` (None: not known, a
+    credential older than that record), may not advertise `advertised` for its engines; None
+    when it may. It may advertise the address it joined from alone, and loopback only when it
+    joined over loopback (then any loopback address: it shares the control plane's host)."""
+    if joined_from is None:
+        return None
+    address = _address(advertised)
+    allowed = {a for a in map(_address, joined_from) if a is not None}
+    if address is not None and (
+        address in allowed or (address.is_loopback and any(a.is_loopback for a in allowed))
+    ):
+        return None
+    where = ", ".join(sorted(joined_from)) or "nowhere known"
+    return (
+        f"node {node} advertises {advertised!r} for its engines, but it joined from {where}: a "
+        "node may advertise only the address it joined from (loopback only when it joined over "
+        "loopback). Run its agent with --address set to that address, or revoke it and join "
+        "it anew from the address its engines serve on"
+    )
+
+
 def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     """`text` as an address (an IPv4 address mapped into IPv6 as itself); None when it is no
     address, or the unspecified one."""
@@ -99,6 +126,7 @@ class Membership:
         ca: CertificateAuthority | None,
         tokens: Iterable[StoredJoinToken] = (),
         credentials: Iterable[StoredCredential] = (),
+        revoked: Mapping[str, float] | None = None,
     ) -> None:
         self.calls = calls
         self.store = calls.store
@@ -106,6 +134,9 @@ class Membership:
         self.tokens = {t.id: t for t in tokens}
         self.credentials = {c.node: c for c in credentials}
         self._nodes = {c.sha256: c.node for c in self.credentials.values()}
+        # Node names revoked or deleted, and when last (wall-clock seconds, the store's): a
+        # token made then or before joins none of them again.
+        self.revoked = dict(revoked or {})
         # Credentials revoked since this control plane started (digest -> node): a refusal
         # can then say so. Those revoked before are refused as unknown.
         self._revoked: dict[str, str] = {}
@@ -139,10 +170,19 @@ class Membership:
         async with self.writing:
             return await self._join(presented, request, now, source, reserved)
 
-    async def revoke_node(self, node: str) -> None:
-        """Delete `node`'s credential: nothing it sends is taken after this."""
+    async def revoke_node(self, node: str, now: float) -> None:
+        """Delete `node`'s credential (MembershipRefused 404 when it holds none): nothing it
+        sends is taken after this, and no join token made before `now` joins it again."""
         async with self.writing:
-            await self._revoke_node(node)
+            if node not in self.credentials:
+                raise MembershipRefused(404, f"node {node} holds no credential")
+            await self._cut_off(node, now)
+
+    async def cut_off(self, node: str, now: float) -> None:
+        """No join token made before `now` joins `node` again, and a credential it holds is
+        deleted (a node forgotten by an operator)."""
+        async with self.writing:
+            await self._cut_off(node, now)
 
     async def _create_token(
         self, ttl: float | None, uses: int | None, now: float
@@ -191,6 +231,14 @@ class Membership:
         if state != "usable":
             raise MembershipRefused(401, f"join token {token.id} is {state}: make another")
         node = request.node
+        cut = self.revoked.get(node)
+        if cut is not None and stored.created_at <= cut:
+            raise MembershipRefused(
+                403,
+                f"node {node} was revoked or deleted after join token {token.id} was made: no "
+                "token made before that brings it back. To put a machine back under this "
+                "name, make a new join token and run its agent with it",
+            )
         if node in self.credentials:
             raise MembershipRefused(
                 409,
@@ -207,7 +255,8 @@ class Membership:
         credential = new_credential()
         uses_left = None if stored.uses_left is None else stored.uses_left - 1
         used = dataclasses.replace(stored, uses_left=uses_left, used=stored.used + 1)
-        record = StoredCredential(node, digest(credential), now, stored.id)
+        joined_from = str(_address(source) or source)
+        record = StoredCredential(node, digest(credential), now, stored.id, (joined_from,))
         await self.calls(self.store.record_join, used, record)
         self.tokens[used.id] = used
         self.credentials[node] = record
@@ -228,11 +277,15 @@ class Membership:
     def has_joined(self, node: str) -> bool:
         return node in self.credentials
 
-    async def _revoke_node(self, node: str) -> None:
+    def address_refusal(self, node: str, advertised: str) -> str | None:
+        """Why `node`, holding a credential, may not advertise `advertised`; None if it may."""
         record = self.credentials.get(node)
-        if record is None:
-            raise MembershipRefused(404, f"node {node} holds no credential")
-        await self.calls(self.store.delete_credential, node)
-        del self.credentials[node]
-        del self._nodes[record.sha256]
-        self._revoked[record.sha256] = node
+        return None if record is None else address_refusal(node, advertised, record.addresses)
+
+    async def _cut_off(self, node: str, now: float) -> None:
+        await self.calls(self.store.revoke_node, node, now)
+        self.revoked[node] = now
+        record = self.credentials.pop(node, None)
+        if record is not None:
+            del self._nodes[record.sha256]
+            self._revoked[record.sha256] = node

@@ -265,9 +265,9 @@ def join_tokens_create(
         str, typer.Option("--ttl", help="How long it can be used: 90m, 1h, 7d, or never.")
     ] = "1h",
     uses: Annotated[
-        int | None,
-        typer.Option("--uses", help="How many nodes may join with it (default: any number)."),
-    ] = None,
+        int,
+        typer.Option("--uses", help="How many nodes may join with it (default: one)."),
+    ] = 1,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Print the token alone, for scripts.")
     ] = False,
@@ -294,6 +294,13 @@ def join_tokens_revoke(
 ) -> None:
     """Delete a join token: no node joins with it after this (nodes that joined stay)."""
     _ctl(context).show(lambda c: c.revoke_join_token(token_id), _render("print_join_token_revoked"))
+
+
+@app.command("credentials")
+def credentials(context: typer.Context) -> None:
+    """Every node credential given with a join token and not revoked, and whether its node
+    has reported: one that never did is revoked by `ctl nodes revoke NODE` too."""
+    _ctl(context).show(lambda c: c.credentials(), _render("print_credentials"))
 
 
 @replicas_app.callback(invoke_without_command=True)

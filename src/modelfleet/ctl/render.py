@@ -112,6 +112,18 @@ def print_join_token_alone(data: admin.JoinTokenCreated, console: Console) -> No
     console.print(data.token, highlight=False, soft_wrap=True)
 
 
+def print_credentials(data: admin.CredentialsAnswer, console: Console) -> None:
+    if not data.credentials:
+        console.print("no node credentials: no node has joined with a join token")
+        return
+    table = Table("NODE", "REPORTED", "JOINED FROM", "TOKEN", "ISSUED")
+    for c in data.credentials:
+        joined_from = "?" if c.joined_from is None else ", ".join(c.joined_from)
+        reported = "yes" if c.reported else "never"
+        table.add_row(c.node, reported, joined_from, c.token_id, _when(c.issued_at))
+    console.print(table)
+
+
 def print_join_token_revoked(data: admin.JoinTokenInfo, console: Console) -> None:
     console.print(f"join token {data.id} revoked: no node joins with it now", highlight=False)
 

@@ -488,11 +488,11 @@ class KeysAnswer(_Answer):
 
 class JoinTokenCreate(BaseModel):
     """Make a join token. `ttl`: how long it can be used (`90m`, `1h`, `7d`; `never`);
-    `uses`: how many nodes may join with it (None: any number while it lasts)."""
+    `uses`: how many nodes may join with it (one unless told)."""
 
     model_config = ConfigDict(extra="forbid")
     ttl: str = "1h"
-    uses: Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)] | None = None
+    uses: Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)] = 1
 
 
 class JoinTokenInfo(_Answer):
@@ -513,6 +513,22 @@ class JoinTokenCreated(JoinTokenInfo):
 
 class JoinTokensAnswer(_Answer):
     tokens: list[JoinTokenInfo]
+
+
+class CredentialInfo(_Answer):
+    """A node credential the control plane gave (never the credential itself)."""
+
+    node: str
+    issued_at: float  # wall-clock seconds
+    token_id: str  # the join token it was given for
+    joined_from: list[str] | None  # the addresses it may advertise (None: not kept, older)
+    reported: bool  # whether its node has reported to this control plane's term
+
+
+class CredentialsAnswer(_Answer):
+    """Every node credential given and not revoked, whether its node reported or not."""
+
+    credentials: list[CredentialInfo]
 
 
 class NodeRevoked(_Answer):

@@ -314,25 +314,39 @@ class SqlStore(ABC):
 
     def record_join(self, token: StoredJoinToken, credential: StoredCredential) -> None:
         c = credential
+        addresses = None if c.addresses is None else json.dumps(list(c.addresses))
         with self._write() as tx:
             _put_join_token(tx, token)
             tx.execute(
-                "INSERT INTO node_credentials (node, sha256, issued_at, token_id) "
-                "VALUES (?, ?, ?, ?) ON CONFLICT (node) DO UPDATE SET "
+                "INSERT INTO node_credentials (node, sha256, issued_at, token_id, addresses) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (node) DO UPDATE SET "
                 "sha256 = excluded.sha256, issued_at = excluded.issued_at, "
-                "token_id = excluded.token_id",
-                (c.node, c.sha256, c.issued_at, c.token_id),
+                "token_id = excluded.token_id, addresses = excluded.addresses",
+                (c.node, c.sha256, c.issued_at, c.token_id, addresses),
             )
 
-    def delete_credential(self, node: str) -> None:
+    def revoke_node(self, node: str, at: float) -> None:
         with self._write() as tx:
             tx.execute("DELETE FROM node_credentials WHERE node = ?", (node,))
+            tx.execute(
+                "INSERT INTO revoked_nodes (node, revoked_at) VALUES (?, ?) "
+                "ON CONFLICT (node) DO UPDATE SET revoked_at = excluded.revoked_at",
+                (node, at),
+            )
+
+    def revoked_nodes(self) -> dict[str, float]:
+        rows = self._query("SELECT node, revoked_at FROM revoked_nodes")
+        return {node: float(at) for node, at in rows}
 
     def credentials(self) -> list[StoredCredential]:
         rows = self._query(
-            "SELECT node, sha256, issued_at, token_id FROM node_credentials ORDER BY node"
+            "SELECT node, sha256, issued_at, token_id, addresses FROM node_credentials "
+            "ORDER BY node"
         )
-        return [StoredCredential(*row) for row in rows]
+        return [
+            StoredCredential(n, s, i, t, None if a is None else tuple(json.loads(a)))
+            for n, s, i, t, a in rows
+        ]
 
     # -- events ----------------------------------------------------------------------------
 

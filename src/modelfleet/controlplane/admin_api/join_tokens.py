@@ -1,4 +1,5 @@
-"""Join tokens: the secrets a new node joins the fleet with."""
+"""Join tokens: the secrets a new node joins the fleet with; and the node credentials they
+were exchanged for."""
 
 from __future__ import annotations
 
@@ -27,6 +28,23 @@ def routes(cp: ControlPlane) -> APIRouter:
         now = cp.store_time()
         tokens = cp.membership.tokens.values()
         return admin.JoinTokensAnswer(tokens=[token_info(t, now) for t in tokens])
+
+    @api.get("/v1/credentials", responses=errors())
+    async def credentials() -> admin.CredentialsAnswer:
+        """Every node credential given and not revoked (never the credential itself), whether
+        its node has reported or not: one that never did is revoked by `ctl nodes revoke`."""
+        return admin.CredentialsAnswer(
+            credentials=[
+                admin.CredentialInfo(
+                    node=c.node,
+                    issued_at=c.issued_at,
+                    token_id=c.token_id,
+                    joined_from=None if c.addresses is None else list(c.addresses),
+                    reported=c.node in cp.state.nodes,
+                )
+                for c in sorted(cp.membership.credentials.values(), key=lambda c: c.node)
+            ]
+        )
 
     @api.post(
         "/v1/join-tokens",
