@@ -450,7 +450,7 @@ def test_every_credential_given_is_listed_until_revoked_whether_its_node_reporte
         "ghost-1": False,
         "ghost-2": False,
     }
-    assert listed["ghost-1"]["joined_from"] == ["127.0.0.1"]
+    assert listed["ghost-1"]["addresses"] == ["127.0.0.1"]
     assert listed["ghost-1"]["token_id"] == JoinToken.parse(token).id
     table = fleet.ctl("credentials")
     assert table.returncode == 0 and "ghost-2" in table.stdout and "never" in table.stdout
@@ -470,10 +470,30 @@ def test_a_node_joined_over_loopback_advertises_no_other_address(fleet: Fleet) -
     elsewhere = fleet.report(credential, "b", "192.0.2.77")
     assert elsewhere.status_code == 403, elsewhere.text
     said = elsewhere.json()["error"]
-    assert "node b advertises '192.0.2.77'" in said and "joined from 127.0.0.1" in said
+    assert "node b advertises '192.0.2.77'" in said and "advertise only 127.0.0.1 " in said
     assert fleet.ctl_json("nodes")["nodes"] == []
     wait_for("the refusal in the log", lambda: "advertises '192.0.2.77'" in fleet.procs.log("cp"))
     assert fleet.report(credential, "b", "127.0.0.1").status_code == 200
+
+
+def test_a_join_token_may_allow_a_node_another_address_but_never_loopback(fleet: Fleet) -> None:
+    """The operator's part of the rule: `ctl join-tokens create --address A` lets a node
+    joining with it advertise A (a machine behind NAT, one serving on another network); a
+    token never allows loopback, which only a loopback join gets."""
+    no = fleet.ctl("join-tokens", "create", "--address", "127.0.0.1")
+    assert no.returncode == 1 and "'127.0.0.1' is no address a join token may allow" in no.stderr
+    done = fleet.ctl("join-tokens", "create", "--address", "192.0.2.77", "-q")
+    assert done.returncode == 0, done.stderr
+    [listed] = fleet.ctl_json("join-tokens", "list")["tokens"]
+    assert listed["addresses"] == ["192.0.2.77"]
+    answer, _ = fleet.join_raw(done.stdout.strip(), "b", ["192.0.2.77"])
+    assert answer.status_code == 200, answer.text
+    credential = JoinAnswer.model_validate_json(answer.content).credential
+    assert fleet.report(credential, "b", "192.0.2.77").status_code == 200
+    refused = fleet.report(credential, "b", "192.0.2.78")
+    assert refused.status_code == 403, refused.text
+    [shown] = fleet.ctl_json("credentials")["credentials"]
+    assert shown["addresses"] == ["127.0.0.1", "192.0.2.77"] and shown["reported"]
 
 
 def _address_beyond_loopback() -> str | None:
@@ -506,7 +526,7 @@ def test_a_node_that_joined_from_another_host_may_not_advertise_loopback(
     for loopback in ("127.0.0.1", "::1", "localhost"):
         refused = fleet.report(credential, "b", loopback)
         assert refused.status_code == 403, refused.text
-        assert f"joined from {address}" in refused.json()["error"]
+        assert f"advertise only {address} " in refused.json()["error"]
     assert fleet.ctl_json("nodes")["nodes"] == []
     assert fleet.report(credential, "b", address).status_code == 200
     [node] = fleet.ctl_json("nodes")["nodes"]

@@ -195,8 +195,9 @@ def test_keys_tokens_and_credentials(store: Store) -> None:
 
     token = StoredJoinToken("t1", "d" * 64, 10.0, 3610.0, 2)
     store.put_join_token(token)
-    store.put_join_token(StoredJoinToken("t0", "e" * 64, 5.0, None, None))
+    store.put_join_token(StoredJoinToken("t0", "e" * 64, 5.0, None, None, 0, ("10.0.1.7",)))
     assert [t.id for t in store.join_tokens()] == ["t0", "t1"]  # oldest first
+    assert [t.addresses for t in store.join_tokens()] == [("10.0.1.7",), ()]
     used = StoredJoinToken("t1", "d" * 64, 10.0, 3610.0, 1, used=1)
     store.record_join(used, StoredCredential("gpu-1", "f" * 64, 11.0, "t1"))
     assert store.join_tokens()[1] == used

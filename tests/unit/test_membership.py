@@ -178,6 +178,28 @@ def test_a_node_advertises_only_the_address_it_joined_from(
         assert f"node b advertises {advertised!r}" in str(why) and "--address" in str(why)
 
 
+def test_a_token_may_allow_addresses_besides_the_one_a_node_joins_from() -> None:
+    """The operator's part of the rule: `ctl join-tokens create --address A` lets a node
+    joining with it advertise A (and have its certificate name it) besides its own."""
+    book = book_of(SqliteStore(":memory:"), CA)
+    for wrong in ("127.0.0.1", "::1", "0.0.0.0", "gpu-1.example"):
+        said = refused(400, partial(book.create_token, None, 1, NOW, [wrong]))
+        assert f"addresses: {wrong!r} is no address a join token may allow" in said
+    token, stored = book.create_token(None, 1, NOW, ["10.0.1.7", "::ffff:10.0.1.7", "10.0.1.8"])
+    assert stored.addresses == ("10.0.1.7", "10.0.1.8")
+    answer = book.join(str(token), join_request("b", ("10.0.0.7", "10.0.1.7", "10.0.2.9")), NOW,
+                       SOURCE)  # fmt: skip
+    cert = x509.load_pem_x509_certificate(answer.cert.encode())
+    alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in alt.get_values_for_type(x509.IPAddress)] == ["10.0.0.7", "10.0.1.7"]
+    assert book.credentials["b"].addresses == ("10.0.0.7", "10.0.1.7", "10.0.1.8")
+    for advertised in ("10.0.0.7", "10.0.1.7", "10.0.1.8"):
+        assert book.address_refusal("b", advertised) is None
+    assert "may advertise only 10.0.0.7, 10.0.1.7, 10.0.1.8 " in str(
+        book.address_refusal("b", "10.0.2.9")
+    )
+
+
 def test_a_credential_keeps_the_address_its_node_joined_from() -> None:
     book = book_of(SqliteStore(":memory:"), CA)
     token, _ = book.create_token(None, None, NOW)

@@ -55,18 +55,24 @@ def token_info(token: StoredJoinToken, now: float) -> admin.JoinTokenInfo:
         uses_left=token.uses_left,
         used=token.used,
         state=token_state(token, now),
+        addresses=list(token.addresses),
     )
 
 
 def node_addresses(
-    node: str, asked: Iterable[str], source: str, reserved: Collection[str]
+    node: str,
+    asked: Iterable[str],
+    source: str,
+    reserved: Collection[str],
+    allowed: Collection[str] = (),
 ) -> list[str]:
     """The addresses node `node`'s certificate may name of those its request `asked` for: the
-    one it joined from (`source`), unless a control plane or router is reached there
-    (`reserved`: its certificate would pass for theirs). Any other address is left out (the
-    node is still reached, and checked, by its name); a host name or a wildcard asked for is
-    refused (MembershipRefused 400): nothing but an attempt on another's name asks for one."""
-    joined_from = _address(source)
+    one it joined from (`source`) and those its join token `allowed`, unless a control plane
+    or router is reached there (`reserved`: its certificate would pass for theirs). Any other
+    address is left out (the node is still reached, and checked, by its name); a host name or
+    a wildcard asked for is refused (MembershipRefused 400): nothing but an attempt on
+    another's name asks for one."""
+    its_own = {_address(source), *map(_address, allowed)} - {None}
     theirs = {_address(r) for r in reserved}
     kept = []
     for name in asked:
@@ -77,16 +83,35 @@ def node_addresses(
                 f"csr: node {node} asks for a certificate naming {name!r}; a node's certificate "
                 "names the node and the address it joins from, never a host name or a wildcard",
             )
-        if address == joined_from and address not in theirs:
+        if address in its_own and address not in theirs:
             kept.append(str(address))
     return kept
 
 
+def token_addresses(given: Iterable[str]) -> tuple[str, ...]:
+    """The addresses an operator lets a node joining with a token advertise, written as the
+    control plane compares them; MembershipRefused 400 naming one that is no IP address, or
+    loopback or unspecified (loopback only a node that joins over loopback may advertise)."""
+    kept: list[str] = []
+    for text in given:
+        address = _address(text)
+        if address is None or address.is_loopback:
+            raise MembershipRefused(
+                400,
+                f"addresses: {text!r} is no address a join token may allow: give IP addresses "
+                "of the node's own (loopback only a node that joins over loopback advertises)",
+            )
+        if str(address) not in kept:
+            kept.append(str(address))
+    return tuple(kept)
+
+
 def address_refusal(node: str, advertised: str, joined_from: Collection[str] | None) -> str | None:
-    """Why node `node`, which joined from the addresses `joined_from` (None: not known, a
-    credential older than that record), may not advertise `advertised` for its engines; None
-    when it may. It may advertise the address it joined from alone, and loopback only when it
-    joined over loopback (then any loopback address: it shares the control plane's host)."""
+    """Why node `node`, which joined from the addresses `joined_from` (the one its join came
+    from, and those its join token allowed; None: not known, a credential older than that
+    record), may not advertise `advertised` for its engines; None when it may. It may
+    advertise those alone, and loopback only when it joined over loopback (then any loopback
+    address: it shares the control plane's host)."""
     if joined_from is None:
         return None
     address = _address(advertised)
@@ -95,12 +120,12 @@ def address_refusal(node: str, advertised: str, joined_from: Collection[str] | N
         address in allowed or (address.is_loopback and any(a.is_loopback for a in allowed))
     ):
         return None
-    where = ", ".join(sorted(joined_from)) or "nowhere known"
+    where = ", ".join(joined_from) or "nothing"
     return (
-        f"node {node} advertises {advertised!r} for its engines, but it joined from {where}: a "
-        "node may advertise only the address it joined from (loopback only when it joined over "
-        "loopback). Run its agent with --address set to that address, or revoke it and join "
-        "it anew from the address its engines serve on"
+        f"node {node} advertises {advertised!r} for its engines, but may advertise only {where} "
+        "(the address it joined from, and those its join token allows; loopback only after a "
+        "loopback join). Run its agent with --address set to one of them, or revoke it and "
+        "join it anew (`ctl join-tokens create --address ADDRESS` allows another)"
     )
 
 
@@ -144,11 +169,13 @@ class Membership:
         self.writing = asyncio.Lock()
 
     async def create_token(
-        self, ttl: float | None, uses: int | None, now: float
+        self, ttl: float | None, uses: int | None, now: float, addresses: Iterable[str] = ()
     ) -> tuple[JoinToken, StoredJoinToken]:
-        """A new join token (shown once) and what is stored of it."""
+        """A new join token (shown once) and what is stored of it; `addresses`: those a node
+        joining with it may advertise besides its own (`token_addresses`)."""
+        allowed = token_addresses(addresses)
         async with self.writing:
-            return await self._create_token(ttl, uses, now)
+            return await self._create_token(ttl, uses, now, allowed)
 
     async def revoke_token(self, token_id: str) -> StoredJoinToken:
         """Delete a join token: nobody joins with it after this (nodes that joined stay)."""
@@ -185,7 +212,7 @@ class Membership:
             await self._cut_off(node, now)
 
     async def _create_token(
-        self, ttl: float | None, uses: int | None, now: float
+        self, ttl: float | None, uses: int | None, now: float, addresses: tuple[str, ...]
     ) -> tuple[JoinToken, StoredJoinToken]:
         if self.ca is None:
             raise MembershipRefused(503, "this control plane has no CA to pin in a join token")
@@ -196,6 +223,7 @@ class Membership:
             created_at=now,
             expires_at=None if ttl is None else now + ttl,
             uses_left=uses,
+            addresses=addresses,
         )
         await self.calls(self.store.put_join_token, stored)
         self.tokens[stored.id] = stored
@@ -249,14 +277,15 @@ class Membership:
             asked = read_request(request.csr.encode())
         except PkiError as exc:
             raise MembershipRefused(400, f"csr: {exc}") from None
-        addresses = node_addresses(node, asked.names, source, reserved)
+        addresses = node_addresses(node, asked.names, source, reserved, stored.addresses)
         when = datetime.datetime.fromtimestamp(now, datetime.UTC)
         cert = self.ca.sign_node(asked, node, addresses, when)
         credential = new_credential()
         uses_left = None if stored.uses_left is None else stored.uses_left - 1
         used = dataclasses.replace(stored, uses_left=uses_left, used=stored.used + 1)
         joined_from = str(_address(source) or source)
-        record = StoredCredential(node, digest(credential), now, stored.id, (joined_from,))
+        may_advertise = tuple(dict.fromkeys([joined_from, *stored.addresses]))
+        record = StoredCredential(node, digest(credential), now, stored.id, may_advertise)
         await self.calls(self.store.record_join, used, record)
         self.tokens[used.id] = used
         self.credentials[node] = record

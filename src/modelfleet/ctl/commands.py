@@ -268,6 +268,14 @@ def join_tokens_create(
         int,
         typer.Option("--uses", help="How many nodes may join with it (default: one)."),
     ] = 1,
+    address: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--address",
+            help="An IP address a node joining with it may advertise (and its certificate "
+            "name) besides the one it joins from, e.g. behind NAT; repeatable. Never loopback.",
+        ),
+    ] = None,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Print the token alone, for scripts.")
     ] = False,
@@ -276,7 +284,7 @@ def join_tokens_create(
     this once: the fleet keeps only a hash of its secret."""
     from modelfleet.messages import admin
 
-    request = _key_request(admin.JoinTokenCreate, ttl=ttl, uses=uses)
+    request = _key_request(admin.JoinTokenCreate, ttl=ttl, uses=uses, addresses=address)
     render = "print_join_token_alone" if quiet else "print_join_token_created"
     _ctl(context).show(lambda c: c.create_join_token(request), _render(render))
 

@@ -109,6 +109,9 @@ class StoredJoinToken:
     expires_at: float | None  # wall-clock seconds; None: never
     uses_left: int | None  # None: any number
     used: int = 0
+    # Addresses the operator lets a node joining with it advertise (and its certificate
+    # name) besides the one it joins from.
+    addresses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -307,10 +307,13 @@ class SqlStore(ABC):
 
     def join_tokens(self) -> list[StoredJoinToken]:
         rows = self._query(
-            "SELECT id, sha256, created_at, expires_at, uses_left, used FROM join_tokens "
-            "ORDER BY created_at, id"
+            "SELECT id, sha256, created_at, expires_at, uses_left, used, addresses "
+            "FROM join_tokens ORDER BY created_at, id"
         )
-        return [StoredJoinToken(*row) for row in rows]
+        return [
+            StoredJoinToken(i, s, c, e, u, n, tuple(json.loads(a)) if a else ())
+            for i, s, c, e, u, n, a in rows
+        ]
 
     def record_join(self, token: StoredJoinToken, credential: StoredCredential) -> None:
         c = credential
@@ -487,12 +490,14 @@ class SqlStore(ABC):
 
 def _put_join_token(tx: Transaction, t: StoredJoinToken) -> None:
     tx.execute(
-        "INSERT INTO join_tokens (id, sha256, created_at, expires_at, uses_left, used) "
-        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+        "INSERT INTO join_tokens (id, sha256, created_at, expires_at, uses_left, used, "
+        "addresses) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
         "sha256 = excluded.sha256, created_at = excluded.created_at, "
-        "expires_at = excluded.expires_at, uses_left = excluded.uses_left, used = excluded.used",
-        (t.id, t.sha256, t.created_at, t.expires_at, t.uses_left, t.used),
-    )
+        "expires_at = excluded.expires_at, uses_left = excluded.uses_left, "
+        "used = excluded.used, addresses = excluded.addresses",
+        (t.id, t.sha256, t.created_at, t.expires_at, t.uses_left, t.used,
+         json.dumps(list(t.addresses)) if t.addresses else None),
+    )  # fmt: skip
 
 
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:

@@ -132,8 +132,12 @@ CREATE TABLE IF NOT EXISTS series (
 CREATE INDEX IF NOT EXISTS series_step_at ON series (step, at);
 """
 
-# Version 6: the addresses a node may advertise, and the node names revoked (or deleted).
-_ADDRESSES = "ALTER TABLE node_credentials ADD COLUMN addresses TEXT"
+# Version 6: the addresses a node may advertise (a join token's, a credential's), and the node
+# names revoked (or deleted).
+_ADDRESSES = {
+    table: f"ALTER TABLE {table} ADD COLUMN addresses TEXT"
+    for table in ("join_tokens", "node_credentials")
+}
 _REVOKED_NODES = """
 CREATE TABLE IF NOT EXISTS revoked_nodes (
     node       TEXT PRIMARY KEY,
@@ -207,9 +211,10 @@ class SqliteStore(SqlStore):
                 for statement in _SERIES.split(";"):
                     if statement.strip():
                         self._db.execute(statement)
-            columns = {row[1] for row in self._db.execute("PRAGMA table_info(node_credentials)")}
-            if found < 6 and "addresses" not in columns:
-                self._db.execute(_ADDRESSES)
+            for table, add in _ADDRESSES.items():
+                columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                if found < 6 and "addresses" not in columns:
+                    self._db.execute(add)
             if found < 6:
                 self._db.execute(_REVOKED_NODES)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")

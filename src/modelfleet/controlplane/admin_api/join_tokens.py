@@ -39,7 +39,7 @@ def routes(cp: ControlPlane) -> APIRouter:
                     node=c.node,
                     issued_at=c.issued_at,
                     token_id=c.token_id,
-                    joined_from=None if c.addresses is None else list(c.addresses),
+                    addresses=None if c.addresses is None else list(c.addresses),
                     reported=c.node in cp.state.nodes,
                 )
                 for c in sorted(cp.membership.credentials.values(), key=lambda c: c.node)
@@ -62,7 +62,7 @@ def routes(cp: ControlPlane) -> APIRouter:
                 raise Refused.because(400, f"ttl: {body.ttl!r} is no time at all")
         now = cp.store_time()
         try:
-            token, stored = await cp.membership.create_token(ttl, body.uses, now)
+            token, stored = await cp.membership.create_token(ttl, body.uses, now, body.addresses)
         except MembershipRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         info = token_info(stored, now).model_dump()
