@@ -141,7 +141,7 @@ class Uplink:
                 continue
             if response.status_code != 307 or not self._follow(response):
                 break
-        if response.status_code == 401:
+        if response.status_code in (401, 403):
             await self._refused(response)
             return None
         if response.status_code != 200:
@@ -158,10 +158,11 @@ class Uplink:
         return assignment if self.took_epoch(assignment.epoch) else None
 
     async def _refused(self, response: httpx.Response) -> None:
-        """The control plane refuses this agent's token or credential (401): say so once,
-        clearly; join anew when a join token was given that was not tried yet; and wait
-        longer after each refusal in a row (up to REFUSED_WAIT_MAX_S), so that a revoked node
-        neither floods its log nor the control plane."""
+        """The control plane refuses this agent's token or credential (401), or what its
+        report says (403: another node's name, an address its node may not advertise): say
+        so once, clearly; after a 401, join anew when a join token was given that was not
+        tried yet; and wait longer after each refusal in a row (up to REFUSED_WAIT_MAX_S), so
+        that a refused node neither floods its log nor the control plane."""
         why = _error_of(response)
         if why != self._refusal:
             log.error(
@@ -172,7 +173,7 @@ class Uplink:
             )
             self._refusal = why
         token = self.settings.join_token.token
-        if token is not None and not self._join_tried:
+        if response.status_code == 401 and token is not None and not self._join_tried:
             self._join_tried = True
             if await self._join_anew(token):
                 return
