@@ -22,7 +22,7 @@ from modelfleet.ctl.commands import app as ctl_app
 from modelfleet.ctl.commands import fail, with_options_first
 
 if TYPE_CHECKING:
-    from modelfleet.agent.credential import Credential
+    from modelfleet.agent.credential import Credential, HeldToken
     from modelfleet.agent.gpus import GpuSource
     from modelfleet.agent.settings import EngineTls
     from modelfleet.security.pki import TlsFiles
@@ -276,6 +276,14 @@ EngineAddress = Annotated[
         "a control plane on loopback).",
     ),
 ]
+JoinEnvFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--env-file",
+        help="With --join: the environment file its service reads MODELFLEET_AGENT_TOKEN from "
+        "(`install systemd` gives it): once joined, the agent rewrites it without the token.",
+    ),
+]
 ReportInterval = Annotated[
     float,
     typer.Option(
@@ -314,8 +322,12 @@ def agent(
     token: AgentToken = None,
     token_file: Annotated[
         Path | None,
-        typer.Option(help="A file holding --token (readable by its owner alone)."),
+        typer.Option(
+            help="A file holding --token (readable by its owner alone). With --join, once "
+            "joined, the agent rewrites it without the token (it needs it no more)."
+        ),
     ] = None,
+    env_file: JoinEnvFile = None,
     ca: CaFile = None,
     state_dir: Annotated[
         Path | None, typer.Option(help="Where the agent records its engines and logs.")
@@ -367,13 +379,16 @@ def agent(
     if token_file is not None:
         if token is not None:
             fail("give --token (or MODELFLEET_AGENT_TOKEN) or --token-file, not both")
-        token = _secret_from(token_file, "--token-file")
+        # Emptied by the agent once joined: then the credential kept is what it runs on.
+        token = _secret_from(token_file, "--token-file", may_be_empty=join is not None)
     agent_dir = state_dir or Path(".modelfleet") / "agents" / node
     try:
         lock = StateDirLock(agent_dir, f"the agent of {node}").acquire()
     except (StateDirBusy, OSError) as exc:
         fail(str(exc))
-    link = _link(node, join, control_plane, token, ca, address, agent_dir, report_interval)
+    files = tuple(f for f in (token_file, env_file) if f is not None)
+    link = _link(node, join, control_plane, token, ca, address, agent_dir, report_interval, files)
+    del token  # the join token, if any, is held by `link.join_token` alone from here on
     if admin_port is not None and link.admin_tls is None and not link.loopback:
         fail(
             f"the admin API would serve plain HTTP on {link.address}: plain HTTP stays on "
@@ -431,7 +446,7 @@ class _Link:
     address: str
     loopback: bool
     token: str | None
-    join_token: str | None
+    join_token: HeldToken
     verify: ssl.SSLContext | None
     admin_tls: TlsFiles | None
     engine_tls: EngineTls | None
@@ -446,9 +461,14 @@ def _link(
     address: str | None,
     agent_dir: Path,
     report_interval: float,
+    token_files: tuple[Path, ...] = (),
 ) -> _Link:
     """The agent's link from its options: joined with a join token (a credential of its own,
-    kept in `agent_dir`, and the fleet's CA), or on the shared agent token."""
+    kept in `agent_dir`, and the fleet's CA), or on the shared agent token. A join token just
+    exchanged is forgotten at once (also in `token_files`, the files it was given in); one
+    given beside a kept credential is held until the control plane takes that credential or
+    refuses it (then the agent joins anew with it)."""
+    from modelfleet.agent.credential import HeldToken, forget_join_token
     from modelfleet.agent.settings import EngineTls
     from modelfleet.security.pki import client_context, is_loopback
 
@@ -460,17 +480,20 @@ def _link(
         address = _address_towards(url)
     if join is None:
         return _Link(
-            url, tuple(urls), address, is_loopback(address), token, None, _ca_context(url, ca),
-            None, None,
+            url, tuple(urls), address, is_loopback(address), token, HeldToken(),
+            _ca_context(url, ca), None, None,
         )  # fmt: skip
-    joined = _joined(join, token, node, address, agent_dir, report_interval)
+    joined, fresh = _joined(join, token, node, address, agent_dir, report_interval)
+    held = HeldToken(token, token_files)
+    if fresh:
+        forget_join_token(held)
     admin_tls = joined.tls_files(agent_dir)
     engine_tls = None
     if not is_loopback(address):  # engines other machines reach: behind gates
         engine_tls = EngineTls(admin_tls, joined.ca_file(agent_dir))
     verify = client_context(joined.ca.encode())
     return _Link(
-        url, tuple(urls), address, is_loopback(address), joined.credential, token, verify,
+        url, tuple(urls), address, is_loopback(address), joined.credential, held, verify,
         admin_tls, engine_tls,
     )  # fmt: skip
 
@@ -678,7 +701,10 @@ def install_systemd(
     if runs_as is not None:
         steps.append(f"cp {out}/sysusers.d/{runs_as}.conf /etc/sysusers.d/ && systemd-sysusers")
     if unit.env_name is not None:
-        steps.append(f"install -D -m 600 {out / unit.env_name} {env_dir / unit.env_name}")
+        # The agent's own, for it to rewrite without the join token once joined.
+        owner = f"-o {runs_as} -g {runs_as} " if role == "agent" and runs_as else ""
+        source, target = out / unit.env_name, env_dir / unit.env_name
+        steps.append(f"install -D -m 600 {owner}{source} {target}")
     steps.append(f"cp {written[0]} /etc/systemd/system/ && systemctl daemon-reload")
     steps.append(f"systemctl enable --now {unit.name}")
     typer.echo("then: " + " && ".join(steps))
@@ -855,8 +881,9 @@ def engine_sim(
     run_fast(serve(settings, host, port, ready_file, startup_delay, drain_timeout))
 
 
-def _secret_from(path: Path, option: str) -> str:
-    """The secret in file `path`, which its group and others may not read."""
+def _secret_from(path: Path, option: str, may_be_empty: bool = False) -> str | None:
+    """The secret in file `path`, which its group and others may not read; None for an
+    empty file where it `may_be_empty`."""
     from modelfleet.host.config import ConfigError, owner_only
 
     try:
@@ -867,6 +894,8 @@ def _secret_from(path: Path, option: str) -> str:
     except OSError as exc:
         fail(f"{option}: cannot read {path}: {exc.strerror}")
     if not text:
+        if may_be_empty:
+            return None
         fail(f"{option}: {path} is empty")
     return text
 
@@ -890,8 +919,9 @@ def _ca_context(url: str, ca: Path | None) -> ssl.SSLContext | None:
 
 def _joined(
     url: str, token: str | None, node: str, address: str, state_dir: Path, retry_every: float
-) -> Credential:
-    """The credential this agent joined with before, or the one it joins with now."""
+) -> tuple[Credential, bool]:
+    """The credential this agent joined with before, or the one it joins with now; whether
+    it joined now."""
     from modelfleet.agent.credential import JoinFailed, join_until_answered, load
     from modelfleet.security.joining import BadJoinToken, JoinToken
     from modelfleet.security.pki import PkiError
@@ -904,7 +934,7 @@ def _joined(
                     f"{state_dir} holds the credential of node {kept.node}, not {node}: give "
                     "this node a state dir of its own"
                 )
-            return kept
+            return kept, False
         if token is None:
             fail(
                 "--join needs a join token (`modelfleet ctl join-tokens create`): give it by "
@@ -921,7 +951,7 @@ def _joined(
         f"{', '.join(joined.names())}",
         err=True,
     )
-    return joined
+    return joined, True
 
 
 def _address_towards(url: str) -> str:

@@ -187,3 +187,15 @@ def pipeline_unread(door: Door, requests: int = 20_000, seconds: float = 5.0) ->
             grown = max(grown, door.rss_mb() - before)
             time.sleep(0.01)
     return grown
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    """Whether the server closed `sock` (end of stream or a reset) within `within` seconds
+    of now."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True  # reset: closed

@@ -24,7 +24,7 @@ from modelfleet.agent.records import recorded_engine_pids
 from modelfleet.host.processes import stop_groups
 from modelfleet.messages.wire import AgentReport, JoinAnswer, JoinRequest
 from modelfleet.security.joining import JoinToken
-from modelfleet.security.pki import client_context, node_host, request
+from modelfleet.security.pki import client_context, is_loopback, node_host, request
 
 from .conftest import Procs, wait_for, wait_json
 
@@ -35,7 +35,7 @@ SHARED_TOKEN = "shared-agent-token-of-the-test"
 class Fleet:
     """A control plane on TLS with no shared agent token, and what the test does to it."""
 
-    def __init__(self, procs: Procs, folder: Path) -> None:
+    def __init__(self, procs: Procs, folder: Path, host: str = "127.0.0.1") -> None:
         self.procs, self.folder = procs, folder
         (folder / "catalog.yaml").write_text(
             yaml.safe_dump({"models": [{"name": "m", "engine": "sim", "replicas": 1}]})
@@ -43,7 +43,7 @@ class Fleet:
         config = {
             "catalog": "catalog.yaml", "state_dir": "state", "admin_token": ADMIN_TOKEN,
             "tls": "on", "agent_port": 0, "admin_port": 0, "heartbeat_interval": 0.5,
-            "settle_for": -1, "agent_token": SHARED_TOKEN,
+            "settle_for": -1, "agent_token": SHARED_TOKEN, "host": host,
         }  # fmt: skip
         (folder / "cp.yaml").write_text(yaml.safe_dump(config))
         ready = folder / "cp.json"
@@ -70,8 +70,10 @@ class Fleet:
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
-    def join_token(self, uses: int) -> str:
-        done = self.ctl("join-tokens", "create", "--uses", str(uses), "--ttl", "10m", "-q")
+    def join_token(self, uses: int | None) -> str:
+        """A new join token; `uses` None: as many as `ctl join-tokens create` gives."""
+        told = [] if uses is None else ["--uses", str(uses)]
+        done = self.ctl("join-tokens", "create", *told, "--ttl", "10m", "-q")
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
@@ -110,12 +112,27 @@ class Fleet:
         )
         return answer, key
 
+    def refusals(self) -> int:
+        """Reports and heartbeats the control plane refused for their credential (401)."""
+        page = httpx.get(
+            self.admin_url + "/metrics",
+            headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+            verify=self.ca,
+            timeout=10,
+        ).text
+        line = next(
+            (x for x in page.splitlines() if x.startswith("modelfleet_controlplane_agent_"
+             "requests_refused_total") and 'why="credential"' in x),
+            "x 0",
+        )  # fmt: skip
+        return int(float(line.split()[-1]))
+
     def credential(self, node: str) -> str:
         kept = json.loads((self.folder / node / CREDENTIAL_FILE).read_text())
         return str(kept["credential"])
 
-    def report(self, credential: str, node: str) -> httpx.Response:
-        body = AgentReport(node=node, boot_id="forged", seq=1, address="127.0.0.1", gpus=[],
+    def report(self, credential: str, node: str, address: str = "127.0.0.1") -> httpx.Response:
+        body = AgentReport(node=node, boot_id="forged", seq=1, address=address, gpus=[],
                            shards=[])  # fmt: skip
         return httpx.post(
             self.agent_url + "/v1/report",
@@ -325,21 +342,7 @@ def test_a_revoked_agent_says_so_once_and_joins_anew_when_given_a_new_token(
     revoked = fleet.ctl("nodes", "revoke", "b")
     assert revoked.returncode == 0, revoked.stderr
 
-    def refusals() -> int:
-        page = httpx.get(
-            fleet.admin_url + "/metrics",
-            headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
-            verify=fleet.ca,
-            timeout=10,
-        ).text
-        line = next(
-            (x for x in page.splitlines() if x.startswith("modelfleet_controlplane_agent_"
-             "requests_refused_total") and 'why="credential"' in x),
-            "x 0",
-        )  # fmt: skip
-        return int(float(line.split()[-1]))
-
-    wait_for("the revoked agent refused three times", lambda: refusals() >= 3, 60)
+    wait_for("the revoked agent refused three times", lambda: fleet.refusals() >= 3, 60)
     said = fleet.procs.log("agent-b")
     assert said.count("node b was revoked") == 1, said[-2000:]
     assert "refuses this agent: node b was revoked" in said
@@ -376,3 +379,180 @@ def test_join_tokens_create_says_to_give_the_token_by_file_and_that_joins(fleet:
     wait_json(ready, fleet.procs.start(*args, log="agent-b"))
     assert (fleet.folder / "b" / CREDENTIAL_FILE).exists()
     assert [n["name"] for n in fleet.ctl_json("nodes")["nodes"]] == ["b"]
+
+
+def test_a_revoked_and_deleted_node_stays_out_though_its_agent_holds_the_token_it_joined_with(
+    fleet: Fleet,
+) -> None:
+    """Issue (members): after the README's revoke and delete, the agent joined again by itself
+    within about 2 s with the join token it was started with (good for any number of joins),
+    and came back ready. Now the agent has forgotten that token once joined, and no token
+    made before the revoke joins the name again, whoever holds it."""
+    token = fleet.join_token(uses=5)
+    fleet.start_agent("b", token, "agent-b")
+    revoked = fleet.ctl("nodes", "revoke", "b")
+    assert revoked.returncode == 0, revoked.stderr
+    deleted = fleet.ctl("nodes", "delete", "b", "--force")
+    assert deleted.returncode == 0, deleted.stderr
+
+    # The agent is refused twice: the first refusal is where it joined again before.
+    def refused_twice_or_back() -> bool:
+        return fleet.refusals() >= 2 or "joined anew" in fleet.procs.log("agent-b")
+
+    wait_for("the agent of b refused twice (or joined again)", refused_twice_or_back, 60)
+    said = fleet.procs.log("agent-b")
+    assert "refuses this agent" in said and "joined anew" not in said, said[-2000:]
+    assert "its join token is forgotten" in said
+    assert fleet.ctl_json("nodes")["nodes"] == []
+    assert fleet.ctl_json("credentials")["credentials"] == []
+
+    # Whoever holds the token gets nowhere with that name; other names still join with it.
+    answer, _ = fleet.join_raw(token, "b", ["127.0.0.1"])
+    assert answer.status_code == 403, answer.text
+    assert "node b was revoked or deleted after join token" in answer.json()["error"]
+    assert fleet.join_raw(token, "c", ["127.0.0.1"])[0].status_code == 200
+    # A token made after the revoke puts a machine back under the name.
+    assert fleet.join_raw(fleet.join_token(uses=1), "b", ["127.0.0.1"])[0].status_code == 200
+
+
+def test_an_agent_forgets_its_join_token_in_the_files_it_was_given_it_in(fleet: Fleet) -> None:
+    """Issue (members): the join token stayed in the agent's token file and its unit's env
+    file for good. Once joined, the agent rewrites both without it (the rest of the env file
+    kept), and a restart runs on its credential."""
+    token = fleet.join_token(uses=1)
+    token_file, env_file = fleet.folder / "b.token", fleet.folder / "b.env"
+    token_file.write_text(token + "\n")
+    env_file.write_text(f'HF_HOME="/models"\nMODELFLEET_AGENT_TOKEN="{token}"\n')
+    for made in (token_file, env_file):
+        made.chmod(0o600)
+    given = ["--token-file", str(token_file), "--env-file", str(env_file)]
+    ready = fleet.folder / "b.json"
+    started = fleet.procs.start(
+        *fleet.agent_args("b", None), *given, "--ready-file", str(ready), log="agent-b"
+    )
+    wait_json(ready, started)
+    assert token_file.read_text() == ""
+    assert env_file.read_text() == 'HF_HOME="/models"\n'
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    assert token not in fleet.procs.log("agent-b")
+
+    stop_groups([started.pid], grace=20)
+    again = fleet.folder / "b-again.json"
+    restarted = fleet.procs.start(
+        *fleet.agent_args("b", None), *given, "--ready-file", str(again), log="agent-b-again"
+    )
+    wait_json(again, restarted)
+    nodes = {n["name"]: n for n in fleet.ctl_json("nodes")["nodes"]}
+    assert nodes["b"]["ready"], nodes
+
+
+def test_a_join_token_joins_one_node_unless_told_more(fleet: Fleet) -> None:
+    """Issue (members): a join token was good for any number of joins by default. Now for
+    one (`--uses N` for more)."""
+    token = fleet.join_token(uses=None)
+    [listed] = fleet.ctl_json("join-tokens", "list")["tokens"]
+    assert listed["uses_left"] == 1
+    assert fleet.join_raw(token, "b", ["127.0.0.1"])[0].status_code == 200
+    second, _ = fleet.join_raw(token, "c", ["127.0.0.1"])
+    assert second.status_code == 401 and "used up" in second.json()["error"], second.text
+    three = fleet.join_token(uses=3)
+    assert [fleet.join_raw(three, n, ["127.0.0.1"])[0].status_code for n in "def"] == [200] * 3
+
+
+def test_every_credential_given_is_listed_until_revoked_whether_its_node_reported_or_not(
+    fleet: Fleet,
+) -> None:
+    """Issue (members): 16 credentials made with join tokens for nodes that never reported
+    appeared nowhere in `ctl nodes`. `ctl credentials` lists every credential given, and
+    whether its node reported; `ctl nodes revoke` takes one back."""
+    token = fleet.join_token(uses=3)
+    for node in ("ghost-1", "ghost-2"):
+        assert fleet.join_raw(token, node, ["127.0.0.1"])[0].status_code == 200
+    fleet.start_agent("b", token, "agent-b")
+    listed = {c["node"]: c for c in fleet.ctl_json("credentials")["credentials"]}
+    assert {n: c["reported"] for n, c in listed.items()} == {
+        "b": True,
+        "ghost-1": False,
+        "ghost-2": False,
+    }
+    assert listed["ghost-1"]["addresses"] == ["127.0.0.1"]
+    assert listed["ghost-1"]["token_id"] == JoinToken.parse(token).id
+    table = fleet.ctl("credentials")
+    assert table.returncode == 0 and "ghost-2" in table.stdout and "never" in table.stdout
+
+    revoked = fleet.ctl("nodes", "revoke", "ghost-1")
+    assert revoked.returncode == 0, revoked.stderr
+    left = [c["node"] for c in fleet.ctl_json("credentials")["credentials"]]
+    assert left == ["b", "ghost-2"]
+
+
+def test_a_node_joined_over_loopback_advertises_no_other_address(fleet: Fleet) -> None:
+    """Issue (members): the control plane took any address a node advertised, and routers
+    sent prompts there. A node joined from 127.0.0.1 advertising another address is refused
+    (403), naming both; the address it joined from is taken."""
+    answer, _ = fleet.join_raw(fleet.join_token(uses=1), "b", ["127.0.0.1"])
+    credential = JoinAnswer.model_validate_json(answer.content).credential
+    elsewhere = fleet.report(credential, "b", "192.0.2.77")
+    assert elsewhere.status_code == 403, elsewhere.text
+    said = elsewhere.json()["error"]
+    assert "node b advertises '192.0.2.77'" in said and "advertise only 127.0.0.1 " in said
+    assert fleet.ctl_json("nodes")["nodes"] == []
+    wait_for("the refusal in the log", lambda: "advertises '192.0.2.77'" in fleet.procs.log("cp"))
+    assert fleet.report(credential, "b", "127.0.0.1").status_code == 200
+
+
+def test_a_join_token_may_allow_a_node_another_address_but_never_loopback(fleet: Fleet) -> None:
+    """The operator's part of the rule: `ctl join-tokens create --address A` lets a node
+    joining with it advertise A (a machine behind NAT, one serving on another network); a
+    token never allows loopback, which only a loopback join gets."""
+    no = fleet.ctl("join-tokens", "create", "--address", "127.0.0.1")
+    assert no.returncode == 1 and "'127.0.0.1' is no address a join token may allow" in no.stderr
+    done = fleet.ctl("join-tokens", "create", "--address", "192.0.2.77", "-q")
+    assert done.returncode == 0, done.stderr
+    [listed] = fleet.ctl_json("join-tokens", "list")["tokens"]
+    assert listed["addresses"] == ["192.0.2.77"]
+    answer, _ = fleet.join_raw(done.stdout.strip(), "b", ["192.0.2.77"])
+    assert answer.status_code == 200, answer.text
+    credential = JoinAnswer.model_validate_json(answer.content).credential
+    assert fleet.report(credential, "b", "192.0.2.77").status_code == 200
+    refused = fleet.report(credential, "b", "192.0.2.78")
+    assert refused.status_code == 403, refused.text
+    [shown] = fleet.ctl_json("credentials")["credentials"]
+    assert shown["addresses"] == ["127.0.0.1", "192.0.2.77"] and shown["reported"]
+
+
+def _address_beyond_loopback() -> str | None:
+    """An address of this machine beyond loopback, or None when it has none."""
+    from modelfleet.host.network import route_address
+
+    try:
+        address = route_address("192.0.2.1")  # a documentation address: nothing is sent
+    except OSError:
+        return None
+    return None if is_loopback(address) else address
+
+
+def test_a_node_that_joined_from_another_host_may_not_advertise_loopback(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Issue (members): a node that joined from another host and advertised 127.0.0.1 was
+    given a replica, and the router sent clients' prompts and the engine key in plain HTTP to
+    a listener on its own loopback. Now loopback is taken only from a loopback join. The join
+    comes here from this machine's address beyond loopback (the control plane listens there),
+    as one from another host would."""
+    address = _address_beyond_loopback()
+    if address is None:
+        pytest.skip("this machine has no address beyond loopback to join from")
+    fleet = Fleet(procs, tmp_path, host=address)
+    assert fleet.agent_url.startswith(f"https://{address}:")
+    answer, _ = fleet.join_raw(fleet.join_token(uses=1), "b", [address])
+    assert answer.status_code == 200, answer.text
+    credential = JoinAnswer.model_validate_json(answer.content).credential
+    for loopback in ("127.0.0.1", "::1", "localhost"):
+        refused = fleet.report(credential, "b", loopback)
+        assert refused.status_code == 403, refused.text
+        assert f"advertise only {address} " in refused.json()["error"]
+    assert fleet.ctl_json("nodes")["nodes"] == []
+    assert fleet.report(credential, "b", address).status_code == 200
+    [node] = fleet.ctl_json("nodes")["nodes"]
+    assert node["name"] == "b" and node["address"] == address

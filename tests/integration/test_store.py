@@ -195,16 +195,22 @@ def test_keys_tokens_and_credentials(store: Store) -> None:
 
     token = StoredJoinToken("t1", "d" * 64, 10.0, 3610.0, 2)
     store.put_join_token(token)
-    store.put_join_token(StoredJoinToken("t0", "e" * 64, 5.0, None, None))
+    store.put_join_token(StoredJoinToken("t0", "e" * 64, 5.0, None, None, 0, ("10.0.1.7",)))
     assert [t.id for t in store.join_tokens()] == ["t0", "t1"]  # oldest first
+    assert [t.addresses for t in store.join_tokens()] == [("10.0.1.7",), ()]
     used = StoredJoinToken("t1", "d" * 64, 10.0, 3610.0, 1, used=1)
     store.record_join(used, StoredCredential("gpu-1", "f" * 64, 11.0, "t1"))
     assert store.join_tokens()[1] == used
-    store.record_join(used, StoredCredential("gpu-1", "0" * 64, 12.0, "t1"))  # a new one
-    assert store.credentials() == [StoredCredential("gpu-1", "0" * 64, 12.0, "t1")]
-    store.delete_credential("gpu-1")
+    anew = StoredCredential("gpu-1", "0" * 64, 12.0, "t1", ("10.0.0.2",))  # a new one
+    store.record_join(used, anew)
+    assert store.credentials() == [anew]
+    assert store.revoked_nodes() == {}
+    store.revoke_node("gpu-1", 13.0)
+    store.revoke_node("gpu-9", 14.0)  # a name that holds no credential (deleted)
+    store.revoke_node("gpu-1", 15.0)  # revoked again, once joined anew: the last time counts
     store.delete_join_token("t0")
     assert store.credentials() == [] and [t.id for t in store.join_tokens()] == ["t1"]
+    assert store.revoked_nodes() == {"gpu-1": 15.0, "gpu-9": 14.0}
 
 
 def event(reason: str, regarding: str, at: float) -> StoredEvent:

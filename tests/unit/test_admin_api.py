@@ -88,6 +88,7 @@ CALLS: list[tuple[str, str, str | None, int]] = [
     ("POST", "/v1/join-tokens", '{"ttl": "soon"}', 400),
     ("POST", "/v1/join-tokens", '{"uses": 0}', 400),
     ("GET", "/v1/join-tokens", None, 200),
+    ("GET", "/v1/credentials", None, 200),
     ("DELETE", "/v1/join-tokens/nope", None, 404),
     ("POST", "/v1/nodes/a/revoke", None, 409),  # it reports with the shared agent token
     ("POST", "/v1/nodes/nope/revoke", None, 404),

@@ -54,6 +54,10 @@ def test_each_role_gets_a_unit_that_systemd_accepts_and_that_restarts_always(
         env_file = tmp_path / "modelfleet-agent.env"
         assert f"EnvironmentFile={env_file}" in lines
         assert env_file.read_text() == 'MODELFLEET_AGENT_TOKEN="s3cret"\n'
+        # Once joined, the agent rewrites that file without the join token: it is told
+        # where it is, and may write it (and nothing else outside its state dir).
+        assert start.endswith(f" --env-file {env_file}")
+        assert f"ReadWritePaths=-{env_file}" in lines
         assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
     else:
         assert len(written) == 2 and "EnvironmentFile" not in unit.text

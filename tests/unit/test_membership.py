@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,12 @@ from cryptography import x509
 from hypothesis import given
 from hypothesis import strategies as st
 
-from modelfleet.controlplane.membership import Membership, MembershipRefused, token_state
+from modelfleet.controlplane.membership import (
+    Membership,
+    MembershipRefused,
+    address_refusal,
+    token_state,
+)
 from modelfleet.messages.wire import JoinRequest
 from modelfleet.security.joining import BadJoinToken, JoinToken, digest
 from modelfleet.security.pki import CertificateAuthority, PkiError, node_host, read_request, request
@@ -27,7 +33,9 @@ SOURCE = "10.0.0.7"  # where the joins come from
 def book_of(store: SqliteStore, ca: CertificateAuthority | None) -> Any:
     """A book on `store` as a control plane reads it, its changes run to their end."""
     calls = StoreCalls(store, 5.0)
-    return Awaited(Membership(calls, ca, store.join_tokens(), store.credentials()))
+    return Awaited(
+        Membership(calls, ca, store.join_tokens(), store.credentials(), store.revoked_nodes())
+    )
 
 
 CA = CertificateAuthority.create("test CA", datetime.datetime.fromtimestamp(NOW, datetime.UTC))
@@ -114,15 +122,92 @@ def test_every_refused_join_says_why_and_changes_nothing() -> None:
     assert book.node_of(answer.credential) == "b"
 
 
-def test_a_revoked_credential_is_nobodys_and_its_node_may_join_anew() -> None:
-    book = book_of(SqliteStore(":memory:"), CA)
+def test_a_revoked_node_joins_anew_only_with_a_token_made_after_the_revoke(
+    tmp_path: Path,
+) -> None:
+    """Issue (members): a revoked node joined again at once with the token it was started
+    with (any number of uses). Now no token made before the revoke brings it back, also
+    after a restart of the control plane; a new token does."""
+    store = SqliteStore(tmp_path / "store.sqlite")
+    book = book_of(store, CA)
     token, _ = book.create_token(None, None, NOW)
     first = book.join(str(token), join_request("b"), NOW, SOURCE)
-    book.revoke_node("b")
+    book.revoke_node("b", NOW + 1)
     assert book.node_of(first.credential) is None and not book.has_joined("b")
-    assert "holds no credential" in refused(404, lambda: book.revoke_node("b"))
-    second = book.join(str(token), join_request("b"), NOW, SOURCE)
+    assert "holds no credential" in refused(404, lambda: book.revoke_node("b", NOW + 2))
+    for again in (book, book_of(store, CA)):  # and as a control plane started anew reads it
+        said = refused(403, partial(again.join, str(token), join_request("b"), NOW + 3, SOURCE))
+        assert "node b was revoked or deleted after join token" in said
+    book.join(str(token), join_request("c"), NOW + 3, SOURCE)  # other names still join with it
+    later, _ = book.create_token(None, 1, NOW + 4)
+    second = book.join(str(later), join_request("b"), NOW + 5, SOURCE)
     assert book.node_of(second.credential) == "b" and second.credential != first.credential
+
+
+def test_a_deleted_name_is_cut_off_like_a_revoked_one() -> None:
+    book = book_of(SqliteStore(":memory:"), CA)
+    token, _ = book.create_token(None, None, NOW)
+    joined = book.join(str(token), join_request("b"), NOW, SOURCE)
+    book.cut_off("b", NOW + 1)  # `ctl nodes delete b`
+    book.cut_off("never-joined", NOW + 1)
+    assert book.node_of(joined.credential) is None
+    for node in ("b", "never-joined"):
+        refused(403, partial(book.join, str(token), join_request(node), NOW + 2, SOURCE))
+
+
+@pytest.mark.parametrize(
+    ("joined_from", "advertised", "taken"),
+    [
+        (("10.0.0.7",), "10.0.0.7", True),
+        (("10.0.0.7",), "127.0.0.1", False),  # the router's own loopback, from another host
+        (("10.0.0.7",), "10.0.0.8", False),
+        (("10.0.0.7",), "gpu-1.example", False),  # a name resolves to whatever its DNS says
+        (("10.0.0.7",), "::ffff:10.0.0.7", True),
+        (("127.0.0.1",), "127.0.0.1", True),
+        (("127.0.0.1",), "::1", True),  # a loopback join: the control plane's own host
+        (("127.0.0.1",), "10.0.0.7", False),
+        (None, "127.0.0.1", True),  # a credential older than the record: not checked
+    ],
+)
+def test_a_node_advertises_only_the_address_it_joined_from(
+    joined_from: tuple[str, ...] | None, advertised: str, taken: bool
+) -> None:
+    why = address_refusal("b", advertised, joined_from)
+    assert (why is None) == taken, why
+    if not taken:
+        assert f"node b advertises {advertised!r}" in str(why) and "--address" in str(why)
+
+
+def test_a_token_may_allow_addresses_besides_the_one_a_node_joins_from() -> None:
+    """The operator's part of the rule: `ctl join-tokens create --address A` lets a node
+    joining with it advertise A (and have its certificate name it) besides its own."""
+    book = book_of(SqliteStore(":memory:"), CA)
+    for wrong in ("127.0.0.1", "::1", "0.0.0.0", "gpu-1.example"):
+        said = refused(400, partial(book.create_token, None, 1, NOW, [wrong]))
+        assert f"addresses: {wrong!r} is no address a join token may allow" in said
+    token, stored = book.create_token(None, 1, NOW, ["10.0.1.7", "::ffff:10.0.1.7", "10.0.1.8"])
+    assert stored.addresses == ("10.0.1.7", "10.0.1.8")
+    answer = book.join(str(token), join_request("b", ("10.0.0.7", "10.0.1.7", "10.0.2.9")), NOW,
+                       SOURCE)  # fmt: skip
+    cert = x509.load_pem_x509_certificate(answer.cert.encode())
+    alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in alt.get_values_for_type(x509.IPAddress)] == ["10.0.0.7", "10.0.1.7"]
+    assert book.credentials["b"].addresses == ("10.0.0.7", "10.0.1.7", "10.0.1.8")
+    for advertised in ("10.0.0.7", "10.0.1.7", "10.0.1.8"):
+        assert book.address_refusal("b", advertised) is None
+    assert "may advertise only 10.0.0.7, 10.0.1.7, 10.0.1.8 " in str(
+        book.address_refusal("b", "10.0.2.9")
+    )
+
+
+def test_a_credential_keeps_the_address_its_node_joined_from() -> None:
+    book = book_of(SqliteStore(":memory:"), CA)
+    token, _ = book.create_token(None, None, NOW)
+    book.join(str(token), join_request("b"), NOW, "::ffff:10.0.0.7")
+    assert book.credentials["b"].addresses == ("10.0.0.7",)
+    assert book.address_refusal("b", "10.0.0.7") is None
+    assert book.address_refusal("b", "127.0.0.1") is not None
+    assert book.address_refusal("not-joined", "127.0.0.1") is None
 
 
 def test_a_revoked_token_is_refused_and_the_token_states() -> None:

@@ -6,12 +6,24 @@ matches), then sends the token, over TLS checked against that CA, with a certifi
 for its own admin listener; the answer is its node's credential and that certificate. All of it
 is kept in one file of the agent's state dir, readable by its owner alone, and every later run
 uses it instead of the token (which may have expired or been used up by then).
+
+Once it holds a credential the control plane takes, the agent forgets the token (`HeldToken`):
+it drops it from its settings, from its environment (`os.environ`: what every process it
+starts inherits), and from the files it was given it in (`--token-file`, and `--env-file`,
+the environment file its service reads), each rewritten in place without the lines that
+hold it. What a process cannot do: the kernel keeps the environment and the command line it
+was started with (`/proc/PID/environ`, `/proc/PID/cmdline`, readable by its user and root)
+until it exits, and copies the interpreter made while reading its options stay in its memory
+until reused. A file it may not write (owned by root, on a read-only file system) keeps the
+token: the agent says so in its log, naming the file.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import httpx
@@ -28,6 +40,79 @@ log = logging.getLogger("modelfleet.agent")
 CREDENTIAL_FILE = "credential.json"  # in the agent's state dir, 0600
 ADMIN_TLS_STEM = "admin"  # admin.crt and admin.key beside it
 FLEET_CA_FILE = "fleet-ca.crt"  # the fleet's CA, for its engines' gates
+
+
+class HeldToken:
+    """The join token an agent was given, held until it holds a credential the control
+    plane takes, then forgotten (`forget`) wherever the agent can reach it. Every copy of
+    the agent's settings shares one: forgotten in one, it is gone from all."""
+
+    def __init__(
+        self,
+        token: str | None = None,
+        files: tuple[Path, ...] = (),
+        environ: MutableMapping[str, str] = os.environ,
+    ) -> None:
+        self._token = token.strip() if token else None
+        self.files = files  # those it was given in: rewritten without it once it is forgotten
+        self._environ = environ
+
+    @property
+    def token(self) -> str | None:
+        return self._token
+
+    def __repr__(self) -> str:
+        return f"HeldToken({'held' if self._token else 'none'})"
+
+    def forget(self) -> list[str]:
+        """Drop the token from this object, the environment and `files`; what could not be
+        done, for the log (empty: nothing left that this process may change)."""
+        token, self._token = self._token, None
+        if not token:
+            return []
+        for variable in [v for v, value in self._environ.items() if token in value]:
+            del self._environ[variable]  # os.environ: unsetenv too
+        left = []
+        for path in self.files:
+            try:
+                _drop_lines_with(path, token)
+            except FileNotFoundError:
+                continue  # nothing there holds it
+            except OSError as exc:
+                left.append(
+                    f"{path} still holds the join token ({exc.strerror or exc}): remove it there "
+                    "by hand; the agent no longer needs it"
+                )
+        return left
+
+
+def forget_join_token(held: HeldToken) -> None:
+    """`held.forget()`, saying in the log what it did and what it could not."""
+    if held.token is None:
+        return
+    left = held.forget()
+    for problem in left:
+        log.warning("%s", problem)
+    rewritten = [str(f) for f in held.files if not any(p.startswith(f"{f} ") for p in left)]
+    also = f" and {', '.join(rewritten)}" if rewritten else ""
+    log.info("this agent holds a credential of its own: its join token is forgotten (its "
+             "settings, its environment%s)", also)  # fmt: skip
+
+
+def _drop_lines_with(path: Path, secret: str) -> None:
+    """Rewrite `path` in place (its mode and owner kept; also where it is a single file
+    mounted writable, as a unit's ReadWritePaths= makes it) without the lines holding
+    `secret`."""
+    with path.open("r+") as handle:
+        text = handle.read()
+        if secret not in text:
+            return
+        kept = "".join(line for line in text.splitlines(keepends=True) if secret not in line)
+        handle.seek(0)
+        handle.write(kept)
+        handle.truncate()
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 class JoinFailed(Exception):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from modelfleet.agent.credential import HeldToken
 from modelfleet.core.backoff import Backoff
 from modelfleet.security.pki import TlsFiles
 
@@ -75,6 +76,7 @@ class AgentSettings:
     control_planes: tuple[str, ...] = ()
     # How it reaches the control plane; None: the network (tests pass httpx.MockTransport).
     transport: httpx.AsyncBaseTransport | None = None
-    # The join token the agent was given (`--join`): once the control plane refuses the kept
-    # credential (the node revoked, and re-added), the agent joins anew with it.
-    join_token: str | None = field(default=None, repr=False)
+    # The join token the agent was given (`--join`) with a credential kept already: when the
+    # control plane refuses that credential (the node revoked, and re-added with a new token),
+    # the agent joins anew with it. Forgotten once the control plane takes a credential.
+    join_token: HeldToken = field(default_factory=HeldToken, repr=False)

@@ -13,7 +13,7 @@ import logging
 import httpx
 from pydantic import ValidationError
 
-from modelfleet.agent.credential import JoinFailed, Unreachable, join
+from modelfleet.agent.credential import JoinFailed, Unreachable, forget_join_token, join
 from modelfleet.agent.settings import AgentSettings
 from modelfleet.host.clock import wait_set
 from modelfleet.messages.wire import (
@@ -71,7 +71,7 @@ class Uplink:
         )
         self._refusal: str | None = None  # why the control plane refuses this agent, as said
         self._refusals = 0  # refusals in a row: each waits longer
-        self._tokens_tried: set[str] = set()
+        self._join_tried = False  # with the join token it holds (it is tried once)
 
     async def aclose(self) -> None:
         await self._cp.aclose()
@@ -141,7 +141,7 @@ class Uplink:
                 continue
             if response.status_code != 307 or not self._follow(response):
                 break
-        if response.status_code == 401:
+        if response.status_code in (401, 403):
             await self._refused(response)
             return None
         if response.status_code != 200:
@@ -158,10 +158,11 @@ class Uplink:
         return assignment if self.took_epoch(assignment.epoch) else None
 
     async def _refused(self, response: httpx.Response) -> None:
-        """The control plane refuses this agent's token or credential (401): say so once,
-        clearly; join anew when a join token was given that was not tried yet; and wait
-        longer after each refusal in a row (up to REFUSED_WAIT_MAX_S), so that a revoked node
-        neither floods its log nor the control plane."""
+        """The control plane refuses this agent's token or credential (401), or what its
+        report says (403: another node's name, an address its node may not advertise): say
+        so once, clearly; after a 401, join anew when a join token was given that was not
+        tried yet; and wait longer after each refusal in a row (up to REFUSED_WAIT_MAX_S), so
+        that a refused node neither floods its log nor the control plane."""
         why = _error_of(response)
         if why != self._refusal:
             log.error(
@@ -171,9 +172,9 @@ class Uplink:
                 why,
             )
             self._refusal = why
-        token = self.settings.join_token
-        if token is not None and token not in self._tokens_tried:
-            self._tokens_tried.add(token)
+        token = self.settings.join_token.token
+        if response.status_code == 401 and token is not None and not self._join_tried:
+            self._join_tried = True
             if await self._join_anew(token):
                 return
         self._refusals += 1
@@ -197,14 +198,17 @@ class Uplink:
         self._cp.headers["authorization"] = f"Bearer {joined.credential}"
         self._refusal, self._refusals = None, 0
         log.info("joined anew as node %s with the join token given", s.node)
+        forget_join_token(self.settings.join_token)
         return True
 
     def _accepted(self) -> None:
-        """The control plane takes what this agent sends (again)."""
+        """The control plane takes what this agent sends (again): a join token it holds is
+        needed no more."""
         if self._refusal is not None:
             log.info("the control plane at %s takes this agent's reports again",
                      self.control_plane)  # fmt: skip
         self._refusal, self._refusals = None, 0
+        forget_join_token(self.settings.join_token)
 
     async def send_log(self, answer: LogAnswer) -> None:
         """An answer to the control plane's request for an engine's log (`ctl logs`)."""

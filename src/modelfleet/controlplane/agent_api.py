@@ -18,8 +18,10 @@ fleet's CA, checks it against the fingerprint its join token pins, and exchanges
 a credential of its own (`membership.py`).
 
 Who may send what: a node's credential is taken for that node only; a report or heartbeat
-naming another is refused (403) and logged. The fleet's shared agent token (`agent_token`, the
-mode `up` runs in) may report as any node that has not joined with a credential of its own.
+naming another is refused (403) and logged, and so is a report of a joined node advertising an
+address other than the one it joined from (`membership.address_refusal`). The fleet's shared
+agent token (`agent_token`, the mode `up` runs in) may report as any node that has not joined
+with a credential of its own.
 
 Report and heartbeat are served as bare ASGI, not through Starlette's routing and middleware:
 every node of the fleet holds a heartbeat at all times, and what each one holds (coroutines,
@@ -190,6 +192,20 @@ class AgentApi:
         cp.metrics.refused.labels("impersonation").inc()
         return 403, error_json(why)
 
+    def _refuse_address(self, holder: str, sent: AgentReport, scope: Scope) -> Answer | None:
+        """Why a joined node may not advertise the address its report gives, if so
+        (`membership.address_refusal`). A node on the shared agent token is not checked: it
+        is trusted as the fleet's own (`up`, all on one machine)."""
+        if holder == ANY_NODE:
+            return None
+        why = self.cp.membership.address_refusal(sent.node, sent.address)
+        if why is None:
+            return None
+        client = scope.get("client") or ("?", 0)
+        log.warning("refused a report from %s: %s", client[0], why)
+        self.cp.metrics.refused.labels("address").inc()
+        return 403, error_json(why)
+
     async def join_ca(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The fleet's CA certificate, for a joining node to check against its token."""
         ca = self.cp.membership.ca
@@ -239,7 +255,9 @@ class AgentApi:
         sent = await _receive(scope, receive, AgentReport, "report", cp.config.max_report_bytes)
         if not isinstance(sent, AgentReport):
             return sent
-        refused = self._refuse_as(holder, sent.node, scope)
+        refused = self._refuse_as(holder, sent.node, scope) or self._refuse_address(
+            holder, sent, scope
+        )
         if refused is not None:
             return refused
         catalog = cp.catalogs.current

@@ -5,6 +5,11 @@ credential of its node (`joining.py` says how the agent side goes). From then on
 takes a report or heartbeat carrying a credential only for the node that credential was given
 to. The store and this book keep SHA-256 digests, never a token's secret or a credential.
 Every refusal is a `MembershipRefused` carrying the HTTP status to answer, and changes nothing.
+
+A revoke is final for the tokens there were: a node name revoked (or deleted) at time T joins
+again only with a join token made after T. A credential keeps the address its node joined
+from, and that node may advertise no other for its engines (`address_refusal`): a node must
+not steer the routers, and the prompts they carry, to a listener of its choosing.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import dataclasses
 import datetime
 import hmac
 import ipaddress
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from modelfleet.messages import admin
 from modelfleet.messages.wire import JoinAnswer, JoinRequest
@@ -50,18 +55,24 @@ def token_info(token: StoredJoinToken, now: float) -> admin.JoinTokenInfo:
         uses_left=token.uses_left,
         used=token.used,
         state=token_state(token, now),
+        addresses=list(token.addresses),
     )
 
 
 def node_addresses(
-    node: str, asked: Iterable[str], source: str, reserved: Collection[str]
+    node: str,
+    asked: Iterable[str],
+    source: str,
+    reserved: Collection[str],
+    allowed: Collection[str] = (),
 ) -> list[str]:
     """The addresses node `node`'s certificate may name of those its request `asked` for: the
-    one it joined from (`source`), unless a control plane or router is reached there
-    (`reserved`: its certificate would pass for theirs). Any other address is left out (the
-    node is still reached, and checked, by its name); a host name or a wildcard asked for is
-    refused (MembershipRefused 400): nothing but an attempt on another's name asks for one."""
-    joined_from = _address(source)
+    one it joined from (`source`) and those its join token `allowed`, unless a control plane
+    or router is reached there (`reserved`: its certificate would pass for theirs). Any other
+    address is left out (the node is still reached, and checked, by its name); a host name or
+    a wildcard asked for is refused (MembershipRefused 400): nothing but an attempt on
+    another's name asks for one."""
+    its_own = {_address(source), *map(_address, allowed)} - {None}
     theirs = {_address(r) for r in reserved}
     kept = []
     for name in asked:
@@ -72,9 +83,50 @@ def node_addresses(
                 f"csr: node {node} asks for a certificate naming {name!r}; a node's certificate "
                 "names the node and the address it joins from, never a host name or a wildcard",
             )
-        if address == joined_from and address not in theirs:
+        if address in its_own and address not in theirs:
             kept.append(str(address))
     return kept
+
+
+def token_addresses(given: Iterable[str]) -> tuple[str, ...]:
+    """The addresses an operator lets a node joining with a token advertise, written as the
+    control plane compares them; MembershipRefused 400 naming one that is no IP address, or
+    loopback or unspecified (loopback only a node that joins over loopback may advertise)."""
+    kept: list[str] = []
+    for text in given:
+        address = _address(text)
+        if address is None or address.is_loopback:
+            raise MembershipRefused(
+                400,
+                f"addresses: {text!r} is no address a join token may allow: give IP addresses "
+                "of the node's own (loopback only a node that joins over loopback advertises)",
+            )
+        if str(address) not in kept:
+            kept.append(str(address))
+    return tuple(kept)
+
+
+def address_refusal(node: str, advertised: str, joined_from: Collection[str] | None) -> str | None:
+    """Why node `node`, which joined from the addresses `joined_from` (the one its join came
+    from, and those its join token allowed; None: not known, a credential older than that
+    record), may not advertise `advertised` for its engines; None when it may. It may
+    advertise those alone, and loopback only when it joined over loopback (then any loopback
+    address: it shares the control plane's host)."""
+    if joined_from is None:
+        return None
+    address = _address(advertised)
+    allowed = {a for a in map(_address, joined_from) if a is not None}
+    if address is not None and (
+        address in allowed or (address.is_loopback and any(a.is_loopback for a in allowed))
+    ):
+        return None
+    where = ", ".join(joined_from) or "nothing"
+    return (
+        f"node {node} advertises {advertised!r} for its engines, but may advertise only {where} "
+        "(the address it joined from, and those its join token allows; loopback only after a "
+        "loopback join). Run its agent with --address set to one of them, or revoke it and "
+        "join it anew (`ctl join-tokens create --address ADDRESS` allows another)"
+    )
 
 
 def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -99,6 +151,7 @@ class Membership:
         ca: CertificateAuthority | None,
         tokens: Iterable[StoredJoinToken] = (),
         credentials: Iterable[StoredCredential] = (),
+        revoked: Mapping[str, float] | None = None,
     ) -> None:
         self.calls = calls
         self.store = calls.store
@@ -106,6 +159,9 @@ class Membership:
         self.tokens = {t.id: t for t in tokens}
         self.credentials = {c.node: c for c in credentials}
         self._nodes = {c.sha256: c.node for c in self.credentials.values()}
+        # Node names revoked or deleted, and when last (wall-clock seconds, the store's): a
+        # token made then or before joins none of them again.
+        self.revoked = dict(revoked or {})
         # Credentials revoked since this control plane started (digest -> node): a refusal
         # can then say so. Those revoked before are refused as unknown.
         self._revoked: dict[str, str] = {}
@@ -113,11 +169,13 @@ class Membership:
         self.writing = asyncio.Lock()
 
     async def create_token(
-        self, ttl: float | None, uses: int | None, now: float
+        self, ttl: float | None, uses: int | None, now: float, addresses: Iterable[str] = ()
     ) -> tuple[JoinToken, StoredJoinToken]:
-        """A new join token (shown once) and what is stored of it."""
+        """A new join token (shown once) and what is stored of it; `addresses`: those a node
+        joining with it may advertise besides its own (`token_addresses`)."""
+        allowed = token_addresses(addresses)
         async with self.writing:
-            return await self._create_token(ttl, uses, now)
+            return await self._create_token(ttl, uses, now, allowed)
 
     async def revoke_token(self, token_id: str) -> StoredJoinToken:
         """Delete a join token: nobody joins with it after this (nodes that joined stay)."""
@@ -139,13 +197,22 @@ class Membership:
         async with self.writing:
             return await self._join(presented, request, now, source, reserved)
 
-    async def revoke_node(self, node: str) -> None:
-        """Delete `node`'s credential: nothing it sends is taken after this."""
+    async def revoke_node(self, node: str, now: float) -> None:
+        """Delete `node`'s credential (MembershipRefused 404 when it holds none): nothing it
+        sends is taken after this, and no join token made before `now` joins it again."""
         async with self.writing:
-            await self._revoke_node(node)
+            if node not in self.credentials:
+                raise MembershipRefused(404, f"node {node} holds no credential")
+            await self._cut_off(node, now)
+
+    async def cut_off(self, node: str, now: float) -> None:
+        """No join token made before `now` joins `node` again, and a credential it holds is
+        deleted (a node forgotten by an operator)."""
+        async with self.writing:
+            await self._cut_off(node, now)
 
     async def _create_token(
-        self, ttl: float | None, uses: int | None, now: float
+        self, ttl: float | None, uses: int | None, now: float, addresses: tuple[str, ...]
     ) -> tuple[JoinToken, StoredJoinToken]:
         if self.ca is None:
             raise MembershipRefused(503, "this control plane has no CA to pin in a join token")
@@ -156,6 +223,7 @@ class Membership:
             created_at=now,
             expires_at=None if ttl is None else now + ttl,
             uses_left=uses,
+            addresses=addresses,
         )
         await self.calls(self.store.put_join_token, stored)
         self.tokens[stored.id] = stored
@@ -191,6 +259,14 @@ class Membership:
         if state != "usable":
             raise MembershipRefused(401, f"join token {token.id} is {state}: make another")
         node = request.node
+        cut = self.revoked.get(node)
+        if cut is not None and stored.created_at <= cut:
+            raise MembershipRefused(
+                403,
+                f"node {node} was revoked or deleted after join token {token.id} was made: no "
+                "token made before that brings it back. To put a machine back under this "
+                "name, make a new join token and run its agent with it",
+            )
         if node in self.credentials:
             raise MembershipRefused(
                 409,
@@ -201,13 +277,15 @@ class Membership:
             asked = read_request(request.csr.encode())
         except PkiError as exc:
             raise MembershipRefused(400, f"csr: {exc}") from None
-        addresses = node_addresses(node, asked.names, source, reserved)
+        addresses = node_addresses(node, asked.names, source, reserved, stored.addresses)
         when = datetime.datetime.fromtimestamp(now, datetime.UTC)
         cert = self.ca.sign_node(asked, node, addresses, when)
         credential = new_credential()
         uses_left = None if stored.uses_left is None else stored.uses_left - 1
         used = dataclasses.replace(stored, uses_left=uses_left, used=stored.used + 1)
-        record = StoredCredential(node, digest(credential), now, stored.id)
+        joined_from = str(_address(source) or source)
+        may_advertise = tuple(dict.fromkeys([joined_from, *stored.addresses]))
+        record = StoredCredential(node, digest(credential), now, stored.id, may_advertise)
         await self.calls(self.store.record_join, used, record)
         self.tokens[used.id] = used
         self.credentials[node] = record
@@ -228,11 +306,15 @@ class Membership:
     def has_joined(self, node: str) -> bool:
         return node in self.credentials
 
-    async def _revoke_node(self, node: str) -> None:
+    def address_refusal(self, node: str, advertised: str) -> str | None:
+        """Why `node`, holding a credential, may not advertise `advertised`; None if it may."""
         record = self.credentials.get(node)
-        if record is None:
-            raise MembershipRefused(404, f"node {node} holds no credential")
-        await self.calls(self.store.delete_credential, node)
-        del self.credentials[node]
-        del self._nodes[record.sha256]
-        self._revoked[record.sha256] = node
+        return None if record is None else address_refusal(node, advertised, record.addresses)
+
+    async def _cut_off(self, node: str, now: float) -> None:
+        await self.calls(self.store.revoke_node, node, now)
+        self.revoked[node] = now
+        record = self.credentials.pop(node, None)
+        if record is not None:
+            del self._nodes[record.sha256]
+            self._revoked[record.sha256] = node

@@ -83,7 +83,8 @@ class ControlPlaneMetrics:
         )
         self.refused = Counter(
             "modelfleet_controlplane_agent_requests_refused",
-            "Reports and heartbeats refused, by why: credential (401), impersonation (403).",
+            "Reports and heartbeats refused, by why: credential (401), impersonation (403), "
+            "address (403: a joined node advertising an address it did not join from).",
             ["why"],
             registry=r,
         )

@@ -78,14 +78,19 @@ async def delete_node(cp: ControlPlane, node: str, force: bool) -> list[str]:
     held = cp.state.holding(node)
     if held and not force:
         raise NodeBusy(node, held)
-    await cp.calls(cp.store.clear_mark, node)  # first: a refused write changes nothing
-    held = cp.state.holding(node)  # as it is now, after the write
+    joined = cp.membership.has_joined(node)
+    # First: a refused write changes nothing. The name is cut off like a revoked one: no
+    # join token made before now brings it back, and a credential it holds is deleted.
+    await cp.membership.cut_off(node, cp.store_time())
+    await cp.calls(cp.store.clear_mark, node)
+    held = cp.state.holding(node)  # as it is now, after the writes
     cp.state.retire(held, f"node {node} deleted by an operator", cp.clock.monotonic())
     cp.state.forget(node)
     cp.wake()
     retired = f"; replicas retired: {', '.join(held)}" if held else ""
-    log.info("node %s deleted%s", node, retired)
-    cp.events.normal("NodeDeleted", f"node/{node}", f"deleted by an operator{retired}")
+    revoked = "; its credential revoked" if joined else ""
+    log.info("node %s deleted%s%s", node, revoked, retired)
+    cp.events.normal("NodeDeleted", f"node/{node}", f"deleted by an operator{revoked}{retired}")
     return held
 
 
@@ -93,7 +98,8 @@ async def join(cp: ControlPlane, token: str, request: JoinRequest, source: str) 
     """Give a node its credential for a join token, the join having come from address
     `source` (MembershipRefused if not). A name the fleet knows is never given again: a
     node that reports (with the shared agent token too), or one the term waits for; a node
-    revoked before, joining anew, is no longer revoked."""
+    revoked (or deleted) before joins again only with a token made after that, and is then
+    no longer revoked."""
     node = request.node
     mark = cp.state.marks.get(node)
     revoked = mark is not None and mark.mark is Mark.REVOKED
@@ -137,7 +143,7 @@ async def revoke_node(cp: ControlPlane, node: str) -> list[str]:
                 "revoked for one node: change agent_token, or join nodes with join tokens",
             )
         raise MembershipRefused(404, f"no node {node!r} has joined")
-    await cp.membership.revoke_node(node)
+    await cp.membership.revoke_node(node, cp.store_time())
     replacing = cp.state.holding(node)
     if node in cp.state.nodes:
         await set_mark(cp, node, Mark.REVOKED, 0)

@@ -78,6 +78,7 @@ class Desired:
     keys: list[StoredKey]
     tokens: list[StoredJoinToken]
     credentials: list[StoredCredential]
+    revoked: dict[str, float]  # node names revoked or deleted, and when
     marks: list[StoredMark]
     autoscale: str | None  # the autoscaled models' counts, as the autoscaler keeps them
 
@@ -311,14 +312,21 @@ class ControlPlane:
         self.catalogs.reload()
         s = self.store
         return Desired(
-            s.api_keys(), s.join_tokens(), s.credentials(), s.marks(), self.autoscaler.stored()
+            s.api_keys(),
+            s.join_tokens(),
+            s.credentials(),
+            s.revoked_nodes(),
+            s.marks(),
+            self.autoscaler.stored(),
         )
 
     def _take_desired(self, desired: Desired, marks: bool) -> None:
         """Hold what `_read_desired` read; with `marks`, the nodes' marks too (a term begins):
         marks persist, their deadlines moved onto the monotonic clock."""
         self.keys = KeyBook(self.calls, desired.keys)
-        self.membership = Membership(self.calls, self.ca, desired.tokens, desired.credentials)
+        self.membership = Membership(
+            self.calls, self.ca, desired.tokens, desired.credentials, desired.revoked
+        )
         self.autoscaler.load(desired.autoscale)
         if not marks:
             return

@@ -259,6 +259,9 @@ class AdminClient:
     def join_tokens(self) -> admin.JoinTokensAnswer:
         return self._call(admin.JoinTokensAnswer, "GET", "/v1/join-tokens")
 
+    def credentials(self) -> admin.CredentialsAnswer:
+        return self._call(admin.CredentialsAnswer, "GET", "/v1/credentials")
+
     def create_join_token(self, request: admin.JoinTokenCreate) -> admin.JoinTokenCreated:
         body = request.model_dump_json(exclude_none=True).encode()
         return self._call(admin.JoinTokenCreated, "POST", "/v1/join-tokens", body)

@@ -265,8 +265,16 @@ def join_tokens_create(
         str, typer.Option("--ttl", help="How long it can be used: 90m, 1h, 7d, or never.")
     ] = "1h",
     uses: Annotated[
-        int | None,
-        typer.Option("--uses", help="How many nodes may join with it (default: any number)."),
+        int,
+        typer.Option("--uses", help="How many nodes may join with it (default: one)."),
+    ] = 1,
+    address: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--address",
+            help="An IP address a node joining with it may advertise (and its certificate "
+            "name) besides the one it joins from, e.g. behind NAT; repeatable. Never loopback.",
+        ),
     ] = None,
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="Print the token alone, for scripts.")
@@ -276,7 +284,7 @@ def join_tokens_create(
     this once: the fleet keeps only a hash of its secret."""
     from modelfleet.messages import admin
 
-    request = _key_request(admin.JoinTokenCreate, ttl=ttl, uses=uses)
+    request = _key_request(admin.JoinTokenCreate, ttl=ttl, uses=uses, addresses=address)
     render = "print_join_token_alone" if quiet else "print_join_token_created"
     _ctl(context).show(lambda c: c.create_join_token(request), _render(render))
 
@@ -294,6 +302,13 @@ def join_tokens_revoke(
 ) -> None:
     """Delete a join token: no node joins with it after this (nodes that joined stay)."""
     _ctl(context).show(lambda c: c.revoke_join_token(token_id), _render("print_join_token_revoked"))
+
+
+@app.command("credentials")
+def credentials(context: typer.Context) -> None:
+    """Every node credential given with a join token and not revoked, and whether its node
+    has reported: one that never did is revoked by `ctl nodes revoke NODE` too."""
+    _ctl(context).show(lambda c: c.credentials(), _render("print_credentials"))
 
 
 @replicas_app.callback(invoke_without_command=True)

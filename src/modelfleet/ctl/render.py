@@ -77,13 +77,14 @@ def print_node_revoked(data: admin.NodeRevoked, console: Console) -> None:
     console.print(line, highlight=False)
 
 
-_JOIN_HEADINGS = ("ID", "STATE", "USED", "USES LEFT", "CREATED", "EXPIRES")
+_JOIN_HEADINGS = ("ID", "STATE", "USED", "USES LEFT", "CREATED", "EXPIRES", "ALSO ADVERTISES")
 
 
 def _join_row(t: admin.JoinTokenInfo) -> tuple[str, ...]:
     left = "any" if t.uses_left is None else str(t.uses_left)
     expires = "never" if t.expires_at is None else _when(t.expires_at)
-    return (t.id, t.state, str(t.used), left, _when(t.created_at), expires)
+    also = ", ".join(t.addresses) or "-"
+    return (t.id, t.state, str(t.used), left, _when(t.created_at), expires, also)
 
 
 def print_join_tokens(data: admin.JoinTokensAnswer, console: Console) -> None:
@@ -112,6 +113,18 @@ def print_join_token_created(data: admin.JoinTokenCreated, console: Console) -> 
 
 def print_join_token_alone(data: admin.JoinTokenCreated, console: Console) -> None:
     console.print(data.token, highlight=False, soft_wrap=True)
+
+
+def print_credentials(data: admin.CredentialsAnswer, console: Console) -> None:
+    if not data.credentials:
+        console.print("no node credentials: no node has joined with a join token")
+        return
+    table = Table("NODE", "REPORTED", "ADDRESSES", "TOKEN", "ISSUED")
+    for c in data.credentials:
+        addresses = "?" if c.addresses is None else ", ".join(c.addresses)
+        reported = "yes" if c.reported else "never"
+        table.add_row(c.node, reported, addresses, c.token_id, _when(c.issued_at))
+    console.print(table)
 
 
 def print_join_token_revoked(data: admin.JoinTokenInfo, console: Console) -> None:

@@ -6,7 +6,9 @@ directory `/var/lib/modelfleet` (made by systemd: `StateDirectory=`), run as a u
 own (`modelfleet` by default, made by systemd-sysusers from the `sysusers.d` file written
 beside the unit). A secret given among the role's options (the agent's `--token`) goes to an
 environment file of mode 0600 (to live under /etc/modelfleet), not into the unit, which
-anyone on the machine may read. The unit runs `modelfleet` by an absolute path, which its
+anyone on the machine may read. An agent that joins with a join token is given that file
+(`--env-file`, writable to it alone: `ReadWritePaths=`) and rewrites it without the token once
+it holds a credential. The unit runs `modelfleet` by an absolute path, which its
 user must be able to run: one under a home folder of another user is refused.
 
 The agent's unit stops its agent only (`KillMode=process`): engines outlive their agent in this
@@ -138,14 +140,18 @@ def systemd_unit(
             f"`modelfleet {role}` does"
         )
     name = f"modelfleet-{role}.service"
-    command = [*(program or [sys.executable, "-m", "modelfleet"]), role, *kept]
     env_name = f"modelfleet-{role}.env" if secrets else None
+    forgets = role == "agent" and env_name is not None and "--join" in given
+    if forgets:  # the agent rewrites its env file without the join token once it joined
+        kept += ["--env-file", str(env_dir / f"modelfleet-{role}.env")]
+    command = [*(program or [sys.executable, "-m", "modelfleet"]), role, *kept]
     service = [
         "Type=simple",
         *([f"User={user}", f"Group={user}"] if user else []),
         "StateDirectory=modelfleet",
         "WorkingDirectory=/var/lib/modelfleet",
         *([f"EnvironmentFile={env_dir / env_name}"] if env_name else []),
+        *([f"ReadWritePaths=-{env_dir / f'modelfleet-{role}.env'}"] if forgets else []),
         "ExecStart=" + " ".join(_quoted(arg) for arg in command),
         "Restart=always",
         "RestartSec=2",

@@ -427,6 +427,7 @@ class RoutingAnswer(_Answer):
 
 KeyName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 MAX_LIMIT = 10**12  # past any real limit; larger numbers do not fit the store's integers
+MAX_TOKEN_ADDRESSES = 15  # with the node's own, what one certificate names at most (pki.MAX_NAMES)
 # Strict: a JSON `true` is no limit of 1, nor 60.0 a count (pydantic would take both).
 Limit = Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)]
 Clearable = Literal["models", "rpm", "tpm", "max_concurrent", "expires"]
@@ -488,11 +489,16 @@ class KeysAnswer(_Answer):
 
 class JoinTokenCreate(BaseModel):
     """Make a join token. `ttl`: how long it can be used (`90m`, `1h`, `7d`; `never`);
-    `uses`: how many nodes may join with it (None: any number while it lasts)."""
+    `uses`: how many nodes may join with it (one unless told); `addresses`: IP addresses a
+    node joining with it may advertise (and have its certificate name) besides the one it
+    joins from (never loopback: that only a loopback join gets)."""
 
     model_config = ConfigDict(extra="forbid")
     ttl: str = "1h"
-    uses: Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)] | None = None
+    uses: Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)] = 1
+    addresses: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=MAX_TOKEN_ADDRESSES
+    )
 
 
 class JoinTokenInfo(_Answer):
@@ -504,6 +510,7 @@ class JoinTokenInfo(_Answer):
     uses_left: int | None  # None: any number
     used: int  # nodes that joined with it
     state: Literal["usable", "expired", "used up"]
+    addresses: list[str] = []  # those a node joining with it may advertise besides its own
 
 
 class JoinTokenCreated(JoinTokenInfo):
@@ -513,6 +520,24 @@ class JoinTokenCreated(JoinTokenInfo):
 
 class JoinTokensAnswer(_Answer):
     tokens: list[JoinTokenInfo]
+
+
+class CredentialInfo(_Answer):
+    """A node credential the control plane gave (never the credential itself)."""
+
+    node: str
+    issued_at: float  # wall-clock seconds
+    token_id: str  # the join token it was given for
+    # The addresses it may advertise: the one it joined from, then those its token allowed
+    # (None: not kept, a credential given before they were).
+    addresses: list[str] | None
+    reported: bool  # whether its node has reported to this control plane's term
+
+
+class CredentialsAnswer(_Answer):
+    """Every node credential given and not revoked, whether its node reported or not."""
+
+    credentials: list[CredentialInfo]
 
 
 class NodeRevoked(_Answer):

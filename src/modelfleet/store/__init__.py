@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 # The schema this modelfleet writes. One more with every change to the tables; each
 # implementation has one migration per version.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,9 @@ class StoredJoinToken:
     expires_at: float | None  # wall-clock seconds; None: never
     uses_left: int | None  # None: any number
     used: int = 0
+    # Addresses the operator lets a node joining with it advertise (and its certificate
+    # name) besides the one it joins from.
+    addresses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,9 @@ class StoredCredential:
     sha256: str
     issued_at: float  # wall-clock seconds
     token_id: str
+    # The addresses the node may advertise (where it joined from); None: a credential given
+    # before they were kept (schema version 6), whose node's address is not checked.
+    addresses: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -308,7 +314,15 @@ class Store(Protocol):
         (replacing one the node had)."""
         ...
 
-    def delete_credential(self, node: str) -> None: ...
+    def revoke_node(self, node: str, at: float) -> None:
+        """In one transaction: delete `node`'s credential (if it has one) and keep that its
+        name was revoked at `at` (wall-clock seconds): no join token made then or before
+        joins it again."""
+        ...
+
+    def revoked_nodes(self) -> dict[str, float]:
+        """Every node name revoked (or deleted), and when it last was."""
+        ...
 
     def credentials(self) -> list[StoredCredential]:
         """Every node's credential, by node."""

@@ -146,6 +146,14 @@ CREATE TABLE IF NOT EXISTS series (
 );
 CREATE INDEX IF NOT EXISTS series_step_at ON series (step, at);
 """,
+    6: """
+ALTER TABLE join_tokens ADD COLUMN IF NOT EXISTS addresses TEXT;
+ALTER TABLE node_credentials ADD COLUMN IF NOT EXISTS addresses TEXT;
+CREATE TABLE IF NOT EXISTS revoked_nodes (
+    node       TEXT PRIMARY KEY,
+    revoked_at DOUBLE PRECISION NOT NULL
+);
+""",
 }
 DIALECT = Dialect(
     # The store's clock: the database server's, in seconds since the epoch.

@@ -307,32 +307,49 @@ class SqlStore(ABC):
 
     def join_tokens(self) -> list[StoredJoinToken]:
         rows = self._query(
-            "SELECT id, sha256, created_at, expires_at, uses_left, used FROM join_tokens "
-            "ORDER BY created_at, id"
+            "SELECT id, sha256, created_at, expires_at, uses_left, used, addresses "
+            "FROM join_tokens ORDER BY created_at, id"
         )
-        return [StoredJoinToken(*row) for row in rows]
+        return [
+            StoredJoinToken(i, s, c, e, u, n, tuple(json.loads(a)) if a else ())
+            for i, s, c, e, u, n, a in rows
+        ]
 
     def record_join(self, token: StoredJoinToken, credential: StoredCredential) -> None:
         c = credential
+        addresses = None if c.addresses is None else json.dumps(list(c.addresses))
         with self._write() as tx:
             _put_join_token(tx, token)
             tx.execute(
-                "INSERT INTO node_credentials (node, sha256, issued_at, token_id) "
-                "VALUES (?, ?, ?, ?) ON CONFLICT (node) DO UPDATE SET "
+                "INSERT INTO node_credentials (node, sha256, issued_at, token_id, addresses) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (node) DO UPDATE SET "
                 "sha256 = excluded.sha256, issued_at = excluded.issued_at, "
-                "token_id = excluded.token_id",
-                (c.node, c.sha256, c.issued_at, c.token_id),
+                "token_id = excluded.token_id, addresses = excluded.addresses",
+                (c.node, c.sha256, c.issued_at, c.token_id, addresses),
             )
 
-    def delete_credential(self, node: str) -> None:
+    def revoke_node(self, node: str, at: float) -> None:
         with self._write() as tx:
             tx.execute("DELETE FROM node_credentials WHERE node = ?", (node,))
+            tx.execute(
+                "INSERT INTO revoked_nodes (node, revoked_at) VALUES (?, ?) "
+                "ON CONFLICT (node) DO UPDATE SET revoked_at = excluded.revoked_at",
+                (node, at),
+            )
+
+    def revoked_nodes(self) -> dict[str, float]:
+        rows = self._query("SELECT node, revoked_at FROM revoked_nodes")
+        return {node: float(at) for node, at in rows}
 
     def credentials(self) -> list[StoredCredential]:
         rows = self._query(
-            "SELECT node, sha256, issued_at, token_id FROM node_credentials ORDER BY node"
+            "SELECT node, sha256, issued_at, token_id, addresses FROM node_credentials "
+            "ORDER BY node"
         )
-        return [StoredCredential(*row) for row in rows]
+        return [
+            StoredCredential(n, s, i, t, None if a is None else tuple(json.loads(a)))
+            for n, s, i, t, a in rows
+        ]
 
     # -- events ----------------------------------------------------------------------------
 
@@ -473,12 +490,14 @@ class SqlStore(ABC):
 
 def _put_join_token(tx: Transaction, t: StoredJoinToken) -> None:
     tx.execute(
-        "INSERT INTO join_tokens (id, sha256, created_at, expires_at, uses_left, used) "
-        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+        "INSERT INTO join_tokens (id, sha256, created_at, expires_at, uses_left, used, "
+        "addresses) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
         "sha256 = excluded.sha256, created_at = excluded.created_at, "
-        "expires_at = excluded.expires_at, uses_left = excluded.uses_left, used = excluded.used",
-        (t.id, t.sha256, t.created_at, t.expires_at, t.uses_left, t.used),
-    )
+        "expires_at = excluded.expires_at, uses_left = excluded.uses_left, "
+        "used = excluded.used, addresses = excluded.addresses",
+        (t.id, t.sha256, t.created_at, t.expires_at, t.uses_left, t.used,
+         json.dumps(list(t.addresses)) if t.addresses else None),
+    )  # fmt: skip
 
 
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:

@@ -132,6 +132,19 @@ CREATE TABLE IF NOT EXISTS series (
 CREATE INDEX IF NOT EXISTS series_step_at ON series (step, at);
 """
 
+# Version 6: the addresses a node may advertise (a join token's, a credential's), and the node
+# names revoked (or deleted).
+_ADDRESSES = {
+    table: f"ALTER TABLE {table} ADD COLUMN addresses TEXT"
+    for table in ("join_tokens", "node_credentials")
+}
+_REVOKED_NODES = """
+CREATE TABLE IF NOT EXISTS revoked_nodes (
+    node       TEXT PRIMARY KEY,
+    revoked_at REAL NOT NULL
+)
+"""
+
 DIALECT = Dialect(
     # The store's clock, in seconds since the epoch: SQLite's own (the host's: it runs here).
     now="((julianday('now') - 2440587.5) * 86400.0)",
@@ -198,6 +211,12 @@ class SqliteStore(SqlStore):
                 for statement in _SERIES.split(";"):
                     if statement.strip():
                         self._db.execute(statement)
+            for table, add in _ADDRESSES.items():
+                columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                if found < 6 and "addresses" not in columns:
+                    self._db.execute(add)
+            if found < 6:
+                self._db.execute(_REVOKED_NODES)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._db.execute("COMMIT")
         except BaseException:

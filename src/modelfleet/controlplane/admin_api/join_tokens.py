@@ -1,4 +1,5 @@
-"""Join tokens: the secrets a new node joins the fleet with."""
+"""Join tokens: the secrets a new node joins the fleet with; and the node credentials they
+were exchanged for."""
 
 from __future__ import annotations
 
@@ -28,6 +29,23 @@ def routes(cp: ControlPlane) -> APIRouter:
         tokens = cp.membership.tokens.values()
         return admin.JoinTokensAnswer(tokens=[token_info(t, now) for t in tokens])
 
+    @api.get("/v1/credentials", responses=errors())
+    async def credentials() -> admin.CredentialsAnswer:
+        """Every node credential given and not revoked (never the credential itself), whether
+        its node has reported or not: one that never did is revoked by `ctl nodes revoke`."""
+        return admin.CredentialsAnswer(
+            credentials=[
+                admin.CredentialInfo(
+                    node=c.node,
+                    issued_at=c.issued_at,
+                    token_id=c.token_id,
+                    addresses=None if c.addresses is None else list(c.addresses),
+                    reported=c.node in cp.state.nodes,
+                )
+                for c in sorted(cp.membership.credentials.values(), key=lambda c: c.node)
+            ]
+        )
+
     @api.post(
         "/v1/join-tokens",
         responses=errors(400, 413, 503),
@@ -44,7 +62,7 @@ def routes(cp: ControlPlane) -> APIRouter:
                 raise Refused.because(400, f"ttl: {body.ttl!r} is no time at all")
         now = cp.store_time()
         try:
-            token, stored = await cp.membership.create_token(ttl, body.uses, now)
+            token, stored = await cp.membership.create_token(ttl, body.uses, now, body.addresses)
         except MembershipRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         info = token_info(stored, now).model_dump()
