@@ -366,3 +366,41 @@ def test_a_model_name_the_table_does_not_know_makes_no_label_and_no_usage_row() 
             assert sorted({row.model for row in batch.rows}) == ["-", "m"]
 
     run(go())
+
+
+@pytest.mark.usefixtures("way")
+def test_a_key_at_its_concurrency_gets_429_before_its_body_is_read() -> None:
+    """Issue 56: a key limited to one request at a time made the router hold 30 bodies of
+    9.5 MiB, each read whole before its admission refused it. Now a key may have no more
+    bodies being read at once than requests at once: ten clients of a key of one send the
+    head of a 5 MiB body and 100 KiB of it, and all but one get 429 before they send more."""
+    wall = FakeClock()
+    wall.now = T0
+
+    async def go() -> None:
+        async with serving(create_simulator(SimSettings(model="m", ttft=0, itl=0))) as engine:
+            router, _ = limited(engine, wall, max_concurrent=1)
+            async with router_url(router) as url:
+                host, port = url.removeprefix("http://").split(":")
+                size = 5 * 2**20
+                head = (
+                    "POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer alice-key"
+                    f"\r\ncontent-type: application/json\r\ncontent-length: {size}\r\n\r\n"
+                ).encode()
+                clients = [await asyncio.open_connection(host, int(port)) for _ in range(10)]
+                for _, writer in clients:
+                    writer.write(head + b" " * 100_000)
+
+                async def answer(reader: asyncio.StreamReader) -> bytes:
+                    try:
+                        return await asyncio.wait_for(reader.readline(), 5)
+                    except TimeoutError:
+                        return b"still reading its body"
+
+                answers = await asyncio.gather(*(answer(reader) for reader, _ in clients))
+                refused = [a for a in answers if a.startswith(b"HTTP/1.1 429")]
+                assert len(refused) == 9, answers
+                for _, writer in clients:
+                    writer.close()
+
+    run(go())
