@@ -244,7 +244,19 @@ class Door:
         if self.tls is not None:
             visit.handshake = task
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda done: self._after(visit, done))
+
+    def _after(self, visit: Visit, task: asyncio.Task[None]) -> None:
+        """A connection's way in ended. One cancelled before its task ran never reached the
+        loop, and its socket is closed here: missed, it stayed open for good (the control
+        plane freezes what its collector would have freed)."""
+        self._tasks.discard(task)
+        if visit.sock is not None:  # no transport took it
+            visit.handshake = None
+            visit.release()
+            with contextlib.suppress(OSError):
+                visit.sock.close()
+            visit.sock = None
 
     def _make_room(self, newcomer: Visit, pool: _Pool) -> bool:
         """Close one connection so that `newcomer` may stay; False: it was turned away."""
@@ -279,12 +291,9 @@ class Door:
                 ssl_handshake_timeout=self.bounds.handshake_timeout if self.tls else None,
             )
         except (OSError, TimeoutError, asyncio.CancelledError):
-            # ssl.SSLError is an OSError; a cancelled one was closed to make room.
+            # ssl.SSLError is an OSError; a cancelled one was closed to make room. Its socket
+            # is closed once the task is done (`_after`).
             self.handshakes_failed += 1
-            visit.handshake = None
-            visit.release()
-            with contextlib.suppress(OSError):
-                sock.close()
             return
         visit.sock = None  # its transport owns it
         visit.handshake = None
