@@ -94,6 +94,7 @@ async def join(cp: ControlPlane, token: str, request: JoinRequest, source: str) 
     `source` (MembershipRefused if not). A name the fleet knows is never given again: a
     node that reports (with the shared agent token too), or one the term waits for; a node
     revoked before, joining anew, is no longer revoked."""
+    cp.membership.usable_token(token, cp.store_time())  # the token first: names after it
     node = request.node
     mark = cp.state.marks.get(node)
     revoked = mark is not None and mark.mark is Mark.REVOKED

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 
 from modelfleet.core.catalog import Catalog
+from modelfleet.core.nesting import TooDeep, check_json
 from modelfleet.core.units import BadDuration, parse_duration
 from modelfleet.http.web import JSON, read_at_most
 from modelfleet.messages import admin
@@ -41,8 +42,9 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The error answers a route documents: 401 (every route is behind the token) and these."""
-    return {status: {"model": admin.ErrorAnswer} for status in (401, *statuses)}
+    """The error answers a route documents: 401 and 429 (every route is behind the token,
+    whose wrong guesses are throttled: `token.py`) and these."""
+    return {status: {"model": admin.ErrorAnswer} for status in (401, 429, *statuses)}
 
 
 def body_of(model: type[BaseModel]) -> dict[str, Any]:
@@ -71,10 +73,15 @@ def problems(found: Sequence[Mapping[str, Any]]) -> str:
 
 async def read_body(request: Request, model: type[Body], limit: int) -> Body:
     """The request's body as a `model`, read as JSON whatever its Content-Type says (`curl -d`
-    sends a form type); 413 past `limit` bytes, 400 naming every problem."""
+    sends a form type); 413 past `limit` bytes, 400 naming every problem (or the nesting
+    limit, `nesting.py`)."""
     raw = await read_at_most(request, limit)
     if raw is None:
         raise Refused.because(413, f"a request may have at most {limit} bytes")
+    try:
+        check_json(raw)
+    except TooDeep as exc:
+        raise Refused.because(400, f"malformed request: {exc}") from None
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
