@@ -32,6 +32,12 @@ MODELS = [
 ]
 EXAMPLES = 50  # per operation and mode: about 900 requests in all
 RANDOM = bool(os.environ.get("MODELFLEET_FUZZ_RANDOM"))
+# Operations whose document does not yet state every constraint their handlers enforce, so
+# that a request it allows may be refused (ST202): a catalog (its body is any YAML text or
+# JSON object to the document; `Catalog`'s rules are many, some across fields), and a key's
+# `models` (names the current catalog holds) and `expires` (a duration, or an ISO 8601 date
+# that exists and is to come: no pattern says which dates exist).
+NOT_YET_STATED = frozenset({"PUT /v1/catalog", "POST /v1/keys", "PATCH /v1/keys/{name}"})
 
 
 def test_no_input_makes_the_admin_api_fail_or_answer_off_its_document(tmp_path: Path) -> None:
@@ -61,12 +67,13 @@ def test_no_input_makes_the_admin_api_fail_or_answer_off_its_document(tmp_path: 
                 def fuzz(case: schemathesis.Case) -> None:
                     nonlocal calls
                     calls += 1
-                    # Not checked: that every request the document allows is accepted. It
-                    # cannot say all a catalog or a key's expiry must be (a known engine, a
-                    # date to come), and those are refused with the reason, as they should.
-                    case.call_and_validate(
-                        headers=token, excluded_checks=[positive_data_acceptance]
+                    # Every check runs; the one that a request the document allows is
+                    # accepted (ST202) on every operation but those whose document does not
+                    # yet state all that their handlers refuse (`NOT_YET_STATED`).
+                    excluded = (
+                        [positive_data_acceptance] if case.operation.label in NOT_YET_STATED else []
                     )
+                    case.call_and_validate(headers=token, excluded_checks=excluded)
 
                 try:
                     fuzz()

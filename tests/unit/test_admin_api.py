@@ -301,7 +301,8 @@ def test_what_a_fuzzer_and_a_hand_found_gets_a_400_naming_the_field() -> None:
             assert patched.status_code == 400 and "tpm" in patched.json()["error"]
             for since in ("99999999999999999999w", "1" + "0" * 400 + "s"):
                 far = await c.get(f"/v1/usage?since={since}")
-                assert far.status_code == 400 and "since" in far.json()["error"], far.text
+                # Looks back 100 years, the longest a duration is (the document allows it).
+                assert far.status_code == 200 and far.json()["since"] < 0, far.text
             forever = await c.post("/v1/keys", content='{"name": "f", "expires": "9999999w"}')
             assert forever.status_code == 400 and "expires" in forever.json()["error"]
             for catalog in (

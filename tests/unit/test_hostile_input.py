@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import re
 from typing import Any
 
 import httpx
@@ -20,6 +21,7 @@ from modelfleet.controlplane.service import create_apps
 from modelfleet.core import nesting, yamltext
 from modelfleet.core.catalog import Catalog, CatalogInvalid
 from modelfleet.core.throttle import Throttle
+from modelfleet.core.units import DURATION_PATTERN
 from modelfleet.ctl.render import print_nodes
 from modelfleet.http.openai_api import BadRequest, check_generation, parse_body
 from modelfleet.messages import admin
@@ -255,3 +257,45 @@ def test_ctl_prints_a_nodes_name_with_its_control_characters_escaped() -> None:
     assert "\x1b" not in printed and "\u202e" not in printed, repr(printed)
     assert "n\\x1b]0;pwned\\x07\\x1b[2J[red]x\\u202e" in printed
     assert "H\\x1b[31m100" in printed and "XID\\x1b[5m" in printed
+
+
+# -- the admin API's document ----------------------------------------------------------------
+
+
+def test_what_the_admin_document_allows_of_a_since_a_ttl_or_a_limit_is_accepted() -> None:
+    """schemathesis' ST202: a `since` or a join token's `ttl` of 10^6 weeks (a duration, as
+    far as the document said: it said any string) was refused as longer than 100 years, and
+    a limit of 60.0 (an `integer` in JSON Schema) as not a whole number. A `since` now looks
+    back at most 100 years and a `ttl` lasts at most 100 years, 60.0 is 60; what is refused
+    is still refused (400), and the document says so (patterns from `units.py`)."""
+    cp = control_plane()
+    _, admin_app = create_apps(cp)
+    ok = {"authorization": f"Bearer {TOKEN}"}
+
+    async def go() -> list[httpx.Response]:
+        asks = [
+            ("GET", "/v1/events?since=1000000w", None),
+            ("GET", "/v1/usage?since=99999999999d", None),
+            ("POST", "/v1/keys", {"name": "k", "rpm": 60.0, "tpm": 1000}),
+            ("GET", "/v1/events?since=soon", None),
+            ("POST", "/v1/keys", {"name": "j", "rpm": 60.5}),
+            ("POST", "/v1/keys", {"name": "j", "rpm": True}),
+            ("POST", "/v1/join-tokens", {"ttl": "1000000w"}),
+            ("POST", "/v1/join-tokens", {"ttl": "never\n"}),
+            ("POST", "/v1/join-tokens", {"ttl": "0.0s"}),
+        ]
+        return [await _ask(admin_app, m, p, headers=ok, json=b) for m, p, b in asks]
+
+    answers = asyncio.run(go())
+    statuses = [a.status_code for a in answers]
+    assert statuses == [200, 200, 200, 400, 400, 400, 200, 200, 400], [a.text for a in answers]
+    assert answers[2].json()["rpm"] == 60
+    assert answers[7].json()["expires_at"] is None and answers[6].json()["expires_at"]
+    doc = admin_app.openapi()  # and the document says what is refused
+    since = next(p for p in doc["paths"]["/v1/events"]["get"]["parameters"] if p["name"] == "since")
+    assert since["schema"]["pattern"] == DURATION_PATTERN
+    schema = doc["paths"]["/v1/join-tokens"]["post"]["requestBody"]["content"]["application/json"]
+    ttl = schema["schema"]["properties"]["ttl"]["pattern"]
+    assert re.search(ttl, "never\n") and re.search(ttl, "0.5s") and not re.search(ttl, "0.0s")
+    limit = doc["paths"]["/v1/keys"]["post"]["requestBody"]["content"]["application/json"]
+    assert limit["schema"]["properties"]["rpm"]["anyOf"][0]["exclusiveMinimum"] == 0

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from modelfleet.core.units import POSITIVE_DURATION_PATTERN
 
 MarkName = Literal["none", "cordoned", "draining"]  # what an operator may set
 NodeMarkName = Literal["none", "cordoned", "draining", "revoked"]  # what a node may have
@@ -427,8 +429,16 @@ class RoutingAnswer(_Answer):
 
 KeyName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 MAX_LIMIT = 10**12  # past any real limit; larger numbers do not fit the store's integers
-# Strict: a JSON `true` is no limit of 1, nor 60.0 a count (pydantic would take both).
-Limit = Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)]
+
+
+def _whole(value: object) -> object:
+    """60.0 as the whole number 60: the document's `integer` (JSON Schema's) counts it one."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Strict: a JSON `true` is no limit of 1, nor 60.5 a count (pydantic would take both); 60.0
+# is 60, as the document says.
+Limit = Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True), BeforeValidator(_whole)]
 Clearable = Literal["models", "rpm", "tpm", "max_concurrent", "expires"]
 
 
@@ -491,8 +501,11 @@ class JoinTokenCreate(BaseModel):
     `uses`: how many nodes may join with it (None: any number while it lasts)."""
 
     model_config = ConfigDict(extra="forbid")
-    ttl: str = "1h"
-    uses: Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)] | None = None
+    # Stated in the document, judged by the handler (which says what a duration is).
+    ttl: str = Field(
+        "1h", json_schema_extra={"pattern": rf"^\s*never\s*$|{POSITIVE_DURATION_PATTERN}"}
+    )
+    uses: Limit | None = None
 
 
 class JoinTokenInfo(_Answer):

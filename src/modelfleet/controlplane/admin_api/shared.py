@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute, Match
 
 from modelfleet.core.catalog import Catalog
 from modelfleet.core.nesting import TooDeep, check_json
-from modelfleet.core.units import BadDuration, parse_duration
+from modelfleet.core.units import DURATION_PATTERN, BadDuration, parse_duration
 from modelfleet.http.web import JSON, read_at_most
 from modelfleet.messages import admin
 from modelfleet.store import StoreError
@@ -88,13 +88,23 @@ async def read_body(request: Request, model: type[Body], limit: int) -> Body:
         raise Refused.because(400, f"malformed request: {problems(exc.errors())}") from None
 
 
-def duration(name: str, text: str, otherwise: str = "") -> float:
+def duration(name: str, text: str, otherwise: str = "", clamp: bool = False) -> float:
     """A duration parameter (90m, 24h, 7d) in seconds, or 400 naming the parameter (and
-    what `otherwise` it may be)."""
+    what `otherwise` it may be); `clamp`: `parse_duration`'s."""
     try:
-        return parse_duration(text)
+        return parse_duration(text, clamp)
     except BadDuration as exc:
         raise Refused.because(400, f"{name}: {exc}{otherwise}") from None
+
+
+# A `since` query parameter: how far back to look, a duration as the document states it
+# (`units.DURATION_PATTERN`), read by `duration(..., clamp=True)`, which says what is wrong
+# with one that is not: one longer than 100 years looks back 100 years, so that nothing
+# the document allows is refused.
+Since = Query(
+    description="A duration: 90s, 10m, 24h, 7d, 2w.",
+    json_schema_extra={"pattern": DURATION_PATTERN},
+)
 
 
 def no_such_model(catalog: Catalog, model: str) -> Refused:
