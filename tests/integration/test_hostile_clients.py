@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import select
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -144,6 +146,19 @@ def test_a_catalog_file_nested_too_deep_stops_the_control_plane_naming_the_limit
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert "nested more than 64 levels deep" in done.stderr and "the limit is 64" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_router_config_nested_too_deep_stops_the_router_naming_the_limit(
+    tmp_path: Path,
+) -> None:
+    """The router's own catalog (its config's `models`) is YAML read by the same check."""
+    (tmp_path / "router.yaml").write_text(f"port: 0\n{DEEP}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "modelfleet", "router", "--config", str(tmp_path / "router.yaml")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert "nested more than 64 levels deep" in done.stderr and "the limit is 64" in done.stderr
 
 
 def test_a_router_answers_deep_json_and_wrong_typed_content_parts_with_a_400_it_counts(
