@@ -14,8 +14,11 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rich.console import Console
 
+from modelfleet.controlplane.keys import KeyRefused, parse_expiry
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.core import nesting, yamltext
@@ -31,6 +34,9 @@ from .test_admin_api import control_plane
 from .test_controlplane import TOKEN
 
 GUESSER = "203.0.113.7"
+EXPIRES_PATTERN = admin.KeyCreate.model_json_schema()["properties"]["expires"]["anyOf"][0][
+    "pattern"
+]
 
 
 async def _ask(
@@ -299,3 +305,14 @@ def test_what_the_admin_document_allows_of_a_since_a_ttl_or_a_limit_is_accepted(
     assert re.search(ttl, "never\n") and re.search(ttl, "0.5s") and not re.search(ttl, "0.0s")
     limit = doc["paths"]["/v1/keys"]["post"]["requestBody"]["content"]["application/json"]
     assert limit["schema"]["properties"]["rpm"]["anyOf"][0]["exclusiveMinimum"] == 0
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.from_regex(EXPIRES_PATTERN))
+def test_every_expiry_the_document_allows_is_taken_or_past(text: str) -> None:
+    """A key's `expires` as the document states it (a pattern, `admin.Expires`) is a time
+    `keys.parse_expiry` takes, or one already past (409: the clock's, not the form's)."""
+    try:
+        assert parse_expiry(text, 1.8e9) > 1.8e9
+    except KeyRefused as refused:
+        assert refused.status == 409 and "in the past" in str(refused), (text, refused)

@@ -7,7 +7,7 @@ Every error of the admin API is an `ErrorAnswer`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -442,6 +442,24 @@ Limit = Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True), BeforeValidator(_
 Clearable = Literal["models", "rpm", "tpm", "max_concurrent", "expires"]
 
 
+# A key's `expires` as the document states it and `keys.parse_expiry` reads it: a duration
+# from now, or an ISO 8601 date that exists (a time and a zone may follow). Written out here
+# rather than left to `datetime.fromisoformat`, which takes more forms than a pattern of the
+# document could say and refuses dates a pattern could not tell from real ones.
+_YEAR = r"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+    rf"(?:{_YEAR}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
+    rf"|(?:0[13578]|1[02])-31)|{_LEAP_YEAR}-02-29)"
+)
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9](?::[0-5][0-9](?:\.[0-9]{1,6})?)?"
+_ZONE = r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+EXPIRY_DATE_PATTERN = rf"^\s*{_DATE}(?:T{_TIME}{_ZONE}?)?\s*$"
+Expires = Annotated[
+    str, Field(json_schema_extra={"pattern": f"{POSITIVE_DURATION_PATTERN}|{EXPIRY_DATE_PATTERN}"})
+]
+
+
 class KeyCreate(BaseModel):
     """Make a client API key. Limits left out are no limits; `models` left out is every
     model. `expires`: a duration (`30d`, `12h`) or an ISO 8601 date or time."""
@@ -452,19 +470,33 @@ class KeyCreate(BaseModel):
     rpm: Limit | None = None
     tpm: Limit | None = None
     max_concurrent: Limit | None = None
-    expires: str | None = None
+    expires: Expires | None = None
 
 
 class KeyUpdate(BaseModel):
     """Change a key: what is given is set, what `clear` names is removed (no limit, every
     model, never expires), the rest stays."""
 
-    model_config = ConfigDict(extra="forbid")
+    # A field may be given or cleared, not both (`keys.py`): stated for the document.
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "allOf": [
+                {
+                    "not": {
+                        "required": [field, "clear"],
+                        "properties": {"clear": {"contains": {"const": field}}},
+                    }
+                }
+                for field in get_args(Clearable)
+            ]
+        },
+    )
     models: list[str] | None = Field(default=None, min_length=1)
     rpm: Limit | None = None
     tpm: Limit | None = None
     max_concurrent: Limit | None = None
-    expires: str | None = None
+    expires: Expires | None = None
     clear: list[Clearable] = Field(default_factory=list)
 
 
