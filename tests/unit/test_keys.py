@@ -83,15 +83,15 @@ def test_bad_key_requests_are_refused_and_change_nothing() -> None:
     _, alice = book.create(admin.KeyCreate(name="alice", rpm=5), MODELS, NOW)
     refusals = [
         (409, "exists", lambda: book.create(admin.KeyCreate(name="alice"), MODELS, NOW)),
-        (400, "not in the catalog", lambda: book.create(
+        (409, "not in the catalog", lambda: book.create(
             admin.KeyCreate(name="bob", models=["nope"]), MODELS, NOW)),
-        (400, "past", lambda: book.create(
+        (409, "past", lambda: book.create(
             admin.KeyCreate(name="bob", expires="2020-01-01"), MODELS, NOW)),
         (404, "no key named 'nope'", lambda: book.revoke("nope")),
         (404, "keys: alice", lambda: book.update("nope", admin.KeyUpdate(rpm=1), MODELS, NOW)),
         (400, "both set and cleared", lambda: book.update(
             "alice", admin.KeyUpdate(rpm=1, clear=["rpm"]), MODELS, NOW)),
-        (400, "past", lambda: book.update(
+        (409, "past", lambda: book.update(
             "alice", admin.KeyUpdate(rpm=1, expires="2020-01-01"), MODELS, NOW)),
     ]  # fmt: skip
     for status, message, call in refusals:

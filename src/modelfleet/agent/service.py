@@ -43,6 +43,7 @@ from modelfleet.agent.settings import AgentSettings
 from modelfleet.agent.supervisor import Shard
 from modelfleet.agent.uplink import Beat, Uplink
 from modelfleet.agent.use import USE_EVERY_S, EngineOn, SimulatedUse, read_busy_seconds
+from modelfleet.core.nesting import check_json
 from modelfleet.engines import EngineDriver, NoDriver, driver_for
 from modelfleet.host.clock import wait_set
 from modelfleet.host.files import write_json_atomic
@@ -385,7 +386,9 @@ def create_admin_app(agent: Agent) -> Starlette:
         if not isinstance(agent.gpu_source, SimulatedGpus):
             return error_response(409, "only simulated GPUs can be made (un)healthy")
         try:
-            body = json.loads(await request.body())
+            raw = await request.body()
+            check_json(raw)  # TooDeep is a ValueError: refused below (deep JSON was a 500)
+            body = json.loads(raw)
             healthy = body["healthy"]
             if not isinstance(healthy, bool):
                 raise TypeError("'healthy' must be true or false")

@@ -31,8 +31,8 @@ request objects) is what the garbage collector scans and what a restart of 10,00
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -45,10 +45,13 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from modelfleet.controlplane import nodes
+from modelfleet.controlplane.doors import retry_after
 from modelfleet.controlplane.membership import MembershipRefused
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.records import ReportFirst, StaleReport
 from modelfleet.core.fleet import Mark
+from modelfleet.core.nesting import TooDeep, check_json
+from modelfleet.core.throttle import Verdict
 from modelfleet.http.web import (
     bearer,
     bearer_matches,
@@ -114,23 +117,84 @@ class AgentApi:
         if serve is None or scope["method"] != "POST":
             joining = self.joins.get((scope.get("method", ""), scope.get("path", "")))
             if joining == self.join and not self.cp.acting():
-                await self._to_leader(scope, send)  # the leader keeps the credentials
+                await self._join_to_leader(scope, send)  # the leader keeps the credentials
                 return
             await (joining or self.rest)(scope, receive, send)
             return
+        holder = await self._admitted(scope, send)
+        if holder is None:
+            return
         if not self.cp.acting():
             await self._to_leader(scope, send)
-            return
-        holder = self._holder(scope)
-        if holder is None:
-            self.cp.metrics.refused.labels("credential").inc()
-            await send_json(send, 401, error_json(self._why_refused(scope)))
             return
         status, body = await serve(scope, receive, holder)
         if not self.cp.acting():  # it stopped leading while the answer was made (a long poll)
             await self._to_leader(scope, send)
             return
         await send_json(send, status, body)
+
+    async def _admitted(self, scope: Scope, send: Send) -> str | None:
+        """Who the request speaks for (`_holder`), checked before anything else is done with
+        it, on a follower too: one that carries no token or credential taken here is
+        refused (401), and an address that fails again and again waits (429, `doors.py`).
+        None when it was refused, having answered."""
+        cp = self.cp
+        source = _source(scope)
+        taken = cp.doors.attempt("agent", source)
+        if taken.wait > 0:
+            await self._throttled(send, taken, f"too many wrong agent tokens from {source}")
+            return None
+        holder = self._holder(scope)
+        if holder is None and not cp.acting() and self._credential(scope):
+            # A follower reads the credentials from the store when it is asked by one it
+            # does not know: a node may have joined since it last read them. What a guesser
+            # costs it is one read per try its address is let make.
+            with contextlib.suppress(StoreError):
+                await cp.read_desired()
+            holder = self._holder(scope)
+        if holder is None:
+            why = self._why_refused(scope)
+            cp.doors.failed("agent", source, why, taken)
+            cp.metrics.refused.labels("credential").inc()
+            await send_json(send, 401, error_json(why))
+            return None
+        cp.doors.succeeded("agent", source)
+        return holder
+
+    async def _join_to_leader(self, scope: Scope, send: Send) -> None:
+        """A join sent to a follower: its token checked first (as the leader would, from
+        what the store holds: a token may have been made since this one last read), then
+        sent to the leader (`_to_leader`)."""
+        cp = self.cp
+        source = _source(scope)
+        taken = cp.doors.attempt("join", source)
+        if taken.wait > 0:
+            await self._throttled(send, taken, f"too many failed joins from {source}")
+            return
+        presented = bearer(header(scope, b"authorization")) or ""
+        try:
+            try:
+                cp.membership.usable_token(presented, cp.store_time())
+            except MembershipRefused as exc:
+                if exc.status != 401:
+                    raise
+                with contextlib.suppress(StoreError):
+                    await cp.read_desired()
+                cp.membership.usable_token(presented, cp.store_time())
+        except MembershipRefused as exc:
+            if exc.status == 401:
+                cp.doors.failed("join", source, str(exc), taken)
+            else:
+                cp.doors.uncount("join", source)
+            await send_json(send, exc.status, error_json(str(exc)))
+            return
+        cp.doors.succeeded("join", source)
+        await self._to_leader(scope, send)
+
+    async def _throttled(self, send: Send, taken: Verdict, why: str) -> None:
+        wait = retry_after(taken)
+        message = f"{why}: try again in {wait}s"
+        await send_json(send, 429, error_json(message), [(b"retry-after", wait.encode())])
 
     async def _to_leader(self, scope: Scope, send: Send) -> None:
         """A follower's answer: 307 to the same path on the leader, which the agent sends its
@@ -146,6 +210,12 @@ class AgentApi:
         location = url.rstrip("/") + scope.get("path", "")
         message = f"this control plane follows; the leader is {leader} at {url}"
         await send_json(send, 307, error_json(message), [(b"location", location.encode())])
+
+    @staticmethod
+    def _credential(scope: Scope) -> bool:
+        """Whether the request carries what reads as a node's credential."""
+        presented = bearer(header(scope, b"authorization"))
+        return presented is not None and presented.startswith(CREDENTIAL_PREFIX)
 
     def _holder(self, scope: Scope) -> str | None:
         """The node whose credential the request carries; ANY_NODE for the fleet's shared
@@ -223,28 +293,30 @@ class AgentApi:
     async def join(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Exchange the join token the request carries for a credential of the node it names."""
         cp = self.cp
+        source = _source(scope)
+        # Counted as its head arrives, before its body is read: see doors.py.
+        taken = cp.doors.attempt("join", source)
+        if taken.wait > 0:
+            await self._throttled(send, taken, f"too many failed joins from {source}")
+            return
         request = await _receive(scope, receive, JoinRequest, "join", MAX_JOIN_BYTES)
         if not isinstance(request, JoinRequest):
+            cp.doors.uncount("join", source)
             await send_json(send, *request)
             return
         presented = bearer(header(scope, b"authorization")) or ""
-        source = (scope.get("client") or ("?", 0))[0]
-        wait = cp.doors.wait("join", source)
-        if wait > 0:
-            why = f"too many failed joins from {source}: try again in {math.ceil(wait)}s"
-            retry = [(b"retry-after", b"%d" % math.ceil(wait))]
-            await send_json(send, 429, error_json(why), retry)
-            return
         try:
             answer = await nodes.join(cp, presented, request, source)
         except MembershipRefused as exc:
             if exc.status == 401:  # a token that is not one: what a guesser gets
-                cp.doors.failed("join", source, f"node {request.node}: {exc}")
+                cp.doors.failed("join", source, f"node {request.node}: {exc}", taken)
             else:
+                cp.doors.uncount("join", source)
                 log.warning("refused a join of node %s from %s: %s", request.node, source, exc)
             await send_json(send, exc.status, error_json(str(exc)))
             return
         except StoreError as exc:
+            cp.doors.uncount("join", source)
             await send_json(send, 503, error_json(str(exc)))
             return
         cp.doors.succeeded("join", source)
@@ -333,6 +405,11 @@ class AgentApi:
         return 200, b"{}"
 
 
+def _source(scope: Scope) -> str:
+    """The address a request came from."""
+    return str((scope.get("client") or ("?", 0))[0])
+
+
 async def _receive(
     scope: Scope, receive: Receive, message: type[M], what: str, limit: int
 ) -> M | Answer:
@@ -340,6 +417,10 @@ async def _receive(
     body = await receive_at_most(scope, receive, limit)
     if body is None:
         return 413, error_json(f"a {what} may have at most {limit} bytes")
+    try:
+        check_json(body)
+    except TooDeep as exc:
+        return 400, error_json(f"malformed {what}: {exc}")
     try:
         return message.model_validate_json(body)
     except ValidationError as exc:

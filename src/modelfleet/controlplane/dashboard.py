@@ -35,6 +35,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route
 
 from modelfleet.controlplane.dashboard_parts import DEFAULT_RANGE, HEARD_NOW_S, LiveParts
+from modelfleet.controlplane.doors import retry_after
 from modelfleet.controlplane.logs import LogUnanswered
 from modelfleet.controlplane.nodes import MarkRefused, mark_node
 from modelfleet.controlplane.plane import ControlPlane
@@ -158,16 +159,18 @@ class Dashboard:
     async def login(self, request: Request) -> Response:
         source = request.client.host if request.client else "?"
         doors = self.cp.doors
-        wait = doors.wait("sign-in", source)
-        if wait > 0:
-            error = f"Too many wrong tokens from here: try again in {math.ceil(wait)} s."
+        # Counted as its head arrives, before its body (the token) is read: see doors.py.
+        taken = doors.attempt("sign-in", source)
+        if taken.wait > 0:
+            wait = retry_after(taken)
+            error = f"Too many wrong tokens from here: try again in {wait} s."
             answer = self._html("login.html", {"error": error}, 429)
-            answer.headers["retry-after"] = str(math.ceil(wait))
+            answer.headers["retry-after"] = wait
             return answer
         form = await _form(request)
         token = form.get("token", "")
         if not bearer_matches(f"Bearer {token}", self.cp.config.admin_token):
-            doors.failed("sign-in", source, "not the admin token")
+            doors.failed("sign-in", source, "not the admin token", taken)
             return self._html("login.html", {"error": "That is not the admin token."}, 401)
         doors.succeeded("sign-in", source)
         response = RedirectResponse("/ui/", status_code=303)

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from modelfleet.core.units import BadDuration, parse_duration
+from modelfleet.core.units import MAX_DURATION, BadDuration, parse_duration
 from modelfleet.messages import admin
 from modelfleet.messages.wire import RoutedKey
 from modelfleet.security.apikeys import hash_key, new_key
 from modelfleet.store import StoredKey
 from modelfleet.store.calls import StoreCalls
 
+_EXPIRY_DATE = re.compile(admin.EXPIRY_DATE_PATTERN)
 PREFIX_CHARS = 8  # of the key, after `mf-`, shown by `ctl keys list` to tell keys apart
 
 
@@ -40,27 +42,27 @@ def parse_expiry(text: str, now: float) -> float:
     time (`2027-01-31`, `2027-01-31T12:00:00+00:00`; UTC when it names no zone).
     """
     try:
-        seconds: float | None = parse_duration(text)
+        seconds: float | None = parse_duration(text, clamp=True)  # past 100 years: 100 years
     except BadDuration:
         seconds = None
     if seconds is not None:
         if seconds <= 0:
             raise KeyRefused(400, f"expires: {text!r} is not after now")
         return now + seconds
-    try:
-        when = datetime.fromisoformat(text.strip())
-    except ValueError:
+    if not _EXPIRY_DATE.match(text):  # the forms the document states (`admin.Expires`)
         raise KeyRefused(
             400,
             f"expires: {text!r} is neither a duration (90s, 30m, 12h, 30d, 2w) nor an "
-            "ISO 8601 date or time (2027-01-31, 2027-01-31T12:00:00Z)",
-        ) from None
+            "ISO 8601 date or time (2027-01-31, 2027-01-31T12:00, 2027-01-31T12:00:00Z)",
+        )
+    when = datetime.fromisoformat(text.strip())
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     at = when.timestamp()
     if at <= now:
-        raise KeyRefused(400, f"expires: {text!r} is in the past")
-    return at
+        # Well formed, as the document says, and past by the clock: a conflict with now.
+        raise KeyRefused(409, f"expires: {text!r} is in the past")
+    return min(at, now + MAX_DURATION)  # as a duration: a date past 100 years is 100 years
 
 
 def info(key: StoredKey, used: tuple[int, int, float] | None = None) -> admin.KeyInfo:
@@ -195,4 +197,5 @@ def _known(asked: list[str] | None, models: Iterable[str]) -> None:
     unknown = [m for m in asked if m not in catalog]
     if unknown:
         have = ", ".join(sorted(catalog)) or "none"
-        raise KeyRefused(400, f"models: {', '.join(unknown)} not in the catalog (it has: {have})")
+        # 409: well formed, as the document says, but not what the catalog holds now.
+        raise KeyRefused(409, f"models: {', '.join(unknown)} not in the catalog (it has: {have})")

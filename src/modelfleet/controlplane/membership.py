@@ -238,14 +238,9 @@ class Membership:
         del self.tokens[token_id]
         return token
 
-    async def _join(
-        self,
-        presented: str,
-        request: JoinRequest,
-        now: float,
-        source: str,
-        reserved: Collection[str],
-    ) -> JoinAnswer:
+    def usable_token(self, presented: str, now: float) -> tuple[JoinToken, StoredJoinToken]:
+        """The join token `presented` and what is stored of it, when it is one a node may
+        join with now; MembershipRefused (401 when it is not, 503 with no CA) otherwise."""
         if self.ca is None:
             raise MembershipRefused(503, "this control plane has no CA: it takes no joins")
         try:
@@ -258,6 +253,19 @@ class Membership:
         state = token_state(stored, now)
         if state != "usable":
             raise MembershipRefused(401, f"join token {token.id} is {state}: make another")
+        return token, stored
+
+    async def _join(
+        self,
+        presented: str,
+        request: JoinRequest,
+        now: float,
+        source: str,
+        reserved: Collection[str],
+    ) -> JoinAnswer:
+        token, stored = self.usable_token(presented, now)
+        ca = self.ca
+        assert ca is not None  # usable_token refused the join otherwise
         node = request.node
         cut = self.revoked.get(node)
         if cut is not None and stored.created_at <= cut:
@@ -279,7 +287,7 @@ class Membership:
             raise MembershipRefused(400, f"csr: {exc}") from None
         addresses = node_addresses(node, asked.names, source, reserved, stored.addresses)
         when = datetime.datetime.fromtimestamp(now, datetime.UTC)
-        cert = self.ca.sign_node(asked, node, addresses, when)
+        cert = ca.sign_node(asked, node, addresses, when)
         credential = new_credential()
         uses_left = None if stored.uses_left is None else stored.uses_left - 1
         used = dataclasses.replace(stored, uses_left=uses_left, used=stored.used + 1)
@@ -291,7 +299,7 @@ class Membership:
         self.credentials[node] = record
         self._nodes[record.sha256] = node
         return JoinAnswer(
-            node=node, credential=credential, ca=self.ca.cert_pem.decode(), cert=cert.decode()
+            node=node, credential=credential, ca=ca.cert_pem.decode(), cert=cert.decode()
         )
 
     def node_of(self, credential: str) -> str | None:

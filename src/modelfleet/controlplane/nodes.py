@@ -100,6 +100,7 @@ async def join(cp: ControlPlane, token: str, request: JoinRequest, source: str) 
     node that reports (with the shared agent token too), or one the term waits for; a node
     revoked (or deleted) before joins again only with a token made after that, and is then
     no longer revoked."""
+    cp.membership.usable_token(token, cp.store_time())  # the token first: names after it
     node = request.node
     mark = cp.state.marks.get(node)
     revoked = mark is not None and mark.mark is Mark.REVOKED

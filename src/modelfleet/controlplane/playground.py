@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from modelfleet.controlplane.keys import KeyRefused
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.core.nesting import check_json
 from modelfleet.http.web import from_elsewhere, read_at_most
 from modelfleet.messages import admin
 from modelfleet.security.pki import client_context
@@ -107,6 +108,7 @@ class Playground:
         if raw is None:
             return JSONResponse({"error": f"a chat may have at most {MAX_CHAT_BYTES} bytes"}, 413)
         try:
+            check_json(raw)  # TooDeep is a ValueError: refused as any body not taken
             asked = json.loads(raw)
             key, model, messages = asked["key"], asked["model"], asked["messages"]
             if not (isinstance(key, str) and isinstance(model, str) and isinstance(messages, list)):

@@ -1,5 +1,5 @@
 """Failed tries per source address, slowed down: for doors that take a secret from anyone who
-reaches them (the join exchange, the dashboard's sign-in).
+reaches them (the join exchange, the dashboard's sign-in, the admin and agent tokens).
 
 An address may fail `free` times in a row; after that each try waits for a delay that
 doubles with every failure (`base`, 2 x `base`, ... up to `cap`), and a try made during it is
@@ -7,6 +7,10 @@ refused without its secret being looked at. A success forgets the address, and s
 `forget_after` seconds without a try. At most `max_addresses` are remembered (the oldest
 forgotten first), so that a flood from many addresses costs bounded memory. Pure: the caller
 passes `now`.
+
+A door whose secret comes after the try has begun (in a body) counts the try as it arrives
+(`attempt`): failed until `succeeded` says otherwise. Judged only once its body came, 300
+sign-ins whose heads were sent first and bodies later were all heard before the first failed.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class Verdict:
 
     wait: float
     refused_before: int = 0  # tries refused since this address was last said (for the log)
+    then: float = 0.0  # of a try taken by `attempt`: the next one's wait, if this one fails
 
 
 @dataclass
@@ -65,6 +70,26 @@ class Throttle:
             self._seen.popitem(last=False)
         wait = self.delay(tries.failures) if tries.failures >= self.free else 0.0
         return Verdict(wait, refused)
+
+    def attempt(self, address: str, now: float) -> Verdict:
+        """A try from `address` as it arrives, before its secret is judged: refused (`wait`
+        > 0, counted as `check` counts), or taken and counted as a failure at once, which
+        `succeeded` forgets when its secret is right."""
+        verdict = self.check(address, now)
+        if verdict.wait > 0:
+            return verdict
+        failed = self.failed(address, now)
+        return Verdict(0.0, failed.refused_before, then=failed.wait)
+
+    def uncount(self, address: str) -> None:
+        """A try taken by `attempt` was no guess after all (its secret was right, and
+        something else refused it): no longer counted, and the address's other failures
+        still are."""
+        tries = self._seen.get(address)
+        if tries is not None:
+            tries.failures -= 1
+            if tries.failures <= 0:
+                del self._seen[address]
 
     def succeeded(self, address: str) -> None:
         self._seen.pop(address, None)

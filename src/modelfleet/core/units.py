@@ -50,7 +50,13 @@ def format_size(n_bytes: int) -> str:
     return f"{n_bytes / 2**30:.1f} GiB"
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+# What a duration is, written once: the code reads it and the admin API's document states it
+# (as JSON Schema `pattern`s). A positive one has a digit other than 0.
+DURATION_PATTERN = r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw])\s*$"
+POSITIVE_DURATION_PATTERN = (
+    r"^\s*(0*[1-9][0-9]*(?:\.[0-9]+)?|0+\.[0-9]*[1-9][0-9]*)\s*([smhdw])\s*$"
+)
+_DURATION = re.compile(DURATION_PATTERN)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -61,13 +67,16 @@ class BadDuration(ValueError):
 MAX_DURATION = 100 * 365 * 86400  # seconds: longer is a typo, and overflows dates and stores
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, clamp: bool = False) -> float:
     """The seconds that `text` names: a number and one of s, m, h, d, w (`90s`, `12h`), at
-    most 100 years."""
+    most 100 years; with `clamp`, a longer one is read as 100 years (how far back to look:
+    further than there is is everything), else refused."""
     match = _DURATION.match(text)
     if not match:
         raise BadDuration(f"{text!r} is not a duration; write it like 90s, 30m, 12h, 30d or 2w")
     seconds = float(match[1]) * _SECONDS[match[2]]
     if seconds > MAX_DURATION:
+        if clamp:
+            return MAX_DURATION
         raise BadDuration(f"{text[:40]!r} is longer than 100 years")
     return seconds

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import time
 
 from rich.console import Console
@@ -13,10 +14,23 @@ from rich.table import Table
 from modelfleet.core.units import format_size
 from modelfleet.messages import admin
 
+# C0 and C1 control characters, and the marks that turn text around (the "Trojan source" ones).
+_CONTROL = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def shown(text: str) -> str:
+    """`text` that an agent or a client chose (a node's name, a GPU's model, a reason), for
+    a terminal: a control character written as its escape (`\\x1b`), never sent as it is (an
+    escape sequence in a node's name could rewrite the operator's screen or title), and rich's
+    markup (`[red]`) escaped, so that it prints as it was sent."""
+    return escape(_CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text))
+
 
 def gpu_state(gpu: admin.GpuInfo) -> str:
     if not gpu.healthy:
-        return f"unhealthy ({gpu.reason or 'no reason given'})"
+        return f"unhealthy ({shown(gpu.reason or 'no reason given')})"
     return "used" if gpu.in_use else "free"
 
 
@@ -64,14 +78,14 @@ def _pass_times(data: admin.StatusAnswer) -> str:
 
 
 def print_deleted(data: admin.NodeDeleted, console: Console) -> None:
-    line = f"node {data.node} deleted"
+    line = f"node {shown(data.node)} deleted"
     if data.retired:
         line += f"; placed anew elsewhere: {', '.join(data.retired)}"
     console.print(line, highlight=False)
 
 
 def print_node_revoked(data: admin.NodeRevoked, console: Console) -> None:
-    line = f"node {data.node} revoked: nothing it sends is taken"
+    line = f"node {shown(data.node)} revoked: nothing it sends is taken"
     if data.replacing:
         line += f"; its replicas are replaced elsewhere: {', '.join(data.replacing)}"
     console.print(line, highlight=False)
@@ -150,7 +164,7 @@ def print_nodes(data: admin.NodesAnswer, console: Console) -> None:
             done = node.replicas == 0
             mark += " (done)" if done else (f", {left:.0f}s of grace left" if left else "")
         table.add_row(
-            node.name,
+            shown(node.name),
             status,
             mark,
             str(node.replicas),
@@ -164,11 +178,15 @@ def print_nodes(data: admin.NodesAnswer, console: Console) -> None:
     for node in data.nodes:
         for g in node.gpus:
             detail.add_row(
-                node.name, str(g.index), g.model, format_size(g.memory_total), gpu_state(g)
+                shown(node.name),
+                str(g.index),
+                shown(g.model),
+                format_size(g.memory_total),
+                gpu_state(g),
             )
     console.print(detail)
     if data.warning:
-        console.print(f"warning: {data.warning}", highlight=False)
+        console.print(f"warning: {shown(data.warning)}", highlight=False)
 
 
 def print_scaling(scaling: list[admin.ScaleInfo], console: Console) -> None:
@@ -196,8 +214,8 @@ def print_scaling(scaling: list[admin.ScaleInfo], console: Console) -> None:
 def print_replicas(data: admin.ReplicasAnswer, console: Console) -> None:
     table = Table("REPLICA", "MODEL", "STATE", "SHARDS (node[gpus]: state)", "ENDPOINT", "ERROR")
     for r in data.replicas:
-        shards = ", ".join(f"{s.node}{s.gpus}: {s.state}" for s in r.shards)
-        error = "; ".join(s.error for s in r.shards if s.error)
+        shards = ", ".join(f"{shown(s.node)}{s.gpus}: {s.state}" for s in r.shards)
+        error = "; ".join(shown(s.error) for s in r.shards if s.error)
         if r.ejected:
             out = f"out of rotation at {len(r.ejected)} router(s)"
             error = f"{error}; {out}" if error else out
@@ -218,7 +236,7 @@ def print_explanation(data: admin.Explanation, console: Console) -> None:
     for v in data.nodes:
         fits = "yes" if not v.reasons else "no"
         usable = ",".join(str(g) for g in v.usable_gpus) or "-"
-        table.add_row(v.node, fits, usable, "\n".join(v.reasons) or "-")
+        table.add_row(shown(v.node), fits, usable, "\n".join(map(shown, v.reasons)) or "-")
     console.print(table)
 
 
@@ -278,7 +296,7 @@ def print_catalog_history(data: admin.CatalogHistory, console: Console) -> None:
 
 
 def _where(step: admin.Step) -> str:
-    return ", ".join(f"{s.node}{s.gpus}" for s in step.shards)
+    return ", ".join(f"{shown(s.node)}{s.gpus}" for s in step.shards)
 
 
 def print_catalog_plan(data: admin.CatalogChange, console: Console) -> None:
@@ -305,9 +323,10 @@ def print_catalog_plan(data: admin.CatalogChange, console: Console) -> None:
 
 def print_mark(data: admin.MarkAnswer, console: Console) -> None:
     if data.dry_run:
-        line = f"node {data.node} would be {data.mark} (it is {data.was}); nothing was marked"
+        line = f"node {shown(data.node)} would be {data.mark} (it is {data.was}); nothing was "
+        line += "marked"
     else:
-        line = f"node {data.node}: {data.mark} (was {data.was})"
+        line = f"node {shown(data.node)}: {data.mark} (was {data.was})"
     if data.drain_grace_s:
         line += f"; what does not move within {data.drain_grace_s:.0f}s is stopped anyway"
     console.print(line)
@@ -385,7 +404,7 @@ def print_replica(data: admin.ReplicaInfo, console: Console) -> None:
         started = f"{s.startup_s:.1f}s" if s.startup_s is not None else "-"
         table.add_row(
             str(s.rank),
-            s.node,
+            shown(s.node),
             ",".join(str(g) for g in s.gpus),
             s.state,
             str(s.pid or "-"),
@@ -508,7 +527,8 @@ def print_rebalance(data: admin.RebalanceAnswer, console: Console) -> None:
     verb = "would move" if data.dry_run else "moving"
     for m in data.moves:
         console.print(
-            f"{verb} {m.replica} ({m.model}) from {m.from_node} to {m.to_node}: {m.reason}",
+            f"{verb} {m.replica} ({m.model}) from {shown(m.from_node)} to {shown(m.to_node)}: "
+            f"{shown(m.reason)}",
             highlight=False,
         )
     if not data.dry_run:

@@ -8,6 +8,7 @@ from typing import Any
 from starlette.responses import Response
 
 from modelfleet.core.catalog import name_problem
+from modelfleet.core.nesting import TooDeep, check_json
 from modelfleet.http.web import JSON
 
 
@@ -47,7 +48,12 @@ class BadRequest(ValueError):
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """Parse a request body that must be a JSON object naming a model."""
+    """Parse a request body that must be a JSON object naming a model, nested no deeper than
+    `nesting.MAX_DEPTH` (deeper, json.loads raised RecursionError: a 500)."""
+    try:
+        check_json(raw)
+    except TooDeep as exc:
+        raise BadRequest(f"the request body is {exc}") from None
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -73,7 +79,7 @@ def check_generation(body: dict[str, Any]) -> None:
     """Refuse a completion or chat request whose fields the router reads are malformed:
     `max_tokens`, `max_completion_tokens` and `n` must be whole numbers of at least 1 (a
     negative `max_tokens` once reserved a negative estimate against a key's token limit),
-    `stream_options` an object."""
+    `stream_options` an object, the text of a chat's content parts a string."""
     for name in _COUNTS:
         value = body.get(name)
         if value is None:
@@ -86,6 +92,24 @@ def check_generation(body: dict[str, Any]) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
+    check_content_parts(body)
+
+
+def check_content_parts(body: dict[str, Any]) -> None:
+    """Refuse a chat whose messages' content parts carry a `text` that is not a string
+    (`prompt_text` joins them: a number there was a 500). What else a message holds is the
+    engine's to judge."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and not isinstance(part.get("text", ""), str):
+                param = f"messages[{i}].content[{j}].text"
+                raise BadRequest(f"'{param}' must be a string", param=param)
 
 
 def prompt_text(body: dict[str, Any], chat: bool) -> str:

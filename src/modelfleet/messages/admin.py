@@ -7,9 +7,11 @@ Every error of the admin API is an `ErrorAnswer`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from modelfleet.core.units import POSITIVE_DURATION_PATTERN
 
 MarkName = Literal["none", "cordoned", "draining"]  # what an operator may set
 NodeMarkName = Literal["none", "cordoned", "draining", "revoked"]  # what a node may have
@@ -428,9 +430,35 @@ class RoutingAnswer(_Answer):
 KeyName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 MAX_LIMIT = 10**12  # past any real limit; larger numbers do not fit the store's integers
 MAX_TOKEN_ADDRESSES = 15  # with the node's own, what one certificate names at most (pki.MAX_NAMES)
-# Strict: a JSON `true` is no limit of 1, nor 60.0 a count (pydantic would take both).
-Limit = Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)]
+
+
+def _whole(value: object) -> object:
+    """60.0 as the whole number 60: the document's `integer` (JSON Schema's) counts it one."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# Strict: a JSON `true` is no limit of 1, nor 60.5 a count (pydantic would take both); 60.0
+# is 60, as the document says.
+Limit = Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True), BeforeValidator(_whole)]
 Clearable = Literal["models", "rpm", "tpm", "max_concurrent", "expires"]
+
+
+# A key's `expires` as the document states it and `keys.parse_expiry` reads it: a duration
+# from now, or an ISO 8601 date that exists (a time and a zone may follow). Written out here
+# rather than left to `datetime.fromisoformat`, which takes more forms than a pattern of the
+# document could say and refuses dates a pattern could not tell from real ones.
+_YEAR = r"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+    rf"(?:{_YEAR}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
+    rf"|(?:0[13578]|1[02])-31)|{_LEAP_YEAR}-02-29)"
+)
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9](?::[0-5][0-9](?:\.[0-9]{1,6})?)?"
+_ZONE = r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+EXPIRY_DATE_PATTERN = rf"^\s*{_DATE}(?:T{_TIME}{_ZONE}?)?\s*$"
+Expires = Annotated[
+    str, Field(json_schema_extra={"pattern": f"{POSITIVE_DURATION_PATTERN}|{EXPIRY_DATE_PATTERN}"})
+]
 
 
 class KeyCreate(BaseModel):
@@ -443,19 +471,33 @@ class KeyCreate(BaseModel):
     rpm: Limit | None = None
     tpm: Limit | None = None
     max_concurrent: Limit | None = None
-    expires: str | None = None
+    expires: Expires | None = None
 
 
 class KeyUpdate(BaseModel):
     """Change a key: what is given is set, what `clear` names is removed (no limit, every
     model, never expires), the rest stays."""
 
-    model_config = ConfigDict(extra="forbid")
+    # A field may be given or cleared, not both (`keys.py`): stated for the document.
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "allOf": [
+                {
+                    "not": {
+                        "required": [field, "clear"],
+                        "properties": {"clear": {"contains": {"const": field}}},
+                    }
+                }
+                for field in get_args(Clearable)
+            ]
+        },
+    )
     models: list[str] | None = Field(default=None, min_length=1)
     rpm: Limit | None = None
     tpm: Limit | None = None
     max_concurrent: Limit | None = None
-    expires: str | None = None
+    expires: Expires | None = None
     clear: list[Clearable] = Field(default_factory=list)
 
 
@@ -494,8 +536,11 @@ class JoinTokenCreate(BaseModel):
     joins from (never loopback: that only a loopback join gets)."""
 
     model_config = ConfigDict(extra="forbid")
-    ttl: str = "1h"
-    uses: Annotated[int, Field(gt=0, le=MAX_LIMIT, strict=True)] = 1
+    # Stated in the document, judged by the handler (which says what a duration is).
+    ttl: str = Field(
+        "1h", json_schema_extra={"pattern": rf"^\s*never\s*$|{POSITIVE_DURATION_PATTERN}"}
+    )
+    uses: Limit = 1
     addresses: list[Annotated[str, Field(max_length=64)]] = Field(
         default_factory=list, max_length=MAX_TOKEN_ADDRESSES
     )

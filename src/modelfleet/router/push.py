@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from modelfleet.core.nesting import TooDeep, check_json
 from modelfleet.http.web import JSON, bearer_matches
 from modelfleet.http.web import error_response as web_error
 from modelfleet.messages.wire import LoadReport, RoutingAck, RoutingSnapshot, UsageAck, UsageReport
@@ -85,8 +86,9 @@ def create_push_app(target: PushTarget, token: str | None) -> Starlette:
             return refused
         body = await request.body()
         try:
+            check_json(body)
             snapshot = RoutingSnapshot.model_validate_json(body)
-        except ValidationError as exc:
+        except (ValidationError, TooDeep) as exc:
             return web_error(400, f"not a routing snapshot: {exc}")
         try:
             ack = await target.take_table(snapshot, body)
@@ -143,8 +145,10 @@ def create_push_app(target: PushTarget, token: str | None) -> Starlette:
         if (refused := authorized(request)) is not None:
             return refused
         try:
-            ack = UsageAck.model_validate_json(await request.body())
-        except ValidationError as exc:
+            body = await request.body()
+            check_json(body)
+            ack = UsageAck.model_validate_json(body)
+        except (ValidationError, TooDeep) as exc:
             return web_error(400, f"not a usage acknowledgement: {exc}")
         await target.ack_usage(ack)
         return Response(b'{"ok":true}', media_type=JSON)

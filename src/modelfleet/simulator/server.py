@@ -24,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from modelfleet.core.nesting import check_json
 from modelfleet.http.openai_api import (
     BadRequest,
     check_generation,
@@ -184,7 +185,9 @@ def create_app(settings: SimSettings) -> Starlette:
 
     async def load_lora(request: Request) -> Response:
         try:
-            body = json.loads(await request.body())
+            raw = await request.body()
+            check_json(raw)  # TooDeep is a ValueError: refused below
+            body = json.loads(raw)
             name, source = body["lora_name"], body["lora_path"]
             if not (isinstance(name, str) and isinstance(source, str) and name and source):
                 raise ValueError
@@ -200,7 +203,9 @@ def create_app(settings: SimSettings) -> Starlette:
 
     async def unload_lora(request: Request) -> Response:
         try:
-            name = json.loads(await request.body())["lora_name"]
+            raw = await request.body()
+            check_json(raw)
+            name = json.loads(raw)["lora_name"]
         except (ValueError, KeyError, TypeError):
             return error_response(400, "the body must name lora_name", "invalid_request_error")
         try:

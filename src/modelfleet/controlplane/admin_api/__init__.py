@@ -2,7 +2,8 @@
 
 One module per resource, each a FastAPI `APIRouter` over one `ControlPlane`; what they share
 (the refusal, the error answer, bounded bodies) is `shared.py`, who answers what (the leader
-everything, a follower reads of the store) is `follower.py`. Every request and answer is a
+everything, a follower reads of the store) is `follower.py`, and the admin token, checked
+before anything else, `token.py`. Every request and answer is a
 model of `modelfleet.messages.admin`; the document at `/openapi.json` describes them all.
 Every error answer is an `ErrorAnswer` (`{"error": ...}`).
 
@@ -12,7 +13,7 @@ pure core; nothing imports it but the control plane's service.
 
 from __future__ import annotations
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
 from starlette.applications import Starlette
 
 from modelfleet.controlplane.admin_api import (
@@ -27,20 +28,16 @@ from modelfleet.controlplane.admin_api import (
     replicas,
     shared,
     status,
+    token,
     usage,
 )
 from modelfleet.controlplane.plane import ControlPlane
-from modelfleet.http.web import bearer_matches
 
 RESOURCES = (status, catalog, nodes, replicas, keys, usage, join_tokens, events, logs)
 
 
 def create_admin_app(cp: ControlPlane, dashboard: Starlette | None = None) -> FastAPI:
     """The admin API of `cp`, with the `dashboard` app at /ui when given."""
-
-    async def authorized(request: Request) -> None:
-        if not bearer_matches(request.headers.get("authorization"), cp.config.admin_token):
-            raise shared.Refused.because(401, "missing or wrong admin token")
 
     app = FastAPI(
         title="modelfleet admin API",
@@ -50,11 +47,11 @@ def create_admin_app(cp: ControlPlane, dashboard: Starlette | None = None) -> Fa
         "Send the admin token as `Authorization: Bearer TOKEN`.",
         docs_url=None,
         redoc_url=None,
-        dependencies=[Depends(authorized)],
     )
     routers = [resource.routes(cp) for resource in RESOURCES]
     shared.answer_errors(app, [route for router in routers for route in router.routes])
     app.middleware("http")(follower.only_the_leader_writes(cp))
+    app.middleware("http")(token.token_first(cp))  # the last added runs first: the token
     for router in routers:
         app.include_router(router)
     app.add_route("/metrics", metrics.endpoint(cp), methods=["GET"])

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from modelfleet.controlplane.admin_api.shared import duration, errors
+from modelfleet.controlplane.admin_api.shared import Since, duration, errors
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.messages import admin
 
@@ -24,13 +24,13 @@ def routes(cp: ControlPlane) -> APIRouter:
                 max_length=300,
             ),
         ] = None,
-        since: str = "1h",
+        since: Annotated[str, Since] = "1h",
         after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> admin.EventsAnswer:
         """What happened, oldest first: events last seen from `since` ago (a duration: 10m,
         1h, 7d) on, with an id above `after` (for a watch), at most `limit` (the newest)."""
-        start = cp.clock.time() - duration("since", since)
+        start = cp.clock.time() - duration("since", since, clamp=True)
         rows = await cp.calls(cp.read_events, regarding, start, after, limit)
         return admin.EventsAnswer(
             events=[

@@ -56,8 +56,8 @@ def routes(cp: ControlPlane) -> APIRouter:
         fingerprint, for the joining agent to pin."""
         body = await read_body(request, admin.JoinTokenCreate, MAX_TOKEN_BYTES)
         ttl: float | None = None
-        if body.ttl != "never":
-            ttl = duration("ttl", body.ttl, "; or 'never'")
+        if body.ttl.strip() != "never":
+            ttl = duration("ttl", body.ttl, "; or 'never'", clamp=True)
             if ttl <= 0:
                 raise Refused.because(400, f"ttl: {body.ttl!r} is no time at all")
         now = cp.store_time()

@@ -38,7 +38,7 @@ def routes(cp: ControlPlane) -> APIRouter:
 
     @api.patch(
         "/v1/keys/{name}",
-        responses=errors(400, 404, 413, 503),
+        responses=errors(400, 404, 409, 413, 503),
         openapi_extra=body_of(admin.KeyUpdate),
     )
     async def update_key(name: str, request: Request) -> admin.KeyInfo:

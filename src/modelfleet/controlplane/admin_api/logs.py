@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from modelfleet.controlplane.admin_api.shared import Refused, duration, errors
+from modelfleet.controlplane.admin_api.shared import Refused, Since, duration, errors
 from modelfleet.controlplane.logs import LogUnanswered
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.messages import admin
@@ -24,13 +24,13 @@ def routes(cp: ControlPlane) -> APIRouter:
         tail: Annotated[int, Query(ge=1, le=100_000)] = 200,
         previous: Annotated[int, Query(ge=0, le=100)] = 0,
         offset: Annotated[int | None, Query(ge=0)] = None,
-        since: str | None = None,
+        since: Annotated[str | None, Since] = None,
     ) -> admin.LogsAnswer:
         """An engine's output, read by its node's agent on demand: the last `tail` lines
         (of those written in the last `since`, a duration: 10m, 1h), or with `offset` what
         was written from there on (a follow); `previous`: that many runs back (before
         restarts). Also of a replica stopped lately (the last 1,000)."""
-        since_s = None if since is None else duration("since", since)
+        since_s = None if since is None else duration("since", since, clamp=True)
         record = cp.state.replicas.get(replica)
         nodes = (
             tuple(p.node for p in record.replica.shards)

@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
@@ -18,7 +18,8 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 
 from modelfleet.core.catalog import Catalog
-from modelfleet.core.units import BadDuration, parse_duration
+from modelfleet.core.nesting import TooDeep, check_json
+from modelfleet.core.units import DURATION_PATTERN, BadDuration, parse_duration
 from modelfleet.http.web import JSON, read_at_most
 from modelfleet.messages import admin
 from modelfleet.store import StoreError
@@ -41,8 +42,9 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The error answers a route documents: 401 (every route is behind the token) and these."""
-    return {status: {"model": admin.ErrorAnswer} for status in (401, *statuses)}
+    """The error answers a route documents: 401 and 429 (every route is behind the token,
+    whose wrong guesses are throttled: `token.py`) and these."""
+    return {status: {"model": admin.ErrorAnswer} for status in (401, 429, *statuses)}
 
 
 def body_of(model: type[BaseModel]) -> dict[str, Any]:
@@ -71,23 +73,38 @@ def problems(found: Sequence[Mapping[str, Any]]) -> str:
 
 async def read_body(request: Request, model: type[Body], limit: int) -> Body:
     """The request's body as a `model`, read as JSON whatever its Content-Type says (`curl -d`
-    sends a form type); 413 past `limit` bytes, 400 naming every problem."""
+    sends a form type); 413 past `limit` bytes, 400 naming every problem (or the nesting
+    limit, `nesting.py`)."""
     raw = await read_at_most(request, limit)
     if raw is None:
         raise Refused.because(413, f"a request may have at most {limit} bytes")
+    try:
+        check_json(raw)
+    except TooDeep as exc:
+        raise Refused.because(400, f"malformed request: {exc}") from None
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
         raise Refused.because(400, f"malformed request: {problems(exc.errors())}") from None
 
 
-def duration(name: str, text: str, otherwise: str = "") -> float:
+def duration(name: str, text: str, otherwise: str = "", clamp: bool = False) -> float:
     """A duration parameter (90m, 24h, 7d) in seconds, or 400 naming the parameter (and
-    what `otherwise` it may be)."""
+    what `otherwise` it may be); `clamp`: `parse_duration`'s."""
     try:
-        return parse_duration(text)
+        return parse_duration(text, clamp)
     except BadDuration as exc:
         raise Refused.because(400, f"{name}: {exc}{otherwise}") from None
+
+
+# A `since` query parameter: how far back to look, a duration as the document states it
+# (`units.DURATION_PATTERN`), read by `duration(..., clamp=True)`, which says what is wrong
+# with one that is not: one longer than 100 years looks back 100 years, so that nothing
+# the document allows is refused.
+Since = Query(
+    description="A duration: 90s, 10m, 24h, 7d, 2w.",
+    json_schema_extra={"pattern": DURATION_PATTERN},
+)
 
 
 def no_such_model(catalog: Catalog, model: str) -> Refused:
