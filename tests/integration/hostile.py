@@ -11,11 +11,14 @@ bench/doors.py.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import ssl
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -199,3 +202,34 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
         return False
     except OSError:
         return True  # reset: closed
+
+
+def registered(run_dir: Path, engines: list[str]) -> list[Door]:
+    """Every listener a fleet registered: each service's ready file in `run_dir` (URL, bounds
+    and pid of each listener it opens, `http/serving.py`), and each engine's endpoint."""
+    found = []
+    for ready in sorted(run_dir.glob("*.json")):
+        described = json.loads(ready.read_text())
+        for name, url in described.get("urls", {}).items():
+            bounds = described.get("bounds", {}).get(name, {})
+            found.append(Door(f"{ready.stem} {name}", url, described["pid"], bounds))
+    found += [Door(f"engine {url}", url, 0) for url in engines]
+    return found
+
+
+def at_once(doors: list[Door], attack: Callable[[Door], Any]) -> dict[str, Any]:
+    """`attack` on every door at once (a thread each): what each gave, or how it failed."""
+    results: dict[str, Any] = {}
+
+    def run(door: Door) -> None:
+        try:
+            results[door.name] = attack(door)
+        except Exception as exc:  # the result names the door that failed and how
+            results[door.name] = f"failed: {exc!r}"
+
+    threads = [threading.Thread(target=run, args=(door,)) for door in doors]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return results

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -46,35 +45,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
 
 def doors(fleet: RunningFleet) -> list[hostile.Door]:
     """Every listener the fleet registered: each service's ready file, and each engine."""
-    found = []
-    for ready in sorted((fleet.catalog_file.parent / "run").glob("*.json")):
-        described = json.loads(ready.read_text())
-        for name, url in described.get("urls", {}).items():
-            bounds = described.get("bounds", {}).get(name, {})
-            found.append(hostile.Door(f"{ready.stem} {name}", url, described["pid"], bounds))
-    for replica in Operator(fleet, Path()).replicas():
-        if replica.get("endpoint"):
-            found.append(hostile.Door(f"engine {replica['id']}", replica["endpoint"], 0))
+    engines = [r["endpoint"] for r in Operator(fleet, Path()).replicas() if r.get("endpoint")]
+    found = hostile.registered(fleet.catalog_file.parent / "run", engines)
     assert len(found) >= 8, [d.name for d in found]  # router x2, control plane x2, agents, engines
     return found
-
-
-def each(targets: list[hostile.Door], attack: Callable[[hostile.Door], Any]) -> dict[str, Any]:
-    """`attack` on every door at once (threads): what each gave."""
-    results: dict[str, Any] = {}
-
-    def run(door: hostile.Door) -> None:
-        try:
-            results[door.name] = attack(door)
-        except Exception as exc:  # the result names the door that failed and how
-            results[door.name] = f"failed: {exc!r}"
-
-    threads = [threading.Thread(target=run, args=(door,)) for door in targets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    return results
 
 
 def served_after(attack: Callable[[hostile.Door], Any]) -> Callable[[hostile.Door], Any]:
@@ -88,14 +62,14 @@ def test_every_door_closes_slow_heads_and_refuses_huge_ones_deep_bodies_and_bad_
     fleet: RunningFleet,
 ) -> None:
     targets = doors(fleet)
-    assert each(targets, served_after(hostile.slow_head)) == {
+    assert hostile.at_once(targets, served_after(hostile.slow_head)) == {
         d.name: ("HTTP/1.1 408 Request Timeout", True) for d in targets
     }
-    assert each(targets, served_after(hostile.huge_head)) == {
+    assert hostile.at_once(targets, served_after(hostile.huge_head)) == {
         d.name: ("HTTP/1.1 431 Request Header Fields Too Large", True) for d in targets
     }
     for attack in (hostile.deep_body, hostile.bad_utf8):
-        found = each(targets, served_after(attack))
+        found = hostile.at_once(targets, served_after(attack))
         for name, (answer, served) in found.items():
             assert served and answer.startswith("HTTP/1.1 4"), (attack.__name__, name, answer)
 
@@ -112,7 +86,7 @@ def test_every_door_shares_its_cap_between_sources(fleet: RunningFleet) -> None:
         with hostile.flood(door, door.bounds["max_connections"] + 20) as held:
             return len(held) > 0, [bool(door.served()) for _ in range(5)]
 
-    assert each(targets, attack) == {d.name: (True, [True] * 5) for d in targets}
+    assert hostile.at_once(targets, attack) == {d.name: (True, [True] * 5) for d in targets}
 
 
 def test_every_door_outlives_churn_and_unread_pipelines(fleet: RunningFleet) -> None:
@@ -120,10 +94,10 @@ def test_every_door_outlives_churn_and_unread_pipelines(fleet: RunningFleet) -> 
     pipelined requests never read (a router grew by 88 MiB): each listener is served after
     both, and no process serving one grew by more than 20 MB while its answers went unread."""
     targets = doors(fleet)
-    assert each(targets, served_after(lambda door: hostile.churn(door, 300))) == {
+    assert hostile.at_once(targets, served_after(lambda door: hostile.churn(door, 300))) == {
         d.name: (None, True) for d in targets
     }
-    grown = each([d for d in targets if d.pid], served_after(hostile.pipeline_unread))
+    grown = hostile.at_once([d for d in targets if d.pid], served_after(hostile.pipeline_unread))
     for name, (mb, served) in grown.items():
         assert served and mb <= 20, (name, mb)
 
@@ -195,14 +169,14 @@ def test_every_tls_door_outlives_handshakes_never_begun_or_cut(
             closed = sum(hostile.closed_by_server(sock, deadline) for sock in held)
             return served, closed == len(held) and len(held) > 0
 
-    found = each(tls_doors, attack)
+    found = hostile.at_once(tls_doors, attack)
     assert set(found) == {d.name for d in tls_doors}, found
     for name, result in found.items():
         served, closed = result
         assert closed and all(line.startswith("HTTP/1.1 ") for line in served), (name, result)
-    assert each(tls_doors, served_after(lambda door: hostile.churn(door, 300))) == {
+    assert hostile.at_once(tls_doors, served_after(lambda door: hostile.churn(door, 300))) == {
         d.name: (None, True) for d in tls_doors
     }
-    assert each(tls_doors, served_after(hostile.slow_head)) == {
+    assert hostile.at_once(tls_doors, served_after(hostile.slow_head)) == {
         d.name: ("HTTP/1.1 408 Request Timeout", True) for d in tls_doors
     }

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from .conftest import Procs, wait_json
-from .test_processes import KEY, control_plane_run, start_router
+from .test_processes import KEY, PUSH_TOKEN, control_plane_run, router_metrics, start_router
 from .test_router_data_path import counter
 
 ADMIN_TOKEN = "admin-token-of-the-hostile-test"
@@ -168,7 +168,7 @@ def test_a_router_answers_deep_json_and_wrong_typed_content_parts_with_a_400_it_
     parts' text is read for a key with limits, to estimate its tokens.)"""
     router = start_router(
         procs, tmp_path, [{"name": "m", "endpoints": []}],
-        api_keys=[{"name": "t", "key": KEY, "rpm": 1000}],
+        api_keys=[{"name": "t", "key": KEY, "rpm": 1000}], push_token=PUSH_TOKEN,
     )  # fmt: skip
     headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
     deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -179,7 +179,7 @@ def test_a_router_answers_deep_json_and_wrong_typed_content_parts_with_a_400_it_
             c.post("/v1/chat/completions", content=deep),
             c.post("/v1/chat/completions", json=chat),
         ]
-        page = c.get("/metrics").text
+    page = router_metrics(tmp_path)
     for answer in answers:
         assert answer.status_code == 400, answer.text[:500]
         assert answer.json()["error"]["type"] == "invalid_request_error"

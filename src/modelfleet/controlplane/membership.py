@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import hmac
 import ipaddress
+import re
 from collections.abc import Collection, Iterable, Mapping
 
 from modelfleet.messages import admin
@@ -95,11 +96,16 @@ def token_addresses(given: Iterable[str]) -> tuple[str, ...]:
     kept: list[str] = []
     for text in given:
         address = _address(text)
-        if address is None or address.is_loopback:
+        if (
+            address is None
+            or address.is_loopback
+            or not re.fullmatch(admin.TOKEN_ADDRESS_PATTERN, text)
+        ):
             raise MembershipRefused(
                 400,
-                f"addresses: {text!r} is no address a join token may allow: give IP addresses "
-                "of the node's own (loopback only a node that joins over loopback advertises)",
+                f"addresses: {text!r} is no address a join token may allow: give IPv4 addresses "
+                "of the node's own, written plainly (loopback only a node that joins over "
+                "loopback advertises; IPv6 ones are not taken yet)",
             )
         if str(address) not in kept:
             kept.append(str(address))

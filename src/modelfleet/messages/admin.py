@@ -429,6 +429,13 @@ class RoutingAnswer(_Answer):
 
 KeyName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 MAX_LIMIT = 10**12  # past any real limit; larger numbers do not fit the store's integers
+# An IPv4 address other than loopback (127/8) and 0/8, written plainly: what a join token may
+# allow a node to advertise, stated here so the API document says exactly what is taken.
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+TOKEN_ADDRESS_PATTERN = (
+    r"^(25[0-5]|2[0-4][0-9]|1[3-9][0-9]|12[0-689]|1[01][0-9]|[1-9][0-9]?)"
+    rf"(\.{_OCTET}){{3}}$"
+)
 MAX_TOKEN_ADDRESSES = 15  # with the node's own, what one certificate names at most (pki.MAX_NAMES)
 
 
@@ -541,8 +548,9 @@ class JoinTokenCreate(BaseModel):
         "1h", json_schema_extra={"pattern": rf"^\s*never\s*$|{POSITIVE_DURATION_PATTERN}"}
     )
     uses: Limit = 1
-    addresses: list[Annotated[str, Field(max_length=64)]] = Field(
-        default_factory=list, max_length=MAX_TOKEN_ADDRESSES
+    # Stated in the document, judged by the handler (which says what is wrong in words).
+    addresses: list[Annotated[str, Field(json_schema_extra={"pattern": TOKEN_ADDRESS_PATTERN})]] = (
+        Field(default_factory=list, max_length=MAX_TOKEN_ADDRESSES)
     )
 
 
