@@ -343,6 +343,7 @@ def revoked_rejoined(figures: dict[str, Any]) -> None:
             }
         )
     )
+    (folder / "cp.yaml").chmod(0o600)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFLEET_")}
 
     def ctl(*args: str) -> str:
@@ -384,10 +385,9 @@ def revoked_rejoined(figures: dict[str, Any]) -> None:
 def main() -> None:
     end_on_sigterm()
     figures: dict[str, Any] = {}
-    doors_of_a_fleet(figures)
-    tpm_overshoot(figures)
-    rpm_overshoot_redis_slow(figures)
-    revoked_rejoined(figures)
+    for part in (doors_of_a_fleet, tpm_overshoot, rpm_overshoot_redis_slow, revoked_rejoined):
+        part(figures)
+        print(f"{part.__name__}: {json.dumps(figures)}", file=sys.stderr, flush=True)
     figures["advertised_elsewhere_served"] = None
     json_line(figures)
 
