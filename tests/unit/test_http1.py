@@ -560,6 +560,31 @@ async def _test_a_source_that_floods_a_listener_loses_its_own_connections() -> N
             writer.close()
 
 
+def test_a_source_whose_bodies_never_come_cannot_hold_the_cap_from_others() -> None:
+    run(_test_a_source_whose_bodies_never_come_cannot_hold_the_cap_from_others())
+
+
+async def _test_a_source_whose_bodies_never_come_cannot_hold_the_cap_from_others() -> None:
+    """Found by an outside attack on the admin API: about 450 connections from one source,
+    each a POST head whose body never came, turned away half of an honest operator's
+    requests, since a request waiting for its body is not closed for room. Past its share of
+    the cap, such a source's oldest connection is closed all the same."""
+    async with serve(echo, max_connections=20) as served:
+        held = []
+        for _ in range(40):
+            reader, writer = await _connect_from(served.port, "127.0.0.2")
+            writer.write(b"POST /wait HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n")
+            held.append((reader, writer))
+        await until("the stranger at the cap", lambda: len(served.server.tasks) >= 19)
+        for i in range(10):
+            reader, writer = await _connect_from(served.port, "127.0.0.3")
+            writer.write(post("/honest", str(i).encode()))
+            assert (await read_answer(reader))[2] == f"POST /honest {i}".encode()
+            writer.close()
+        for _, writer in held:
+            writer.close()
+
+
 def test_requests_pipelined_past_the_limit_are_not_read_and_answers_wait_for_the_reader() -> None:
     run(_test_requests_pipelined_past_the_limit_are_not_read())
 

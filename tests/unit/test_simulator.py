@@ -338,3 +338,20 @@ def test_output_is_bounded_as_vllm_bounds_it() -> None:
             assert done.json()["usage"]["completion_tokens"] == 40 - 2
 
     run(go())
+
+
+def test_a_lone_surrogate_in_a_prompt_is_answered_not_a_500() -> None:
+    """Found by an outside attack: `"prompt": "\\ud800"` (JSON may carry a lone surrogate)
+    made the simulator fail with UnicodeEncodeError, a 500 and a traceback per request."""
+
+    async def go() -> None:
+        async with client(prefix_cache_blocks=8) as c:
+            for path, body in (
+                ("/v1/completions", {"prompt": "a \ud800 b" * 20, "max_tokens": 2}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}),
+            ):
+                raw = json.dumps({"model": "m", **body}).encode()  # ASCII: the escape as sent
+                got = await c.post(path, content=raw, headers={"content-type": "application/json"})
+                assert got.status_code == 200, got.text
+
+    run(go())

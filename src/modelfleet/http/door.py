@@ -132,11 +132,16 @@ class _Pool:
             if not visits:
                 del self.by_source[visit.source]
 
-    def room_for(self, newcomer: Visit) -> Visit | None:
-        """A visit to close so that `newcomer` (counted already) may stay: a closable one of
-        the source holding the most; of its own source only when that source holds the most.
-        None: the newcomer is the one to turn away."""
+    def room_for(self, newcomer: Visit, cap: int) -> Visit | None:
+        """A visit to close so that `newcomer` (counted already) may stay, of a pool capped at
+        `cap`: a closable one of the source holding the most; of its own source only when
+        that source holds the most. When none can be closed, the oldest of a source that
+        holds more than `newcomer`'s and more than its share of the cap (the cap over the
+        sources present) is closed all the same: 450 requests from one source whose bodies
+        never came once turned away half an honest operator's requests. None: the newcomer
+        is the one to turn away."""
         own = len(self.by_source.get(newcomer.source, ()))
+        heavier = []
         for source, visits in sorted(self.by_source.items(), key=lambda kv: -len(kv[1])):
             if len(visits) < own:
                 break
@@ -145,7 +150,15 @@ class _Pool:
             victim = _first_closable(visits, newcomer)
             if victim is not None:
                 return victim
-        return _first_closable(self.by_source.get(newcomer.source, {}), newcomer)
+            heavier.append(visits)
+        victim = _first_closable(self.by_source.get(newcomer.source, {}), newcomer)
+        if victim is not None:
+            return victim
+        share = cap // max(1, len(self.by_source))
+        for visits in heavier:
+            if len(visits) > own and len(visits) > share:
+                return next(iter(visits))
+        return None
 
 
 def _first_closable(visits: dict[Visit, None], newcomer: Visit) -> Visit | None:
@@ -260,7 +273,8 @@ class Door:
 
     def _make_room(self, newcomer: Visit, pool: _Pool) -> bool:
         """Close one connection so that `newcomer` may stay; False: it was turned away."""
-        victim = pool.room_for(newcomer)
+        cap = self.bounds.max_connections if pool is self.open else self.bounds.max_handshakes
+        victim = pool.room_for(newcomer, cap)
         if victim is None:
             self.turned_away += 1
             if self.turned_away == 1 or self.turned_away % 1000 == 0:

@@ -369,8 +369,9 @@ class _Connection(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        """Between requests or still sending a request's head: closing it costs no answer."""
-        return self.cycle is None and not self.queue
+        """Between requests, still sending a request's head, or answered and only dropping
+        what its client still sends (`_linger`): closing it costs no answer."""
+        return self.discarding or (self.cycle is None and not self.queue)
 
     def set_idle(self) -> None:
         self.visit.touch()

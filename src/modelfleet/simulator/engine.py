@@ -95,7 +95,9 @@ class PrefixCache:
         matching = True
         digest = hashlib.blake2b(digest_size=16)
         for start in range(0, len(tokens) - self.block + 1, self.block):
-            digest.update("\x1f".join(tokens[start : start + self.block]).encode())
+            digest.update(
+                "\x1f".join(tokens[start : start + self.block]).encode("utf-8", "surrogatepass")
+            )
             key = digest.copy().digest()
             if matching and key in self._blocks:
                 cached += self.block
@@ -238,7 +240,9 @@ class SimEngine:
         words = prompt.split()
         n_prompt = max(1, len(words))
         n_out = self.settings.output_tokens if max_tokens is None else max(0, max_tokens)
-        seed = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=4).digest(), "big")
+        seed = int.from_bytes(
+            hashlib.blake2b(prompt.encode("utf-8", "surrogatepass"), digest_size=4).digest(), "big"
+        )
         finished = False
         try:
             self.waiting += 1
