@@ -167,9 +167,8 @@ class AgentApi:
         sent to the leader (`_to_leader`)."""
         cp = self.cp
         source = _source(scope)
-        taken = cp.doors.attempt("join", source)
-        if taken.wait > 0:
-            await self._throttled(send, taken, f"too many failed joins from {source}")
+        taken = await self._join_attempt(source, send)
+        if taken is None:
             return
         presented = bearer(header(scope, b"authorization")) or ""
         try:
@@ -190,6 +189,15 @@ class AgentApi:
             return
         cp.doors.succeeded("join", source)
         await self._to_leader(scope, send)
+
+    async def _join_attempt(self, source: str, send: Send) -> Verdict | None:
+        """A join from `source` counted as its head arrives, before its body is read (see
+        doors.py); None when it waits, its 429 sent."""
+        taken = self.cp.doors.attempt("join", source)
+        if taken.wait > 0:
+            await self._throttled(send, taken, f"too many failed joins from {source}")
+            return None
+        return taken
 
     async def _throttled(self, send: Send, taken: Verdict, why: str) -> None:
         wait = retry_after(taken)
@@ -294,10 +302,8 @@ class AgentApi:
         """Exchange the join token the request carries for a credential of the node it names."""
         cp = self.cp
         source = _source(scope)
-        # Counted as its head arrives, before its body is read: see doors.py.
-        taken = cp.doors.attempt("join", source)
-        if taken.wait > 0:
-            await self._throttled(send, taken, f"too many failed joins from {source}")
+        taken = await self._join_attempt(source, send)
+        if taken is None:
             return
         request = await _receive(scope, receive, JoinRequest, "join", MAX_JOIN_BYTES)
         if not isinstance(request, JoinRequest):
