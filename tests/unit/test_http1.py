@@ -625,6 +625,38 @@ async def _test_a_transfer_encoding_other_than_chunked_gets_400() -> None:
             writer.close()
 
 
+def test_a_header_that_may_come_once_is_refused_twice() -> None:
+    run(_test_a_header_that_may_come_once_is_refused_twice())
+
+
+async def _test_a_header_that_may_come_once_is_refused_twice() -> None:
+    """Issue 56 (noticed): two Authorization headers were taken, the first read by every
+    service. A proxy in front that checks the other one would let a stranger through; a
+    second Authorization, Host, Content-Length or Transfer-Encoding gets 400, naming it, and
+    the app never sees the request. One of each is served."""
+    seen = []
+
+    async def count(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append(scope["path"])
+        await echo(scope, receive, send)
+
+    async with serve(count) as served:
+        for name in (b"Authorization: Bearer a", b"Host: y", b"Content-Length: 0"):
+            reader, writer = await served.connect()
+            writer.write(b"GET /p HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer b\r\n")
+            writer.write(b"Content-Length: 0\r\n" + name + b"\r\n\r\n")
+            status, headers, body = await read_answer(reader)
+            assert (status, headers["connection"]) == (400, "close"), name
+            assert name.split(b":")[0] in body, body
+            writer.close()
+        assert seen == []
+        reader, writer = await served.connect()
+        writer.write(b"GET /p HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer b\r\n\r\n")
+        status, _, _ = await read_answer(reader)
+        assert status == 200 and seen == ["/p"]
+        writer.close()
+
+
 def test_an_answer_the_client_does_not_read_is_cut_off() -> None:
     run(_test_an_answer_the_client_does_not_read_is_cut_off())
 

@@ -52,6 +52,8 @@ log = logging.getLogger("modelfleet.http")
 # Unread request body above which the connection stops reading from its client.
 HIGH_WATER = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers, counted as they arrive; past this: 431
+# Headers a request may carry once; a second is refused.
+ONCE = frozenset({b"authorization", b"host", b"content-length", b"transfer-encoding"})
 MAX_HEADERS = 100  # header lines in one request; past this: 431
 # Requests read ahead of their turn on one connection (pipelined); past this the connection
 # reads no more until they are answered, and an answer is not started while the client leaves
@@ -480,6 +482,10 @@ class _Connection(asyncio.Protocol):
         if len(self._headers) >= MAX_HEADERS:
             self._stop(431, f"The request has more than {MAX_HEADERS} header lines.")
         name = name.lower()
+        if name in ONCE and any(seen == name for seen, _ in self._headers):
+            # Which of two would count is a guess a proxy in front may make otherwise (it
+            # checks one key, the service reads the other): refused, as RFC 9110 allows.
+            self._stop(400, f"The request has more than one {name.decode().title()} header.")
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
         elif name == b"content-length":
