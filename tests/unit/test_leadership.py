@@ -91,3 +91,22 @@ def test_a_follower_tries_to_take_the_lease_just_after_it_runs_out(tmp_path: Pat
     assert b.next_try_in() == SOONEST_S
     b.problem = "the store did not answer"  # what it read may be stale: the usual pace
     assert b.next_try_in() == pytest.approx(ttl / 3)
+
+
+def test_a_leader_whose_renewal_came_late_says_so_and_names_no_other_leader(
+    tmp_path: Path,
+) -> None:
+    """At 10,000 nodes on a starved machine a lone control plane's renewal came late; agents
+    and operators were told "this control plane follows; the leader is <itself>, not
+    reachable yet". `lapsed` says what holds: its own lease, not yet renewed."""
+    clock = [100.0]
+    a = Leadership(SqliteStore(tmp_path / "store.sqlite"), "cp-a", 30.0, lambda: clock[0])
+    assert a.lapsed() is None  # nothing read yet
+    assert a.renew_now() is Turn.ELECTED and a.lapsed() is None
+    clock[0] += ACT_SHARE * 30.0
+    assert not a.acting() and a.leader == "cp-a"
+    said = a.lapsed()
+    assert said is not None and "holds the lease but may not act until it renews it" in said
+    assert a.renew_now() is Turn.LEADING and a.lapsed() is None  # renewed: acts again
+    b = Leadership(SqliteStore(tmp_path / "store.sqlite"), "cp-b", 30.0, lambda: clock[0])
+    assert b.renew_now() is Turn.FOLLOWING and b.lapsed() is None  # another's lease: follows

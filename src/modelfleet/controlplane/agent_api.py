@@ -211,6 +211,10 @@ class AgentApi:
         leadership = self.cp.leadership
         leader = leadership.leader or "none yet"
         url = leadership.leader_url("agent")
+        lapsed = leadership.lapsed()
+        if lapsed is not None:
+            await send_json(send, 503, error_json(f"{lapsed}; try again shortly"))
+            return
         if url is None:
             message = f"this control plane follows; the leader is {leader}, not reachable yet"
             await send_json(send, 503, error_json(message))

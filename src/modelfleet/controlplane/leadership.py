@@ -128,6 +128,15 @@ class Leadership:
         """Whether this control plane leads now and may act."""
         return self.monotonic() < self._act_until
 
+    def lapsed(self) -> str | None:
+        """Why this one may not act though the lease, as last read, is its own (its renewal
+        came late: the store slow or the process starved); None when it is another's or it
+        acts. It follows nobody meanwhile, and acts again at its next renewal."""
+        if self.acting() or not self.leader or self.leader != self.holder:
+            return None
+        late = self.problem or "its renewal came too late"
+        return f"this control plane holds the lease but may not act until it renews it ({late})"
+
     def store_time(self) -> float | None:
         """The store's clock now, as the last renewal read it and the monotonic clock moved
         on since (off by that renewal's round trip at most); None before any renewal."""

@@ -58,6 +58,10 @@ def only_the_leader_writes(cp: ControlPlane) -> Callable[[Request, Next], Awaita
         if store:  # it cannot renew its lease: nobody can change anything now
             why = f"this control plane cannot take changes now: {store}"
             return error(503, admin.ErrorAnswer(error=why), {"retry-after": "1"})
+        lapsed = cp.leadership.lapsed()
+        if lapsed is not None:
+            answer = admin.ErrorAnswer(error=f"{lapsed}; send the change again shortly")
+            return error(503, answer, {"retry-after": "1"})
         leader = cp.leadership.leader or "none yet"
         answer = admin.ErrorAnswer(
             error=f"this control plane follows (the leader is {leader}"
