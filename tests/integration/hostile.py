@@ -37,6 +37,7 @@ class Door:
     pid: int
     bounds: dict[str, Any] = field(default_factory=dict)
     tls: ssl.SSLContext | None = None  # how an honest client reaches it, for an https URL
+    sni: str | None = None  # the name it is reached by over TLS (an engine's gate: its node's)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -56,7 +57,7 @@ class Door:
         sock = self.raw(source, timeout)
         if self.https:
             context = self.tls or _unverified()
-            return context.wrap_socket(sock, server_hostname=self.address[0])
+            return context.wrap_socket(sock, server_hostname=self.sni or self.address[0])
         return sock
 
     def served(self, source: str = HONEST) -> str:

@@ -13,13 +13,25 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
-from modelfleet.security.pki import client_context
+from modelfleet.agent.gate import GateSettings
+from modelfleet.agent.records import recorded_engine_pids
+from modelfleet.host.processes import stop_groups
+from modelfleet.http.door import DoorBounds
+from modelfleet.security.pki import (
+    CertificateAuthority,
+    client_context,
+    client_context_with,
+    is_loopback,
+    node_host,
+)
 from modelfleet.up import RunningFleet
 
 from . import hostile
@@ -179,4 +191,121 @@ def test_every_tls_door_outlives_handshakes_never_begun_or_cut(
     }
     assert hostile.at_once(tls_doors, served_after(hostile.slow_head)) == {
         d.name: ("HTTP/1.1 408 Request Timeout", True) for d in tls_doors
+    }
+
+
+def _address_beyond_loopback() -> str | None:
+    """An address of this machine beyond loopback, or None when it has none."""
+    from modelfleet.host.network import route_address
+
+    try:
+        address = route_address("192.0.2.1")  # a documentation address: nothing is sent
+    except OSError:
+        return None
+    return None if is_loopback(address) else address
+
+
+@pytest.fixture(scope="module")
+def gated_doors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[hostile.Door]]:
+    """A fleet beyond loopback, as across machines: a control plane on TLS at this machine's
+    address beyond loopback, and an agent that joined it from there, whose engine is reached
+    through its gate. Its doors as the kit finds them, every ready file and every replica's
+    endpoint (the gate, reached with a router's certificate under its node's name)."""
+    here = _address_beyond_loopback()
+    if here is None:
+        pytest.skip("this machine has no address beyond loopback for a node to join from")
+    tmp = tmp_path_factory.mktemp("gated-doors")
+    run = tmp / "run"
+    run.mkdir()
+    procs = Procs(tmp)
+    token = "admin-token-of-the-test"
+    (tmp / "catalog.yaml").write_text(
+        yaml.safe_dump({"models": [{"name": "m", "engine": "sim", "replicas": 1}]})
+    )
+    config = {"catalog": str(tmp / "catalog.yaml"), "state_dir": str(tmp / "state"),
+              "admin_token": token, "tls": "on", "host": here, "agent_port": 0,
+              "admin_port": 0, "heartbeat_interval": 0.5}  # fmt: skip
+    (tmp / "cp.yaml").write_text(yaml.safe_dump(config))
+    (tmp / "cp.yaml").chmod(0o600)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MODELFLEET_MAX_OPEN_FILES", str(OPEN_FILES))
+        try:
+            cp = procs.start("control-plane", "--config", str(tmp / "cp.yaml"), "--ready-file",
+                             str(run / "control-plane.json"), log="cp")  # fmt: skip
+            found = wait_json(run / "control-plane.json", cp)
+            ca_pem = Path(found["ca_file"]).read_bytes()
+            admin = httpx.Client(base_url=found["urls"]["admin"], timeout=10,
+                                 verify=client_context(ca_pem),
+                                 headers={"authorization": f"Bearer {token}"})  # fmt: skip
+            made = admin.post("/v1/join-tokens", json={"uses": 1, "ttl": "10m"})
+            assert made.status_code == 200, made.text
+            (tmp / "join-token").write_text(made.json()["token"])
+            (tmp / "join-token").chmod(0o600)
+            agent = procs.start(
+                "agent", "--join", found["urls"]["agent"], "--node", "g", "--simulate-gpus",
+                "1x80GB", "--address", here, "--token-file", str(tmp / "join-token"),
+                "--state-dir", str(tmp / "g"), "--ready-file", str(run / "agent-g.json"),
+                log="agent",
+            )  # fmt: skip
+            wait_json(run / "agent-g.json", agent, timeout=60)
+
+            def endpoints() -> list[str]:
+                replicas = admin.get("/v1/replicas").json()["replicas"]
+                return [r["endpoint"] for r in replicas if r["state"] == "ready"]
+
+            wait_for("m ready behind its gate", lambda: len(endpoints()) == 1, 90)
+            [gate] = endpoints()
+            assert gate.startswith(f"https://{here}:"), gate
+            ca = CertificateAuthority.load(tmp / "state" / "pki" / "ca.crt",
+                                           tmp / "state" / "pki" / "ca.key")  # fmt: skip
+            router = client_context_with(ca_pem, ca.issue_router_client(datetime.now(UTC)))
+            defaults = DoorBounds(max_connections=GateSettings.max_connections)
+            bounds = {"max_connections": defaults.max_connections, "max_handshakes":
+                      defaults.max_handshakes, "handshake_timeout": defaults.handshake_timeout,
+                      "head_timeout": 10.0}  # fmt: skip
+            found_doors = hostile.registered(run, [])
+            for door in found_doors:
+                door.tls = client_context(ca_pem) if door.https else None
+            made_doors = [*found_doors, hostile.Door(f"engine {gate}", gate, 0, bounds,
+                                                     tls=router, sni=node_host("g"))]  # fmt: skip
+            assert len(made_doors) >= 3, made_doors  # the control plane's two, the gate
+            yield made_doors
+        finally:
+            procs.stop_all()
+            stop_groups(recorded_engine_pids(tmp / "g"), grace=10)
+
+
+def test_every_door_across_machines_outlives_the_kit_gates_included(
+    gated_doors: list[hostile.Door],
+) -> None:
+    """Issue 56: an engine's gate, the listener other machines reach it at, was attacked by
+    tests of its own and not found by the kit. A fleet across machines registers it as its
+    replica's endpoint; with the control plane's and the agent's listeners there, each is
+    attacked as every listener is, and an honest client (a router, at the gate) is served
+    after each attack: heads slow and huge, a flood past the cap from another address, churn,
+    and TLS handshakes never begun."""
+    names = [d.name for d in gated_doors]
+    assert any(n.startswith("engine https://") for n in names), names
+    slow = hostile.at_once(gated_doors, served_after(hostile.slow_head))
+    assert slow == {d.name: ("HTTP/1.1 408 Request Timeout", True) for d in gated_doors}
+    huge = hostile.at_once(gated_doors, served_after(hostile.huge_head))
+    assert huge == {
+        d.name: ("HTTP/1.1 431 Request Header Fields Too Large", True) for d in gated_doors
+    }
+
+    def attack(door: hostile.Door) -> Any:
+        count = door.bounds["max_connections"] + door.bounds["max_handshakes"] + 20
+        with hostile.absent_handshakes(door, count) as held:
+            served = [door.served() for _ in range(5)]
+            closed = sum(
+                hostile.closed_by_server(sock, door.bounds["handshake_timeout"] + 20)
+                for sock in held
+            )
+            return served, closed == len(held) and len(held) > 0
+
+    tls = [d for d in gated_doors if d.https]
+    for name, (served, closed) in hostile.at_once(tls, attack).items():
+        assert closed and all(line.startswith("HTTP/1.1 ") for line in served), (name, served)
+    assert hostile.at_once(gated_doors, served_after(lambda door: hostile.churn(door, 300))) == {
+        d.name: (None, True) for d in gated_doors
     }
