@@ -114,6 +114,52 @@ def test_points_sum_the_routers_and_a_restarted_router_counts_from_zero() -> Non
     assert second["requests_per_s"] == 1.4 and second["errors_per_s"] == 0.1
 
 
+def test_a_model_s_time_to_first_token_is_the_engines_read_once_over_every_router() -> None:
+    """Issue 57: "time to first byte" was plotted as if it were time to first token (151 vs
+    75 ms). The engines' own histograms, which each router reads from the same engines, are
+    plotted as time to first token: counted once, however many routers read them."""
+
+    def engines(fast: int, slow: int, first_byte_s: float) -> str:
+        name = "modelfleet_router_engine_time_to_first_token_seconds"
+        return (
+            f"# TYPE {name} histogram\n"
+            f'{name}_bucket{{model="m",le="0.08"}} {fast}\n'
+            f'{name}_bucket{{model="m",le="+Inf"}} {fast + slow}\n'
+            + histogram({first_byte_s: fast + slow, math.inf: fast + slow})
+        )
+
+    # Both routers read 10 fast and 10 slow first tokens; their own first bytes came later.
+    pages = {"a": [engines(0, 0, 0.2), engines(10, 10, 0.2)],
+             "b": [engines(0, 0, 0.2), engines(9, 10, 0.2)]}  # fmt: skip
+    turn = {"a": 0, "b": 0}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        router = request.url.host
+        turn[router] += 1
+        return httpx.Response(200, text=pages[router][turn[router] - 1])
+
+    clock = [100.0]
+    store = SqliteStore(":memory:")
+    http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    routers = [RouterTarget(url=f"http://{r}", token="t" * 16) for r in "ab"]
+    rec = recorder(store, clock)
+    RouterSeries(routers, http, rec)
+
+    async def go() -> None:
+        await rec.write()
+        clock[0] += 10
+        await rec.write()
+
+    asyncio.run(go())
+    [point] = store.points("model", "m", 10, 0)
+    t = Totals.loads(point.body)
+    assert t.buckets[("first_token", math.inf)] == 20  # the larger reading, not 20 + 19
+    assert t.buckets[("first_byte", math.inf)] == 39  # each router's own requests: summed
+    values = shown_model(t, 10)
+    assert values["first_token_p50"] == 0.08  # the engines', read by the routers
+    assert values["first_byte_p50"] == pytest.approx(0.1)  # the routers' own, in 0.2 s
+
+
 def test_the_quarter_hour_point_grows_with_each_step_and_across_a_restart() -> None:
     """Plots survive a restart (issue 41): a control plane that starts leading mid-quarter
     adds to the quarter's point another wrote, and one that does not lead writes nothing."""

@@ -6,10 +6,13 @@ histograms' buckets):
 - **models**: every step the control plane reads each router's metrics (through its push API,
   which answers the sum over the router's workers) and adds what each model counted since the
   last read: requests, server errors, refusals, completion tokens, and the buckets of the
-  time to first byte, the time between tokens (streams) and the request time. An error is a
-  request sent to an engine that got a 5xx; a refusal, one the router answered itself (no
-  key, a key over its limit, no replica ready...). A router that restarted (its counters went
-  down) counts from zero again; one that does not answer is left out of that step.
+  time to first byte at the router, the mean time between tokens of its streams and the
+  request time; and of the engines' own time to first token and between tokens, which every
+  router reads from the same engines: of those, the largest count of any router is taken,
+  not their sum. An error is a request sent to an engine that got a 5xx; a refusal, one the
+  router answered itself (no key, a key over its limit, no replica ready...). A router that
+  restarted (its counters went down) counts from zero again; one that does not answer is
+  left out of that step.
 - **nodes**: each agent's report and heartbeat carry its GPUs' memory in use and
   utilisation; a node's step sums what was heard in it, with how many samples, so that its
   plot shows their mean.
@@ -59,10 +62,14 @@ RANGES = {"1h": 3600, "6h": 6 * 3600, "24h": 24 * 3600, "7d": 7 * 86400}
 QUANTILES = (0.5, 0.95, 0.99)
 # The routers' histograms a point reads percentiles of, by the name a point gives them.
 TIMES = {
+    "first_token": "modelfleet_router_engine_time_to_first_token_seconds",
+    "token_gap": "modelfleet_router_engine_inter_token_latency_seconds",
     "first_byte": "modelfleet_router_first_byte_seconds",
     "inter_token": "modelfleet_router_inter_token_seconds",
     "request": "modelfleet_router_request_seconds",
 }
+# Of TIMES, the engines' own, which every router reads from the same engines.
+ENGINE_TIMES = frozenset({"first_token", "token_gap"})
 KINDS = ("model", "node", "key")
 RATED = ("model", "key")  # the kinds plotted as rates: a point at every step once seen
 COVERED = "seconds"  # the count of a point that says the seconds it covers
@@ -93,6 +100,16 @@ class Totals:
             {k: v - earlier.counts.get(k, 0.0) for k, v in self.counts.items()},
             {k: v - earlier.buckets.get(k, 0.0) for k, v in self.buckets.items()},
         )
+
+    def read_again(self, other: Totals) -> Totals:
+        """These and `other`, another router's, counted since the same reading: sums add,
+        but of the engines' histograms (ENGINE_TIMES, which both routers read from the same
+        engines) the larger count of each bucket is kept."""
+        summed = self.plus(other)
+        for (time, le), n in other.buckets.items():
+            if time in ENGINE_TIMES:
+                summed.buckets[(time, le)] = max(self.buckets.get((time, le), 0.0), n)
+        return summed
 
     def plus(self, other: Totals) -> Totals:
         counts, buckets = dict(self.counts), dict(self.buckets)
@@ -381,6 +398,7 @@ class RouterSeries:
     async def sample(self) -> None:
         """Read every router once, and add what each model counted since the last read."""
         read = await asyncio.gather(*(self._read(r) for r in self.routers))
+        counted: dict[str, Totals] = {}
         for router, totals in zip(self.routers, read, strict=True):
             if totals is None:
                 continue
@@ -389,7 +407,11 @@ class RouterSeries:
             if before is None:
                 continue  # its first reading: nothing to count from yet
             for model, t in totals.items():
-                self.recorder.add("model", model, t.minus(before.get(model, Totals())))
+                since = t.minus(before.get(model, Totals()))
+                held = counted.get(model)
+                counted[model] = since if held is None else held.read_again(since)
+        for model, t in counted.items():
+            self.recorder.add("model", model, t)
 
     async def _read(self, router: RouterTarget) -> dict[str, Totals] | None:
         try:

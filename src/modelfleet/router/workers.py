@@ -198,7 +198,7 @@ class Workers:
             return last_shown(worker.counts_file)
 
         texts = await asyncio.gather(*map(one, self.workers))
-        return summed(text for text in texts if text is not None)
+        return summed((text for text in texts if text is not None), same_engines=True)
 
     async def shown_table(self) -> bytes:
         worker = self.workers[0]
