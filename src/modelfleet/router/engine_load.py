@@ -64,9 +64,9 @@ def read_engine_page(page: str) -> EngineReading:
         if end < 0:
             continue
         name = line[:end]
-        time = _TIMES.get(name)
+        histogram = _TIMES.get(name)
         into = load if name in _LOAD else cache if name in _CACHE else None
-        if into is None and time is None:
+        if into is None and histogram is None:
             continue
         close = line.rfind("}")
         rest = line[close + 1 :] if line[end] == "{" else line[end:]
@@ -80,8 +80,8 @@ def read_engine_page(page: str) -> EngineReading:
             into.append(number)
             continue
         bound = _bound(line[end:close]) if line[end] == "{" else None
-        if time is not None and bound is not None:
-            counts = buckets.setdefault(time, {})
+        if histogram is not None and bound is not None:
+            counts = buckets.setdefault(histogram, {})
             counts[bound] = counts.get(bound, 0.0) + number
     times: dict[str, dict[float, float]] = {}
     for (time, _), counts in sorted(buckets.items(), key=lambda kv: kv[0][1]):
