@@ -23,7 +23,15 @@
   engine, while refused ones, a bad key and an unknown model, are mixed in; target 0), and
   `ejected_shown_ready` (a replica whose engine is stopped with SIGSTOP, once a router has it
   out of rotation, shown `ready`; target false) with `ejected_return_event` (its return
-  evented once SIGCONT).
+  evented once SIGCONT), and `ejected_shown_ready_any_page` (the same replica counted
+  serving on the dashboard's overview, or shown ready on its node's, model's or own page,
+  each rendered once before its engine stopped; target false).
+- `plotted_rate_error`: a fleet as `up` starts one, a point every second; clients send
+  steady requests for `--rate-load` seconds, each noting when its answer came; the model
+  page's requests/s of the last hour (points of 20 s, the first from the step of the first
+  request, the last still filling) against the clients' own count over the time each point
+  covers: the worst relative error of a point of 20 requests or more (target <= 0.1), with
+  `plotted_rates` (each point, plotted and counted).
 - `events_per_fault`: every fault of bench/faults.py leaves the events naming its cause
   (run here unless `--skip-faults`; about three minutes).
 - `previous_logs_kept`: a fleet as `up` starts one; an engine killed six times (each time
@@ -40,7 +48,8 @@
 
 It ends with one JSON line.
 
-    python bench/observe.py [--requests 200] [--rate 200] [--duration 20] [--skip-faults]
+    python bench/observe.py [--requests 200] [--rate 200] [--duration 20] [--rate-load 50]
+                             [--only-truth] [--only-rates] [--skip-faults]
 """
 
 from __future__ import annotations
@@ -49,9 +58,12 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import html
 import itertools
+import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import socket
@@ -80,6 +92,7 @@ from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig
 from modelfleet.controlplane.dashboard import Dashboard
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.controlplane.series import RANGES, shown_width
 from modelfleet.controlplane.service import create_apps
 from modelfleet.http.otlp import SpanCollector
 from modelfleet.http.serving import Listener
@@ -314,6 +327,10 @@ def truth(tmp: Path) -> dict[str, Any]:
 
         # A replica out of rotation: its engine stopped, not dead.
         victim = ready()[0]
+        ui = dashboard_session(running)
+        pages = replica_pages(victim)
+        for path in pages.values():  # rendered, and kept, while it serves
+            ui.get(path).raise_for_status()
         engine = psutil.Process(victim["shards"][0]["pid"])
         engine.suspend()
         try:
@@ -323,6 +340,8 @@ def truth(tmp: Path) -> dict[str, Any]:
                 return found if found["ejected"] else None
 
             seen = wait("a router to have the stopped replica out of rotation", out, 60)
+            shown_ready = [what for what, path in pages.items()
+                           if shows_ready(ui.get(path).text, what, victim["id"])]  # fmt: skip
         finally:
             engine.resume()
 
@@ -339,8 +358,94 @@ def truth(tmp: Path) -> dict[str, Any]:
         "requests_timed": int(timed),
         "ejected_shown_ready": seen["state"] == "ready",
         "ejected_state": seen["state"],
+        "ejected_shown_ready_any_page": bool(shown_ready),
+        "ejected_shown_ready_on": shown_ready,
         "ejected_return_event": back,
     }
+
+
+def dashboard_session(running: RunningFleet) -> httpx.Client:
+    """A client of the dashboard, signed in (its session cookie)."""
+    ui = httpx.Client(base_url=running.admin_url, timeout=20, follow_redirects=True)
+    ui.post("/ui/login", data={"token": running.admin_token}).raise_for_status()
+    return ui
+
+
+def replica_pages(replica: dict[str, Any]) -> dict[str, str]:
+    """The dashboard's pages that show `replica`, by what they are."""
+    return {
+        "overview": "/ui/",
+        "node": f"/ui/nodes/{replica['shards'][0]['node']}",
+        "model": f"/ui/models/{replica['model']}",
+        "replica": f"/ui/replicas/{replica['id']}",
+    }
+
+
+def shows_ready(page: str, what: str, rid: str) -> bool:
+    """Whether a page (of `replica_pages`) shows replica `rid`, of sim-chat's two, serving:
+    the overview counting both serving, another page's row of it (its own page: its state)
+    saying `ready`."""
+    if what == "overview":
+        row = re.search(r'/ui/models/sim-chat">sim-chat</a></td>.*?class="serving">(\d+)<',
+                        page, re.S)  # fmt: skip
+        return row is None or row.group(1) != "1"
+    found = re.search(rf'data-replica="{rid}">.*?</tr>' if what != "replica" else
+                      r"<h1>Replica .*?</p>", page, re.S)  # fmt: skip
+    return found is None or "out-of-rotation" not in found.group(0)
+
+
+def plotted_rates(tmp: Path, seconds: float) -> dict[str, Any]:
+    """The model page's requests/s against the clients' own count (see the docstring)."""
+    step = 1
+    width = shown_width(RANGES["1h"], step)
+    options = FleetOptions(report_interval=0.5, control_plane={"series_interval": step})
+    running = start_fleet(tmp / "state", options)
+    answered: list[float] = []  # when each answer came (wall clock)
+    try:
+        api = admin(running)
+        wait("sim-chat serving", lambda: len([
+            r for r in api.get("/v1/replicas").json()["replicas"]
+            if r["model"] == "sim-chat" and r["state"] == "ready"]) == 2)  # fmt: skip
+        body = {"model": "sim-chat", "prompt": "count me", "max_tokens": 4}
+        headers = {"authorization": f"Bearer {running.api_key}"}
+        began = time.time()
+        end = began + seconds
+
+        def load() -> None:
+            with httpx.Client(timeout=30) as client:
+                while time.time() < end:
+                    got = client.post(f"{running.router_url}/v1/completions", json=body,
+                                      headers=headers)  # fmt: skip
+                    if got.status_code == 200:
+                        answered.append(time.time())
+                    time.sleep(0.1)
+
+        loaders = [threading.Thread(target=load) for _ in range(3)]
+        for t in loaders:
+            t.start()
+        for t in loaders:
+            t.join()
+        # Read half a step after a step's end: the points written are those up to it.
+        time.sleep(step * 1.5 - time.time() % step)
+        read_at = time.time()
+        page = dashboard_session(running).get("/ui/models/sim-chat").text
+    finally:
+        running.fleet.stop()
+    found = re.search(r"data-plot='([^']*)'", page)
+    plot = json.loads(html.unescape(found.group(1))) if found else {"at": []}
+    written_to = int(read_at // step) * step  # the end of the last step written
+    # The model's first point is the step of its first request: nothing is plotted before.
+    first = int(min(answered, default=read_at) // step) * step
+    points, worst = [], 0.0
+    for at, rate in zip(plot["at"], plot.get("requests_per_s", []), strict=False):
+        start, stop = max(at - width, first), min(at, written_to)
+        counted = sum(1 for t in answered if start <= t < stop)
+        if rate is None or counted < 20 or stop <= start:
+            continue
+        truth = counted / (stop - start)
+        points.append({"at": at, "plotted": rate, "counted_per_s": round(truth, 3)})
+        worst = max(worst, abs(rate - truth) / truth)
+    return {"plotted_rate_error": round(worst, 3) if points else None, "plotted_rates": points}
 
 
 def admin(running: RunningFleet) -> httpx.Client:
@@ -523,12 +628,22 @@ def main() -> None:
     parser.add_argument("--baseline", default=BASELINE)
     parser.add_argument("--skip-faults", action="store_true")
     parser.add_argument("--only-truth", action="store_true", help="the truth part alone")
+    parser.add_argument("--only-rates", action="store_true", help="plotted_rate_error alone")
+    parser.add_argument("--rate-load", type=float, default=50.0,
+                        help="seconds of steady requests for plotted_rate_error")  # fmt: skip
     args = parser.parse_args()
     out: dict[str, Any] = {"bench": "observe"}
+    if args.only_rates:
+        with tempfile.TemporaryDirectory() as tmp:
+            out.update(plotted_rates(Path(tmp), args.rate_load))
+        json_line(out)
+        return
     if args.only_truth:
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "truth").mkdir()
             out.update(truth(Path(tmp) / "truth"))
+            (Path(tmp) / "rates").mkdir()
+            out.update(plotted_rates(Path(tmp) / "rates", args.rate_load))
         json_line(out)
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -548,6 +663,9 @@ def main() -> None:
         say("what is shown is true ...")
         (root / "truth").mkdir()
         out.update(truth(root / "truth"))
+        say("plotted rates against the clients' count ...")
+        (root / "rates").mkdir()
+        out.update(plotted_rates(root / "rates", args.rate_load))
         say(f"  {out}")
         say("the dashboard at 1,000 nodes ...")
         out.update(dashboard_at_scale())

@@ -6,7 +6,10 @@ kept."""
 
 from __future__ import annotations
 
+import contextlib
+import html
 import json
+import re
 import shutil
 import threading
 import time
@@ -359,3 +362,103 @@ def test_plots_of_models_nodes_and_keys_cover_a_range_and_outlive_a_restart(
     kept = [at for at, v in zip(after["at"], after["requests_per_s"], strict=True) if v]
     assert set(counted_before) <= set(kept), (counted_before, kept)
     page.screenshot(path=str(tmp_path / "model-after-restart.png"), full_page=True)
+
+
+def live_html(ui: httpx.Client, path: str) -> str:
+    """A dashboard page as served now: its live part rendered into it."""
+    answer = ui.get(path, timeout=10)
+    assert answer.status_code == 200, (path, answer.status_code)
+    return answer.text
+
+
+def plot_of(html_text: str) -> dict[str, Any]:
+    found = re.search(r"data-plot='([^']*)'", html_text)
+    return dict(json.loads(html.unescape(found.group(1)))) if found else {}
+
+
+def test_pages_show_ejections_at_once_the_engines_ttft_and_kv_cache_with_router_workers(
+    tmp_path: Path,
+) -> None:
+    """Issue 57, on a fleet as `up` starts one with router `workers: 2`: the replica page
+    never showed its KV cache use (the workers' loads were summed without it); time to first
+    token was the routers' time to first byte; and a replica out of rotation stayed serving
+    on the overview and "ready" on its node's and model's pages (the parts' cache ignored
+    ejections)."""
+    options = FleetOptions(report_interval=0.5, router={"workers": 2},
+                           control_plane={"series_interval": 1.0})  # fmt: skip
+    running = start_fleet(tmp_path / "state", options)
+    stop = threading.Event()
+    loaders: list[threading.Thread] = []
+    suspended: psutil.Process | None = None
+    try:
+        wait_for("sim-chat serving", lambda: serving(running).get("sim-chat") == 2, timeout=60)
+        ui = httpx.Client(base_url=running.admin_url, follow_redirects=True)
+        signed = ui.post("/ui/login", data={"token": running.admin_token}, timeout=10)
+        assert signed.status_code == 200 and "/ui/login" not in str(signed.url)
+
+        def ask() -> None:
+            body = {"model": "sim-chat", "max_tokens": 20, "stream": True,
+                    "messages": [{"role": "user", "content": "time me"}]}  # fmt: skip
+            headers = {"authorization": f"Bearer {running.api_key}"}
+            while not stop.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.post(f"{running.router_url}/v1/chat/completions", json=body,
+                               headers=headers, timeout=30)  # fmt: skip
+
+        loaders = [threading.Thread(target=ask, daemon=True) for _ in range(2)]
+        for t in loaders:
+            t.start()
+        admin = {"authorization": f"Bearer {running.admin_token}"}
+        replicas = httpx.get(f"{running.admin_url}/v1/replicas", headers=admin, timeout=10)
+        victim = next(r for r in replicas.json()["replicas"] if r["model"] == "sim-chat")
+        rid, node = victim["id"], victim["shards"][0]["node"]
+        wait_for(
+            "the replica page to show its KV cache in use",
+            lambda: "KV cache" in live_html(ui, f"/ui/replicas/{rid}"),
+            timeout=30,
+        )
+        plots = wait_for(
+            "the engines' time to first token plotted",
+            lambda: (
+                (p := plot_of(live_html(ui, "/ui/models/sim-chat")))
+                and any_above(p.get("first_token_p50_ms"))
+                and any_above(p.get("first_byte_p50_ms"))
+                and p
+            ),
+            timeout=60,
+        )
+        model_page = live_html(ui, "/ui/models/sim-chat")
+        assert "time to first token at the engines" in model_page
+        assert "time to first byte at the routers" in model_page
+        assert len(plots["first_token_p50_ms"]) == len(plots["at"])
+        stop.set()
+        for t in loaders:
+            t.join(30)
+
+        # Each page rendered (and kept) while the replica serves; then its engine stops.
+        pages = {"overview": "/ui/", "node": f"/ui/nodes/{node}", "model": "/ui/models/sim-chat"}
+        for path in pages.values():
+            live_html(ui, path)
+        suspended = psutil.Process(victim["shards"][0]["pid"])
+        suspended.suspend()
+        wait_for(
+            "a router to have the stopped replica out of rotation",
+            lambda: httpx.get(
+                f"{running.admin_url}/v1/replicas/{rid}", headers=admin, timeout=10
+            ).json()["ejected"],
+            timeout=60,
+        )
+        overview = live_html(ui, pages["overview"])
+        row = re.search(r'/ui/models/sim-chat">sim-chat</a></td>.*?class="serving">(\d+)<',
+                        overview, re.S)  # fmt: skip
+        assert row is not None and row.group(1) == "1", "the overview still counts it serving"
+        for what in ("node", "model"):
+            shown = re.search(rf'data-replica="{rid}">.*?</tr>', live_html(ui, pages[what]), re.S)
+            assert shown is not None and "out-of-rotation" in shown.group(0), what
+    finally:
+        stop.set()
+        if suspended is not None:
+            suspended.resume()
+        for t in loaders:
+            t.join(30)
+        running.fleet.stop()

@@ -17,7 +17,7 @@ from modelfleet.controlplane.dashboard import COOKIE, Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.core.fleet import Mark
-from modelfleet.messages.wire import LoadReport, ModelLoad
+from modelfleet.messages.wire import Ejection, LoadReport, ModelLoad
 from modelfleet.store.calls import Outage
 from modelfleet.store.sqlite import SqliteStore
 
@@ -227,6 +227,45 @@ def test_a_replica_has_a_page_of_its_own_linked_from_its_model() -> None:
             page = (await c.get(f"/ui/replicas/{rid}")).text
             assert "load 6.0" in page and "at its engine: 6 running or waiting" in page
             assert "KV cache 50 % in use" in page
+
+    asyncio.run(go())
+
+
+def test_a_replica_out_of_rotation_shows_so_on_every_page_at_once() -> None:
+    """Issue 57: the overview kept "1 / 1" serving, and node and model pages "ready", while a
+    router had the replica out of rotation: the parts' cache ignored ejections."""
+    cp = control_plane()  # small's replica on a: ready
+    [rid] = [r for r, rec in cp.state.replicas.items() if rec.replica.shards[0].node == "a"]
+    parts = Dashboard(cp).parts
+    pages = [("overview", ""), ("node", "a"), ("model", "small"), ("replica", rid)]
+
+    def serving(html: str) -> int:
+        found = re.search(r'<a href="/ui/models/small">small</a></td>.*?class="serving">(\d+)<',
+                          html, re.S)  # fmt: skip
+        assert found is not None
+        return int(found.group(1))
+
+    def replica_state(html: str) -> str:
+        row = re.search(rf'data-replica="{rid}">.*?</tr>', html, re.S)
+        if row is None:  # the replica's own page
+            row = re.search(r"<h1>Replica .*", html, re.S)
+        assert row is not None
+        return "out-of-rotation" if "out-of-rotation" in row.group(0) else "ready"
+
+    async def go() -> None:
+        before = {p: await parts.render_part(*p) for p in pages}
+        assert serving(before["overview", ""]) == 1
+        assert all(replica_state(before[p]) == "ready" for p in pages[1:])
+        out = Ejection(why="engine unreachable", left_s=5.0, times=1)
+        report = LoadReport(ejected={rid: out})
+        cp.loads.reports["http://router"] = (cp.clock.monotonic(), report)
+        after = {p: await parts.render_part(*p) for p in pages}
+        assert serving(after["overview", ""]) == 0
+        assert [p for p in pages[1:] if replica_state(after[p]) != "out-of-rotation"] == []
+        cp.loads.reports["http://router"] = (cp.clock.monotonic(), LoadReport())
+        back = {p: await parts.render_part(*p) for p in pages}
+        assert serving(back["overview", ""]) == 1
+        assert all(replica_state(back[p]) == "ready" for p in pages[1:])
 
     asyncio.run(go())
 

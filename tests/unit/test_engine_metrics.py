@@ -67,3 +67,64 @@ def test_every_engine_s_own_names_come_out_as_one_set() -> None:
 def test_the_router_reads_load_from_the_same_names() -> None:
     assert {"vllm:num_requests_running", "sglang:num_queue_reqs"} <= load_sources()
     assert "vllm:kv_cache_usage_perc" not in load_sources()
+
+
+def ttft_page(counts: dict[str, float], older: dict[str, float] | None = None) -> str:
+    """A vLLM page with a time-to-first-token histogram of two engines (label sets), its
+    counts by bound split between them; `older`: a deprecated family shown beside it."""
+    lines = ["# TYPE vllm:time_to_first_token_seconds histogram"]
+    for le, n in counts.items():
+        for engine, share in (("0", n - n // 2), ("1", n // 2)):
+            lines.append(f'vllm:time_to_first_token_seconds_bucket{{engine="{engine}",'
+                         f'le="{le}",model_name="m"}} {share}')  # fmt: skip
+    lines.append(f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {counts["+Inf"]}')
+    for le, n in (older or {}).items():
+        lines.append(f'vllm:time_per_output_token_seconds_bucket{{le="{le}"}} {n}')
+        lines.append(f'vllm:inter_token_latency_seconds_bucket{{le="{le}"}} {n * 10}')
+    return VLLM.split("# TYPE vllm:time_to_first_token")[0] + "\n".join(lines) + "\n"
+
+
+def test_the_router_counts_the_engines_own_times_per_model_as_counters() -> None:
+    """Issue 57: the dashboard plotted the routers' time to first byte as time to first token
+    (151 vs 75 ms). The router reads the engines' own histograms with their load, and counts
+    what each engine counted since its last reading, for the engine's model."""
+    from modelfleet.router.engine_load import EngineTimes, read_engine_page
+
+    read = read_engine_page(ttft_page({"0.1": 3, "+Inf": 5}, older={"0.5": 2, "+Inf": 2}))
+    assert read.load == 7 and read.cache == 0.5  # as before
+    assert read.times["first_token"] == {0.1: 3, float("inf"): 5}  # engines' sets summed
+    assert read.times["token_gap"] == {0.5: 20, float("inf"): 20}  # vLLM's name first
+    times = EngineTimes()
+    times.take("http://e1", "m", read.times)  # the first reading: counting starts here
+    assert times.counts == {}
+    times.take("http://e1", "m", read_engine_page(ttft_page({"0.1": 10, "+Inf": 15})).times)
+    assert times.counts[("m", "first_token")] == {0.1: 7, float("inf"): 10}
+    # The engine restarted: all it shows is new.
+    times.take("http://e1", "m", read_engine_page(ttft_page({"0.1": 1, "+Inf": 2})).times)
+    assert times.counts[("m", "first_token")] == {0.1: 8, float("inf"): 12}
+    times.keep_only(set())  # no longer routed to: read again, it starts anew
+    times.take("http://e1", "m", read_engine_page(ttft_page({"0.1": 9, "+Inf": 9})).times)
+    assert times.counts[("m", "first_token")] == {0.1: 8, float("inf"): 12}
+
+
+def test_workers_reading_the_same_engines_show_their_largest_reading_not_the_sum() -> None:
+    from modelfleet.router.metrics import summed
+
+    def scrape(ttft: float, requests: float) -> str:
+        return (
+            "# TYPE modelfleet_router_engine_time_to_first_token_seconds histogram\n"
+            "modelfleet_router_engine_time_to_first_token_seconds_bucket"
+            f'{{model="m",le="+Inf"}} {ttft}\n'
+            "# TYPE modelfleet_router_requests counter\n"
+            f'modelfleet_router_requests_total{{model="m",status="200"}} {requests}\n'
+        )  # fmt: skip
+
+    def read(text: bytes) -> dict[str, float]:
+        return {s.name: s.value for f in text_string_to_metric_families(text.decode())
+                for s in f.samples}  # fmt: skip
+
+    both = read(summed([scrape(10, 3), scrape(12, 4)], same_engines=True))
+    assert both["modelfleet_router_engine_time_to_first_token_seconds_bucket"] == 12
+    assert both["modelfleet_router_requests_total"] == 7  # each worker's own: summed
+    runs = read(summed([scrape(10, 3), scrape(12, 4)]))  # one worker's runs: summed
+    assert runs["modelfleet_router_engine_time_to_first_token_seconds_bucket"] == 22

@@ -227,3 +227,20 @@ def test_a_router_with_workers_reports_the_sum_of_their_held_requests_and_rates(
     summed = _summed_loads([one, two]).models
     assert (summed["x"].held, summed["x"].rate, summed["y"].rate) == (3, 0.75, 1.0)
     assert summed["x"].waited == 4.0  # the oldest held request of any worker
+
+
+def test_a_router_with_workers_reports_every_engine_reading_of_its_workers() -> None:
+    """Issue 57: with `workers: 2` the replica page never showed KV cache use: the workers'
+    loads were summed field by field, and the cache was left out."""
+    from modelfleet.messages.wire import LoadReport, ModelLoad
+    from modelfleet.router.workers import _summed_loads
+
+    full = ModelLoad(in_flight=2, held=1, engines=5, replicas={"r": (2, 5)}, cache={"r": 0.25},
+                     rate=0.5, waited=1.0)  # fmt: skip
+    assert set(full.model_fields_set) == set(ModelLoad.model_fields)  # every field said
+    assert _summed_loads([LoadReport(models={"x": full})]).models["x"] == full
+    # Both workers read the same engine: the largest reading of its queue and cache is kept.
+    other = ModelLoad(in_flight=1, engines=7, replicas={"r": (1, 7)}, cache={"r": 0.5})
+    both = _summed_loads([LoadReport(models={"x": full}), LoadReport(models={"x": other})])
+    assert both.models["x"].replicas == {"r": (3, 7)} and both.models["x"].engines == 7
+    assert both.models["x"].cache == {"r": 0.5}

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from modelfleet.controlplane.config import RouterTarget
 from modelfleet.controlplane.series import (
     COARSE_STEP,
+    COVERED,
     FINE_KEEP_S,
     MAX_SHOWN,
     RANGES,
@@ -113,6 +114,52 @@ def test_points_sum_the_routers_and_a_restarted_router_counts_from_zero() -> Non
     assert second["requests_per_s"] == 1.4 and second["errors_per_s"] == 0.1
 
 
+def test_a_model_s_time_to_first_token_is_the_engines_read_once_over_every_router() -> None:
+    """Issue 57: "time to first byte" was plotted as if it were time to first token (151 vs
+    75 ms). The engines' own histograms, which each router reads from the same engines, are
+    plotted as time to first token: counted once, however many routers read them."""
+
+    def engines(fast: int, slow: int, first_byte_s: float) -> str:
+        name = "modelfleet_router_engine_time_to_first_token_seconds"
+        return (
+            f"# TYPE {name} histogram\n"
+            f'{name}_bucket{{model="m",le="0.08"}} {fast}\n'
+            f'{name}_bucket{{model="m",le="+Inf"}} {fast + slow}\n'
+            + histogram({first_byte_s: fast + slow, math.inf: fast + slow})
+        )
+
+    # Both routers read 10 fast and 10 slow first tokens; their own first bytes came later.
+    pages = {"a": [engines(0, 0, 0.2), engines(10, 10, 0.2)],
+             "b": [engines(0, 0, 0.2), engines(9, 10, 0.2)]}  # fmt: skip
+    turn = {"a": 0, "b": 0}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        router = request.url.host
+        turn[router] += 1
+        return httpx.Response(200, text=pages[router][turn[router] - 1])
+
+    clock = [100.0]
+    store = SqliteStore(":memory:")
+    http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    routers = [RouterTarget(url=f"http://{r}", token="t" * 16) for r in "ab"]
+    rec = recorder(store, clock)
+    RouterSeries(routers, http, rec)
+
+    async def go() -> None:
+        await rec.write()
+        clock[0] += 10
+        await rec.write()
+
+    asyncio.run(go())
+    [point] = store.points("model", "m", 10, 0)
+    t = Totals.loads(point.body)
+    assert t.buckets[("first_token", math.inf)] == 20  # the larger reading, not 20 + 19
+    assert t.buckets[("first_byte", math.inf)] == 39  # each router's own requests: summed
+    values = shown_model(t, 10)
+    assert values["first_token_p50"] == 0.08  # the engines', read by the routers
+    assert values["first_byte_p50"] == pytest.approx(0.1)  # the routers' own, in 0.2 s
+
+
 def test_the_quarter_hour_point_grows_with_each_step_and_across_a_restart() -> None:
     """Plots survive a restart (issue 41): a control plane that starts leading mid-quarter
     adds to the quarter's point another wrote, and one that does not lead writes nothing."""
@@ -191,7 +238,8 @@ def test_a_plot_merges_points_without_losing_or_inventing_a_request(
     counts: dict[int, int], span: int
 ) -> None:
     """However many points a range holds, it shows at most MAX_SHOWN, and every request of a
-    point inside the range is in exactly one of them (rate times width adds back up)."""
+    point inside the range is in exactly one of them (rate times the time covered adds back
+    up)."""
     step = 60 if span <= FINE_KEEP_S else COARSE_STEP
     now = 2100 * step
     points = [
@@ -204,8 +252,60 @@ def test_a_plot_merges_points_without_losing_or_inventing_a_request(
     inside = sum(n for i, n in counts.items() if i * step + step > now - span)
     assert all(p.at % width == 0 for p in got)
     assert all(b.at > a.at for a, b in itertools.pairwise(got))  # one point per time, in order
-    total = sum((p.values["requests_per_s"] or 0) * width for p in got)
+    total = sum((p.values["requests_per_s"] or 0) * p.seconds for p in got)
     assert abs(total - inside) < 1e-6 * max(1, inside)
+
+
+@given(
+    rate=st.floats(0.01, 1000.0),
+    span=st.sampled_from(sorted(RANGES.values())),
+    ended=st.integers(1, 2000),
+    missing=st.sets(st.integers(0, 400), max_size=100),
+    said=st.booleans(),
+)
+def test_a_steady_rate_is_plotted_as_that_rate_whatever_a_point_s_fill(
+    rate: float, span: int, ended: int, missing: set[int], said: bool
+) -> None:
+    """Issue 57: a point was divided by its whole width, so the last hour's point, a quarter
+    full, showed 4.2 req/s for a steady 8.5, and points spanning a restart (steps with no
+    point) 10/12 of the truth. Whatever the steps present, a steady rate shows as itself."""
+    step = 60 if span <= FINE_KEEP_S else COARSE_STEP
+    now = ended * step
+    points = []
+    for i in range(max(0, ended - span // step - 1), ended):
+        if ended - 1 - i in missing:
+            continue  # a step the control plane was down for: no point
+        counts = {"requests": rate * step, "tokens": 3 * rate * step}
+        if said:  # as points say the seconds they cover; older ones do not
+            counts[COVERED] = float(step)
+        points.append(StoredPoint("model", "m", step, i * step, Totals(counts).dumps()))
+    for p in shown("model", points, span, now):
+        assert p.values["requests_per_s"] == pytest.approx(rate)
+        assert p.values["tokens_per_s"] == pytest.approx(3 * rate)
+
+
+def test_a_quarter_still_filling_covers_the_steps_written_so_far() -> None:
+    """The day's range plots quarter-hour points: the current one, 3 steps of 10 s into its
+    quarter, covers 30 s, and a key that counted nothing in a step of this term gets a zero
+    point for it (its rate is over every step of the term, not only the busy ones)."""
+    clock = [1800.0 + 5]
+    store = SqliteStore(":memory:")
+    rec = recorder(store, clock)
+
+    async def go() -> None:
+        for requests in (30, 0, 60):
+            if requests:
+                rec.add("key", "k", Totals({"requests": requests}))
+            clock[0] += 10
+            await rec.write()
+
+    asyncio.run(go())
+    fine = store.points("key", "k", 10, 0)
+    assert [Totals.loads(p.body).count("requests") for p in fine] == [30, 0, 60]
+    [quarter] = store.points("key", "k", COARSE_STEP, 0)
+    assert Totals.loads(quarter.body).count(COVERED) == 30
+    [day] = shown("key", [quarter], RANGES["24h"], clock[0])
+    assert day.values["requests_per_s"] == 3.0 and day.seconds == 30
 
 
 def histogram(counts: dict[float, int]) -> str:

@@ -136,6 +136,41 @@ def test_metrics_count_tokens_and_requests() -> None:
     run(go())
 
 
+def test_metrics_hold_vllm_s_histograms_of_time_to_first_token_and_between_tokens() -> None:
+    """Issue 57: the README said the simulator served these; it served neither. As vLLM's:
+    the time to first token from the request's arrival (its wait for a slot included), and
+    one observation per gap between two tokens of a request."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def go() -> None:
+        async with client(max_concurrency=1, ttft=0.05, itl=0.03) as c:
+            body = {"model": "m", "prompt": "x", "max_tokens": 3}
+            done = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(2)))
+            assert all(r.status_code == 200 for r in done)
+            page = (await c.get("/metrics")).text
+        families = {f.name: f for f in text_string_to_metric_families(page)}
+        first = families["vllm:time_to_first_token_seconds"]
+        between = families["vllm:inter_token_latency_seconds"]
+        assert first.type == between.type == "histogram"
+
+        def value(family: object, name: str, **labels: str) -> float:
+            return next(s.value for s in family.samples  # type: ignore[attr-defined]
+                        if s.name == name and labels.items() <= s.labels.items())  # fmt: skip
+
+        name = "vllm:time_to_first_token_seconds"
+        assert value(first, f"{name}_count", model_name="m") == 2
+        assert value(first, f"{name}_bucket", le="0.04") == 0  # none sooner than its ttft
+        # The second waited for the first (0.05 + 2 x 0.03) before its own 0.05: past 0.1 s.
+        assert value(first, f"{name}_bucket", le="0.1") == 1
+        assert value(first, f"{name}_sum") >= 0.05 + 0.16
+        name = "vllm:inter_token_latency_seconds"
+        assert value(between, f"{name}_count") == 4  # two gaps of each answer of three tokens
+        assert value(between, f"{name}_bucket", le="0.025") == 0
+        assert value(between, f"{name}_sum") >= 4 * 0.03
+
+    run(go())
+
+
 def test_more_than_one_choice_is_refused_not_answered_with_one() -> None:
     async def go() -> None:
         async with client() as c:

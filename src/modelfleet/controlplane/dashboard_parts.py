@@ -171,11 +171,15 @@ class LiveParts:
         state = cp.state
         now = cp.clock.monotonic()
         nodes = state.node_list()
+        ejected = cp.loads.ejections(now)
         basis: tuple[Any, ...] = (
             state.changes.version,
             cp.catalogs.current.version,
             cp.frozen,
             state.pending,
+            # Every page shows a replica out of rotation as such (not "ready"): which are out
+            # is part of what each is made from.
+            tuple(sorted(ejected)),
             tuple(n.name for n in nodes if not n.is_ready(now, state.stale_after)),
             # What the pages show of time: a node's whole seconds since it was heard, past
             # HEARD_NOW_S ("now" before).
@@ -190,7 +194,7 @@ class LiveParts:
         if stored.plotted is not None:
             basis += (stored.plotted.version, stored.problem)
         if part == "replica":
-            basis += (tuple(cp.loads.ejections(now).get(name, ())), *self._load(name).values())
+            basis += (tuple(ejected.get(name, ())), *self._load(name).values())
         return basis
 
     # -- what each part shows -----------------------------------------------------------

@@ -6,10 +6,13 @@ histograms' buckets):
 - **models**: every step the control plane reads each router's metrics (through its push API,
   which answers the sum over the router's workers) and adds what each model counted since the
   last read: requests, server errors, refusals, completion tokens, and the buckets of the
-  time to first byte, the time between tokens (streams) and the request time. An error is a
-  request sent to an engine that got a 5xx; a refusal, one the router answered itself (no
-  key, a key over its limit, no replica ready...). A router that restarted (its counters went
-  down) counts from zero again; one that does not answer is left out of that step.
+  time to first byte at the router, the mean time between tokens of its streams and the
+  request time; and of the engines' own time to first token and between tokens, which every
+  router reads from the same engines: of those, the largest count of any router is taken,
+  not their sum. An error is a request sent to an engine that got a 5xx; a refusal, one the
+  router answered itself (no key, a key over its limit, no replica ready...). A router that
+  restarted (its counters went down) counts from zero again; one that does not answer is
+  left out of that step.
 - **nodes**: each agent's report and heartbeat carry its GPUs' memory in use and
   utilisation; a node's step sums what was heard in it, with how many samples, so that its
   plot shows their mean.
@@ -17,12 +20,18 @@ histograms' buckets):
   errors, and requests refused for its limits (429).
 
 Every `step` seconds the leading control plane writes one point per subject that counted
-something, and adds it into the subject's point of COARSE_STEP (15 minutes). Points of the
+something, and adds it into the subject's point of COARSE_STEP (15 minutes). Each point says
+the seconds it covers (COVERED: a step's, summed into the quarter's), and a model or key
+written once in a term gets a point at every step after, zero when it counted nothing, so
+that a plot's rates are over the time the points cover: a quarter hour still filling, or one
+in which the control plane was down a while, shows the rate of the time it has, not that
+rate shrunk by the part it lacks (the first step of a term counts nothing: the routers'
+first readings are where counting starts from). Points of the
 step are kept FINE_KEEP_S (6 hours), coarse ones COARSE_KEEP_S (8 days): a subject costs at
 most 6 h / step + 768 rows (1,128 at the default step of a minute). A plot of the last hour
 or 6 hours reads points of the step, of 24 hours or 7 days the coarse ones, and merges them
 into at most MAX_SHOWN points: sums add, so a merged point's rates and percentiles are those
-of its whole time, worked out from the buckets as Prometheus's `histogram_quantile` does.
+of the time it covers, worked out from the buckets as Prometheus's `histogram_quantile` does.
 """
 
 from __future__ import annotations
@@ -53,11 +62,17 @@ RANGES = {"1h": 3600, "6h": 6 * 3600, "24h": 24 * 3600, "7d": 7 * 86400}
 QUANTILES = (0.5, 0.95, 0.99)
 # The routers' histograms a point reads percentiles of, by the name a point gives them.
 TIMES = {
+    "first_token": "modelfleet_router_engine_time_to_first_token_seconds",
+    "token_gap": "modelfleet_router_engine_inter_token_latency_seconds",
     "first_byte": "modelfleet_router_first_byte_seconds",
     "inter_token": "modelfleet_router_inter_token_seconds",
     "request": "modelfleet_router_request_seconds",
 }
+# Of TIMES, the engines' own, which every router reads from the same engines.
+ENGINE_TIMES = frozenset({"first_token", "token_gap"})
 KINDS = ("model", "node", "key")
+RATED = ("model", "key")  # the kinds plotted as rates: a point at every step once seen
+COVERED = "seconds"  # the count of a point that says the seconds it covers
 
 
 @dataclass
@@ -85,6 +100,16 @@ class Totals:
             {k: v - earlier.counts.get(k, 0.0) for k, v in self.counts.items()},
             {k: v - earlier.buckets.get(k, 0.0) for k, v in self.buckets.items()},
         )
+
+    def read_again(self, other: Totals) -> Totals:
+        """These and `other`, another router's, counted since the same reading: sums add,
+        but of the engines' histograms (ENGINE_TIMES, which both routers read from the same
+        engines) the larger count of each bucket is kept."""
+        summed = self.plus(other)
+        for (time, le), n in other.buckets.items():
+            if time in ENGINE_TIMES:
+                summed.buckets[(time, le)] = max(self.buckets.get((time, le), 0.0), n)
+        return summed
 
     def plus(self, other: Totals) -> Totals:
         counts, buckets = dict(self.counts), dict(self.buckets)
@@ -161,10 +186,12 @@ def read_totals(text: str) -> dict[str, Totals]:
 
 @dataclass(frozen=True)
 class Shown:
-    """One point of a plot: when it ends, and its numbers by name (None: nothing to say)."""
+    """One point of a plot: when it ends, its numbers by name (None: nothing to say), and
+    the seconds its stored points cover (its rates are over those)."""
 
     at: float
     values: Mapping[str, float | None]
+    seconds: float = 0.0
 
 
 def shown_model(t: Totals, seconds: float) -> dict[str, float | None]:
@@ -222,22 +249,36 @@ def shown_width(span: int, step: int) -> int:
     return max(1, math.ceil(span / step / MAX_SHOWN)) * step
 
 
+def covered(t: Totals, step: int) -> float:
+    """The seconds a stored point of `step` seconds covers: as it says (a quarter hour still
+    filling, or with steps missing, covers less than its width), the whole step when it does
+    not say (a point written before points said it)."""
+    return t.count(COVERED) or float(step)
+
+
 def shown(kind: str, points: Sequence[StoredPoint], span: int, now: float) -> list[Shown]:
     """The points of one subject over the last `span` seconds, merged into at most
     MAX_SHOWN: each shown point sums whole stored points, and its rates are over the time
-    those cover. A time with no stored point shows as nothing (a gap), not as zero."""
+    those cover so far (not over its whole width: a point still filling, or spanning a
+    restart, is not shown lower than the truth). A time with no stored point shows as
+    nothing (a gap), not as zero."""
     if not points:
         return []
     step = points[0].step
     width = shown_width(span, step)
-    groups: dict[int, Totals] = {}
+    groups: dict[int, tuple[Totals, float]] = {}
     for p in points:
         if p.at + step <= now - span:
             continue
         start = p.at // width * width
-        groups[start] = groups.get(start, Totals()).plus(Totals.loads(p.body))
+        t = Totals.loads(p.body)
+        held, seconds = groups.get(start, (Totals(), 0.0))
+        groups[start] = (held.plus(t), seconds + covered(t, step))
     judge = SHOWN[kind]
-    return [Shown(start + width, judge(t, width)) for start, t in sorted(groups.items())]
+    return [
+        Shown(start + width, judge(t, seconds), seconds)
+        for start, (t, seconds) in sorted(groups.items())
+    ]
 
 
 # -- recording -----------------------------------------------------------------------------
@@ -265,6 +306,8 @@ class Recorder:
         self._open: dict[tuple[str, str], Totals] = {}
         self._coarse: dict[tuple[str, str], Totals] = {}
         self._coarse_at: int | None = None  # the quarter hour `_coarse` holds; None: unread
+        # The models and keys written in this term: each gets a point at every step.
+        self._seen: set[tuple[str, str]] = set()
         self._failure = ""
 
     def add(self, kind: str, subject: str, counted: Totals) -> None:
@@ -300,7 +343,11 @@ class Recorder:
         taken, self._open = self._open, {}
         if not self.acting():
             self._coarse_at = None  # another writes meanwhile: read again when leading
+            self._seen = set()
             return
+        for key in self._seen - taken.keys():
+            taken[key] = Totals()  # counted nothing in this step: its rate is zero, not unknown
+        self._seen |= {key for key in taken if key[0] in RATED}
         now = self.wall()
         try:
             # In a worker thread, building the points too: at 10,000 nodes that is 20,000
@@ -327,7 +374,8 @@ class Recorder:
             }
             self._coarse_at = quarter
         points = []
-        for (kind, subject), counted in taken.items():
+        for (kind, subject), was in taken.items():
+            counted = was.plus(Totals({COVERED: float(self.step)}))
             merged = self._coarse.get((kind, subject), Totals()).plus(counted)
             self._coarse[(kind, subject)] = merged
             points.append(StoredPoint(kind, subject, self.step, at, counted.dumps()))
@@ -350,6 +398,7 @@ class RouterSeries:
     async def sample(self) -> None:
         """Read every router once, and add what each model counted since the last read."""
         read = await asyncio.gather(*(self._read(r) for r in self.routers))
+        counted: dict[str, Totals] = {}
         for router, totals in zip(self.routers, read, strict=True):
             if totals is None:
                 continue
@@ -358,7 +407,11 @@ class RouterSeries:
             if before is None:
                 continue  # its first reading: nothing to count from yet
             for model, t in totals.items():
-                self.recorder.add("model", model, t.minus(before.get(model, Totals())))
+                since = t.minus(before.get(model, Totals()))
+                held = counted.get(model)
+                counted[model] = since if held is None else held.read_again(since)
+        for model, t in counted.items():
+            self.recorder.add("model", model, t)
 
     async def _read(self, router: RouterTarget) -> dict[str, Totals] | None:
         try:

@@ -66,6 +66,20 @@ def cache_sources() -> frozenset[str]:
     return frozenset(_signal("kv_cache_usage_ratio").sources)
 
 
+# The engines' own histograms the router reads for the dashboard's plots, by the name the
+# plots give them: the time to first token and between tokens.
+TIME_SIGNALS = {
+    "first_token": "time_to_first_token_seconds",
+    "token_gap": "inter_token_latency_seconds",
+}
+
+
+def time_sources() -> dict[str, tuple[str, ...]]:
+    """Each of TIME_SIGNALS by every engine's names for it, in the order they are taken (the
+    first an engine's page shows)."""
+    return {time: _signal(name).sources for time, name in TIME_SIGNALS.items()}
+
+
 def translate(pages: Iterable[tuple[dict[str, str], str]]) -> bytes:
     """Engines' `/metrics` pages, each with the labels to give its series (model, replica,
     node), as `modelfleet_engine_*` families in Prometheus text."""

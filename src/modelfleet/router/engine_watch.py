@@ -1,5 +1,6 @@
 """What the router learns of its engines besides its own requests: each engine's queue depth
-and KV cache in use, read from its metrics every `watch_interval` (how the balancer sees
+and KV cache in use, and its own histograms of time to first token and between tokens (for
+the dashboard's plots), read from its metrics every `watch_interval` (how the balancer sees
 load other routers send), an engine that stops answering those reads ejected (and the
 requests waiting on it sent elsewhere at once), and each ejected engine probed back."""
 
@@ -61,15 +62,27 @@ class EngineWatch:
         """Read each engine's queue depth, and probe the ejected engines whose time out is
         up."""
         timeout = aiohttp.ClientTimeout(total=max(self.router.config.watch_interval, 1.0))
-        for gone in self._unanswered.keys() - set(self.router.table.endpoints):
+        table = self.router.table
+        for gone in self._unanswered.keys() - set(table.endpoints):
             del self._unanswered[gone]
+        self.router.metrics.engine_times.keep_only(table.endpoints)
+        # Each engine's model (an adapter's engines are its base model's).
+        owners = {
+            e: m for m, found in table.models.items() if m not in table.parents for e in found
+        }
         probes = self.router.balancer.probe_due(self.router.now())
         await asyncio.gather(
-            *(self._read_load(e, timeout) for e in self.router.table.endpoints if e not in probes),
+            *(
+                self._read_load(e, owners.get(e), timeout)
+                for e in table.endpoints
+                if e not in probes
+            ),
             *(self._probe(e, timeout) for e in probes),
         )
 
-    async def _read_load(self, endpoint: str, timeout: aiohttp.ClientTimeout) -> None:
+    async def _read_load(
+        self, endpoint: str, model: str | None, timeout: aiohttp.ClientTimeout
+    ) -> None:
         try:
             async with self.router.session.get(
                 endpoint + "/metrics", timeout=timeout, **self.router.engine_tls(endpoint)
@@ -86,6 +99,7 @@ class EngineWatch:
             self.router.balancer.set_engine_load(endpoint, read.load)
         if read.cache is not None:
             self.router.engine_cache[endpoint] = read.cache
+        self.router.metrics.engine_times.take(endpoint, model, read.times)
 
     def _no_answer(self, endpoint: str) -> None:
         """`endpoint` did not answer a read of its load. After UNREACHABLE_AFTER in a row (a

@@ -7,6 +7,7 @@ after it). That splits router time from engine time, which no other figure does.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -23,12 +24,25 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from modelfleet.host.files import write_atomic
+from modelfleet.http.engine_metrics import TIME_SIGNALS
+from modelfleet.router.engine_load import EngineTimes
 
 # From 0.1 ms: the router's own time is counted in tenths of milliseconds.
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # A token every 5 ms (a small model on a fast GPU) to one a second (a stalled one).
 _INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+# The families of what the router read of its engines' own histograms (`EngineTimes`): every
+# router and worker reads the same engines, so several routers' are not summed (`summed`).
+ENGINE_READ = "modelfleet_router_engine_"
+_ENGINE_DOCS = {
+    "first_token": "Time from a request's arrival at the engine to its first token, as the "
+    "engines count it (vLLM's time_to_first_token_seconds, SGLang's), by model: the "
+    "buckets each engine counted since the router began reading it.",
+    "token_gap": "Time between two tokens of an answer, as the engines count it (vLLM's "
+    "inter_token_latency_seconds, SGLang's), by model: the buckets each engine counted "
+    "since the router began reading it.",
+}
 
 
 class Tally:
@@ -83,6 +97,7 @@ class RouterMetrics:
         self.inter_token = Tally(_INTER_TOKEN_BUCKETS)
         self.overhead = Tally(_OVERHEAD_BUCKETS)
         self.in_flight = in_flight  # endpoint -> requests in flight there now
+        self.engine_times = EngineTimes()  # the engines' own histograms, read by the watch
         self.held = held  # model -> requests held since the start (`cold.py`)
         self.registry = CollectorRegistry()
         r = self.registry
@@ -220,6 +235,7 @@ class _PerRequest(Collector):
             "for the engine.",
             [],
         )
+        yield from _engine_families(m.engine_times)
         in_flight = GaugeMetricFamily(
             "modelfleet_router_in_flight", "Requests in flight, by endpoint.", labels=["endpoint"]
         )
@@ -228,19 +244,36 @@ class _PerRequest(Collector):
         yield in_flight
 
 
-def summed(texts: Iterable[str]) -> bytes:
-    """Several routers' scrapes as one (the workers of one router): every sample summed over
-    them (counts, histogram buckets, requests in flight), but `_created` times, of which the
-    earliest is kept."""
+def _engine_families(times: EngineTimes) -> Iterator[Metric]:
+    for time, signal in TIME_SIGNALS.items():
+        family = HistogramMetricFamily(
+            f"{ENGINE_READ}{signal}", _ENGINE_DOCS[time], labels=["model"]
+        )
+        for (model, of), counts in sorted(times.counts.items()):
+            if of == time and math.inf in counts:
+                bounds = sorted(counts.items())
+                shown = [("+Inf" if math.isinf(le) else str(le), n) for le, n in bounds]
+                family.add_metric([model], shown, None)
+        yield family
+
+
+def summed(texts: Iterable[str], same_engines: bool = False) -> bytes:
+    """Several scrapes as one: every sample summed over them (counts, histogram buckets,
+    requests in flight), but `_created` times, of which the earliest is kept. `same_engines`:
+    the scrapes are of workers that each read the same engines, whose readings (ENGINE_READ)
+    are then the largest of them, not their sum (one worker's runs are summed)."""
     families: dict[str, Metric] = {}
     values: dict[tuple[str, str, tuple[tuple[str, str], ...]], float] = {}
     for text in texts:
         for family in text_string_to_metric_families(text):
             families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            largest = same_engines and family.name.startswith(ENGINE_READ)
             for sample in family.samples:
                 key = (family.name, sample.name, tuple(sample.labels.items()))
                 if sample.name.endswith("_created"):
                     values[key] = min(values.get(key, sample.value), sample.value)
+                elif largest:
+                    values[key] = max(values.get(key, 0.0), sample.value)
                 else:
                     values[key] = values.get(key, 0.0) + sample.value
     for (family_name, name, labels), value in values.items():

@@ -198,7 +198,7 @@ class Workers:
             return last_shown(worker.counts_file)
 
         texts = await asyncio.gather(*map(one, self.workers))
-        return summed(text for text in texts if text is not None)
+        return summed((text for text in texts if text is not None), same_engines=True)
 
     async def shown_table(self) -> bytes:
         worker = self.workers[0]
@@ -271,8 +271,9 @@ class Workers:
 
 def _summed_loads(reports: list[LoadReport]) -> LoadReport:
     """One router's load from its workers': what each holds and sends is summed, the engines'
-    own counts (read by every worker from the same engines) are not. A replica out of
-    rotation at several workers is told once, with the longest time out."""
+    own readings (requests there and KV cache in use, read by every worker from the same
+    engines) are not: the largest is kept. A replica out of rotation at several workers is
+    told once, with the longest time out."""
     models: dict[str, ModelLoad] = {}
     ejected: dict[str, Ejection] = {}
     for report in reports:
@@ -285,11 +286,15 @@ def _summed_loads(reports: list[LoadReport]) -> LoadReport:
             for rid, (sent, engine) in load.replicas.items():
                 had_sent, had_engine = replicas.get(rid, (0, 0))
                 replicas[rid] = (had_sent + sent, max(had_engine, engine))
+            cache = dict(was.cache)
+            for rid, share in load.cache.items():
+                cache[rid] = max(cache.get(rid, 0.0), share)
             models[name] = ModelLoad(
                 in_flight=was.in_flight + load.in_flight,
                 held=was.held + load.held,
                 engines=max(was.engines, load.engines),
                 replicas=replicas,
+                cache=cache,
                 rate=was.rate + load.rate,
                 waited=max(was.waited, load.waited),
             )

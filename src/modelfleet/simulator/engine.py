@@ -9,6 +9,7 @@ prompt not in its prefix cache, then a steady inter-token latency, and at most
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import time
 from collections import OrderedDict
@@ -23,6 +24,17 @@ _WORDS = (
 
 
 FAULTS = ("none", "exit-at-start", "never-ready")
+
+# vLLM's bounds (vllm/v1/metrics/buckets.py) of its histograms of the time to first token and
+# between tokens, in seconds.
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+INTER_TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,28 @@ class Adapters:
         return True
 
 
+class Times:
+    """A histogram of seconds as vLLM keeps one: a count per bound (the last, past every
+    bound), and their sum."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(bound, observations at or under it), as Prometheus's buckets, "+Inf" last."""
+        out, running = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, float(running)))
+        return out
+
+
 @dataclass
 class SleepState:
     """Whether the engine sleeps, at which level, and whether it is on its way in or out."""
@@ -187,6 +221,10 @@ class SimEngine:
         self.generation_tokens_total = 0
         self.requests_total = 0
         self.cancelled_total = 0  # requests given up by their client before their end
+        # As vLLM's: from a request's arrival (its wait for a slot included) to its first
+        # token, and between consecutive tokens of one request.
+        self.first_token = Times(TIME_TO_FIRST_TOKEN_BUCKETS)
+        self.inter_token = Times(INTER_TOKEN_LATENCY_BUCKETS)
         self.prefix_cache = PrefixCache(settings.prefix_block, settings.prefix_cache_blocks)
         self.sleep = SleepState()
         self.adapters = Adapters(settings.max_loras, settings.lora_load_delay)
@@ -244,6 +282,7 @@ class SimEngine:
             hashlib.blake2b(prompt.encode("utf-8", "surrogatepass"), digest_size=4).digest(), "big"
         )
         finished = False
+        arrived = time.monotonic()
         try:
             self.waiting += 1
             try:
@@ -260,9 +299,13 @@ class SimEngine:
                 await asyncio.sleep(
                     self.settings.ttft + to_prefill * self.settings.prefill_per_token
                 )
+                last = arrived
                 for i in range(n_out):
                     if i:
                         await asyncio.sleep(self.settings.itl)
+                    now = time.monotonic()
+                    (self.inter_token if i else self.first_token).observe(now - last)
+                    last = now
                     self.generation_tokens_total += 1
                     held += 1
                     self.kv_tokens += 1

@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -79,6 +84,15 @@ class _VllmMetrics:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        for name, doc, times in (
+            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+             e.first_token),
+            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+             e.inter_token),
+        ):  # fmt: skip
+            histogram = HistogramMetricFamily(name, doc, labels=["model_name"])
+            histogram.add_metric(labels, times.cumulative(), times.sum)
+            yield histogram
 
 
 class _HangAfter:
