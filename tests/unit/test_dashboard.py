@@ -272,3 +272,35 @@ def test_the_playground_offers_each_adapter_as_the_router_takes_it() -> None:
             assert offered == ["base", "base:sql", "base:chat"]  # router/table.adapter_alias
 
     asyncio.run(go())
+
+
+def test_events_are_shown_by_last_seen_a_model_with_its_replicas_a_node_with_its_shards() -> None:
+    """Issue 57: the events page ordered by first seen, its model filter dropped the model's
+    replicas, and a node's page omitted its shards' failures (they regard their replica)."""
+    cp = control_plane()  # a replica of small ready on a
+    [(rid, _)] = list(cp.state.nodes["a"].shards)
+    cp.record_news()
+    clock = iter(range(2_000_000_000, 2_000_000_100))
+    cp.events.now = lambda: float(next(clock))
+    cp.events.warning("ShardFailed", f"replica/{rid}", "shard 0 on a: engine exited (1)")
+    cp.events.normal("NodeMarked", "node/a", "marked cordoned (was none)")
+    cp.events.normal("NodeMarked", "node/ab", "marked cordoned (was none)")
+    cp.events.warning("ShardFailed", f"replica/{rid}", "shard 0 on a: engine exited (1)")  # again
+    reasons = [(e.reason, e.regarding) for e in cp.read_events("model/small")]
+    assert ("ReplicaPlaced", f"replica/{rid}") in reasons
+    assert reasons[-1] == ("ShardFailed", f"replica/{rid}")  # seen last, though first earlier
+    on_a = [(e.reason, e.regarding) for e in cp.read_events("node/a")]
+    assert ("ShardFailed", f"replica/{rid}") in on_a and ("NodeMarked", "node/ab") not in on_a
+    _, client = ui_client(cp)
+
+    async def go() -> None:
+        async with client as c:
+            await c.post("/ui/login", data={"token": TOKEN})
+            node = (await c.get("/ui/nodes/a")).text
+            assert "engine exited (1)" in node
+            page = (await c.get("/ui/events", params={"for": "model/small"})).text
+            rows = re.findall(r"<tr class=\"\w+\"><td[^>]*>[^<]*</td><td>\w+</td><td>(\w+)", page)
+            assert rows[0] == "ShardFailed" and "ReplicaPlaced" in rows  # the last seen first
+            assert "NodeMarked" not in rows
+
+    asyncio.run(go())

@@ -186,7 +186,8 @@ class LiveParts:
             ),
         )
         if part == "node":
-            basis += (stored.events[-1].id if stored.events else 0, stored.problem)
+            last = stored.events[-1] if stored.events else None  # the last seen: a repeat too
+            basis += ((last.id, last.count) if last else None, stored.problem)
         if stored.plotted is not None:
             basis += (stored.plotted.version, stored.problem)
         if part == "replica":

@@ -33,7 +33,7 @@ from modelfleet.controlplane.config import (
     Heartbeats,
 )
 from modelfleet.controlplane.doors import Doors
-from modelfleet.controlplane.events import EventLog
+from modelfleet.controlplane.events import EventLog, event_scope
 from modelfleet.controlplane.keys import KeyBook
 from modelfleet.controlplane.leadership import Leadership, Turn, holder_name
 from modelfleet.controlplane.loads import LoadCollector
@@ -409,10 +409,11 @@ class ControlPlane:
     def read_events(
         self, regarding: str | None = None, since: float = 0.0, after: int = 0, limit: int = 1000
     ) -> list[StoredEvent]:
-        """The store's events (as `Store.events`), with those noted so far written first: a
-        reader sees what happened up to its read (store I/O: off the event loop)."""
+        """The store's events (as `Store.events`) about `regarding` as `event_scope` reads
+        it, with those noted so far written first: a reader sees what happened up to its read
+        (store I/O: off the event loop)."""
         self.events.flush()
-        return self.store.events(regarding, since, after, limit)
+        return self.store.events(event_scope(regarding), since, after, limit)
 
     async def usage_totals(self) -> dict[str, tuple[int, int, float]]:
         """Every key's usage so far, read from the store now; as last read while the store
