@@ -288,7 +288,9 @@ class LiveParts:
             for key, points in lines.items():
                 by_at = {p.at: p.values.get(measure) for p in points}
                 per_key[key] = [_round(by_at.get(t)) for t in at]
-        return {"rows": stored.usage, "keys": keys, "plot": json.dumps(plot)}
+        # The catalog's adapters, each to its base: usage counts an adapter as a model.
+        parents = {a.name: m.name for m in cp.catalogs.current.models for a in m.adapters}
+        return {"rows": stored.usage, "keys": keys, "plot": json.dumps(plot), "parents": parents}
 
 
 def _model_rows(cp: ControlPlane) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from modelfleet.controlplane.config import (
 )
 from modelfleet.controlplane.doors import Doors
 from modelfleet.controlplane.events import EventLog, event_scope
-from modelfleet.controlplane.keys import KeyBook
+from modelfleet.controlplane.keys import KeyBook, key_names
 from modelfleet.controlplane.leadership import Leadership, Turn, holder_name
 from modelfleet.controlplane.loads import LoadCollector
 from modelfleet.controlplane.logs import LogRelay
@@ -338,8 +338,8 @@ class ControlPlane:
     async def create_key(self, request: admin.KeyCreate) -> tuple[str, StoredKey]:
         """Make a client API key (KeyRefused if not): the key itself, shown this once, and
         what is stored of it. Every router takes it with its next routing table."""
-        models = [m.name for m in self.catalogs.current.models]
-        key, stored = await self.keys.create(request, models, self.store_time())
+        names = key_names(self.catalogs.current)
+        key, stored = await self.keys.create(request, names, self.store_time())
         self.events.normal("KeyCreated", f"key/{stored.name}", f"prefix {stored.prefix}")
         self.wake()
         return key, stored
