@@ -17,6 +17,7 @@ from modelfleet.controlplane.dashboard import COOKIE, Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.core.fleet import Mark
+from modelfleet.messages import admin
 from modelfleet.messages.wire import LoadReport, ModelLoad
 from modelfleet.store.calls import Outage
 from modelfleet.store.sqlite import SqliteStore
@@ -304,3 +305,23 @@ def test_events_are_shown_by_last_seen_a_model_with_its_replicas_a_node_with_its
             assert "NodeMarked" not in rows
 
     asyncio.run(go())
+
+
+def test_the_keys_page_says_when_limits_are_counted_per_router_worker() -> None:
+    """Issue 57: the Keys page showed rpm 20 while about 38 a minute got through a router of
+    two workers and no limits_store, and said nothing of it."""
+    cp = control_plane()
+    asyncio.run(cp.keys.create(admin.KeyCreate(name="limited", rpm=20), {"small": "small"}, 0.0))
+
+    async def keys_page() -> str:
+        async with ui_client(cp)[1] as c:
+            await c.post("/ui/login", data={"token": TOKEN})
+            return (await c.get("/ui/usage")).text
+
+    assert "per router worker" not in asyncio.run(keys_page())  # no router said so
+    cp.loads.reports["http://r1"] = (0.0, LoadReport(limit_counts=2))
+    cp.loads.reports["http://r2"] = (0.0, LoadReport())
+    page = asyncio.run(keys_page())
+    assert re.search(r"rpm 20\s*<span [^>]*>\(counted per router worker: up to 2 times it", page)
+    assert "Limits are counted per router worker at http://r1 (2 workers)" in page
+    assert "http://r2" not in page

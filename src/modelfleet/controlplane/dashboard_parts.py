@@ -290,7 +290,13 @@ class LiveParts:
                 per_key[key] = [_round(by_at.get(t)) for t in at]
         # The catalog's adapters, each to its base: usage counts an adapter as a model.
         parents = {a.name: m.name for m in cp.catalogs.current.models for a in m.adapters}
-        return {"rows": stored.usage, "keys": keys, "plot": json.dumps(plot), "parents": parents}
+        return {
+            "rows": stored.usage,
+            "keys": keys,
+            "plot": json.dumps(plot),
+            "parents": parents,
+            "per_worker": cp.loads.limits_per_worker(),
+        }
 
 
 def _model_rows(cp: ControlPlane) -> list[dict[str, Any]]:

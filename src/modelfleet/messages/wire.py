@@ -392,6 +392,10 @@ class LoadReport(_Message):
 
     models: dict[str, ModelLoad] = Field(default_factory=dict)
     ejected: dict[str, Ejection] = Field(default_factory=dict)
+    # In how many counts each key's limits are kept at this router: one per worker of a
+    # router of `workers: N` without a `limits_store` (each its own memory: a key gets up
+    # to N times its limits there); 1 where one count holds (one process, or Redis).
+    limit_counts: int = Field(default=1, ge=1)
 
 
 class UsageRow(_Message):

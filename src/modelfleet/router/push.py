@@ -139,7 +139,10 @@ def create_push_app(target: PushTarget, token: str | None) -> Starlette:
             report = await target.load(wait)
         except PushUnavailable as exc:
             return web_error(503, str(exc))
-        return Response(report.model_dump_json(), media_type=JSON)
+        # Said only when it is news (several counts): a control plane from before it knew the
+        # field still reads the load of a router of one count.
+        left_out = {"limit_counts"} if report.limit_counts == 1 else None
+        return Response(report.model_dump_json(exclude=left_out), media_type=JSON)
 
     async def ack_usage(request: Request) -> Response:
         if (refused := authorized(request)) is not None:
