@@ -178,7 +178,9 @@ CAUSES = {
     "catalog_roll": ("CatalogApplied",),
     "kill_control_plane": ("ControlPlaneStarted",),
     "kill_agent": ("AgentRestarted",),
-    "kill_router": ("PushMissed",),
+    # Said of every restart: a router that restores its table file is often back before a
+    # check finds it down (no PushMissed then: events_per_fault was false in one run of two).
+    "kill_router": ("RouterRestarted",),
     "kill_one_engine_of_two": ("ShardRestarted",),
     "kill_only_engine": ("ShardRestarted",),
     "hung_engine": ("ShardFailed",),

@@ -5,11 +5,13 @@ engine's words, loaded again after the engine restarts, and swapped live by a ca
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from .conftest import Operator, fleet_of, wait_for
@@ -163,3 +165,57 @@ def test_a_request_for_an_adapter_of_a_model_at_zero_replicas_starts_one(tmp_pat
         assert answer.json()["model"] == "tuned"
         assert len(op.replicas("idle")) == 1
         assert _adapters(op, "idle")["tuned"]["state"] == "loaded"
+
+
+def test_a_key_names_an_adapter_and_the_dashboard_shows_what_each_replica_holds(
+    tmp_path: Path,
+) -> None:
+    """Issue 57: `keys create --models ADAPTER` was refused though keys name adapters like
+    models, and adapters appeared nowhere on the dashboard."""
+    base = {
+        "name": "base",
+        "engine": "sim",
+        "args": ["--lora-load-delay", "0.1"],
+        "adapters": [{"name": "sql", "source": "org/sql-lora"}],
+    }
+    with fleet_of(tmp_path, [base]) as fleet:
+        op = Operator(fleet, tmp_path)
+        wait_for("sql loaded", lambda: op.serves("sql"))
+        key = op.ctl("keys", "create", "for-sql", "--models", "sql", "-q").stdout.strip()
+        aliased = op.ctl("keys", "create", "by-alias", "--models", "base:sql", "-q").stdout
+        refused = op.ctl("keys", "create", "nope", "--models", "sqll", check=False)
+        assert refused.returncode != 0 and "sqll" in refused.stderr + refused.stdout
+        assert "sql" in refused.stderr + refused.stdout  # what the catalog has, adapters too
+        stored = {k["name"]: k["models"] for k in op.get("/v1/keys")["keys"]}
+        assert stored["for-sql"] == stored["by-alias"] == ["sql"]  # the router's name for it
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        for secret in (key, aliased.strip()):
+            client = httpx.Client(
+                base_url=fleet.router_url, headers={"authorization": f"Bearer {secret}"}
+            )
+
+            def asked(model: str, client: httpx.Client = client) -> int:
+                return client.post(
+                    "/v1/chat/completions", json={**body, "model": model}, timeout=30
+                ).status_code
+
+            # Once the routers hold the new key, the adapter is served, either way it is
+            # named; its base is not this key's.
+            wait_for("the key reaches the router", lambda asked=asked: asked("sql") == 200)
+            assert asked("base:sql") == 200 and asked("base") == 404
+            ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+            assert ids == ["sql"]
+
+        ui = httpx.Client(base_url=fleet.admin_url, timeout=10)
+        ui.post("/ui/login", data={"token": fleet.admin_token})
+        [replica] = op.replicas("base")
+        page = ui.get(f"/ui/replicas/{replica['id']}").text
+        assert 'data-adapter="sql"' in page and "loaded" in page
+        assert "adapters: sql" in ui.get("/ui/models/base").text
+        # Its use, by hour, key and model: the adapter with its base.
+        row = re.compile(
+            r"<td>for-sql</td><td>sql <span class=\"hint\">\(adapter of base\)</span></td><td>[1-9]"
+        )
+        wait_for(
+            "the adapter's use counted", lambda: row.search(ui.get("/ui/usage").text), timeout=30
+        )

@@ -256,6 +256,46 @@ def test_the_playground_chats_with_a_model_through_the_router_with_a_key_made_th
     assert 'modelfleet_router_requests_total{model="sql",status="200"} 1.0' in metrics, metrics
 
 
+def test_the_playground_says_it_cannot_reach_the_fleet_instead_of_asking_for_ever(
+    browser: Browser, fleet: RunningFleet, tmp_path: Path
+) -> None:
+    """Issue 57: with the control plane down the Playground hung on "asking ..." for good.
+    A router that does not answer, a frozen control plane and a stopped one: each is said,
+    as the fleet not reached."""
+    wait_for("sim-chat serving", lambda: serving(fleet).get("sim-chat") == 2, timeout=60)
+    page = browser.new_page()
+    page.set_default_timeout(20_000)
+    sign_in(page, fleet)
+    page.goto(f"{fleet.admin_url}/ui/playground")
+    page.click("#make-key")
+    page.locator("#key-note").filter(has_text="made playground-").wait_for()
+    errors = page.locator(".message.assistant.error")
+
+    def ask(prompt: str, said: str) -> None:
+        before = errors.count()
+        page.fill("#prompt", prompt)
+        page.click("#send")
+        errors.nth(before).filter(has_text=said).wait_for()
+        assert page.inner_text("#answer-info") == "cannot reach the fleet"
+
+    [router] = [c for c in fleet.fleet.children if c.role == "router"]
+    router.proc.kill()
+    router.proc.wait(timeout=10)
+    ask("Anyone there?", "Cannot reach the fleet: the router at ")
+    [cp] = [c for c in fleet.fleet.children if c.role == "control-plane"]
+    frozen = psutil.Process(cp.proc.pid)
+    frozen.suspend()
+    try:
+        ask("And now?", "Cannot reach the fleet: the control plane does not answer")
+    finally:
+        frozen.resume()
+    cp.proc.kill()
+    cp.proc.wait(timeout=10)
+    ask("And now that it is gone?", "Cannot reach the fleet: the control plane does not answer")
+    assert errors.count() == 3
+    page.screenshot(path=str(tmp_path / "playground-unreachable.png"), full_page=True)
+
+
 def plotted(page: Page) -> dict[str, Any]:
     """The numbers the page's plots draw, as the live part now holds them."""
     return dict(json.loads(page.locator(".plots").get_attribute("data-plot") or "{}"))

@@ -183,6 +183,10 @@ def test_router_workers_share_one_port_and_every_push(procs: Procs, tmp_path: Pa
     assert taken.status_code == 200 and taken.json()["applied"] is True
     held = httpx.get(f"{push}/v1/routing/held", headers=admin, timeout=20).json()
     assert held == {"applied": True, "epoch": 1, "version": 3}
+    # Its load says keys' limits are counted per worker (no limits_store): the Keys page
+    # says so (issue 57).
+    load = httpx.get(f"{push}/v1/load", params={"wait": 0}, headers=admin, timeout=20)
+    assert load.json()["limit_counts"] == 2, load.text
     before = [w.cpu_times() for w in workers]
     for _ in range(60):  # a new connection each: the kernel spreads them over the workers
         complete_on_a_new_connection(router)

@@ -26,6 +26,7 @@ from modelfleet.core.catalog import Catalog, CatalogInvalid
 from modelfleet.host.pgserver import PgServer
 from modelfleet.store import (
     SCHEMA_VERSION,
+    EventScope,
     EventWrite,
     Rejection,
     Store,
@@ -233,13 +234,53 @@ def test_events_are_kept_by_count_and_read_by_object_kind_time_and_id(store: Sto
     assert store.write_events([EventWrite(again, ids[0])], keep=4) == [ids[0]]
     [first] = store.events("node/a")
     assert (first.count, first.first_at, first.last_at) == (3, 10.0, 50.0)
-    assert [e.regarding for e in store.events("node")] == ["node/a", "node/b", "node/ab"]
+    # In the order they were last seen (issue 57: by first seen, a repeat stayed far back).
+    assert [e.regarding for e in store.events("node")] == ["node/b", "node/ab", "node/a"]
     assert [e.regarding for e in store.events("replica")] == ["replica/m-1"]
-    assert [e.id for e in store.events(since=25.0)] == [ids[0], ids[2], ids[3]]
+    assert [e.id for e in store.events(since=25.0)] == [ids[2], ids[3], ids[0]]
     assert [e.id for e in store.events(after=ids[1])] == ids[2:]
-    assert [e.id for e in store.events(limit=2)] == ids[2:]  # the newest, oldest first
+    # The last seen, oldest first.
+    assert [e.id for e in store.events(limit=2)] == [ids[3], ids[0]]
     store.write_events([EventWrite(event("NodeMarked", "node/c", 60.0))], keep=4)  # oldest goes
     assert [e.regarding for e in store.events()] == ["node/b", "replica/m-1", "node/ab", "node/c"]
+
+
+def test_a_scope_reads_a_models_replicas_and_a_nodes_shards_exactly(store: Store) -> None:
+    """What `ctl events --for model/NAME` and a node's page read (issue 57): a model's events
+    with its replicas' (not those of a model whose name begins the same), a node's with the
+    events of shards on it (not on a node whose name begins the same, nor differs in case)."""
+    made = [
+        ("ReplicaPending", "model/chat", "1 replica(s) cannot be placed now"),
+        ("ReplicaPlaced", "replica/chat-0a1b2c", "chat on n_1[0]: 1 wanted"),
+        ("ShardFailed", "replica/chat-0a1b2c", "shard 0 on n_1: engine exited (1)"),
+        ("ShardStarted", "replica/chat-0a1b2c", "shard 1 on n_1"),
+        ("ShardReady", "replica/chat-2-0a1b2c", "shard 0 on n_10 ready in 1.0s"),
+        ("ShardReady", "replica/chat-9f9f9f", "shard 0 on N_1 ready in 1.0s"),
+        ("ShardReady", "replica/chat-9f9f9f", "shard 0 on nx1 ready in 1.0s"),
+        ("NodeMarked", "node/n_1", "marked cordoned (was none)"),
+        ("NodeMarked", "node/n_10", "marked cordoned (was none)"),
+    ]
+    store.write_events(
+        [EventWrite(StoredEvent(0, "normal", r, g, m, 1, n, n, "cp"))
+         for n, (r, g, m) in enumerate(made)],
+        keep=100,
+    )  # fmt: skip
+    model = EventScope(("model/chat",), families=("replica/chat-",))
+    assert [(e.reason, e.regarding) for e in store.events(model)] == [
+        ("ReplicaPending", "model/chat"),
+        ("ReplicaPlaced", "replica/chat-0a1b2c"),
+        ("ShardFailed", "replica/chat-0a1b2c"),
+        ("ShardStarted", "replica/chat-0a1b2c"),
+        ("ShardReady", "replica/chat-9f9f9f"),
+        ("ShardReady", "replica/chat-9f9f9f"),
+    ]
+    node = EventScope(("node/n_1",), shards_on="n_1")
+    assert [(e.reason, e.message) for e in store.events(node)] == [
+        ("ShardFailed", "shard 0 on n_1: engine exited (1)"),
+        ("ShardStarted", "shard 1 on n_1"),
+        ("NodeMarked", "marked cordoned (was none)"),
+    ]
+    assert store.events(EventScope()) == []
 
 
 def test_a_batch_of_events_larger_than_one_statement_gets_each_its_own_id(store: Store) -> None:

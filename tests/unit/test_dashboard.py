@@ -17,6 +17,7 @@ from modelfleet.controlplane.dashboard import COOKIE, Dashboard
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.service import create_apps
 from modelfleet.core.fleet import Mark
+from modelfleet.messages import admin
 from modelfleet.messages.wire import Ejection, LoadReport, ModelLoad
 from modelfleet.store.calls import Outage
 from modelfleet.store.sqlite import SqliteStore
@@ -311,3 +312,55 @@ def test_the_playground_offers_each_adapter_as_the_router_takes_it() -> None:
             assert offered == ["base", "base:sql", "base:chat"]  # router/table.adapter_alias
 
     asyncio.run(go())
+
+
+def test_events_are_shown_by_last_seen_a_model_with_its_replicas_a_node_with_its_shards() -> None:
+    """Issue 57: the events page ordered by first seen, its model filter dropped the model's
+    replicas, and a node's page omitted its shards' failures (they regard their replica)."""
+    cp = control_plane()  # a replica of small ready on a
+    [(rid, _)] = list(cp.state.nodes["a"].shards)
+    cp.record_news()
+    clock = iter(range(2_000_000_000, 2_000_000_100))
+    cp.events.now = lambda: float(next(clock))
+    cp.events.warning("ShardFailed", f"replica/{rid}", "shard 0 on a: engine exited (1)")
+    cp.events.normal("NodeMarked", "node/a", "marked cordoned (was none)")
+    cp.events.normal("NodeMarked", "node/ab", "marked cordoned (was none)")
+    cp.events.warning("ShardFailed", f"replica/{rid}", "shard 0 on a: engine exited (1)")  # again
+    reasons = [(e.reason, e.regarding) for e in cp.read_events("model/small")]
+    assert ("ReplicaPlaced", f"replica/{rid}") in reasons
+    assert reasons[-1] == ("ShardFailed", f"replica/{rid}")  # seen last, though first earlier
+    on_a = [(e.reason, e.regarding) for e in cp.read_events("node/a")]
+    assert ("ShardFailed", f"replica/{rid}") in on_a and ("NodeMarked", "node/ab") not in on_a
+    _, client = ui_client(cp)
+
+    async def go() -> None:
+        async with client as c:
+            await c.post("/ui/login", data={"token": TOKEN})
+            node = (await c.get("/ui/nodes/a")).text
+            assert "engine exited (1)" in node
+            page = (await c.get("/ui/events", params={"for": "model/small"})).text
+            rows = re.findall(r"<tr class=\"\w+\"><td[^>]*>[^<]*</td><td>\w+</td><td>(\w+)", page)
+            assert rows[0] == "ShardFailed" and "ReplicaPlaced" in rows  # the last seen first
+            assert "NodeMarked" not in rows
+
+    asyncio.run(go())
+
+
+def test_the_keys_page_says_when_limits_are_counted_per_router_worker() -> None:
+    """Issue 57: the Keys page showed rpm 20 while about 38 a minute got through a router of
+    two workers and no limits_store, and said nothing of it."""
+    cp = control_plane()
+    asyncio.run(cp.keys.create(admin.KeyCreate(name="limited", rpm=20), {"small": "small"}, 0.0))
+
+    async def keys_page() -> str:
+        async with ui_client(cp)[1] as c:
+            await c.post("/ui/login", data={"token": TOKEN})
+            return (await c.get("/ui/usage")).text
+
+    assert "per router worker" not in asyncio.run(keys_page())  # no router said so
+    cp.loads.reports["http://r1"] = (0.0, LoadReport(limit_counts=2))
+    cp.loads.reports["http://r2"] = (0.0, LoadReport())
+    page = asyncio.run(keys_page())
+    assert re.search(r"rpm 20\s*<span [^>]*>\(counted per router worker: up to 2 times it", page)
+    assert "Limits are counted per router worker at http://r1 (2 workers)" in page
+    assert "http://r2" not in page

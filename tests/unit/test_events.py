@@ -21,7 +21,7 @@ from modelfleet.controlplane.service import create_apps
 from modelfleet.core.fleet import Mark
 from modelfleet.ctl.render import print_events
 from modelfleet.messages.admin import EventsAnswer
-from modelfleet.messages.wire import AgentReport, ShardReport, ShardState
+from modelfleet.messages.wire import ROUTER_RUN_HEADER, AgentReport, ShardReport, ShardState
 from modelfleet.store.sqlite import SqliteStore
 
 from .test_admin_api import TOKEN, control_plane
@@ -176,6 +176,38 @@ def test_a_push_a_router_missed_is_an_event() -> None:
     told = cp.read_events("router/http://r2")
     assert [(e.reason, e.count) for e in told] == [("PushMissed", 1), ("PushConfirmed", 1)]
     assert "unreachable: ConnectError" in told[0].message
+
+
+def test_a_router_restarted_between_two_checks_is_an_event() -> None:
+    """Issue 57 (bench/faults.py's events_per_fault false in one run of two): a killed router
+    that restores its table file was back before the next check, so no check found it down,
+    and its restart left no event. Its answers name the run of it that gives them."""
+    cp = control_plane()
+    publisher = cp.publisher
+    router = RouterTarget(url="http://r1", token="t")
+    runs = iter(["run-1", "run-1", "run-2", "run-2"])
+
+    async def go() -> None:
+        def answer(request: httpx.Request) -> httpx.Response:
+            held = {"applied": True, "epoch": publisher.epoch, "version": publisher.version}
+            return httpx.Response(200, json=held, headers={ROUTER_RUN_HEADER: next(runs)})
+
+        publisher._http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        publisher.routers = [router]
+        publisher.publish(1, [], [])
+        await publisher._push(router)  # the first heard of it: no news
+        await publisher.check(router)
+        await publisher.check(router)  # a new run, holding the current table (restored)
+        await publisher.check(router)
+
+    asyncio.run(go())
+    told = [(e.reason, e.message) for e in cp.read_events("router/http://r1")]
+    assert told == [
+        (
+            "RouterRestarted",
+            f"a new run of it, that holds version ({publisher.epoch}, {publisher.version})",
+        )
+    ]
 
 
 def test_a_control_plane_start_and_an_agent_run_anew_are_events() -> None:

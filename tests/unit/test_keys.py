@@ -21,7 +21,7 @@ from .router_kit import FakeClock, client_of, keyed, run
 from .test_admin_api import admin_client, control_plane
 
 NOW = 1_800_000_000.0  # 2027-01-15, wall-clock seconds
-MODELS = ("small", "wide")
+MODELS = {m: m for m in ("small", "wide")}
 
 
 def test_an_expiry_is_a_duration_or_a_date_and_never_in_the_past() -> None:

@@ -110,3 +110,35 @@ def test_a_leader_whose_renewal_came_late_says_so_and_names_no_other_leader(
     assert a.renew_now() is Turn.LEADING and a.lapsed() is None  # renewed: acts again
     b = Leadership(SqliteStore(tmp_path / "store.sqlite"), "cp-b", 30.0, lambda: clock[0])
     assert b.renew_now() is Turn.FOLLOWING and b.lapsed() is None  # another's lease: follows
+
+
+def test_a_leader_elected_again_after_others_led_says_so_not_that_it_is_the_first(
+    tmp_path: Path,
+) -> None:
+    """Issue 57: a leader frozen past its lease, taken meanwhile by another whose lease ran
+    out too, was elected again as "the first to lead on this store"."""
+    path = tmp_path / "store.sqlite"
+    mine, theirs = SqliteStore(path), SqliteStore(path)
+    ttl = 0.2
+    events = EventLog(mine, time.time, source="a")
+    a = Leadership(mine, "cp-a", ttl, time.monotonic, events)
+    assert a.renew_now() is Turn.ELECTED and a.leading_epoch == 1
+
+    def ran_out() -> None:
+        deadline = time.monotonic() + 5
+        while theirs.lease().remaining_s > 0:  # by the store's clock
+            assert time.monotonic() < deadline, "the lease never ran out"
+            time.sleep(0.02)
+
+    ran_out()  # a is frozen: no renewal
+    b = Leadership(theirs, "cp-b", ttl, time.monotonic)
+    assert b.renew_now() is Turn.ELECTED and b.leading_epoch == 2
+    ran_out()  # b is gone
+    assert a.renew_now() is Turn.ELECTED and a.leading_epoch == 3
+    events.flush()
+    elected = [e.message for e in mine.events("control-plane") if e.reason == "LeaderElected"]
+    assert elected == [
+        "leads under epoch 1: the first to lead on this store",
+        "leads under epoch 3: its lease of epoch 1 ran out before it renewed it (frozen, or "
+        "cut off from the store); 1 other term(s) since",
+    ]

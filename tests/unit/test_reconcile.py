@@ -294,6 +294,22 @@ def test_at_most_max_parallel_replacements_start_at_once() -> None:
     assert len(served.stop) == 1 and len(served.new) == 1
 
 
+def test_a_placed_replica_says_it_replaces_only_one_still_going() -> None:
+    """Issue 57: once a replacement served, its replica stopped and the next one placed said
+    it "replaces" that same replica (replaced already)."""
+    fleet = [drained(nodes(2)[0]), nodes(2)[1]]
+    c = catalog({"name": "a", "replicas": 3})
+    digest = c.models[0].engine_digest
+    table = [replica(f"r{g}", "a", digest, "n0", g) for g in range(3)]
+    [first] = plan(c, table, {"r0", "r1", "r2"}, fleet, set(), NOW, 10).new
+    assert first.reason.startswith("replaces r0 (node draining)")
+    new = Replica("new", "a", digest, first.shards, NOW)
+    served = plan(c, [*table, new], {"r0", "r1", "r2", "new"}, fleet, set(), NOW, 10)
+    assert [s.replica_id for s in served.stop] == ["r0"]  # replaced by `new`, which serves
+    [second] = served.new
+    assert second.reason.startswith("replaces r1 (node draining)")
+
+
 def test_replicas_on_a_lost_node_are_all_replaced_at_once() -> None:
     c = catalog({"name": "a", "replicas": 3})
     digest = c.models[0].engine_digest

@@ -176,9 +176,37 @@ def test_a_term_that_takes_a_fleet_over_says_so_once_not_once_per_node_and_shard
             "FleetTakenOver",
             "fleet/all",
             "settled after 0.0s: 2 node(s) reported (2 waited for); 2 replica(s) found serving "
-            "taken over as they run (2 shard(s))",
+            "on them taken over as they run (2 shard(s))",
         )
     ]
+
+
+def test_a_term_settled_before_every_node_reported_says_so_and_tells_the_rest_later(
+    tmp_path: Path,
+) -> None:
+    """Issue 57: settled by its bound while agents still talked to another control plane,
+    a term said "0 replica(s) found serving" of a fleet where they all served."""
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    cp = start(tmp_path, clock, settle_for=30)
+    agents = serving_and_kept(cp, clock)
+    cp.store.close()
+    clock.advance(1)
+    again = start(tmp_path, clock, settle_for=5, node_lost_after=10)
+    agents.cp = again
+    b = agents.running.pop("b")
+    agents.report()  # a only
+    clock.advance(11)
+    assert again.settling(clock.monotonic()) is False  # by its bound: b never reported
+    agents.running["b"] = b
+    agents.report()
+    again.record_news()
+    told = {e.reason: e for e in again.read_events()}
+    assert told["FleetTakenOver"].message == (
+        "settled after 11.0s: 1 node(s) reported; 1 of the 2 waited for not yet: what runs "
+        "there is taken over as they report; 1 replica(s) found serving on them taken over "
+        "as they run (1 shard(s))"
+    )
+    assert told["ShardAdopted"].message.startswith("shard 0 on b serving")
 
 
 def test_a_term_that_settled_by_its_bound_keeps_waiting_for_the_roster_it_began_with(

@@ -190,7 +190,8 @@ class LiveParts:
             ),
         )
         if part == "node":
-            basis += (stored.events[-1].id if stored.events else 0, stored.problem)
+            last = stored.events[-1] if stored.events else None  # the last seen: a repeat too
+            basis += ((last.id, last.count) if last else None, stored.problem)
         if stored.plotted is not None:
             basis += (stored.plotted.version, stored.problem)
         if part == "replica":
@@ -291,7 +292,15 @@ class LiveParts:
             for key, points in lines.items():
                 by_at = {p.at: p.values.get(measure) for p in points}
                 per_key[key] = [_round(by_at.get(t)) for t in at]
-        return {"rows": stored.usage, "keys": keys, "plot": json.dumps(plot)}
+        # The catalog's adapters, each to its base: usage counts an adapter as a model.
+        parents = {a.name: m.name for m in cp.catalogs.current.models for a in m.adapters}
+        return {
+            "rows": stored.usage,
+            "keys": keys,
+            "plot": json.dumps(plot),
+            "parents": parents,
+            "per_worker": cp.loads.limits_per_worker(),
+        }
 
 
 def _model_rows(cp: ControlPlane) -> list[dict[str, Any]]:

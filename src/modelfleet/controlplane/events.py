@@ -26,7 +26,16 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from modelfleet.store import EventWrite, Fenced, Store, StoredEvent, StoreError, StoreUnreachable
+from modelfleet.core.fleet import replica_id_stem
+from modelfleet.store import (
+    EventScope,
+    EventWrite,
+    Fenced,
+    Store,
+    StoredEvent,
+    StoreError,
+    StoreUnreachable,
+)
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -170,6 +179,21 @@ class EventLog:
             if self._pending:
                 self._wanted.set()
             await asyncio.sleep(FLUSH_S)
+
+
+def event_scope(regarding: str | None) -> str | EventScope | None:
+    """What a filter on `regarding` reads (`ctl events --for`, the events page, a node's
+    page): a model's events with those of its replicas and their shards; a node's with those
+    of the shards it runs or ran (a shard's events regard its replica); anything else as it
+    says (one object, or a kind)."""
+    if regarding is None or "/" not in regarding:
+        return regarding
+    kind, name = regarding.split("/", 1)
+    if kind == "model":
+        return EventScope((regarding,), families=(f"replica/{replica_id_stem(name)}-",))
+    if kind == "node":
+        return EventScope((regarding,), shards_on=name)
+    return regarding
 
 
 def _text(text: str) -> str:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from modelfleet.core.catalog import Catalog
 from modelfleet.core.units import MAX_DURATION, BadDuration, parse_duration
 from modelfleet.messages import admin
 from modelfleet.messages.wire import RoutedKey
@@ -94,18 +95,18 @@ class KeyBook:
         self.writing = asyncio.Lock()  # one change at a time: each checks what the last made
 
     async def _create(
-        self, request: admin.KeyCreate, models: Iterable[str], now: float
+        self, request: admin.KeyCreate, names: Mapping[str, str], now: float
     ) -> tuple[str, StoredKey]:
         """Make a key; returns the key itself (shown once) and what is stored of it."""
         if request.name in self.keys:
             raise KeyRefused(409, f"a key named {request.name!r} exists; choose another name")
-        _known(request.models, models)
+        models = _known(request.models, names)
         key = new_key()
         stored = StoredKey(
             name=request.name,
             sha256=hash_key(key),
             prefix=key[: 3 + PREFIX_CHARS],
-            models=tuple(request.models) if request.models is not None else None,
+            models=models,
             rpm=request.rpm,
             tpm=request.tpm,
             max_concurrent=request.max_concurrent,
@@ -117,11 +118,11 @@ class KeyBook:
         return key, stored
 
     async def _update(
-        self, name: str, request: admin.KeyUpdate, models: Iterable[str], now: float
+        self, name: str, request: admin.KeyUpdate, names: Mapping[str, str], now: float
     ) -> StoredKey:
         """Change a key's models, limits or expiry; what the request leaves out stays."""
         old = self._get(name)
-        _known(request.models, models)
+        models = _known(request.models, names)
         given = request.model_dump(exclude_unset=True, exclude={"clear"})
         overlap = set(given) & set(request.clear)
         if overlap:
@@ -133,7 +134,7 @@ class KeyBook:
             if field == "expires":
                 changed["expires_at"] = parse_expiry(value, now) if value is not None else None
             elif field == "models":
-                changed["models"] = tuple(value) if value is not None else None
+                changed["models"] = models
             else:
                 changed[field] = value
         new = dataclasses.replace(old, **changed)
@@ -149,18 +150,18 @@ class KeyBook:
         return old
 
     async def create(
-        self, request: admin.KeyCreate, models: Iterable[str], now: float
+        self, request: admin.KeyCreate, names: Mapping[str, str], now: float
     ) -> tuple[str, StoredKey]:
         """Make a key; returns the key itself (shown once) and what is stored of it."""
         async with self.writing:
-            return await self._create(request, models, now)
+            return await self._create(request, names, now)
 
     async def update(
-        self, name: str, request: admin.KeyUpdate, models: Iterable[str], now: float
+        self, name: str, request: admin.KeyUpdate, names: Mapping[str, str], now: float
     ) -> StoredKey:
         """Change a key's models, limits or expiry; what the request leaves out stays."""
         async with self.writing:
-            return await self._update(name, request, models, now)
+            return await self._update(name, request, names, now)
 
     async def revoke(self, name: str) -> StoredKey:
         """Delete a key: no router takes it after its next push."""
@@ -190,12 +191,28 @@ class KeyBook:
             raise KeyRefused(404, f"no key named {name!r} (keys: {known})") from None
 
 
-def _known(asked: list[str] | None, models: Iterable[str]) -> None:
+def key_names(catalog: Catalog) -> dict[str, str]:
+    """The names a key's `models` may list, each to the name a router knows it by: every
+    model, every LoRA adapter, and an adapter as "base:adapter" too (a request names it
+    either way; the router checks the key against the adapter's name)."""
+    names = {m.name: m.name for m in catalog.models}
+    for m in catalog.models:
+        for a in m.adapters:
+            names[a.name] = names[f"{m.name}:{a.name}"] = a.name
+    return names
+
+
+def _known(asked: list[str] | None, names: Mapping[str, str]) -> tuple[str, ...] | None:
+    """`asked` as a key holds them (an adapter by its own name), or KeyRefused naming
+    those the catalog does not have."""
     if asked is None:
-        return
-    catalog = set(models)
-    unknown = [m for m in asked if m not in catalog]
+        return None
+    unknown = [m for m in asked if m not in names]
     if unknown:
-        have = ", ".join(sorted(catalog)) or "none"
+        have = ", ".join(sorted(set(names.values()))) or "none"
         # 409: well formed, as the document says, but not what the catalog holds now.
-        raise KeyRefused(409, f"models: {', '.join(unknown)} not in the catalog (it has: {have})")
+        raise KeyRefused(
+            409,
+            f"models: {', '.join(unknown)} not in the catalog (its models and adapters: {have})",
+        )
+    return tuple(names[m] for m in asked)

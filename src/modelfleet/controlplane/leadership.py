@@ -97,6 +97,7 @@ class Leadership:
         self.epoch = 0  # of the lease, as last seen
         self.leader = ""  # who holds it, as last seen
         self.leading_epoch: int | None = None  # the epoch of the term this one leads, if any
+        self.led_epoch: int | None = None  # the epoch this run of it last led under, if any
         self.problem = ""  # why the last renewal failed, while it does
         self.took_over = False  # the term this one leads began when another's lease ran out
         # Where this one is reached (agent API, admin API), once it listens: said to the store
@@ -233,14 +234,14 @@ class Leadership:
         self._act_until = asked + ACT_SHARE * self.ttl
         if self.leading_epoch == lease.epoch and not lapsed:
             return Turn.LEADING
-        why = _why_taken(exchange.before, self.holder)
+        why = _why_taken(exchange.before, self.holder, self.led_epoch, lease.epoch)
         if self.leading_epoch == lease.epoch:
             # Frozen, or cut off from the store, past what its lease let it do; nobody took
             # the lease meanwhile. What it saw before is stale (nodes seem long silent): a new
             # term begins, as after an election.
             why = "its own lease, renewed after its acting lapsed"
             log.warning("acting lapsed under epoch %d; a new term begins", lease.epoch)
-        self.leading_epoch = lease.epoch
+        self.leading_epoch = self.led_epoch = lease.epoch
         self.store.fence(lease.epoch)
         before = exchange.before
         self.took_over = before is not None and before.holder not in ("", self.holder)
@@ -271,8 +272,18 @@ class Leadership:
             log.warning("cannot release the lease (it runs out by itself): %s", exc)
 
 
-def _why_taken(before: Lease | None, holder: str) -> str:
-    if before is None or before.holder == "":
+def _why_taken(before: Lease | None, holder: str, led: int | None, epoch: int) -> str:
+    """Why `holder` leads under `epoch`: `before` is the lease as read before the take (None
+    when it took it thinking it still led), `led` the epoch this run of it last led under."""
+    if led is not None and (before is None or before.holder == holder):
+        others = epoch - led - 1
+        if others <= 0:
+            return f"its own lease of epoch {led}, taken again"
+        return (
+            f"its lease of epoch {led} ran out before it renewed it (frozen, or cut off from "
+            f"the store); {others} other term(s) since"
+        )
+    if before is None or (before.holder == "" and before.epoch == 0):
         return "the first to lead on this store"
     if before.holder == holder:
         return "its own lease, taken again after a restart"

@@ -139,6 +139,15 @@ class LoadCollector:
             return None
         return combine(fresh)
 
+    def limits_per_worker(self) -> dict[str, int]:
+        """Router url -> its workers, for each router (as it last reported) that counts keys'
+        limits in each worker's memory: a key gets up to that many times its limits there."""
+        return {
+            url: report.limit_counts
+            for url, (_, report) in sorted(self.reports.items())
+            if report.limit_counts > 1
+        }
+
     async def run(self) -> None:
         """Poll every router until cancelled, each in a loop of its own."""
         await asyncio.gather(*(self._poll(r) for r in self.routers))

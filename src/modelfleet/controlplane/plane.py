@@ -33,8 +33,8 @@ from modelfleet.controlplane.config import (
     Heartbeats,
 )
 from modelfleet.controlplane.doors import Doors
-from modelfleet.controlplane.events import EventLog
-from modelfleet.controlplane.keys import KeyBook
+from modelfleet.controlplane.events import EventLog, event_scope
+from modelfleet.controlplane.keys import KeyBook, key_names
 from modelfleet.controlplane.leadership import Leadership, Turn, holder_name
 from modelfleet.controlplane.loads import LoadCollector
 from modelfleet.controlplane.logs import LogRelay
@@ -338,8 +338,8 @@ class ControlPlane:
     async def create_key(self, request: admin.KeyCreate) -> tuple[str, StoredKey]:
         """Make a client API key (KeyRefused if not): the key itself, shown this once, and
         what is stored of it. Every router takes it with its next routing table."""
-        models = [m.name for m in self.catalogs.current.models]
-        key, stored = await self.keys.create(request, models, self.store_time())
+        names = key_names(self.catalogs.current)
+        key, stored = await self.keys.create(request, names, self.store_time())
         self.events.normal("KeyCreated", f"key/{stored.name}", f"prefix {stored.prefix}")
         self.wake()
         return key, stored
@@ -409,10 +409,11 @@ class ControlPlane:
     def read_events(
         self, regarding: str | None = None, since: float = 0.0, after: int = 0, limit: int = 1000
     ) -> list[StoredEvent]:
-        """The store's events (as `Store.events`), with those noted so far written first: a
-        reader sees what happened up to its read (store I/O: off the event loop)."""
+        """The store's events (as `Store.events`) about `regarding` as `event_scope` reads
+        it, with those noted so far written first: a reader sees what happened up to its read
+        (store I/O: off the event loop)."""
         self.events.flush()
-        return self.store.events(regarding, since, after, limit)
+        return self.store.events(event_scope(regarding), since, after, limit)
 
     async def usage_totals(self) -> dict[str, tuple[int, int, float]]:
         """Every key's usage so far, read from the store now; as last read while the store

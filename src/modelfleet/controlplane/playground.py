@@ -101,7 +101,10 @@ class Playground:
         router = self._router()
         if router is None:
             return JSONResponse(
-                {"error": "no router of this control plane's config names its client_url"},
+                {
+                    "error": "no router of this control plane's config names its client_url",
+                    "unreachable": True,
+                },
                 status_code=503,
             )
         raw = await read_at_most(request, MAX_CHAT_BYTES)
@@ -134,7 +137,12 @@ class Playground:
             answer = await client.send(sent, stream=True)
         except httpx.HTTPError as exc:
             await client.aclose()
-            return JSONResponse({"error": f"the router at {router} did not answer: {exc}"}, 502)
+            # `unreachable`: the page says it cannot reach the fleet, not that it was refused.
+            why = str(exc) or type(exc).__name__
+            return JSONResponse(
+                {"error": f"the router at {router} did not answer: {why}", "unreachable": True},
+                502,
+            )
 
         async def relay() -> AsyncIterator[bytes]:
             try:

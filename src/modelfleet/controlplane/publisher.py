@@ -27,6 +27,7 @@ from modelfleet.controlplane.metrics import ControlPlaneMetrics
 from modelfleet.host.clock import wait_set
 from modelfleet.messages.admin import RoutedInfo, RoutingAnswer
 from modelfleet.messages.wire import (
+    ROUTER_RUN_HEADER,
     EngineClient,
     RoutedKey,
     RoutedModel,
@@ -70,6 +71,7 @@ class Publisher:
         # makes that model's JSON again, not the whole table's.
         self._json: dict[int, tuple[RoutedModel, str]] = {}
         self._held: dict[str, tuple[int, int]] = {}  # router url -> (epoch, version) it took
+        self._runs: dict[str, str] = {}  # router url -> the run of it last heard from
         self._wake = {r.url: asyncio.Event() for r in self.routers}
 
     def new_term(self, epoch: int) -> None:
@@ -170,6 +172,7 @@ class Publisher:
             self.metrics.pushes.labels(url, "refused").inc()
             self._missed(url, f"answered {response.status_code}")
             return
+        self._heard_run(url, response, f"that answered a push of version {version}")
         if response.status_code == 200 and ack.applied and (ack.epoch, ack.version) == version:
             self.metrics.pushes.labels(url, "confirmed").inc()
             self._confirmed(url, version)
@@ -182,6 +185,16 @@ class Publisher:
                 version,
                 (ack.epoch, ack.version),
             )
+
+    def _heard_run(self, url: str, response: httpx.Response, held: str) -> None:
+        """Note which run of the router at `url` answered; a new one (it restarted, seen down
+        or not: one that restores its table file is back between two checks) is an event."""
+        run = response.headers.get(ROUTER_RUN_HEADER)
+        if run is None:  # a router from before it said
+            return
+        was, self._runs[url] = self._runs.get(url), run
+        if was is not None and was != run and self.events is not None:
+            self.events.normal("RouterRestarted", f"router/{url}", f"a new run of it, {held}")
 
     def _missed(self, url: str, why: str) -> None:
         """An event for a push a router missed (a repeat counts up)."""
@@ -216,6 +229,8 @@ class Publisher:
                 self._missed(router.url, f"unreachable: {type(exc).__name__}")
             return
         held = (ack.epoch, ack.version) if ack.applied else (-1, -1)
+        holds = f"version {held}" if ack.applied else "no table pushed to this run of it"
+        self._heard_run(router.url, response, f"that holds {holds}")
         if held == (self.epoch, self.version):
             self._confirmed(router.url, held)
             return

@@ -21,14 +21,24 @@ News = tuple[str, str, str, str]
 TAKING_OVER = frozenset({"NodeReported", "ShardAdopted"})
 
 
-def taken_over(nodes: int, waited: int, replicas: int, shards: int, took_s: float) -> News:
-    """The one event saying what a term took over, once it has settled."""
+def taken_over(
+    nodes: int, waited: int, missing: int, replicas: int, shards: int, took_s: float
+) -> News:
+    """The one event saying what a term took over, once it has settled: `missing` of the
+    `waited` nodes had not reported by then (what runs on them is taken over, and told, as
+    they do)."""
+    late = (
+        f"; {missing} of the {waited} waited for not yet: what runs there is taken over as "
+        "they report"
+        if missing
+        else f" ({waited} waited for)"
+    )
     return (
         "normal",
         "FleetTakenOver",
         "fleet/all",
-        f"settled after {took_s:.1f}s: {nodes} node(s) reported ({waited} waited for); "
-        f"{replicas} replica(s) found serving taken over as they run ({shards} shard(s))",
+        f"settled after {took_s:.1f}s: {nodes} node(s) reported{late}; {replicas} replica(s) "
+        f"found serving on them taken over as they run ({shards} shard(s))",
     )
 
 

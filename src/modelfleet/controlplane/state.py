@@ -14,7 +14,6 @@ assignments (`assignments.py`), the routing table (`routing.py`), the admin API'
 from __future__ import annotations
 
 import math
-import re
 import secrets
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +34,14 @@ from modelfleet.controlplane.records import (
 )
 from modelfleet.controlplane.report_news import TAKING_OVER, report_news
 from modelfleet.core.catalog import Catalog
-from modelfleet.core.fleet import Mark, Node, Replica, natural_key
+from modelfleet.core.fleet import (
+    REPLICA_ID_DIGITS,
+    Mark,
+    Node,
+    Replica,
+    natural_key,
+    replica_id_stem,
+)
 from modelfleet.core.reconcile import Pending, Plan
 from modelfleet.messages.wire import AgentReport, Heartbeat, ShardReport
 
@@ -455,5 +461,4 @@ class Serving(Collection[str]):
 
 
 def _new_id(model: str) -> str:
-    stem = re.sub(r"[^A-Za-z0-9.-]+", "-", model).strip("-")[:40] or "replica"
-    return f"{stem}-{secrets.token_hex(3)}"
+    return f"{replica_id_stem(model)}-{secrets.token_hex(REPLICA_ID_DIGITS // 2)}"

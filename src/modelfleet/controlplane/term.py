@@ -144,7 +144,9 @@ class Term:
             adopted = [r.replica for r in self.state.replicas.values() if r.adopted]
             shards = sum(len(r.shards) for r in adopted)
             took = now - self.started_at
-            self.state.tell(*taken_over(reported, len(waited), len(adopted), shards, took))
+            missing = len(waited - self.state.nodes.keys())
+            told = taken_over(reported, len(waited), missing, len(adopted), shards, took)
+            self.state.tell(*told)
         return False
 
     # -- passes ----------------------------------------------------------------------------

@@ -67,6 +67,16 @@ class ShardPlacement:
     gpus: tuple[int, ...]
 
 
+# A replica's id: its model's name made safe (`replica_id_stem`), "-", and this many hex
+# digits drawn at random.
+REPLICA_ID_DIGITS = 6
+
+
+def replica_id_stem(model: str) -> str:
+    """What the id of every replica of `model` begins with, before its "-" and digits."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", model).strip("-")[:40] or "replica"
+
+
 @dataclass(frozen=True)
 class Replica:
     """One serving instance of a model, as the control plane has placed it."""

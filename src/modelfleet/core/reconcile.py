@@ -404,11 +404,13 @@ def _plan_model(spec: ModelSpec, count: int, replicas: list[Replica], shared: _P
     serving_outdated = sorted((r for r in outdated if r.id in serving), key=lambda r: r.created)
     going = [(r, why, lost) for r, why, lost in evicted]
     going += [(r, "engine or arguments changed", False) for r in serving_outdated]
-    replaced = [f"replaces {r.id} ({why})" for r, why, _ in going]
     serving_current = sum(1 for r in current if r.id in serving)
     while going and serving_current + len(going) > count:
         replica, why, _ = going.pop(0)
         stops.append(StopReplica(replica.id, why))
+    # What a replica placed now replaces: one still going (those stopped above are replaced
+    # already, by replicas that serve).
+    replaced = [f"replaces {r.id} ({why})" for r, why, _ in going]
 
     new = done.new
     missing = count - len(current)

@@ -681,9 +681,10 @@ def events(
         bool, typer.Option("--watch", help="Then print each new event as it comes, until ^C.")
     ] = False,
 ) -> None:
-    """What happened, oldest first: changes (catalog applied, marks, replicas placed and
-    stopped, nodes joined) and faults (shards failed, nodes lost, GPUs unhealthy). A repeat
-    of the same event counts up. -o json for tools."""
+    """What happened, by when it was last seen (the latest last): changes (catalog applied,
+    marks, replicas placed and stopped, nodes joined) and faults (shards failed, nodes lost,
+    GPUs unhealthy). A repeat of the same event counts up. --for model/NAME takes its
+    replicas' events too, --for node/NAME its shards'. -o json for tools."""
     from modelfleet.ctl import render
     from modelfleet.ctl.client import CtlError, ServerTrouble, Unreachable
 

@@ -348,6 +348,12 @@ class RoutingSnapshot(_Message):
     keys: list[RoutedKey] = Field(default_factory=list)
 
 
+# The header of a router's answers about its table (a push's, "which table is held"): one
+# value per run of its process, so that the control plane tells a restart it never saw down
+# (a router that restores its table from its table file is back between two checks).
+ROUTER_RUN_HEADER = "x-modelfleet-router-run"
+
+
 class RoutingAck(_Message):
     """A router's answer to a push (whether it took the table) or to the question which table
     it holds (whether it holds a pushed one at all), with that table's epoch and version."""
@@ -392,6 +398,10 @@ class LoadReport(_Message):
 
     models: dict[str, ModelLoad] = Field(default_factory=dict)
     ejected: dict[str, Ejection] = Field(default_factory=dict)
+    # In how many counts each key's limits are kept at this router: one per worker of a
+    # router of `workers: N` without a `limits_store` (each its own memory: a key gets up
+    # to N times its limits there); 1 where one count holds (one process, or Redis).
+    limit_counts: int = Field(default=1, ge=1)
 
 
 class UsageRow(_Message):

@@ -14,6 +14,7 @@ parent of `workers: N` (`workers.py`) by passing each call on to every worker. E
 
 from __future__ import annotations
 
+import secrets
 from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,7 +27,14 @@ from starlette.routing import Route
 from modelfleet.core.nesting import TooDeep, check_json
 from modelfleet.http.web import JSON, bearer_matches
 from modelfleet.http.web import error_response as web_error
-from modelfleet.messages.wire import LoadReport, RoutingAck, RoutingSnapshot, UsageAck, UsageReport
+from modelfleet.messages.wire import (
+    ROUTER_RUN_HEADER,
+    LoadReport,
+    RoutingAck,
+    RoutingSnapshot,
+    UsageAck,
+    UsageReport,
+)
 
 MAX_LOAD_WAIT_S = 10.0
 
@@ -78,8 +86,11 @@ def create_push_app(target: PushTarget, token: str | None) -> Starlette:
             return None
         return web_error(401, "missing or wrong admin token")
 
+    run = secrets.token_hex(8)  # this run of the process that serves the push API
+
     def ack_answer(ack: RoutingAck, status: int) -> Response:
-        return Response(ack.model_dump_json(), status_code=status, media_type=JSON)
+        headers = {ROUTER_RUN_HEADER: run}
+        return Response(ack.model_dump_json(), status_code=status, media_type=JSON, headers=headers)
 
     async def put_routing(request: Request) -> Response:
         if (refused := authorized(request)) is not None:
@@ -139,7 +150,10 @@ def create_push_app(target: PushTarget, token: str | None) -> Starlette:
             report = await target.load(wait)
         except PushUnavailable as exc:
             return web_error(503, str(exc))
-        return Response(report.model_dump_json(), media_type=JSON)
+        # Said only when it is news (several counts): a control plane from before it knew the
+        # field still reads the load of a router of one count.
+        left_out = {"limit_counts"} if report.limit_counts == 1 else None
+        return Response(report.model_dump_json(exclude=left_out), media_type=JSON)
 
     async def ack_usage(request: Request) -> Response:
         if (refused := authorized(request)) is not None:

@@ -251,7 +251,9 @@ class Workers:
             task.cancel()
         reports = [task.result() for task in done]
         reports += await asyncio.gather(*(one(waits[task], 0) for task in pending))
-        return _summed_loads(reports)
+        # Without a shared limits_store each worker counts keys' limits on its own.
+        counts = 1 if self.data.get("limits_store") else len(self.workers)
+        return _summed_loads(reports).model_copy(update={"limit_counts": counts})
 
     async def ack_usage(self, ack: UsageAck) -> None:
         """Pass the acknowledgement to every worker: each forgets the batches that are its."""

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from modelfleet.core.fleet import REPLICA_ID_DIGITS
+
 # The schema this modelfleet writes. One more with every change to the tables; each
 # implementation has one migration per version.
 SCHEMA_VERSION = 6
@@ -56,6 +58,22 @@ class StoredMark:
     mark: str  # a fleet.Mark value
     since: float  # wall-clock seconds
     drain_deadline: float | None  # wall-clock seconds; only for "draining", None: no bound
+
+
+@dataclass(frozen=True)
+class EventScope:
+    """Which events a read takes: those regarding any of `objects` (each one object,
+    "node/gpu-1", or a kind, "node"), any object named one of `families` and then
+    FAMILY_TAIL characters (a model's replicas: "replica/chat-" and a replica id's hex
+    digits), and the events about a replica's shard on node `shards_on` (their message
+    begins "shard N on NODE", as `report_news` words it)."""
+
+    objects: tuple[str, ...] = ()
+    families: tuple[str, ...] = ()
+    shards_on: str | None = None
+
+
+FAMILY_TAIL = REPLICA_ID_DIGITS
 
 
 @dataclass(frozen=True)
@@ -337,11 +355,15 @@ class Store(Protocol):
         ...
 
     def events(
-        self, regarding: str | None = None, since: float = 0.0, after: int = 0, limit: int = 1000
+        self,
+        regarding: str | EventScope | None = None,
+        since: float = 0.0,
+        after: int = 0,
+        limit: int = 1000,
     ) -> list[StoredEvent]:
-        """Events last seen from `since` on with an id above `after`, oldest first, at most
-        `limit` (the newest of them); `regarding` "node/gpu-1" for one object, "node" for a
-        kind."""
+        """Events last seen from `since` on with an id above `after`, in the order they were
+        last seen (oldest first), at most `limit` (the last seen of them); `regarding`
+        "node/gpu-1" for one object, "node" for a kind, an EventScope for several."""
         ...
 
     def add_usage(self, run: str, batch: int, rows: list[StoredUsage], now: float) -> bool:

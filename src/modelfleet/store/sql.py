@@ -16,6 +16,7 @@ epoch and is refused (Fenced).
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from modelfleet.store import (
+    FAMILY_TAIL,
+    EventScope,
     EventWrite,
     Fenced,
     Lease,
@@ -402,21 +405,26 @@ class SqlStore(ABC):
         )
 
     def events(
-        self, regarding: str | None = None, since: float = 0.0, after: int = 0, limit: int = 1000
+        self,
+        regarding: str | EventScope | None = None,
+        since: float = 0.0,
+        after: int = 0,
+        limit: int = 1000,
     ) -> list[StoredEvent]:
-        kind = regarding if regarding is not None and "/" not in regarding else None
-        one = regarding if regarding is not None and "/" in regarding else None
+        scope = EventScope((regarding,)) if isinstance(regarding, str) else regarding
+        where, params = ("", []) if scope is None else _scoped(scope)
         rows = self._query(
             "SELECT id, type, reason, regarding, message, count, first_at, last_at, source "
-            "FROM events WHERE last_at >= ? AND id > ? "
-            "AND (CAST(? AS TEXT) IS NULL OR regarding = ?) "
-            "AND (CAST(? AS TEXT) IS NULL "
-            "OR substr(regarding, 1, length(CAST(? AS TEXT)) + 1) = CAST(? AS TEXT) || '/') "
-            "ORDER BY id DESC LIMIT ?",
-            (since, after, one, one, kind, kind, kind, limit),
+            f"FROM events WHERE last_at >= ? AND id > ?{where} "
+            "ORDER BY last_at DESC, id DESC LIMIT ?",
+            (since, after, *params, limit),
         )
-        return [StoredEvent(int(i), t, r, g, m, int(c), *rest) for i, t, r, g, m, c, *rest in
-                reversed(rows)]  # fmt: skip
+        found = [StoredEvent(int(i), t, r, g, m, int(c), *rest) for i, t, r, g, m, c, *rest in
+                 reversed(rows)]  # fmt: skip
+        if scope is not None and scope.shards_on is not None:
+            # LIKE in SQLite ignores case: what the query found, as the scope says it.
+            found = [e for e in found if _in_scope(scope, e)]
+        return found
 
     # -- usage -----------------------------------------------------------------------------
 
@@ -504,3 +512,52 @@ def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
     """`items` in consecutive slices of at most `size`."""
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def _scoped(scope: EventScope) -> tuple[str, list[Any]]:
+    """The condition (" AND (...)") and its parameters that take the events of `scope`.
+    Lengths are written into the statement: they are numbers this code counted."""
+    terms: list[str] = []
+    params: list[Any] = []
+    for one in scope.objects:
+        if "/" in one:
+            terms.append("regarding = ?")
+            params.append(one)
+        else:
+            terms.append(f"substr(regarding, 1, {len(one) + 1}) = ?")
+            params.append(f"{one}/")
+    for stem in scope.families:
+        terms.append(
+            f"(substr(regarding, 1, {len(stem)}) = ? "
+            f"AND length(regarding) = {len(stem) + FAMILY_TAIL})"
+        )
+        params.append(stem)
+    if scope.shards_on is not None:
+        node = _like(scope.shards_on)
+        terms.append(
+            "(substr(regarding, 1, 8) = 'replica/' AND (message LIKE ? ESCAPE '\\' "
+            "OR message LIKE ? ESCAPE '\\' OR message LIKE ? ESCAPE '\\'))"
+        )
+        params += [f"shard % on {node}", f"shard % on {node}:%", f"shard % on {node} %"]
+    if not terms:
+        return " AND 1 = 0", []
+    return f" AND ({' OR '.join(terms)})", params
+
+
+def _like(text: str) -> str:
+    """`text` as a LIKE pattern that matches only itself (escaped with a backslash)."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _in_scope(scope: EventScope, event: StoredEvent) -> bool:
+    """Whether `event` is of `scope`, exactly (the query's LIKE may ignore case)."""
+    if event.regarding.startswith("replica/") and scope.shards_on is not None:
+        shard = re.match(r"shard \d+ on (.*?)(?=[: ]|$)", event.message)
+        if shard is not None and shard.group(1) == scope.shards_on:
+            return True
+    return any(
+        event.regarding == one or event.regarding.startswith(f"{one}/") for one in scope.objects
+    ) or any(
+        event.regarding.startswith(s) and len(event.regarding) == len(s) + FAMILY_TAIL
+        for s in scope.families
+    )

@@ -28,8 +28,10 @@ def routes(cp: ControlPlane) -> APIRouter:
         after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> admin.EventsAnswer:
-        """What happened, oldest first: events last seen from `since` ago (a duration: 10m,
-        1h, 7d) on, with an id above `after` (for a watch), at most `limit` (the newest)."""
+        """What happened, by when it was last seen (the latest last): events last seen from
+        `since` ago (a duration: 10m, 1h, 7d) on, with an id above `after`, at most `limit`
+        (the last seen). For model/NAME, its replicas' events too; for node/NAME, those of
+        the shards on it."""
         start = cp.clock.time() - duration("since", since, clamp=True)
         rows = await cp.calls(cp.read_events, regarding, start, after, limit)
         return admin.EventsAnswer(

@@ -44,9 +44,9 @@ def routes(cp: ControlPlane) -> APIRouter:
     async def update_key(name: str, request: Request) -> admin.KeyInfo:
         """Change a key's models, limits or expiry."""
         body = await read_body(request, admin.KeyUpdate, MAX_KEY_BYTES)
-        models = [m.name for m in cp.catalogs.current.models]
+        names = keys.key_names(cp.catalogs.current)
         try:
-            stored = await cp.keys.update(name, body, models, cp.store_time())
+            stored = await cp.keys.update(name, body, names, cp.store_time())
         except keys.KeyRefused as exc:
             raise Refused.because(exc.status, str(exc)) from None
         changed = ", ".join(sorted(body.model_dump(exclude_unset=True))) or "nothing"

@@ -114,15 +114,22 @@
       sessionStorage.setItem("playground-key", key.value);
     });
     document.getElementById("make-key").addEventListener("click", function () {
-      fetch("/ui/playground/key", { method: "POST", credentials: "same-origin" })
+      var note = document.getElementById("key-note");
+      var asked = new AbortController();
+      var late = setTimeout(function () { asked.abort(); }, ALIVE_WAIT_MS * 5);
+      fetch("/ui/playground/key", { method: "POST", credentials: "same-origin",
+                                    signal: asked.signal })
         .then(function (r) { return r.json(); })
         .then(function (made) {
-          var note = document.getElementById("key-note");
           if (!made.key) { note.textContent = made.error || "no key made"; return; }
           key.value = made.key;
           sessionStorage.setItem("playground-key", made.key);
           note.textContent = "made " + made.name + ", for " + made.expires + " (shown once)";
-        });
+        })
+        .catch(function () {
+          note.textContent = "Cannot reach the fleet: the control plane does not answer";
+        })
+        .then(function () { clearTimeout(late); });
     });
     form.addEventListener("submit", async function (e) {
       e.preventDefault();
@@ -134,50 +141,109 @@
       var answer = say(box, "assistant", "");
       var sent = performance.now(), first = null, tokens = null;
       info.textContent = "asking ...";
-      var r = await fetch("/ui/playground/chat", {
-        method: "POST",
-        credentials: "same-origin",
-        headers: { "content-type": "application/json" },
-        body: JSON.stringify({ key: key.value, model: document.getElementById("model").value,
-                               messages: history, max_tokens: 256 })
-      });
-      var replica = r.headers.get("x-modelfleet-replica") || "-";
-      if (!r.ok) {
-        var text = await r.text(), why = text;
-        try { var got = JSON.parse(text); why = (got.error && got.error.message) || got.error; }
-        catch (err) { /* not JSON: the text itself */ }
-        answer.classList.add("error");
-        answer.textContent = r.status + ": " + why;
-        history.pop();
-        info.textContent = "refused" + (r.headers.get("x-modelfleet-reason")
-          ? " (" + r.headers.get("x-modelfleet-reason") + ")" : "");
-        return;
-      }
-      var reader = r.body.getReader(), decoder = new TextDecoder(), held = "";
-      for (;;) {
-        var part = await reader.read();
-        if (part.done) break;
-        held += decoder.decode(part.value, { stream: true });
-        var events = held.split("\n\n");
-        held = events.pop();
-        events.forEach(function (event) {
-          event.split("\n").forEach(function (line) {
-            if (!line.startsWith("data: ") || line === "data: [DONE]") return;
-            var chunk = JSON.parse(line.slice(6));
-            var delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
-            if (delta && delta.content) {
-              if (first === null) first = performance.now() - sent;
-              answer.textContent += delta.content;
-            }
-            if (chunk.usage) tokens = chunk.usage.completion_tokens;
-          });
+      var chat = watched();
+      try {
+        var r = await fetch("/ui/playground/chat", {
+          method: "POST",
+          credentials: "same-origin",
+          headers: { "content-type": "application/json" },
+          body: JSON.stringify({ key: key.value, model: document.getElementById("model").value,
+                                 messages: history, max_tokens: 256 }),
+          signal: chat.signal
         });
+        var replica = r.headers.get("x-modelfleet-replica") || "-";
+        if (!r.ok) {
+          var text = await r.text(), why = text, fleet = false;
+          try {
+            var got = JSON.parse(text);
+            why = (got.error && got.error.message) || got.error;
+            fleet = got.unreachable === true;  // the control plane's word: no router answered
+          } catch (err) { /* not JSON: the text itself */ }
+          history.pop();
+          if (fleet) { unreachable(answer, why); return; }
+          answer.classList.add("error");
+          answer.textContent = r.status + ": " + why;
+          info.textContent = "refused" + (r.headers.get("x-modelfleet-reason")
+            ? " (" + r.headers.get("x-modelfleet-reason") + ")" : "");
+          return;
+        }
+        var reader = r.body.getReader(), decoder = new TextDecoder(), held = "";
+        for (;;) {
+          chat.wait();  // each part of the answer within ANSWER_WAIT_MS of the one before
+          var part = await reader.read();
+          if (part.done) break;
+          held += decoder.decode(part.value, { stream: true });
+          var events = held.split("\n\n");
+          held = events.pop();
+          events.forEach(function (event) {
+            event.split("\n").forEach(function (line) {
+              if (!line.startsWith("data: ") || line === "data: [DONE]") return;
+              var chunk = JSON.parse(line.slice(6));
+              var delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+              if (delta && delta.content) {
+                if (first === null) first = performance.now() - sent;
+                answer.textContent += delta.content;
+              }
+              if (chunk.usage) tokens = chunk.usage.completion_tokens;
+            });
+          });
+        }
+      } catch (err) {
+        // No answer came (the control plane is stopped, frozen or cut off), or it stopped
+        // coming: said, instead of "asking ..." for ever.
+        if (answer.textContent) history.push({ role: "assistant", content: answer.textContent });
+        else history.pop();
+        unreachable(answer, chat.why() || "the control plane does not answer");
+        return;
+      } finally {
+        chat.done();
       }
       history.push({ role: "assistant", content: answer.textContent });
       info.textContent = "answered by " + replica +
         (first === null ? "" : " · first token after " + Math.round(first) + " ms") +
         (tokens === null ? "" : " · " + tokens + " tokens");
     });
+
+    function unreachable(answer, why) {
+      var line = answer.textContent ? say(box, "assistant", "") : answer;
+      line.classList.add("error");
+      line.textContent = "Cannot reach the fleet: " + why;
+      info.textContent = "cannot reach the fleet";
+    }
+  }
+
+  // A chat's watch: it is aborted when the control plane that relays it stops answering
+  // (asked every ALIVE_EVERY_MS, ALIVE_WAIT_MS each: a frozen one never answers), or when
+  // no part of its answer came for ANSWER_WAIT_MS (a model starting from zero is waited for).
+  var ALIVE_EVERY_MS = 2000, ALIVE_WAIT_MS = 3000, ANSWER_WAIT_MS = 120000;
+  function watched() {
+    var abort = new AbortController(), reason = null, timer = null;
+    function stop(why) {
+      if (reason === null) { reason = why; abort.abort(); }
+    }
+    var probing = false;
+    var probe = setInterval(function () {
+      if (probing) return;
+      probing = true;
+      var asked = new AbortController();
+      var late = setTimeout(function () { asked.abort(); }, ALIVE_WAIT_MS);
+      fetch("/ui/alive", { cache: "no-store", credentials: "same-origin", signal: asked.signal })
+        .catch(function () { stop("the control plane does not answer"); })
+        .then(function () { clearTimeout(late); probing = false; });
+    }, ALIVE_EVERY_MS);
+    function wait() {
+      clearTimeout(timer);
+      timer = setTimeout(function () {
+        stop("no answer came within " + ANSWER_WAIT_MS / 1000 + " s");
+      }, ANSWER_WAIT_MS);
+    }
+    wait();
+    return {
+      signal: abort.signal,
+      wait: wait,
+      why: function () { return reason; },
+      done: function () { clearInterval(probe); clearTimeout(timer); }
+    };
   }
 
   document.addEventListener("DOMContentLoaded", function () { draw(document); playground(); });
