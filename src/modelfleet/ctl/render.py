@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 import time
 
+from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -26,6 +28,12 @@ def shown(text: str) -> str:
     escape sequence in a node's name could rewrite the operator's screen or title), and rich's
     markup (`[red]`) escaped, so that it prints as it was sent."""
     return escape(_CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text))
+
+
+def as_json(answer: BaseModel) -> str:
+    """An answer as `-o json` prints it: every field, an unset one as null (a catalog
+    printed so is taken back by `ctl catalog apply` as the same catalog)."""
+    return json.dumps(answer.model_dump(mode="json"), indent=2)
 
 
 def gpu_state(gpu: admin.GpuInfo) -> str:
