@@ -659,7 +659,8 @@ def logs(
             typer.echo(line)
         while follow:
             time.sleep(1.0)
-            got = client.logs(replica, shard, tail, previous, offset=got.offset)
+            # By the shard, not one file: a restarted engine's new run follows its last.
+            got = client.logs(replica, shard, tail, previous, offset=got.offset, run=got.run)
             for line in got.lines:
                 typer.echo(line)
     except CtlError as exc:

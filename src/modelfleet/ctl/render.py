@@ -49,7 +49,8 @@ def print_status(data: admin.StatusAnswer, console: Console) -> None:
         f"{data.reconcile_plans} of them planned{_pass_times(data)}\n"
         f"agents beat every {data.heartbeat_interval:g}s\n"
         f"catalog version {data.catalog_version}, routing version {data.routing_version}\n"
-        f"{data.nodes} node(s), {data.replicas} replica(s), {data.pending} pending",
+        f"{data.nodes} node(s), {data.replicas} replica(s) ({data.failed} failed), "
+        f"{data.pending} pending",
         highlight=False,
     )
     if data.store:
@@ -223,7 +224,7 @@ def print_replicas(data: admin.ReplicasAnswer, console: Console) -> None:
     table = Table("REPLICA", "MODEL", "STATE", "SHARDS (node[gpus]: state)", "ENDPOINT", "ERROR")
     for r in data.replicas:
         shards = ", ".join(f"{shown(s.node)}{s.gpus}: {s.state}" for s in r.shards)
-        error = "; ".join(shown(s.error) for s in r.shards if s.error)
+        error = shown(r.error) or "; ".join(shown(s.error) for s in r.shards if s.error)
         if r.ejected:
             out = f"out of rotation at {len(r.ejected)} router(s)"
             error = f"{error}; {out}" if error else out
