@@ -392,3 +392,85 @@ def test_up_on_real_gpus_without_nvml_says_so_and_leaves_nothing(tmp_path: Path)
     assert "no GPUs to report: NVML" in said, said
     left = stop_leftovers(state)  # what an `up` left running, if anything
     assert left.stopped == [], left.stopped
+
+
+# A process of the fleet as `up` runs one, that starts as its directory's `mode` file says:
+# ready at once, slow (waiting for its store until `go` appears), or failing at its start.
+CHILD = """
+import os, pathlib, sys, time
+d = pathlib.Path(sys.argv[1])
+mode = (d / "mode").read_text()
+if mode == "fail":
+    print("error: cannot listen on 127.0.0.1:9999: the address is in use", flush=True)
+    sys.exit(3)
+if mode == "slow":
+    print("the store postgresql://db:5432 is unreachable; waiting for it", flush=True)
+    while not (d / "go").exists():
+        time.sleep(0.05)
+(d / "ready").write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def test_up_tells_a_slow_restart_from_a_failed_one_and_keeps_no_dead_pid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`up` said a control plane or router "did not come back" when it was slow (waiting
+    for its store) and kept the dead pid in up.json; now a slow one is said to be still
+    starting, with what it waits for, and followed until it is ready; one that exited is
+    said to have, with its exit and its log's last lines; a pid that is gone is left out."""
+    from modelfleet.up.children import Fleet
+    from modelfleet.up.restarts import SLOW_AFTER_S, Restarts
+
+    (tmp_path / "mode").write_text("ready")
+    fleet = Fleet(tmp_path / "state")
+
+    def ready() -> dict[str, Any] | None:
+        marker = tmp_path / "ready"
+        pid = marker.read_text() if marker.exists() else ""
+        return {"urls": {}} if pid == str(child.proc.pid) else None
+
+    child = fleet.spawn("router", [], command=[sys.executable, "-c", CHILD, str(tmp_path)],
+                        ready_check=ready)  # fmt: skip
+    # What `Restarts` reads of a running fleet: its processes and its agents' addresses.
+    running: Any = type("Running", (), {"fleet": fleet, "agent_admin": {}})()
+    keeper = Restarts()
+    try:
+        fleet.wait_ready(child, 15)
+        first = child.proc.pid
+        (tmp_path / "mode").write_text("slow")
+        os.kill(first, signal.SIGKILL)
+        child.proc.wait()
+        assert fleet.pids().get("router") is None  # gone: not in up.json
+        assert keeper.tend(running, lambda: False, time.monotonic())  # restarted at once
+        assert "was killed by signal 9" in capsys.readouterr().out
+        second = child.proc.pid
+        assert second != first and fleet.pids()["router"] == second
+
+        wait_for("the store line", lambda: "unreachable" in child.log.read_text())
+        later = child.started_at + SLOW_AFTER_S + 1  # the clock `up` passes, moved on
+        assert not keeper.tend(running, lambda: False, later)
+        said = capsys.readouterr().out
+        assert "is still starting after 16s, not failed" in said, said
+        assert "postgresql://db:5432 is unreachable; waiting for it" in said
+        assert "did not come back" not in said and child.proc.pid == second
+        (tmp_path / "go").touch()
+        wait_for("the router ready", lambda: keeper.tend(running, lambda: False, later + 1))
+        assert f"router restarted: pid {second}, ready after" in capsys.readouterr().out
+
+        (tmp_path / "mode").write_text("fail")
+        os.kill(second, signal.SIGKILL)
+        child.proc.wait()
+        assert keeper.tend(running, lambda: False, later + 2)  # its death is said
+        assert keeper.tend(running, lambda: False, later + 60)  # started again, when due
+        assert child.proc.pid != second
+        capsys.readouterr()
+        child.proc.wait(10)
+        # It exited within a second of its start: said, and left out until it runs again.
+        assert keeper.tend(running, lambda: False, child.started_at + 1)
+        said = capsys.readouterr().out
+        assert "router exited with code 3; the last lines of" in said, said
+        assert "the address is in use" in said and "restarting it in" in said
+        assert fleet.pids().get("router") is None
+    finally:
+        fleet.stop()

@@ -6,13 +6,26 @@ from pathlib import Path
 
 import pytest
 
-from modelfleet.controlplane.catalogs import CatalogKeeper
+from modelfleet.controlplane.catalogs import SETTLE_S, Applied, CatalogKeeper
 from modelfleet.core.catalog import CatalogInvalid
 from modelfleet.store.sqlite import SqliteStore
 
 ONE = "models:\n  - name: a\n    engine: sim\n"
 TWO = ONE + "  - name: b\n    engine: sim\n    replicas: 2\n"
 BAD = "models:\n  - name: a\n    engine: vlm\n  - name: c\n    engine: sim\n    replica: 2\n"
+
+
+def settled(k: CatalogKeeper, now: float) -> Applied | None:
+    """`check_file` as the watcher calls it: at `now`, and once more when a change read then
+    has settled."""
+    first = k.check_file(now)
+    return first if first is not None or not k.settling else k.check_file(now + SETTLE_S)
+
+
+def followed(k: CatalogKeeper, now: float) -> str | None:
+    """`follow_file` as the watcher calls it (see `settled`)."""
+    first = k.follow_file(now)
+    return first if first is not None or not k.settling else k.follow_file(now + SETTLE_S)
 
 
 def keeper(tmp_path: Path, file: Path | None = None) -> CatalogKeeper:
@@ -77,13 +90,13 @@ def test_the_file_is_applied_when_its_content_changes(tmp_path: Path) -> None:
     file.write_text(ONE)
     k = keeper(tmp_path, file)
     assert k.current.version == 1 and k.current_info.source == str(file)
-    assert k.check_file(2.0) is None  # unchanged
+    assert settled(k, 2.0) is None  # unchanged
     file.write_text(TWO)
-    applied = k.check_file(3.0)
+    applied = settled(k, 3.0)
     assert applied is not None and applied.changed and applied.catalog.version == 2
 
     file.write_text(BAD)
-    assert k.check_file(4.0) is None
+    assert settled(k, 4.0) is None
     assert k.current.version == 2
     rejected = k.last_rejection()
     assert rejected is not None and rejected.source == str(file) and len(rejected.problems) == 2
@@ -91,9 +104,9 @@ def test_the_file_is_applied_when_its_content_changes(tmp_path: Path) -> None:
     # An API apply stands until the file changes again; re-reading the same text does not undo it.
     k.apply(ONE, "api", 5.0)
     file.write_text(BAD)  # same content as before, new mtime
-    assert k.check_file(6.0) is None and k.current_info.source == "api"
+    assert settled(k, 6.0) is None and k.current_info.source == "api"
     file.write_text(TWO)
-    assert k.check_file(7.0) is not None and k.current_info.source == str(file)
+    assert settled(k, 7.0) is not None and k.current_info.source == str(file)
 
 
 def test_start_prefers_the_store_unless_the_file_changed_meanwhile(tmp_path: Path) -> None:
@@ -135,14 +148,14 @@ def test_an_api_apply_is_written_to_the_watched_file_and_an_edit_of_it_changes_n
     k = keeper(tmp_path, file)
     applied = k.apply(TWO, "api", 2.0)
     assert "ctl catalog apply" in file.read_text()
-    assert k.check_file(3.0) is None  # its own write is no change
+    assert settled(k, 3.0) is None  # its own write is no change
     file.write_text(file.read_text() + "# a comment of the operator's\n")
-    commented = k.check_file(4.0)
+    commented = settled(k, 4.0)
     assert commented is None or not commented.changed
     assert k.current.version == applied.catalog.version
     assert [m.name for m in k.current.models] == ["a", "b"]
     file.write_text(file.read_text().replace("replicas: 2", "replicas: 3"))
-    edited = k.check_file(5.0)
+    edited = settled(k, 5.0)
     assert edited is not None and edited.changed and k.current.get("b").replicas == 3  # type: ignore[union-attr]
 
 
@@ -161,7 +174,7 @@ def test_an_api_apply_writes_the_file_as_applied_with_its_comments_and_one_heade
     written = file.read_text()
     assert written.startswith("# Written by `modelfleet ctl catalog apply`: catalog version")
     assert written.endswith(commented)
-    assert k.check_file(3.0) is None  # its own write is no change
+    assert settled(k, 3.0) is None  # its own write is no change
     again = k.apply(written.replace("replicas: 2", "replicas: 3"), "api", 4.0)
     assert again.changed and again.catalog.version == first.catalog.version + 1
     rewritten = file.read_text()
@@ -186,13 +199,13 @@ def test_a_follower_applies_nothing_and_says_when_its_file_holds_another_catalog
     store = tmp_path / "store.sqlite"
     a, b = host(tmp_path, "a", store, ONE), host(tmp_path, "b", store, ONE)
     a.lead(1.0)
-    assert b.follow_file() is None  # its file holds the current catalog
+    assert followed(b, 1.0) is None  # its file holds the current catalog
     assert b.file is not None
     b.file.write_text(TWO)
-    told = b.follow_file()
+    told = followed(b, 2.0)
     assert told is not None and "not applied" in told and "ctl catalog apply" in told
     assert [v.version for v in a.history(10)] == [1] and b.current.version == 1
-    assert b.follow_file() is None  # said once
+    assert followed(b, 3.0) is None  # said once
 
 
 def test_an_api_apply_on_the_leader_stands_through_a_restart_of_the_follower_and_a_failover(
@@ -213,7 +226,7 @@ def test_an_api_apply_on_the_leader_stands_through_a_restart_of_the_follower_and
     assert b.current.digest == applied.catalog.digest and b.current_info.source == "api"
     assert b.file is not None and b.file.read_text().endswith(TWO)  # the file shows it now
     assert (tmp_path / "b" / "catalog.yaml.replaced").read_text() == ONE
-    assert b.check_file(4.0) is None  # and reading it back changes nothing
+    assert settled(b, 4.0) is None  # and reading it back changes nothing
 
 
 def test_a_file_edited_while_its_control_plane_was_down_is_applied_when_it_leads(
@@ -228,3 +241,25 @@ def test_a_file_edited_while_its_control_plane_was_down_is_applied_when_it_leads
     again = CatalogKeeper(SqliteStore(store), a.file, tmp_path / "a" / "seen.sha256")
     applied = again.lead(2.0)
     assert applied is not None and applied.changed and again.current.version == 2
+
+
+def test_a_file_is_read_only_once_it_is_whole(tmp_path: Path) -> None:
+    """The watcher read a file half-written (an editor's or a copy's write under way) and
+    refused it (a false CatalogRefused); a change is taken once it reads the same, stat and
+    content, SETTLE_S apart by the caller's clock."""
+    file = tmp_path / "catalog.yaml"
+    file.write_text(ONE)
+    k = keeper(tmp_path, file)
+    half = TWO[: TWO.index("engine: sim\n    replicas") + len("engi")]  # cut mid-key
+    file.write_text(half)
+    assert k.check_file(2.0) is None
+    assert k.last_rejection() is None and k.current.version == 1  # not refused: not read whole
+    file.write_text(TWO)  # the write goes on: another read, another content
+    assert k.check_file(2.1) is None and k.settling
+    assert k.check_file(2.1 + SETTLE_S / 2) is None  # the same, but not long enough apart
+    applied = k.check_file(2.1 + SETTLE_S)
+    assert applied is not None and applied.catalog.version == 2
+    assert k.last_rejection() is None and not k.settling  # nothing was refused
+    # A file that stays half-written is refused, once it has settled.
+    file.write_text(half)
+    assert settled(k, 5.0) is None and k.last_rejection() is not None

@@ -139,3 +139,26 @@ def test_the_last_error_line_of_an_engine_is_found_without_its_log_prefix() -> N
     assert last_error_line(pydantic[:1]) == "EngineCore failed to start."
     assert last_error_line(["INFO: Started server process [6458]", "Killed"]) is None
     assert last_error_line([]) is None
+
+
+def test_a_follow_goes_on_across_a_restart_and_a_cut(tmp_path: Path) -> None:
+    """A follow asked by offset alone read the new run from the old run's offset: nothing
+    until the new run outgrew the old one, then from its middle. With the run it is in, it
+    gets the rest of that run, then the new run from its start."""
+    path = shard_log(tmp_path, "m-1", 0)
+    path.write_text("one: starting\n")
+    first = read_log(path, ask(), NOW)
+    assert first.lines == ["one: starting"] and first.run
+    with path.open("a") as f:
+        f.write("one: exited (1)\n")
+    rotate(path)  # the engine starts again: its new run's log begins
+    path.write_text("two\n")
+    follow = LogRequest(id="r", replica_id="m-1", rank=0, offset=first.offset, run=first.run)
+    after = read_log(path, follow, NOW)
+    assert after.lines == ["one: exited (1)", "two"]
+    assert after.run != first.run and after.offset == len("two\n")
+    same = read_log(path, follow.model_copy(update={"offset": after.offset, "run": after.run}), NOW)
+    assert same.lines == [] and same.run == after.run
+    path.write_text("t\n")  # cut shorter than where the follow stood (same file)
+    cut = read_log(path, follow.model_copy(update={"offset": after.offset, "run": after.run}), NOW)
+    assert cut.lines == ["t"]

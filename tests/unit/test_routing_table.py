@@ -161,3 +161,29 @@ def test_an_adapter_swap_leaves_the_routers_before_the_agent_unloads_it() -> Non
     assert s.adapters.place(catalog, {"a": {"x": Want(held=9)}}, 10.0, 5.0) == 1
     assert s.adapters.swap(-1, 14.9) == 0 and s.adapters.swap(-1, 15.0) == 1
     assert told() == {"x": "/lora/x"}
+
+
+def test_a_model_none_of_whose_replicas_is_coming_is_routed_with_why() -> None:
+    """The router said "try again shortly" to a model that could never serve: the table says
+    why none is coming (a crash loop with its last error; replicas placeable nowhere), and
+    nothing while one is starting afresh."""
+    cp = fleet()
+    catalog = cp.catalogs.current
+    assert all(m.cannot_serve == "" for m in cp.routing.models(catalog))  # starting: coming
+    looping = report(cp, "n1", 2, ready=False, failures=2, last_failure="exited: boom (1)")
+    cp.state.take_report(looping, catalog, 1.0)
+    [a, b] = cp.routing.models(catalog)
+    assert "2 replica(s) failing" in a.cannot_serve and "exited: boom (1)" in a.cannot_serve
+    assert b.cannot_serve == ""
+    assert cp.routing.models(catalog)[0] is a  # the same entry while nothing changed
+    # A third replica of b that fits nowhere, while b's two are starting: still coming.
+    more = [{"name": m, "engine": "sim", "replicas": 3, "node_labels": {"zone": m}} for m in "ab"]
+    cp.catalogs.apply(yaml.safe_dump({"models": more}), "api", 2.0)
+    catalog = cp.catalogs.current
+    cp.reconcile_once(2.0)
+    [a, b] = cp.routing.models(catalog)
+    assert b.cannot_serve == "" and "cannot be placed" in a.cannot_serve
+    assert cp.state.pending_for("a") is not None
+    # While GPUs are being let go (a replica retiring), the one pending may fit: coming.
+    cp.state.retire([next(iter(cp.state.of_model("b")))], "scaled down", 3.0)
+    assert [m.cannot_serve for m in cp.routing.models(catalog)] == ["", ""]

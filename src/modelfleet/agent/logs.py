@@ -18,6 +18,7 @@ import os
 import re
 from collections import deque
 from pathlib import Path
+from typing import BinaryIO
 
 from modelfleet.host.files import PRIVATE
 from modelfleet.messages.wire import LogAnswer, LogRequest
@@ -94,13 +95,25 @@ def rotate(path: Path, keep: int = KEEP_RUNS) -> None:
         _shift_marks(marks_of(_run(path, 1)), dropped)
 
 
+def run_of(f: BinaryIO) -> str:
+    """Which run an open log is: its file's identity, kept when it is moved aside."""
+    st = os.fstat(f.fileno())
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 def read_log(path: Path, request: LogRequest, now: float) -> LogAnswer:
     """The part of the log of `path` (or of a run before it) that `request` asks for; `now`
-    is the wall clock, for `since_s`."""
+    is the wall clock, for `since_s`.
+
+    A follow (`offset`) follows the shard, not one file: when its engine started again
+    since the run the offset is in (`run`), the rest of that run (moved aside) comes first,
+    then the new run from its start; a log cut shorter than the offset is read from its
+    start."""
     target = path if request.previous == 0 else _run(path, request.previous)
     try:
         with target.open("rb") as f:
             end = f.seek(0, os.SEEK_END)
+            run = run_of(f)
             if request.offset is None:
                 start = max(0, end - MAX_ANSWER_BYTES)
                 if request.since_s is not None:
@@ -111,19 +124,44 @@ def read_log(path: Path, request: LogRequest, now: float) -> LogAnswer:
                     id=request.id,
                     lines=list(deque(text.splitlines(), maxlen=request.tail)),
                     offset=end,
+                    run=run,
                 )
-            start = min(request.offset, end)
-            f.seek(start)
-            data = f.read(MAX_ANSWER_BYTES)
-            # Only whole lines; the rest comes with the next follow.
-            whole = data[: data.rfind(b"\n") + 1] if len(data) == MAX_ANSWER_BYTES else data
-            text = whole.decode(errors="replace")
-            return LogAnswer(id=request.id, lines=text.splitlines(), offset=start + len(whole))
+            lines: list[str] = []
+            start = request.offset
+            if request.run is not None and request.run != run:
+                lines = _rest_of_run(path, request.run, request.offset)
+                start = 0
+            elif start > end:
+                start = 0  # cut (or a follow begun before runs were named, and a restart)
+            read, offset = _read_whole_lines(f, start)
+            return LogAnswer(id=request.id, lines=lines + read, offset=offset, run=run)
     except FileNotFoundError:
         run = "its current run" if request.previous == 0 else f"run -{request.previous}"
         return LogAnswer(id=request.id, error=f"no log of {run} on this node")
     except OSError as exc:
         return LogAnswer(id=request.id, error=f"cannot read {target.name}: {exc}")
+
+
+def _read_whole_lines(f: BinaryIO, start: int) -> tuple[list[str], int]:
+    """The lines of `f` from `start` on (at most MAX_ANSWER_BYTES: then only whole lines,
+    the rest comes with the next follow), and where they end."""
+    f.seek(start)
+    data = f.read(MAX_ANSWER_BYTES)
+    whole = data[: data.rfind(b"\n") + 1] if len(data) == MAX_ANSWER_BYTES else data
+    return whole.decode(errors="replace").splitlines(), start + len(whole)
+
+
+def _rest_of_run(path: Path, run: str, offset: int) -> list[str]:
+    """What the run `run` of `path`'s shard wrote from `offset` on, now that it was moved
+    aside (the engine started again); nothing when it is gone (past KEEP_RUNS)."""
+    for k in range(1, KEEP_RUNS + 1):
+        try:
+            with _run(path, k).open("rb") as f:
+                if run_of(f) == run:
+                    return _read_whole_lines(f, offset)[0]
+        except OSError:
+            continue
+    return []
 
 
 def _run(path: Path, k: int) -> Path:

@@ -66,7 +66,10 @@ class CatalogFile:
         """Apply the catalog file whenever its content changes, while leading; while
         following, say once when it changed to a catalog only the leader could apply."""
         while True:
-            await asyncio.sleep(self.config.catalog_poll_interval)
+            wait = self.config.catalog_poll_interval
+            if self.catalogs.settling:  # a change read once: read again when it may have settled
+                wait = min(wait, self.catalogs.settle_s)
+            await asyncio.sleep(wait)
             if self.calls.outage is not None:
                 continue  # read once the store answers again: nothing could be applied
             if self.acting():
@@ -76,7 +79,7 @@ class CatalogFile:
 
     async def follow(self) -> None:
         try:
-            told = await self.calls(self.catalogs.follow_file)
+            told = await self.calls(self.catalogs.follow_file, self.time())
         except (OSError, StoreError) as exc:
             told = f"cannot read the catalog file or the store's catalog: {exc}"
         if told is not None and told != self._said:

@@ -33,6 +33,10 @@ from modelfleet.store import Rejection, Store, StoredCatalog, StoreError
 log = logging.getLogger("modelfleet.controlplane")
 
 API_SOURCE = "api"
+# A changed catalog file is read once it reads the same (size, mtime and content) twice this
+# long apart, by the caller's clock: an editor's or a copy's write under way is not taken
+# half-written (a false refusal). A file written whole and renamed into place waits as long.
+SETTLE_S = 0.2
 # The first line of a catalog file modelfleet wrote, and the line after it.
 _WRITTEN = "# Written by "
 _EDIT = "# Edit this file or apply another catalog: the newest change wins."
@@ -60,11 +64,21 @@ class CurrentCatalog:
 class CatalogKeeper:
     """Holds the current catalog and is the only thing that replaces it."""
 
-    def __init__(self, store: Store, file: Path | None = None, seen: Path | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        file: Path | None = None,
+        seen: Path | None = None,
+        settle_s: float = SETTLE_S,
+    ) -> None:
         self.store = store
         self.file = file
         self.seen = seen  # where the digest of the file's content last read is kept
+        self.settle_s = settle_s
         self._file_stat: tuple[int, int, int] | None = None
+        # A change of the file read once, not yet twice the same: (its stat, its digest),
+        # and when it was first read so (the caller's clock).
+        self._settling: tuple[tuple[tuple[int, int, int], str], float] | None = None
         self._seen_digest = _read_digest(seen)
         self._current: CurrentCatalog | None = None
         self._rejection: Rejection | None = None
@@ -139,7 +153,7 @@ class CatalogKeeper:
         return None
 
     def _check_file_unlocked(self, now: float) -> Applied | None:
-        text = self._changed_text()
+        text = self._changed_text(now)
         if text is None:
             return None
         try:
@@ -148,8 +162,8 @@ class CatalogKeeper:
             self._file_stat = None
             raise
 
-    def _follow_file_unlocked(self) -> str | None:
-        text = self._changed_text()
+    def _follow_file_unlocked(self, now: float) -> str | None:
+        text = self._changed_text(now)
         if text is None:
             return None
         self._note_seen(text)
@@ -180,19 +194,20 @@ class CatalogKeeper:
 
     def check_file(self, now: float) -> Applied | None:
         """While leading: apply the catalog file if its content changed since it was last
-        read. Returns what was applied, or None when the file did not change or was invalid
+        read and has settled (`now`: the caller's clock). Returns what was
+        applied, or None when the file did not change, is still settling, or was invalid
         (the rejection is recorded and logged). Raises OSError when the file cannot be read,
         StoreError when the store cannot write (read again at the next call)."""
         with self._lock:
             return self._check_file_unlocked(now)
 
-    def follow_file(self) -> str | None:
-        """While following: note a change of the catalog file, applying nothing. Returns what
-        to tell the operator when it holds a catalog other than the store's current one (an
-        edit that only the leader could apply); None when there is nothing to tell. Raises
-        OSError, StoreError."""
+    def follow_file(self, now: float) -> str | None:
+        """While following: note a change of the catalog file (once settled, as for
+        `check_file`), applying nothing. Returns what to tell the operator when it holds a
+        catalog other than the store's current one (an edit that only the leader could
+        apply); None when there is nothing to tell. Raises OSError, StoreError."""
         with self._lock:
-            return self._follow_file_unlocked()
+            return self._follow_file_unlocked(now)
 
     def apply(self, text: str, source: str, now: float) -> Applied:
         """Make the catalog in `text` current, unless it is invalid (raises CatalogInvalid).
@@ -207,16 +222,32 @@ class CatalogKeeper:
         self._file_stat = (st.st_mtime_ns, st.st_size, st.st_ino)
         return text
 
-    def _changed_text(self) -> str | None:
+    @property
+    def settling(self) -> bool:
+        """Whether a change of the file waits to be read the same once more."""
+        return self._settling is not None
+
+    def _changed_text(self, now: float) -> str | None:
         """The file's text if it changed (by its stat, then its digest) since it was last
-        read, else None."""
+        read and has settled (read the same, stat and content, SETTLE_S apart by `now`: a
+        write under way is not taken), else None."""
         if self.file is None:
             return None
         st = os.stat(self.file)
-        if (st.st_mtime_ns, st.st_size, st.st_ino) == self._file_stat:
+        stat = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stat == self._file_stat:
+            self._settling = None
             return None
-        text = self._read_file()
-        return None if _text_digest(text) == self._seen_digest else text
+        text = self.file.read_text()
+        read = (stat, _text_digest(text))
+        if self._settling is None or self._settling[0] != read:
+            self._settling = (read, now)
+            return None
+        if now - self._settling[1] < self.settle_s:
+            return None
+        self._settling = None
+        self._file_stat = stat
+        return None if read[1] == self._seen_digest else text
 
     def _note_seen(self, text: str) -> None:
         self._seen_digest = _text_digest(text)

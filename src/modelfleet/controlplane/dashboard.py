@@ -303,13 +303,14 @@ class Dashboard:
 
         async def stream() -> AsyncIterator[bytes]:
             offset: int | None = None
+            run: str | None = None  # followed across the engine's restarts (`read_log`)
             while not self.closing.is_set():
                 nodes = _nodes_of(cp, replica)
                 if nodes is None or shard >= len(nodes):
                     yield _event("lines", _log_html([f"(no replica {replica} shard {shard})"]))
                     return
                 asking = asyncio.ensure_future(
-                    cp.logs.ask(nodes[shard], replica, shard, 0, 200, offset, LOG_WAIT_S)
+                    cp.logs.ask(nodes[shard], replica, shard, 0, 200, offset, LOG_WAIT_S, run=run)
                 )
                 try:
                     while not (await asyncio.wait({asking}, timeout=ALIVE_EVERY_S))[0]:
@@ -326,7 +327,7 @@ class Dashboard:
                         return
                     if got.lines:
                         yield _event("lines", _log_html(got.lines))
-                    offset = got.offset
+                    offset, run = got.offset, got.run
                 yield _event("alive", "")
                 await self._pause(LOG_EVERY_S)
 

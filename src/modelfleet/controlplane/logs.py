@@ -63,8 +63,10 @@ class LogRelay:
         offset: int | None,
         timeout: float,
         since_s: float | None = None,
+        run: str | None = None,
     ) -> LogAnswer:
-        """What the agent of `node` reads of the log; LogUnanswered after `timeout` s."""
+        """What the agent of `node` reads of the log (a follow: from `offset` in `run`, across
+        the engine's restarts); LogUnanswered after `timeout` s."""
         request = LogRequest(
             id=secrets.token_hex(8),
             replica_id=replica_id,
@@ -73,6 +75,7 @@ class LogRelay:
             tail=tail,
             offset=offset,
             since_s=since_s,
+            run=run,
         )
         answer: asyncio.Future[LogAnswer] = asyncio.get_running_loop().create_future()
         self._waiting[request.id] = (node, answer)

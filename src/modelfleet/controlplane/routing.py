@@ -21,6 +21,9 @@ class RoutingTable:
         self.state = state
         # model -> ((its stamp, the catalog's digest, its count) when built, its entry)
         self._kept: dict[str, tuple[tuple[int, str, int | None], RoutedModel]] = {}
+        # model -> (its entry, why it cannot serve, the entry saying so): the same object
+        # while neither changes (the publisher keeps each entry's JSON by the object)
+        self._said: dict[str, tuple[RoutedModel, str, RoutedModel]] = {}
 
     def models(
         self, catalog: Catalog, wanted: Mapping[str, int] = MappingProxyType({})
@@ -39,11 +42,49 @@ class RoutingTable:
             if kept is None or kept[0] != made_from:
                 kept = (made_from, _entry(self.state, spec, count))
                 self._kept[spec.name] = kept
-            table.append(kept[1])
+            table.append(self._saying_why(spec.name, kept[1]))
         if len(self._kept) > len(table):
             named = {m.name for m in catalog.models}
             self._kept = {name: kept for name, kept in self._kept.items() if name in named}
         return table
+
+    def _saying_why(self, model: str, entry: RoutedModel) -> RoutedModel:
+        """`entry`, and with no endpoint, why none is coming (`cannot_serve`). Worked out
+        at every publish for the models with no endpoint: what it reads (the last pass's
+        pending replicas, shards' failures) moves on without a reroute."""
+        why = "" if entry.endpoints else cannot_serve(self.state, model)
+        if not why:
+            self._said.pop(model, None)
+            return entry
+        said = self._said.get(model)
+        if said is None or said[0] is not entry or said[1] != why:
+            said = (entry, why, entry.model_copy(update={"cannot_serve": why}))
+            self._said[model] = said
+        return said[2]
+
+
+def cannot_serve(state: FleetState, model: str) -> str:
+    """Why no replica of `model` can serve, while none serves and none is on its way: those
+    wanted that cannot be placed (and why), and those failing (with the last error). "" when
+    one is on its way (starting after no failure, assigned, or asleep: it wakes; or one that
+    cannot be placed while GPUs are being let go: it may fit once they are), or when none is
+    wanted (a model at zero replicas starts one when asked)."""
+    records = [state.replicas[rid] for rid in state.of_model(model)]
+    records = [r for r in records if not r.retiring]
+    if any(r.sleep for r in records):
+        return ""
+    failing = [why for r in records if (why := state.failure(r))]
+    if len(failing) < len(records):
+        return ""
+    parts = []
+    pending = state.pending_for(model)
+    if pending is not None and _freeing(state):
+        return ""
+    if pending is not None:
+        parts.append(f"{pending.count} replica(s) cannot be placed: {pending.explanation.summary}")
+    if failing:
+        parts.append(f"{len(failing)} replica(s) failing: {failing[0]}")
+    return "; ".join(parts)[:4000]
 
 
 def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel:
@@ -103,3 +144,12 @@ def _entry(state: FleetState, spec: ModelSpec, count: int | None) -> RoutedModel
         adapters={name: sorted(where) for name, where in adapters.items()},
         adapter_errors={name: why for name, why in errors.items() if not adapters.get(name)},
     )
+
+
+def _freeing(state: FleetState) -> bool:
+    """Whether GPUs are being let go: a replica retiring (scaled down, drained, asleep and
+    lent to another model), or an engine of none still holding its GPUs as it stops."""
+    if any(r.retiring for r in state.replicas.values()):
+        return True
+    held = {slot for r in state.replicas.values() for slot in r.replica.gpu_slots()}
+    return not state.busy_slots() <= held

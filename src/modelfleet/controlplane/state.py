@@ -43,7 +43,7 @@ from modelfleet.core.fleet import (
     replica_id_stem,
 )
 from modelfleet.core.reconcile import Pending, Plan
-from modelfleet.messages.wire import AgentReport, Heartbeat, ShardReport
+from modelfleet.messages.wire import AgentReport, Heartbeat, ShardReport, ShardState
 
 MAX_NEWS = 10_000
 MAX_DROPPED = 1000
@@ -350,6 +350,31 @@ class FleetState:
         if seen is None or seen.generation != record.generation:
             return None
         return seen
+
+    def failure(self, record: ReplicaRecord) -> str:
+        """Why `record`'s engine is failing, in words, or "" when it is not: a shard (of its
+        current generation) failed, or started again after failing and not ready since (a
+        crash loop shows "starting" most of the time, its error gone with the restart), or
+        all its shards restarted together since it last served."""
+        for rank in range(len(record.replica.shards)):
+            seen = self.current(record, rank)
+            if seen is None or seen.state is ShardState.READY:
+                continue
+            last = seen.last_failure or seen.error or "its engine failed"
+            if seen.state is ShardState.FAILED:
+                again = f"; restarted {seen.restarts} time(s) so far" if seen.restarts else ""
+                return f"shard {rank}: {seen.error or last}{again}"
+            if seen.state is ShardState.STARTING and seen.failures > 0:
+                return (
+                    f"shard {rank}: started again after {seen.failures} failure(s) in a row; "
+                    f"the last: {last}"
+                )
+        if record.group_restarts and not self.is_serving(record.replica.id):
+            return (
+                f"all its shards restarted together {record.group_restarts} time(s) since it "
+                f"last served; the last because {record.last_failure}"
+            )
+        return ""
 
     # -- desired state -------------------------------------------------------------------
 

@@ -156,8 +156,8 @@ def replica_state(
 ) -> admin.ReplicaState:
     """A replica's state worked out from its shards' (of its current generation): retiring,
     sleeping (told to, or asleep), ready (every shard; out-of-rotation when a router sends it
-    nothing: `ejected` says why), failed (any), starting (any), or assigned (none reported
-    yet)."""
+    nothing: `ejected` says why), failed (any failed, or started again after failing and not
+    ready since: `FleetState.failure`), starting (any), or assigned (none reported yet)."""
     if record.retiring:
         return "retiring"
     if record.sleep:
@@ -168,7 +168,7 @@ def replica_state(
         states.add(seen.state if seen is not None else None)
     if states == {ShardState.READY}:
         return "out-of-rotation" if ejected else "ready"
-    if ShardState.FAILED in states:
+    if ShardState.FAILED in states or state.failure(record):
         return "failed"
     if ShardState.STARTING in states:
         return "starting"
@@ -200,6 +200,7 @@ def replica_view(
         group_restarts=record.group_restarts,
         last_failure=record.last_failure,
         ejected=list(ejected),
+        error=state.failure(record) if shown == "failed" else "",
     )
 
 

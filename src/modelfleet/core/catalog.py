@@ -70,6 +70,9 @@ _SCALING_KEYS = ("autoscale", "cold_queue", "cold_timeout", "sleep_level")
 _LIVE_KEYS = ("adapters",)
 DEFAULT_COLD_QUEUE = 256
 _TOP_KEYS = ("models",)
+# What `ctl catalog show -o json` prints beside the models: taken back and ignored (the
+# control plane numbers, digests and dates each catalog it applies itself).
+_SHOWN_KEYS = ("version", "digest", "applied_at", "source", "last_rejection")
 
 
 # A refused catalog's problems are stored, logged and sent back: each is kept short, and at
@@ -321,7 +324,7 @@ class Catalog:
         problems = [
             Problem("-", _clip(str(key), 80), _unknown_key_message(_clip(str(key), 80), _TOP_KEYS))
             for key in data
-            if key not in _TOP_KEYS
+            if key not in _TOP_KEYS and key not in _SHOWN_KEYS
         ]
         models: Any = data.get("models")
         if models is None:
@@ -642,11 +645,30 @@ def _is_text(value: Any) -> bool:
     return True
 
 
+def _unset_nulls(raw: Mapping[Any, Any]) -> dict[Any, Any]:
+    """A model's keys without those whose value is null, in its `autoscale` mapping and its
+    `adapters` too: a null means "unset" (the default), as `ctl catalog show -o json` writes
+    the fields a model leaves unset."""
+
+    def present(entry: Any) -> Any:
+        if isinstance(entry, Mapping):
+            return {k: v for k, v in entry.items() if v is not None}
+        return entry
+
+    kept = present(raw)
+    if isinstance(kept.get("autoscale"), Mapping):
+        kept["autoscale"] = present(kept["autoscale"])
+    if isinstance(kept.get("adapters"), list):
+        kept["adapters"] = [present(a) for a in kept["adapters"]]
+    return kept  # type: ignore[no-any-return]
+
+
 def _validate_model(index: int, raw: Any, problems: list[Problem]) -> ModelSpec | None:
     label = f"#{index + 1}"
     if not isinstance(raw, Mapping):
         problems.append(Problem(label, "-", f"must be a mapping of keys, got {type(raw).__name__}"))
         return None
+    raw = _unset_nulls(raw)
     name = raw.get("name")
     if isinstance(name, str) and name.strip() and not any(c.isspace() for c in name):
         label = name

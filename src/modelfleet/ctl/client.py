@@ -331,10 +331,13 @@ class AdminClient:
         previous: int,
         offset: int | None = None,
         since: str | None = None,
+        run: str | None = None,
     ) -> admin.LogsAnswer:
         params = {"shard": str(shard), "tail": str(tail), "previous": str(previous)}
         if offset is not None:
             params["offset"] = str(offset)
+            if run:
+                params["run"] = run
         elif since is not None:
             params["since"] = since
         path = "/v1/logs/" + quote(replica, safe="")

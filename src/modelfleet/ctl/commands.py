@@ -7,7 +7,6 @@ through `with_options_first`): `ctl -o json nodes` and `ctl nodes -o json` are t
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -115,7 +114,9 @@ class Ctl:
         except CtlError as exc:
             fail(str(exc), 1)
         if self.output is Output.json:
-            typer.echo(json.dumps(answer.model_dump(mode="json"), indent=2))
+            from modelfleet.ctl.render import as_json
+
+            typer.echo(as_json(answer))
             return
         if form is not None:
             typer.echo(form(answer), nl=False)
@@ -658,7 +659,8 @@ def logs(
             typer.echo(line)
         while follow:
             time.sleep(1.0)
-            got = client.logs(replica, shard, tail, previous, offset=got.offset)
+            # By the shard, not one file: a restarted engine's new run follows its last.
+            got = client.logs(replica, shard, tail, previous, offset=got.offset, run=got.run)
             for line in got.lines:
                 typer.echo(line)
     except CtlError as exc:

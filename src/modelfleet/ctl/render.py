@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 import time
 
+from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -28,6 +30,12 @@ def shown(text: str) -> str:
     return escape(_CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text))
 
 
+def as_json(answer: BaseModel) -> str:
+    """An answer as `-o json` prints it: every field, an unset one as null (a catalog
+    printed so is taken back by `ctl catalog apply` as the same catalog)."""
+    return json.dumps(answer.model_dump(mode="json"), indent=2)
+
+
 def gpu_state(gpu: admin.GpuInfo) -> str:
     if not gpu.healthy:
         return f"unhealthy ({shown(gpu.reason or 'no reason given')})"
@@ -41,7 +49,8 @@ def print_status(data: admin.StatusAnswer, console: Console) -> None:
         f"{data.reconcile_plans} of them planned{_pass_times(data)}\n"
         f"agents beat every {data.heartbeat_interval:g}s\n"
         f"catalog version {data.catalog_version}, routing version {data.routing_version}\n"
-        f"{data.nodes} node(s), {data.replicas} replica(s), {data.pending} pending",
+        f"{data.nodes} node(s), {data.replicas} replica(s) ({data.failed} failed), "
+        f"{data.pending} pending",
         highlight=False,
     )
     if data.store:
@@ -215,7 +224,7 @@ def print_replicas(data: admin.ReplicasAnswer, console: Console) -> None:
     table = Table("REPLICA", "MODEL", "STATE", "SHARDS (node[gpus]: state)", "ENDPOINT", "ERROR")
     for r in data.replicas:
         shards = ", ".join(f"{shown(s.node)}{s.gpus}: {s.state}" for s in r.shards)
-        error = "; ".join(shown(s.error) for s in r.shards if s.error)
+        error = shown(r.error) or "; ".join(shown(s.error) for s in r.shards if s.error)
         if r.ejected:
             out = f"out of rotation at {len(r.ejected)} router(s)"
             error = f"{error}; {out}" if error else out

@@ -142,7 +142,8 @@ class RebalanceAnswer(_Answer):
 # -- replicas ------------------------------------------------------------------------------
 
 # "out-of-rotation": every shard ready, but a router sends it no requests (`ejected` says
-# which and why): what its clients get, not what its engine says.
+# which and why): what its clients get, not what its engine says. "failed": a shard failed,
+# or was started again after failing and is not ready since (a crash loop): `error` says why.
 ReplicaState = Literal[
     "ready", "out-of-rotation", "starting", "failed", "assigned", "retiring", "sleeping"
 ]
@@ -197,6 +198,9 @@ class ReplicaInfo(_Answer):
     last_failure: str = ""
     # The routers that send it no requests now (they took it out of rotation), and why.
     ejected: list[str] = Field(default_factory=list)
+    # While failed: why, with its engine's last error (also while the next start of a crash
+    # loop is under way, when the shard's own `error` is empty).
+    error: str = ""
 
 
 class PendingInfo(_Answer):
@@ -391,6 +395,8 @@ class StatusAnswer(_Answer):
     nodes: int  # nodes that have reported
     replicas: int  # in the table, retiring ones included
     pending: int  # replicas wanted that cannot be placed now
+    # Of `replicas`, those failed: a shard failed, or crash-looping (`ctl replicas` says why).
+    failed: int = 0
     frozen: str = ""  # why nothing is moved off lost nodes (every node is silent), or ""
     # Why the store cannot write (a full disk, a read-only file), or "": changes are refused
     # with 503 and collected usage waits at the routers until it can again.
@@ -612,6 +618,7 @@ class LogsAnswer(_Answer):
     previous: int  # 0: the current run; K: K runs back
     lines: list[str]
     offset: int  # where the log ends now: the `offset` to follow from
+    run: str = ""  # the run that offset is in: the `run` to follow with (across restarts)
 
 
 # -- events --------------------------------------------------------------------------------

@@ -195,6 +195,9 @@ class LogRequest(_Message):
     previous: int = Field(default=0, ge=0)  # 0: the engine's current run; K: K runs back
     tail: int = Field(default=200, ge=1, le=100_000)  # lines, when no offset is given
     offset: int | None = Field(default=None, ge=0)  # bytes: what was written from there on
+    # With an offset: the run that offset is in (`LogAnswer.run`). When the engine has started
+    # again since, the rest of that run comes first, then the new run from its start.
+    run: str | None = Field(default=None, max_length=64)
     # Without an offset: only what was written in the last `since_s` seconds, by the node's
     # own clock (the tail still applies).
     since_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
@@ -204,6 +207,7 @@ class LogAnswer(_Message):
     id: str = Field(max_length=64)
     lines: list[str] = Field(default_factory=list)
     offset: int = 0  # where the log ends now: the next `offset` of a follow
+    run: str = ""  # which run's log that offset is in: the next `run` of a follow
     error: str = ""  # no such log, or it could not be read
 
 
@@ -310,6 +314,11 @@ class RoutedModel(_Message):
     adapters: dict[str, list[str]] = Field(default_factory=dict)
     # An adapter no engine holds and one failed to load: the engine's words for it.
     adapter_errors: dict[str, str] = Field(default_factory=dict)
+    # While none of its replicas serves and none is coming: why, as the control plane sees it
+    # (those wanted cannot be placed, and why; its engine keeps failing, and the last error).
+    # A router answers its requests 503 with this, without a Retry-After. "": one serves, or
+    # one is on its way (a request gets a Retry-After, or is held for it).
+    cannot_serve: str = Field(default="", max_length=4000)
 
 
 class RoutedKey(_Message):

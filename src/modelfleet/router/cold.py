@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from modelfleet.router.refusal import Refusal
+from modelfleet.router.refusal import Refusal, cannot_serve
 
 if TYPE_CHECKING:
     from modelfleet.messages.wire import RoutedModel
@@ -195,8 +195,9 @@ class ColdHold:
         if route is None or route.target_in_flight is None:
             self._let_go(model, table, route)
             return
-        if not endpoints and (failed := adapter_failed(table, model)) is not None:
-            self._over(model)  # the adapter failed to load wherever it was tried
+        if not endpoints and (failed := adapter_failed(table, model) or cannot_serve(route)):
+            # The adapter failed to load wherever it was tried, or no replica is on its way.
+            self._over(model)
             for entry in queue:
                 del self.held[entry.request]
                 if entry.timer is not None:

@@ -31,7 +31,7 @@ from modelfleet.router.cold import adapter_failed
 from modelfleet.router.exchange import ClientGone, Exchange, Parts, Plan
 from modelfleet.router.flight import Flight
 from modelfleet.router.limits import Refusal as LimitRefusal
-from modelfleet.router.refusal import Refusal
+from modelfleet.router.refusal import Refusal, cannot_serve
 from modelfleet.router.usage import UsageScanner
 
 if TYPE_CHECKING:
@@ -219,8 +219,8 @@ class Proxy:
         route = table.routes[model]
         if model in table.parents:
             self.parts.asked.note(model, self.parts.clock())
-        if not endpoints and (failed := adapter_failed(table, model)) is not None:
-            return failed
+        if not endpoints and (failed := adapter_failed(table, model) or cannot_serve(route)):
+            return failed  # none is on its way: neither held nor told to try again shortly
         if path != "/v1/embeddings" and route.max_tokens_cap is not None:
             try:
                 raw = _capped(body, raw, route)

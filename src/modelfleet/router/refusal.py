@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelfleet.http.openai_api import error_body
+from modelfleet.messages.wire import RoutedModel
 
 # Statuses whose answer names why, in `x-modelfleet-reason`.
 WHY_STATUSES = frozenset({429, 503, 504})
@@ -36,3 +37,17 @@ class Refusal:
         if self.retry_after is not None:
             headers.append((b"retry-after", str(self.retry_after).encode()))
         return headers, body
+
+
+def cannot_serve(route: RoutedModel) -> Refusal | None:
+    """The 503 for a model none of whose replicas serves and none is on its way, with why as
+    the control plane sees it (`RoutedModel.cannot_serve`), and no Retry-After: trying again
+    shortly would get the same answer. None for anything else."""
+    if not route.cannot_serve:
+        return None
+    return Refusal(
+        503,
+        f"`{route.name}` cannot serve now: {route.cannot_serve}",
+        "server_error",
+        "cannot-serve",
+    )

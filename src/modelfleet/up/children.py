@@ -146,26 +146,39 @@ class Fleet:
     def restart(self, child: Child, timeout: float = 15) -> dict[str, Any]:
         """Stop `child` if it runs (SIGTERM, SIGKILL after 10 s), start it again, wait until
         it is ready; returns its ready file."""
+        self.relaunch(child)
+        return self.wait_ready(child, timeout)
+
+    def relaunch(self, child: Child) -> None:
+        """Stop `child` if it runs (SIGTERM, SIGKILL after 10 s) and start it again, without
+        waiting for it to be ready (`ready`)."""
         stop_groups([child.proc.pid], 10.0)
         child.proc.wait()
         child.launch()
         self._record()
-        return self.wait_ready(child, timeout)
+
+    def ready(self, child: Child) -> dict[str, Any] | None:
+        """The child's ready file (or its `ready_check`'s answer) once it is ready; None
+        while it is still starting; UpError, with its exit and its log's last lines, when it
+        exited first."""
+        if child.ready_file is not None and child.ready_file.exists():
+            ready: dict[str, Any] = json.loads(child.ready_file.read_text())
+            return ready
+        checked = child.ready_check() if child.ready_check is not None else None
+        if checked is not None:
+            return checked
+        if child.proc.poll() is not None:
+            raise UpError(f"{child.role} {exited(child)}")
+        return None
 
     def wait_ready(self, child: Child, timeout: float) -> dict[str, Any]:
         """Wait for the child's ready file (or its `ready_check`); UpError with its log tail
         if it exits first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if child.ready_file is not None and child.ready_file.exists():
-                ready: dict[str, Any] = json.loads(child.ready_file.read_text())
+            ready = self.ready(child)
+            if ready is not None:
                 return ready
-            checked = child.ready_check() if child.ready_check is not None else None
-            if checked is not None:
-                return checked
-            if child.proc.poll() is not None:
-                tail = "\n".join(log_tail(child.log, 20))
-                raise UpError(f"{child.role} exited with code {child.proc.returncode}:\n{tail}")
             time.sleep(0.05)
         raise UpError(f"{child.role} was not ready within {timeout:.0f}s; see {child.log}")
 
@@ -175,8 +188,12 @@ class Fleet:
         return {n: recorded_engine_pids(agent_state_dir(self.state_dir, n)) for n in nodes}
 
     def pids(self) -> dict[str, Any]:
+        """The pid of each child that runs now (one that exited is left out until it runs
+        again) and of each agent's engines."""
         pids: dict[str, Any] = {"agent": {}, "engine": self.engine_pids()}
         for c in self.children:
+            if c.proc.poll() is not None:
+                continue
             if c.node:
                 pids[c.role][c.node] = c.proc.pid
             else:
@@ -196,6 +213,23 @@ class Fleet:
         for c in self.children:
             if c.proc.poll() is None:
                 c.proc.wait()
+
+
+def exited(child: Child, lines: int = 20) -> str:
+    """How `child` ended, in words: its exit code (or signal) and its log's last lines."""
+    code = child.proc.returncode
+    if isinstance(child.proc, Adopted):
+        how = "is gone (adopted from an earlier `up`: its exit status is not ours to read)"
+    elif code is not None and code < 0:
+        how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    tail = "\n".join(f"  | {line}" for line in log_tail(child.log, lines))
+    return (
+        f"{how}; the last lines of {child.log}:\n{tail}"
+        if tail
+        else f"{how} ({child.log} is empty)"
+    )
 
 
 @dataclass

@@ -25,11 +25,14 @@ def routes(cp: ControlPlane) -> APIRouter:
         previous: Annotated[int, Query(ge=0, le=100)] = 0,
         offset: Annotated[int | None, Query(ge=0)] = None,
         since: Annotated[str | None, Since] = None,
+        run: Annotated[str | None, Query(max_length=64)] = None,
     ) -> admin.LogsAnswer:
         """An engine's output, read by its node's agent on demand: the last `tail` lines
         (of those written in the last `since`, a duration: 10m, 1h), or with `offset` what
-        was written from there on (a follow); `previous`: that many runs back (before
-        restarts). Also of a replica stopped lately (the last 1,000)."""
+        was written from there on (a follow: with the `run` the last answer named, it goes
+        on across the engine's restarts: the rest of that run, then the new one);
+        `previous`: that many runs back (before restarts). Also of a replica stopped lately
+        (the last 1,000)."""
         since_s = None if since is None else duration("since", since, clamp=True)
         record = cp.state.replicas.get(replica)
         nodes = (
@@ -44,7 +47,7 @@ def routes(cp: ControlPlane) -> APIRouter:
         node = nodes[shard]
         try:
             got = await cp.logs.ask(
-                node, replica, shard, previous, tail, offset, LOG_WAIT_S, since_s
+                node, replica, shard, previous, tail, offset, LOG_WAIT_S, since_s, run
             )
         except LogUnanswered as exc:
             raise Refused.because(504, str(exc)) from None
@@ -52,7 +55,7 @@ def routes(cp: ControlPlane) -> APIRouter:
             raise Refused.because(404, f"{node}: {got.error}")
         return admin.LogsAnswer(
             replica=replica, shard=shard, node=node, previous=previous, lines=got.lines,
-            offset=got.offset,
+            offset=got.offset, run=got.run,
         )  # fmt: skip
 
     return api

@@ -30,6 +30,7 @@ def routes(cp: ControlPlane) -> APIRouter:
             nodes=len(state.nodes),
             replicas=len(state.replicas),
             pending=sum(p.count for p in state.pending),
+            failed=sum(views.replica_state(state, r) == "failed" for r in state.replicas.values()),
             frozen=cp.frozen,
             store_problem=cp.calls.problem() or cp.leadership.problem,
             store=cp.store.where,
