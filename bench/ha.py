@@ -32,7 +32,13 @@ recipe below holds a view in which they are lost. Then:
    (`store_outage_failed`, target 0), control planes that exited (`store_outage_exits`,
    target 0), the slowest `ctl status` (with every admin URL) asked every half second
    meanwhile (`store_outage_status_ms`, target <= 1000);
-8. the nemesis of the test suite (tests/integration/nemesis.py) for `--nemesis-minutes`
+8. a clone of the leader (its state dir copied, seen at the same path through a mount
+   namespace of its own: a cloned machine, one host name) started beside it: status samples
+   in which both led (`clone_double_lead`, target 0; needs root and unshare);
+9. PostgreSQL stopped and started, once per `--store-stops` (seconds; default 40 and 60):
+   the most seconds from the server answering again until a change through the admin API
+   succeeds (`change_after_store_back_s`, target <= 5), and each;
+10. the nemesis of the test suite (tests/integration/nemesis.py) for `--nemesis-minutes`
    (default 5; 0 skips it) under the seed `--seed` (drawn when not given, printed): kill -9,
    SIGSTOP and SIGCONT of control planes, agents and PostgreSQL, catalog changes, keys made
    and revoked. `nemesis_violations` (target 0) counts the promises it found broken and the
@@ -40,7 +46,8 @@ recipe below holds a view in which they are lost. Then:
 
 Ends with one JSON line.
 
-    python bench/ha.py [--rate 20] [--ttl 3] [--nemesis-minutes 5] [--seed N]
+    python bench/ha.py [--rate 20] [--ttl 3] [--nemesis-minutes 5] [--seed N] [--store-stops 40,60]
+        [--parts leader_killed,...]   (the parts to run, by the names below; default all)
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ from kit import answered, end_on_sigterm, json_line
 from kit import wait as _wait
 
 from modelfleet.ctl.client import AdminClient, AdminTarget, CtlError
+from modelfleet.host.files import write_atomic
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 from modelfleet.up.children import Child
 from modelfleet.up.fleet import wait_serving
@@ -83,6 +91,8 @@ B = {"name": "b", "engine": "sim", "args": ["--itl", "0.005"]}
 C = {"name": "c", "engine": "sim", "args": ["--itl", "0.005"]}
 NODE_STALE_S, NODE_LOST_S = 5.0, 10.0
 OUTAGE_S = 30.0  # PostgreSQL frozen this long, then stopped this long
+PARTS = ("leader_killed", "store_restarted", "change_during_failover", "follower_catalog",
+         "releader", "store_outage", "clone_double_lead", "store_back", "nemesis")  # fmt: skip
 
 
 def wait(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
@@ -421,8 +431,75 @@ def store_outage(bench: Bench) -> None:
     r["store_outage_status_unanswered"] = unanswered
 
 
+def clone_double_lead(bench: Bench, samples: int = 20) -> None:
+    """8. A clone of the leader beside it: status samples in which both led."""
+    r = bench.results
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        r["clone_double_lead"] = None
+        r["clone_skipped"] = "a mount namespace of its own needs root and util-linux's unshare"
+        return
+    planes = bench.planes
+    leader = wait("a leader", planes.leader, 30)
+    args = planes.children[leader].args
+    config = yaml.safe_load(Path(args[args.index("--config") + 1]).read_text())
+    state = Path(config["state_dir"]).resolve()
+    copy, ready = bench.state / "clone", bench.state / "clone.json"
+    shutil.copytree(state, copy, ignore=shutil.ignore_patterns("lock"))
+    clone_config = {**config, "state_dir": str(state), "admin_port": 0, "agent_port": 0}
+    write_atomic(bench.state / "clone.yaml", yaml.safe_dump(clone_config))  # 0600: secrets
+    script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+    with (bench.state / "logs" / "clone.log").open("ab") as out:
+        clone = subprocess.Popen(
+            ["unshare", "-m", "sh", "-c", script, "sh", str(copy), str(state), sys.executable,
+             "-m", "modelfleet", "control-plane", "--config", str(bench.state / "clone.yaml"),
+             "--ready-file", str(ready)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait("the clone ready", lambda: ready.exists() or clone.poll() is not None, 60)
+        if not ready.exists():
+            raise RuntimeError(f"the clone exited ({clone.returncode}): see logs/clone.log")
+        url = json.loads(ready.read_text())["urls"]["admin"]
+        both, seen = 0, None
+        for _ in range(samples):  # over several renewals (a third of the TTL each)
+            theirs = planes.status(leader) or {}
+            try:
+                seen = planes.http.get(f"{url}/v1/status").json()
+            except httpx.HTTPError:
+                seen = None
+            both += bool(theirs.get("leading") and (seen or {}).get("leading"))
+            time.sleep(bench.ttl / 6)
+        r["clone_double_lead"] = both
+        r["clone_samples"] = samples
+        r["clone_refused"] = (seen or {}).get("lease_refused", "")
+    finally:
+        if clone.poll() is None:
+            os.killpg(clone.pid, signal.SIGKILL)
+        clone.wait()
+
+
+def store_back(bench: Bench, stops: list[float]) -> None:
+    """9. PostgreSQL stopped for each of `stops` seconds and started: until a change lands,
+    the slowest. Where a stop ends in the pool's old reconnect schedule (tries 1, 3, 7, 15,
+    31, 63 s after it failed) decided what it cost: 17 s after a stop of 40 s, 3.5-4.4 s
+    after one of 60 s, measured before the cap."""
+    pg, r = bench.child("postgres"), bench.results
+    took = {}
+    for stopped_s in stops:
+        os.killpg(pg.proc.pid, signal.SIGINT)  # fast shutdown: clients are cut
+        pg.proc.wait(60)
+        time.sleep(stopped_s)
+        bench.running.fleet.restart(pg, timeout=60)
+        back = time.monotonic()
+        wait("a change after the store came back", lambda: a_change_lands(bench.planes), 120)
+        took[f"{stopped_s:g}"] = round(time.monotonic() - back, 2)
+    r["change_after_store_back_s"] = max(took.values())
+    r["change_after_store_back_by_stop_s"] = took
+
+
 def nemesis(bench: Bench, minutes: float, seed: int) -> None:
-    """8. The nemesis for `minutes`, under `seed`."""
+    """10. The nemesis for `minutes`, under `seed`."""
     r = bench.results
     r["nemesis_seed"], r["nemesis_minutes"] = seed, minutes
     if minutes <= 0:
@@ -448,7 +525,14 @@ def main() -> None:
     parser.add_argument("--ttl", type=float, default=3.0, help="the lease's TTL, seconds")
     parser.add_argument("--nemesis-minutes", type=float, default=5.0, help="0: no nemesis")
     parser.add_argument("--seed", type=int, default=None, help="the nemesis's (drawn if not given)")
+    parser.add_argument("--store-stops", default="40,60", help="seconds, part 9: each stop")
+    parser.add_argument("--parts", default="", help="the parts to run, by name; default all")
     args = parser.parse_args()
+    chosen = [p for p in args.parts.split(",") if p] or list(PARTS)
+    unknown = sorted(set(chosen) - set(PARTS))
+    if unknown:
+        parser.error(f"no part {', '.join(unknown)}; the parts: {', '.join(PARTS)}")
+    stops = [float(x) for x in args.store_stops.split(",")]
     seed = args.seed if args.seed is not None else random.randrange(10**6)
 
     folder = Path(tempfile.mkdtemp(prefix="modelfleet-ha-"))
@@ -475,13 +559,21 @@ def main() -> None:
              "load", str(args.rate), str(stop), str(out)],
         )  # fmt: skip
         wait("the first requests", lambda: out.exists() and out.stat().st_size > 0, 30)
-        leader_frozen(bench, leader_killed(bench))
-        store_restarted(bench)
-        change_during_failover(bench)
-        follower_catalog(bench)
-        releader(bench)
-        store_outage(bench)
-        nemesis(bench, args.nemesis_minutes, seed)
+        parts: dict[str, Callable[[], None]] = {
+            "leader_killed": lambda: leader_frozen(bench, leader_killed(bench)),
+            "store_restarted": lambda: store_restarted(bench),
+            "change_during_failover": lambda: change_during_failover(bench),
+            "follower_catalog": lambda: follower_catalog(bench),
+            "releader": lambda: releader(bench),
+            "store_outage": lambda: store_outage(bench),
+            "clone_double_lead": lambda: clone_double_lead(bench),
+            "store_back": lambda: store_back(bench, stops),
+            "nemesis": lambda: nemesis(bench, args.nemesis_minutes, seed),
+        }
+        assert set(parts) == set(PARTS)
+        for name in PARTS:
+            if name in chosen:
+                parts[name]()
     except BaseException:
         print(f"failed: the fleet's folder is kept, {folder}; so far: {json.dumps(bench.results)}",
               file=sys.stderr)  # fmt: skip

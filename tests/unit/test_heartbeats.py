@@ -19,6 +19,7 @@ from modelfleet.agent.uplink import describe
 from modelfleet.controlplane.agent_api import create_agent_app
 from modelfleet.controlplane.catalogs import CatalogKeeper
 from modelfleet.controlplane.config import ControlPlaneConfig, Heartbeats
+from modelfleet.controlplane.leadership import Turn
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.watch import AssignmentWatch
 from modelfleet.messages.wire import (
@@ -375,3 +376,26 @@ def test_a_stale_node_heard_from_again_is_planned_for_at_once(how: str) -> None:
     assert cp.state.pending == [] or all(p.count == 0 for p in cp.state.pending)
     placed = {r.replica.model for r in cp.state.replicas.values()}
     assert placed == {"a", "b"}
+
+
+def test_a_leader_that_lost_its_lease_while_holding_a_heartbeat_answers_that_it_follows() -> None:
+    """M25: a heartbeat is held up to the interval; a leader that lost its lease meanwhile
+    must not answer it with an assignment (of the epoch it led under), but send the agent on:
+    it no longer leads."""
+    config = ControlPlaneConfig(admin_token=TOKEN, settle_for=-1, heartbeat_interval=1.0)
+
+    async def test(cp: ControlPlane, client: httpx.AsyncClient) -> None:
+        held = await send_report(client, report("n"))
+        waiting = asyncio.ensure_future(beat(client, 2, held.version))
+        deadline = time.monotonic() + 5
+        while cp.watch.waiting() == 0:  # the beat is held
+            assert time.monotonic() < deadline, "the heartbeat was never held"
+            await asyncio.sleep(0.01)
+        cp.store.release_lease(cp.leadership.holder)  # as if it ran out, and another took it
+        assert cp.store.take_lease("another", 30.0).holder == "another"
+        assert await cp.renew_lease() is Turn.LOST
+        response = await asyncio.wait_for(waiting, 5)  # held to the end of the interval
+        assert response.status_code in (307, 503), response.text
+        assert "this control plane follows; the leader is another" in response.text
+
+    with_api(config, [{"name": "m", "engine": "sim"}], test)

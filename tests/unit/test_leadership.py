@@ -4,8 +4,11 @@ stops and records LeadershipLost (a write its fence would otherwise refuse)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,8 +18,10 @@ from modelfleet.controlplane.leadership import (
     AFTER_EXPIRY_S,
     SOONEST_S,
     Leadership,
+    Process,
     Turn,
     holder_name,
+    this_process,
 )
 from modelfleet.store import Fenced
 from modelfleet.store.sqlite import SqliteStore
@@ -142,3 +147,89 @@ def test_a_leader_elected_again_after_others_led_says_so_not_that_it_is_the_firs
         "leads under epoch 3: its lease of epoch 1 ran out before it renewed it (frozen, or "
         "cut off from the store); 1 other term(s) since",
     ]
+
+
+def test_a_leader_acts_for_its_share_of_the_ttl_from_when_it_asked_not_from_the_answer(
+    tmp_path: Path,
+) -> None:
+    """M03: the lease runs out `ttl` after the store renewed it, which is at most when the
+    leader asked; a slow answer must not lengthen what the leader believes it holds."""
+    clock = [100.0]
+    ttl, slow = 3.0, 1.0
+
+    class SlowStore:
+        """The store, answering a renewal `slow` seconds after it was asked."""
+
+        def __init__(self, store: SqliteStore) -> None:
+            self.store = store
+
+        def take_lease(self, *args: Any, **kwargs: Any) -> Any:
+            lease = self.store.take_lease(*args, **kwargs)
+            clock[0] += slow
+            return lease
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.store, name)
+
+    store: Any = SlowStore(SqliteStore(tmp_path / "store.sqlite"))
+    a = Leadership(store, "cp-a", ttl, lambda: clock[0])
+    assert a.renew_now() is Turn.ELECTED  # asked at 100, answered at 101
+    clock[0] = 100.0 + ACT_SHARE * ttl - 0.01
+    assert a.acting()
+    clock[0] = 100.0 + ACT_SHARE * ttl + 0.01  # from the answer it would still act
+    assert not a.acting()
+
+
+def _exited_pid() -> int:
+    probe = subprocess.Popen([sys.executable, "-c", "pass"])
+    probe.wait()
+    return probe.pid
+
+
+def test_a_copied_state_dir_never_leads_beside_the_live_process_that_holds_its_name(
+    tmp_path: Path,
+) -> None:
+    """Issue 57: two processes with one holder name (a copied state dir, a cloned machine)
+    both led under epoch 1. The second now refuses while the first lives, says why (and in
+    an event), and says nothing of where it is reached under that name."""
+    path = tmp_path / "store.sqlite"
+    me = this_process()
+    other = Process(me.host, 1, me.boot)  # init: alive as long as this machine is
+    events = EventLog(SqliteStore(path), time.time, source="b")
+    a = Leadership(SqliteStore(path), "cp:/state:abc", 30.0, time.monotonic, process=other)
+    b = Leadership(SqliteStore(path), "cp:/state:abc", 30.0, time.monotonic, events, me)
+    assert a.renew_now() is Turn.ELECTED and a.leading_epoch == 1
+    assert b.renew_now() is Turn.FOLLOWING and not b.acting() and b.leading_epoch is None
+    assert "held in the lease by another live process (pid 1 on" in b.refused, b.refused
+    assert a.renew_now() is Turn.LEADING and a.acting()
+    events.flush()
+    refused = [e for e in SqliteStore(path).events() if e.reason == "LeadershipRefused"]
+    assert [e.message for e in refused] == [b.refused]
+    far = Process("another-host", me.pid, "x")  # another host: whether it lives is unknown
+    c = Leadership(SqliteStore(path), "cp:/state:abc", 30.0, time.monotonic, process=far)
+    assert c.renew_now() is Turn.FOLLOWING and c.refused
+
+
+def test_a_restart_takes_its_own_lease_back_at_once_and_a_clone_only_once_it_ran_out(
+    tmp_path: Path,
+) -> None:
+    """The process under the lease's name exited (this host, this boot, its pid gone): a
+    restart, which takes the lease back at once under the same epoch. One whose process may
+    live takes it only once it ran out, under the next epoch, and the other, back, finds it
+    lost and refuses."""
+    path = tmp_path / "store.sqlite"
+    me = this_process()
+    gone = Process(me.host, _exited_pid(), me.boot)
+    before = Leadership(SqliteStore(path), "cp:/s:1", 30.0, time.monotonic, process=gone)
+    assert before.renew_now() is Turn.ELECTED and before.leading_epoch == 1
+    again = Leadership(SqliteStore(path), "cp:/s:1", 0.3, time.monotonic, process=me)
+    assert again.renew_now() is Turn.ELECTED and again.leading_epoch == 1 and not again.refused
+    clone = Leadership(SqliteStore(path), "cp:/s:1", 0.3, time.monotonic,
+                       process=Process("clone", 7, "b"))  # fmt: skip
+    assert clone.renew_now() is Turn.FOLLOWING and clone.refused
+    deadline = time.monotonic() + 5
+    while SqliteStore(path).lease().remaining_s > 0:  # `again` frozen: its lease runs out
+        assert time.monotonic() < deadline, "the lease never ran out"
+        time.sleep(0.02)
+    assert clone.renew_now() is Turn.ELECTED and clone.leading_epoch == 2 and not clone.refused
+    assert again.renew_now() is Turn.LOST and not again.acting() and again.refused

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import ssl
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,16 @@ from modelfleet.controlplane.membership import (
 )
 from modelfleet.messages.wire import JoinRequest
 from modelfleet.security.joining import BadJoinToken, JoinToken, digest
-from modelfleet.security.pki import CertificateAuthority, PkiError, node_host, read_request, request
+from modelfleet.security.pki import (
+    CertificateAuthority,
+    PkiError,
+    TlsFiles,
+    client_context,
+    node_host,
+    read_request,
+    request,
+    server_context,
+)
 from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
 
@@ -274,6 +284,48 @@ def test_node_names_map_to_distinct_dns_names() -> None:
     long = "N" + "x" * 62
     assert all(len(label) <= 63 for label in node_host(long).split("."))
     assert len({node_host(n) for n in ("a--b", "x--61", "a", "A", "a.b", "a_b")}) == 6
+
+
+def _handshake(server: ssl.SSLContext, client: ssl.SSLContext, host: str) -> None:
+    """A TLS handshake in memory, the client checking that the server is `host`."""
+    pipes = [ssl.MemoryBIO() for _ in range(4)]  # client->server, server->client, twice
+    c = client.wrap_bio(pipes[0], pipes[1], server_hostname=host)
+    s = server.wrap_bio(pipes[2], pipes[3], server_side=True)
+    done = [False, False]
+    for _ in range(20):
+        for i, side in enumerate((c, s)):
+            if not done[i]:
+                try:
+                    side.do_handshake()
+                    done[i] = True
+                except ssl.SSLWantReadError:
+                    pass
+        pipes[2].write(pipes[1].read())  # what the client sent reaches the server
+        pipes[0].write(pipes[3].read())
+        if all(done):
+            return
+    raise AssertionError("the handshake never finished")
+
+
+@pytest.mark.parametrize("other", ["GPU-7", "Gpu-7", "gPU-7"])
+def test_a_node_named_like_another_but_for_case_is_never_taken_for_it(
+    other: str, tmp_path: Path
+) -> None:
+    """M34: DNS compares names case-insensitively, and so does TLS's check of a server's
+    name: a node named like another but for case must never have a certificate that passes
+    for the other's (its name is written as hex, `node_host`), or a node could answer as
+    another. Compared by case, the two names only looked different."""
+    assert node_host(other).lower() != node_host("gpu-7").lower()
+    now = datetime.datetime.now(datetime.UTC)
+    ca = CertificateAuthority.create("test CA", now)
+    key, csr = request(["10.0.0.7"])
+    cert = ca.sign_node(read_request(csr), other, [], now)
+    (tmp_path / "cert.pem").write_bytes(cert + ca.cert_pem)
+    (tmp_path / "key.pem").write_bytes(key)
+    server = server_context(TlsFiles(tmp_path / "cert.pem", tmp_path / "key.pem"))
+    _handshake(server, client_context(ca.cert_pem), node_host(other))  # its own name: passes
+    with pytest.raises(ssl.SSLCertVerificationError, match="mismatch"):
+        _handshake(server, client_context(ca.cert_pem), node_host("gpu-7"))
 
 
 def test_a_certificate_request_must_be_signed_by_its_own_key() -> None:

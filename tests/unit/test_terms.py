@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -291,3 +292,75 @@ def test_a_control_plane_elected_takes_no_change_until_its_term_has_begun(
 
     assert asyncio.run(cp.renew_lease()) is Turn.ELECTED
     assert seen == [False] and cp.acting()
+
+
+def test_a_control_plane_that_took_a_fleet_over_publishes_no_table_before_a_node_reports(
+    tmp_path: Path,
+) -> None:
+    """M06: a new leader must not push an empty table to routers before it has adopted what
+    runs: routers would drop every replica. It took the lease of another leader (which kept no
+    roster), its settling window is over, and no node has reported yet: nothing is published.
+    The first report, and it is."""
+    store = SqliteStore(tmp_path / "store.sqlite")
+    store.take_lease("the leader before", 0.05)
+    while store.lease().remaining_s > 0:
+        time.sleep(0.01)
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    cp = start(tmp_path, clock, settle_for=5)
+    assert cp.acting() and cp.leadership.took_over and cp.store.get_meta("roster") is None
+    clock.advance(cp.config.node_lost_after + 60)  # past every settling bound
+    assert not cp.settling(clock.monotonic())
+    cp.reconcile_once(clock.monotonic())
+    cp.publish()
+    assert cp.publisher.version == 0  # no table, not an empty one
+    Agents(cp).report()
+    cp.reconcile_once(clock.monotonic())
+    cp.publish()
+    assert cp.publisher.version == 1
+
+
+def test_a_follower_never_applies_its_own_catalog_file(tmp_path: Path) -> None:
+    """M09: only the leader applies a catalog file. A follower whose file holds another
+    catalog, at its start and edited while it runs, applies nothing: the store's catalog
+    stays the leader's, and the follower says why the file was not applied."""
+    store = SqliteStore(tmp_path / "store.sqlite")
+    leader = CatalogKeeper(store)
+    leader.lead(time.time())
+    version = leader.apply(yaml.safe_dump({"models": [MODEL]}), "api", time.time()).catalog.version
+    store.take_lease("the leader", 60.0)
+    file = tmp_path / "catalog.yaml"
+    file.write_text(yaml.safe_dump({"models": [{"name": "mine", "engine": "sim"}]}))
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    catalogs = CatalogKeeper(SqliteStore(tmp_path / "store.sqlite"), file, tmp_path / "seen")
+    settings = ControlPlaneConfig(admin_token=TOKEN, state_dir=tmp_path / "state", catalog=file,
+                                  catalog_poll_interval=0.01, lease_ttl=3.0)  # fmt: skip
+    cp = ControlPlane(settings, catalogs, clock=clock)
+    assert not cp.acting() and cp.leadership.leader == "the leader"
+
+    async def until(what: str, check: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            clock.advance(0.05)  # the watcher takes a file once it reads the same 0.2 s apart
+            await asyncio.sleep(0.01)
+
+    def read() -> bool:  # the file as it is now, read by the follower
+        return catalogs._file_stat is not None and catalogs._file_stat[1] == file.stat().st_size
+
+    async def polled() -> None:
+        task = asyncio.create_task(cp.catalog_file.run())
+        try:
+            await until("the follower to say its file is not applied (or to apply it)",
+                        lambda: "not applied" in cp.catalog_file._said
+                        or catalogs.current.version != version)  # fmt: skip
+            file.write_text(yaml.safe_dump({"models": [{"name": "edited", "engine": "sim"}]}))
+            await until("the follower to read the edit", read)
+            for _ in range(5):  # a few more polls
+                await asyncio.sleep(0.02)
+        finally:
+            task.cancel()
+
+    asyncio.run(polled())
+    latest = SqliteStore(tmp_path / "store.sqlite").latest_catalog()
+    assert latest is not None and latest.version == version
+    assert [m.name for m in cp.catalogs.current.models] == ["m"]

@@ -14,6 +14,13 @@ after another leader took the lease is refused. What it sends agents carries the
 epoch, and agents refuse an epoch lower than one they have seen; routers order tables by a
 routing epoch that only a leader's fenced write can raise (`ControlPlane._elected`).
 
+A holder name is its state dir's (`holder_name`), so the lease also names the process that
+holds it (`Process`: host, pid, boot). A control plane that finds its own name held by another
+process refuses to lead while that one may live (a copied state dir, a cloned machine: two
+processes with one instance id once both led under one epoch) and says why; one whose process
+is known to have exited (the same host and boot, its pid gone) is a restart, and its lease is
+taken back at once under the same epoch.
+
 At every renewal each control plane also says where it is reached (`Store.see_control_plane`),
 so a follower can redirect agents and operators to the leader (307), and `ctl status` can list
 every control plane with when it was last seen.
@@ -22,6 +29,7 @@ every control plane with when it was last seen.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import math
 import os
@@ -29,6 +37,8 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from modelfleet.controlplane.events import EventLog
 from modelfleet.host.statedir import instance_id
@@ -55,11 +65,61 @@ def holder_name(state_dir: Path) -> str:
 
 
 @dataclass(frozen=True)
+class Process:
+    """A running process, as the lease names its holder's: its host, its pid, and its host's
+    boot (the kernel's boot id and the pid namespace: a pid means that process only there)."""
+
+    host: str
+    pid: int
+    boot: str
+
+    def text(self) -> str:
+        return json.dumps([self.host, self.pid, self.boot])
+
+    @classmethod
+    def of(cls, text: str) -> Process | None:
+        """The process `text` names; None for one this modelfleet cannot read."""
+        try:
+            host, pid, boot = json.loads(text)
+            return cls(str(host), int(pid), str(boot))
+        except (ValueError, TypeError):
+            return None
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on {self.host}"
+
+
+def this_process() -> Process:
+    """This process, as the lease names it."""
+    boot = ""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        boot += f"/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        pass
+    return Process(socket.gethostname(), os.getpid(), boot)
+
+
+def exited(other: Process, me: Process) -> bool:
+    """Whether `other` is known to have exited: on this host since its boot, in this pid
+    namespace, and its pid runs no more (or only as a zombie). Of another host (or boot) it is
+    never known: its lease must run out."""
+    if (other.host, other.boot) != (me.host, me.boot) or not me.boot:
+        return False
+    try:
+        return psutil.Process(other.pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+@dataclass(frozen=True)
 class Exchange:
     """What one renewal read from the store."""
 
     before: Lease | None  # the lease before the take, when this one did not lead
-    lease: Lease  # after it
+    lease: Lease  # after it (the lease as it was, when this one refused to take it)
     planes: list[SeenControlPlane]
 
 
@@ -88,9 +148,14 @@ class Leadership:
         ttl: float,
         monotonic: Callable[[], float],
         events: EventLog | None = None,
+        process: Process | None = None,
     ) -> None:
         self.store = store
         self.holder = holder
+        self.process = process or this_process()
+        self._process = self.process.text()
+        # Why this one refuses to lead, while another process holds the lease under its name.
+        self.refused = ""
         self.ttl = ttl
         self.monotonic = monotonic
         self.events = events
@@ -155,8 +220,11 @@ class Leadership:
         return None
 
     async def say_where(self, agent_url: str, admin_url: str, calls: StoreCalls) -> None:
-        """Where this one is reached, once it listens: said now and at every renewal."""
+        """Where this one is reached, once it listens: said now and at every renewal (not
+        while it refuses to lead: its name is another process's too)."""
         self.urls = (agent_url, admin_url)
+        if self.refused:
+            return
         asked = self.monotonic()
 
         def say() -> list[SeenControlPlane]:
@@ -170,12 +238,31 @@ class Leadership:
 
     def exchange(self) -> Exchange:
         """Take or renew the lease in the store, say where this one is reached, and read
-        every control plane's. Store I/O only (a worker thread runs it); raises StoreError."""
+        every control plane's. Store I/O only (a worker thread runs it); raises StoreError.
+        The lease held under this one's name by another process that may live is left alone
+        (and this one says nothing of where it is reached: the name is that one's too)."""
         before = self.store.lease() if self.leading_epoch is None else None
-        lease = self.store.take_lease(self.holder, self.ttl)
-        if self.urls is not None:
+        replacing = self._replacing(before)
+        if replacing is None:
+            assert before is not None
+            return Exchange(before, before, self.store.control_planes())
+        lease = self.store.take_lease(self.holder, self.ttl, self._process, replacing)
+        if self.urls is not None and lease.process == self._process:
             self.store.see_control_plane(self.holder, *self.urls)
         return Exchange(before, lease, self.store.control_planes())
+
+    def _replacing(self, before: Lease | None) -> str | None:
+        """Whom this one may replace in the lease under its own name: another process of it
+        known to have exited (a restart: its lease, taken back at once), "" for nobody, and
+        None while another process that may be alive holds it (the lease left alone)."""
+        if before is None or before.holder != self.holder:
+            return ""
+        if before.process in ("", self._process):
+            return ""
+        other = Process.of(before.process)
+        if other is not None and exited(other, self.process):
+            return before.process
+        return None if before.remaining_s > 0 else ""
 
     async def renew(self, calls: StoreCalls) -> Turn:
         """One renewal, its store I/O off the event loop (tried during a store outage too:
@@ -208,11 +295,11 @@ class Leadership:
         self._store_clock = (lease.store_now, asked)
         self.problem = ""
         self.leader, self.epoch = lease.holder, lease.epoch
+        mine = lease.holder == self.holder and lease.process == self._process
+        self._refuse(lease, mine)
         # The lease's time left was read before now: it runs out at most that long from now.
-        self._others = (
-            (lease.remaining_s, self.monotonic()) if lease.holder != self.holder else None
-        )
-        if lease.holder != self.holder:
+        self._others = (lease.remaining_s, self.monotonic()) if not mine else None
+        if not mine:
             if self.leading_epoch is None:
                 return Turn.FOLLOWING
             self.leading_epoch, self._act_until = None, -math.inf
@@ -234,7 +321,7 @@ class Leadership:
         self._act_until = asked + ACT_SHARE * self.ttl
         if self.leading_epoch == lease.epoch and not lapsed:
             return Turn.LEADING
-        why = _why_taken(exchange.before, self.holder, self.led_epoch, lease.epoch)
+        why = _why_taken(exchange.before, self.holder, self._process, self.led_epoch, lease.epoch)
         if self.leading_epoch == lease.epoch:
             # Frozen, or cut off from the store, past what its lease let it do; nobody took
             # the lease meanwhile. What it saw before is stale (nodes seem long silent): a new
@@ -244,7 +331,11 @@ class Leadership:
         self.leading_epoch = self.led_epoch = lease.epoch
         self.store.fence(lease.epoch)
         before = exchange.before
-        self.took_over = before is not None and before.holder not in ("", self.holder)
+        self.took_over = (
+            before is not None
+            and before.holder != ""
+            and not _its_own(before, self.holder, self._process)
+        )
         log.info("leading under epoch %d (%s)", lease.epoch, why)
         if self.events is not None:
             self.events.normal(
@@ -253,6 +344,28 @@ class Leadership:
                 f"leads under epoch {lease.epoch}: {why}",
             )
         return Turn.ELECTED
+
+    def _refuse(self, lease: Lease, mine: bool) -> None:
+        """Refuse to lead, and say why once, while another process holds the lease under
+        this one's name."""
+        if mine or lease.holder != self.holder:
+            self.refused = ""
+            return
+        other = Process.of(lease.process)
+        why = (
+            f"refuses to lead: its holder name {self.holder} is held in the lease by another "
+            f"live process ({other or lease.process}), not this one ({self.process}): a "
+            "copied state dir or a cloned machine has its instance id; give each control "
+            "plane a state dir of its own"
+        )
+        if why == self.refused:
+            return
+        self.refused = why
+        log.error("this control plane %s", why)
+        if self.events is not None:
+            self.events.warning(
+                "LeadershipRefused", f"control-plane/{self.holder}", why, fenced=False
+            )
 
     def abandon(self, why: str) -> None:
         """The term just elected cannot begin (the store or the catalog file failed it): stop
@@ -272,10 +385,17 @@ class Leadership:
             log.warning("cannot release the lease (it runs out by itself): %s", exc)
 
 
-def _why_taken(before: Lease | None, holder: str, led: int | None, epoch: int) -> str:
-    """Why `holder` leads under `epoch`: `before` is the lease as read before the take (None
-    when it took it thinking it still led), `led` the epoch this run of it last led under."""
-    if led is not None and (before is None or before.holder == holder):
+def _its_own(before: Lease, holder: str, process: str) -> bool:
+    """Whether the lease read before the take was this one's: its own process's, or one of
+    its name's that had exited (taken back at once: a restart)."""
+    return before.holder == holder and (before.process in ("", process) or before.remaining_s > 0)
+
+
+def _why_taken(before: Lease | None, holder: str, process: str, led: int | None, epoch: int) -> str:
+    """Why `holder` (this `process`) leads under `epoch`: `before` is the lease as read before
+    the take (None when it took it thinking it still led), `led` the epoch this run of it last
+    led under."""
+    if led is not None and (before is None or _its_own(before, holder, process)):
         others = epoch - led - 1
         if others <= 0:
             return f"its own lease of epoch {led}, taken again"
@@ -285,6 +405,11 @@ def _why_taken(before: Lease | None, holder: str, led: int | None, epoch: int) -
         )
     if before is None or (before.holder == "" and before.epoch == 0):
         return "the first to lead on this store"
-    if before.holder == holder:
+    if before.holder == "":
+        return "the lease was let go by the one that held it (an orderly stop)"
+    if _its_own(before, holder, process):
         return "its own lease, taken again after a restart"
+    if before.holder == holder:
+        other = Process.of(before.process)
+        return f"the lease of another process under its name ({other}) ran out"
     return f"the lease of {before.holder} ran out"

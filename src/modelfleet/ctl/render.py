@@ -75,6 +75,8 @@ def print_status(data: admin.StatusAnswer, console: Console) -> None:
         console.print(f"warning: {data.frozen}", highlight=False)
     if data.store_problem:
         console.print(f"warning: {data.store_problem}", highlight=False)
+    if data.lease_refused:
+        console.print(f"warning: this control plane {data.lease_refused}", highlight=False)
 
 
 def _pass_times(data: admin.StatusAnswer) -> str:

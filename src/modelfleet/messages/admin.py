@@ -406,6 +406,9 @@ class StatusAnswer(_Answer):
     leading: bool = True  # this control plane leads (a follower plans nothing)
     leader: str = ""  # who holds the lease, as last seen
     lease_epoch: int = 0
+    # Why this control plane refuses to lead, or "": another live process holds the lease
+    # under its name (a copied state dir, a cloned machine).
+    lease_refused: str = ""
     control_planes: list[ControlPlaneInfo] = Field(default_factory=list)
     scaling: list[ScaleInfo] = Field(default_factory=list)  # the models that follow their load
 

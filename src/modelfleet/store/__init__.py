@@ -26,7 +26,7 @@ from modelfleet.core.fleet import REPLICA_ID_DIGITS
 
 # The schema this modelfleet writes. One more with every change to the tables; each
 # implementation has one migration per version.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,9 @@ class Lease:
     # The store's clock as it read the lease, in seconds since the epoch: the one clock every
     # control plane on the store shares, for the times they write (expiries).
     store_now: float = 0.0
+    # The process that holds it (`controlplane/leadership.py`'s `Process`, as text): a holder
+    # name is its state dir's, and a copied state dir must not make two processes one holder.
+    process: str = ""
 
 
 @dataclass(frozen=True)
@@ -392,10 +395,14 @@ class Store(Protocol):
         `subject` None: of every kind or subject."""
         ...
 
-    def take_lease(self, holder: str, ttl_s: float) -> Lease:
-        """Take the lease for `holder` when nobody holds it or it has run out (the epoch one
-        more when the holder changes), or renew it when `holder` holds it, for `ttl_s` by the
-        store's clock; otherwise leave it. Returns the lease as it is now."""
+    def take_lease(
+        self, holder: str, ttl_s: float, process: str = "", replacing: str = ""
+    ) -> Lease:
+        """Take the lease for `holder` in `process` when nobody holds it or it has run out
+        (the epoch one more when the holder or its process changes), or renew it when
+        `holder` holds it in `process` (or in `replacing`: a process of the same holder known
+        to have exited, whose lease it takes over at once under the same epoch), for `ttl_s`
+        by the store's clock; otherwise leave it. Returns the lease as it is now."""
         ...
 
     def release_lease(self, holder: str) -> None:

@@ -138,21 +138,26 @@ class SqlStore(ABC):
 
     # -- the lease -------------------------------------------------------------------------
 
-    def take_lease(self, holder: str, ttl_s: float) -> Lease:
+    def take_lease(
+        self, holder: str, ttl_s: float, process: str = "", replacing: str = ""
+    ) -> Lease:
         with self._write(fenced=False) as tx:
-            held, epoch, expires_at, now = tx.execute(
-                f"SELECT holder, epoch, expires_at, {self.dialect.now} FROM lease WHERE id = 1"
-                f"{self.dialect.lock_row}"
+            held, epoch, expires_at, now, running = tx.execute(
+                f"SELECT holder, epoch, expires_at, {self.dialect.now}, process FROM lease "
+                f"WHERE id = 1{self.dialect.lock_row}"
             ).fetchone()
             epoch = int(epoch)
-            if held == holder or expires_at <= now:
-                epoch = epoch if held == holder else epoch + 1
-                held, expires_at = holder, now + ttl_s
+            # "" : a lease written before holders named their process.
+            same = held == holder and running in (process, replacing, "")
+            if same or expires_at <= now:
+                epoch = epoch if same else epoch + 1
+                held, expires_at, running = holder, now + ttl_s, process
                 tx.execute(
-                    "UPDATE lease SET holder = ?, epoch = ?, expires_at = ? WHERE id = 1",
-                    (held, epoch, expires_at),
+                    "UPDATE lease SET holder = ?, epoch = ?, expires_at = ?, process = ? "
+                    "WHERE id = 1",
+                    (held, epoch, expires_at, running),
                 )
-        return Lease(held, epoch, expires_at - now, float(now))
+        return Lease(held, epoch, expires_at - now, float(now), running)
 
     def release_lease(self, holder: str) -> None:
         with self._write(fenced=False) as tx:
@@ -162,10 +167,10 @@ class SqlStore(ABC):
             )
 
     def lease(self) -> Lease:
-        [(held, epoch, expires_at, now)] = self._query(
-            f"SELECT holder, epoch, expires_at, {self.dialect.now} FROM lease WHERE id = 1"
+        [(held, epoch, expires_at, now, running)] = self._query(
+            f"SELECT holder, epoch, expires_at, {self.dialect.now}, process FROM lease WHERE id = 1"
         )
-        return Lease(held, int(epoch), expires_at - now, float(now))
+        return Lease(held, int(epoch), expires_at - now, float(now), running)
 
     def see_control_plane(self, name: str, agent_url: str, admin_url: str) -> None:
         with self._write(fenced=False) as tx:

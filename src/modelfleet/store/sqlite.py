@@ -144,6 +144,8 @@ CREATE TABLE IF NOT EXISTS revoked_nodes (
     revoked_at REAL NOT NULL
 )
 """
+# Version 7: the process that holds the lease.
+_PROCESS = "ALTER TABLE lease ADD COLUMN process TEXT NOT NULL DEFAULT ''"
 
 DIALECT = Dialect(
     # The store's clock, in seconds since the epoch: SQLite's own (the host's: it runs here).
@@ -217,6 +219,9 @@ class SqliteStore(SqlStore):
                     self._db.execute(add)
             if found < 6:
                 self._db.execute(_REVOKED_NODES)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(lease)")}
+            if found < 7 and "process" not in columns:
+                self._db.execute(_PROCESS)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._db.execute("COMMIT")
         except BaseException:

@@ -54,6 +54,9 @@ def only_the_leader_writes(cp: ControlPlane) -> Callable[[Request, Next], Awaita
             return error(307, said, {"location": location})
         if reading:  # what runs, with no leader to ask: this one's own (empty) view
             return await call_next(request)
+        if cp.leadership.refused:
+            why = f"this control plane {cp.leadership.refused}"
+            return error(503, admin.ErrorAnswer(error=why))
         store = cp.calls.problem() if cp.calls.outage is not None else cp.leadership.problem
         if store:  # it cannot renew its lease: nobody can change anything now
             why = f"this control plane cannot take changes now: {store}"

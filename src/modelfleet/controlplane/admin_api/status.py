@@ -37,6 +37,7 @@ def routes(cp: ControlPlane) -> APIRouter:
             leading=cp.acting(),
             leader=cp.leadership.leader,
             lease_epoch=cp.leadership.epoch,
+            lease_refused=cp.leadership.refused,
             control_planes=_control_planes(cp),
             scaling=views.scaling(cp.autoscaler, cp.catalogs.current),
         )
