@@ -145,6 +145,16 @@ CREATE TABLE IF NOT EXISTS revoked_nodes (
 )
 """
 
+# Version 7: the request ids of changes made once (`Once`).
+_REQUESTS = """
+CREATE TABLE IF NOT EXISTS requests (
+    id      TEXT PRIMARY KEY,
+    route   TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    at      REAL NOT NULL
+)
+"""
+
 DIALECT = Dialect(
     # The store's clock, in seconds since the epoch: SQLite's own (the host's: it runs here).
     now="((julianday('now') - 2440587.5) * 86400.0)",
@@ -217,6 +227,8 @@ class SqliteStore(SqlStore):
                     self._db.execute(add)
             if found < 6:
                 self._db.execute(_REVOKED_NODES)
+            if found < 7:
+                self._db.execute(_REQUESTS)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._db.execute("COMMIT")
         except BaseException:
