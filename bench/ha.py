@@ -32,7 +32,13 @@ recipe below holds a view in which they are lost. Then:
    (`store_outage_failed`, target 0), control planes that exited (`store_outage_exits`,
    target 0), the slowest `ctl status` (with every admin URL) asked every half second
    meanwhile (`store_outage_status_ms`, target <= 1000);
-8. the nemesis of the test suite (tests/integration/nemesis.py) for `--nemesis-minutes`
+8. PostgreSQL stalled (SIGSTOP) 2 s, four times, and 25 s once, each time keys made through
+   the leader's admin API at once (no retries): `ambiguous_write_lied` (target 0) counts
+   the changes answered as refused ("nothing was changed") that are in the store once it
+   answers again; `ambiguous_write_unknown` those answered "may have been made" (and of them
+   `ambiguous_write_landed`, in the store), `ambiguous_write_untold` keys the store holds
+   that the leader does not (its routers lack them; target 0);
+9. the nemesis of the test suite (tests/integration/nemesis.py) for `--nemesis-minutes`
    (default 5; 0 skips it) under the seed `--seed` (drawn when not given, printed): kill -9,
    SIGSTOP and SIGCONT of control planes, agents and PostgreSQL, catalog changes, keys made
    and revoked. `nemesis_violations` (target 0) counts the promises it found broken and the
@@ -40,7 +46,9 @@ recipe below holds a view in which they are lost. Then:
 
 Ends with one JSON line.
 
-    python bench/ha.py [--rate 20] [--ttl 3] [--nemesis-minutes 5] [--seed N]
+    python bench/ha.py [--rate 20] [--ttl 3] [--nemesis-minutes 5] [--seed N] [--only PART]
+
+`--only ambiguous` runs only part 8 (the fleet started, under load).
 """
 
 from __future__ import annotations
@@ -421,8 +429,67 @@ def store_outage(bench: Bench) -> None:
     r["store_outage_status_unanswered"] = unanswered
 
 
+def ambiguous_writes(bench: Bench, stalls: tuple[float, ...] = (2, 2, 2, 2, 25)) -> None:
+    """8. Keys made while PostgreSQL stalls: none answered as refused lands, and the leader
+    holds every key the store does."""
+    planes, r = bench.planes, bench.results
+    answers: dict[str, str] = {}  # key name -> "made", "unknown" or "refused"
+    for round_, stall in enumerate(stalls):
+        wait("a change before the stall", lambda: a_change_lands(planes), 60)
+        leader = wait("a leader", planes.leader, 30)
+        url = bench.running.admin_urls[leader]
+        pids = _pg_server(bench.state).pids()  # the server and every session of it
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        stalled_at = time.monotonic()
+        try:
+            for i in range(3):
+                name = f"stalled-{round_}-{i}"
+                try:
+                    answer = planes.http.post(f"{url}/v1/keys", json={"name": name})
+                except httpx.HTTPError:
+                    answers[name] = "unknown"  # sent, and no answer: it may have been made
+                    continue
+                body = answer.json() if answer.content else {}
+                answers[name] = (
+                    "made"
+                    if answer.status_code == 200
+                    else "unknown"
+                    if body.get("may_have_been_made")
+                    else "refused"
+                )
+            while time.monotonic() - stalled_at < stall:
+                time.sleep(0.1)
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+    wait("a change after the stalls", lambda: a_change_lands(planes), 60)
+    time.sleep(3)  # what lands late, lands within the store's bounds
+    stored = set(_stored_keys(bench.state))
+    leader = wait("a leader", planes.leader, 30)
+    held = {k["name"] for k in planes.http.get(
+        f"{bench.running.admin_urls[leader]}/v1/keys").json()["keys"]}  # fmt: skip
+    print("ambiguous writes:", json.dumps(answers), file=sys.stderr)
+    r["ambiguous_write_changes"] = len(answers)
+    r["ambiguous_write_refused"] = sum(1 for a in answers.values() if a == "refused")
+    r["ambiguous_write_unknown"] = sum(1 for a in answers.values() if a == "unknown")
+    r["ambiguous_write_landed"] = sum(
+        1 for n, a in answers.items() if a == "unknown" and n in stored
+    )
+    r["ambiguous_write_lied"] = sum(1 for n, a in answers.items() if a == "refused" and n in stored)
+    r["ambiguous_write_untold"] = len({n for n in stored if n.startswith("stalled-")} - held)
+
+
+def _stored_keys(state: Path) -> list[str]:
+    """The names of the keys in the fleet's PostgreSQL, read from it directly."""
+    import psycopg
+
+    with psycopg.connect(_conninfo(state)) as conn:
+        return [row[0] for row in conn.execute("SELECT name FROM api_keys")]
+
+
 def nemesis(bench: Bench, minutes: float, seed: int) -> None:
-    """8. The nemesis for `minutes`, under `seed`."""
+    """9. The nemesis for `minutes`, under `seed`."""
     r = bench.results
     r["nemesis_seed"], r["nemesis_minutes"] = seed, minutes
     if minutes <= 0:
@@ -448,6 +515,7 @@ def main() -> None:
     parser.add_argument("--ttl", type=float, default=3.0, help="the lease's TTL, seconds")
     parser.add_argument("--nemesis-minutes", type=float, default=5.0, help="0: no nemesis")
     parser.add_argument("--seed", type=int, default=None, help="the nemesis's (drawn if not given)")
+    parser.add_argument("--only", choices=["ambiguous"], default=None, help="run only this part")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(10**6)
 
@@ -475,13 +543,17 @@ def main() -> None:
              "load", str(args.rate), str(stop), str(out)],
         )  # fmt: skip
         wait("the first requests", lambda: out.exists() and out.stat().st_size > 0, 30)
-        leader_frozen(bench, leader_killed(bench))
-        store_restarted(bench)
-        change_during_failover(bench)
-        follower_catalog(bench)
-        releader(bench)
-        store_outage(bench)
-        nemesis(bench, args.nemesis_minutes, seed)
+        if args.only == "ambiguous":
+            ambiguous_writes(bench)
+        else:
+            leader_frozen(bench, leader_killed(bench))
+            store_restarted(bench)
+            change_during_failover(bench)
+            follower_catalog(bench)
+            releader(bench)
+            store_outage(bench)
+            ambiguous_writes(bench)
+            nemesis(bench, args.nemesis_minutes, seed)
     except BaseException:
         print(f"failed: the fleet's folder is kept, {folder}; so far: {json.dumps(bench.results)}",
               file=sys.stderr)  # fmt: skip
@@ -501,11 +573,15 @@ def _catalog_of(models: list[dict[str, Any]]) -> Any:
     return Catalog.from_yaml(yaml.safe_dump({"models": models}))
 
 
-def _conninfo(state: Path) -> str:
+def _pg_server(state: Path) -> Any:
     from modelfleet.host.pgserver import PgServer
 
     kept = json.loads((state / "up-kept.json").read_text())
-    conninfo: str = PgServer(state / "postgres", kept["postgres_port"]).conninfo()
+    return PgServer(state / "postgres", kept["postgres_port"])
+
+
+def _conninfo(state: Path) -> str:
+    conninfo: str = _pg_server(state).conninfo()
     return conninfo
 
 
