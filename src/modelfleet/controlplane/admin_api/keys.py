@@ -112,6 +112,7 @@ def routes(cp: ControlPlane) -> APIRouter:
     def made_before(route: str, name: str, made: StoredRequest) -> Response:
         """A key changed or revoked by an earlier attempt of the request: the key as it is
         now (a change), or as it was when revoked."""
+        once.same_route(route, made)
         if route.startswith("DELETE") and made.outcome:
             return once.replayed(route, made, admin.KeyInfo.model_validate(made.outcome))
         current = cp.keys.keys.get(name)

@@ -70,19 +70,19 @@ async def earlier(cp: ControlPlane, request: Request) -> StoredRequest | None:
 
 def replayed(route: str, made: StoredRequest, answer: BaseModel) -> Response:
     """The answer to a request made before: `answer`, rebuilt from what it recorded."""
-    _same_route(route, made)
+    same_route(route, made)
     body = answer.model_dump_json(exclude_none=True)
     return Response(body, media_type=JSON, headers=_replay_headers(made.id))
 
 
 def refused_replay(route: str, made: StoredRequest, status: int, message: str) -> Response:
     """A request made before whose answer cannot be given again (a key's secret)."""
-    _same_route(route, made)
+    same_route(route, made)
     answer = admin.ErrorAnswer(error=message, request_id=made.id)
     return error(status, answer, _replay_headers(made.id))
 
 
-def _same_route(route: str, made: StoredRequest) -> None:
+def same_route(route: str, made: StoredRequest) -> None:
     """422 when the request id was used for another change."""
     if made.route != route:
         raise Refused.because(
