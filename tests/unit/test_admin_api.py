@@ -457,3 +457,47 @@ def test_what_landed_after_its_answer_is_taken_from_the_store_with_its_events() 
     told = {(e.reason, e.regarding) for e in cp.store.events()}
     assert {("KeyCreated", "key/late"), ("NodeMarked", "node/b"),
             ("CatalogApplied", f"catalog/{before + 1}")} <= told  # fmt: skip
+
+
+def test_a_mark_whose_write_answers_late_may_have_been_made_and_is_set_when_it_lands() -> None:
+    """Issue 57: two cordons answered 503 "nothing was changed" showed up after the next
+    failover. A mark whose store write does not answer within the deadline is answered "may
+    have been made" with its request id; when the write lands, the leader sets the mark,
+    says so and plans with it."""
+    import threading
+
+    cp = control_plane()
+    cp.calls.deadline = 0.2
+    thawed = threading.Event()
+    write = cp.store.set_mark
+
+    def frozen(mark: StoredMark, once: Any = None) -> None:
+        thawed.wait(10)
+        write(mark, once)
+
+    cp.store.set_mark = frozen  # type: ignore[method-assign]
+
+    async def go() -> None:
+        async with admin_client(cp) as c:
+            rid = {admin.IDEMPOTENCY_KEY: "cordon-b-1"}
+            answer = await c.post("/v1/nodes/b/mark", json={"mark": "cordoned"}, headers=rid)
+            said = answer.json()
+            assert answer.status_code == 503 and said["may_have_been_made"], answer.text
+            assert said["request_id"] == "cordon-b-1" and "nothing was changed" not in said["error"]
+            assert "b" not in cp.state.marks
+            again = await c.post("/v1/nodes/b/mark", json={"mark": "cordoned"}, headers=rid)
+            assert again.status_code == 503 and again.json()["may_have_been_made"]  # in flight
+            thawed.set()
+            deadline = time.monotonic() + 10
+            while "b" not in cp.state.marks:
+                assert time.monotonic() < deadline, "the mark that landed was never set"
+                await asyncio.sleep(0.02)
+            cp.calls.outage = None  # as the next renewal would: the store answers again
+            replayed = await c.post("/v1/nodes/b/mark", json={"mark": "cordoned"}, headers=rid)
+            assert replayed.status_code == 200, replayed.text
+            assert replayed.headers[admin.REPLAYED] == "true"
+
+    asyncio.run(go())
+    assert cp.state.marks["b"].mark.value == "cordoned"
+    cp.events.flush()
+    assert ("NodeMarked", "node/b") in {(e.reason, e.regarding) for e in cp.store.events()}

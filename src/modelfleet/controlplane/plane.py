@@ -349,19 +349,21 @@ class ControlPlane:
         """After a write whose outcome was not known (`_store_unsure`): what is desired read
         again, and what the store holds that this leader's memory lacks (a catalog, a key, a
         mark committed after its answer said it may have been) taken into it, told as
-        events, and acted on (routers get the keys with the next table)."""
+        events, and acted on (routers get the keys with the next table). Join tokens and
+        credentials are left as they are: a join under way writes the store, then them.
+        A follower does nothing: a term begins by reading the store."""
         if not self._unsure or self.calls.outage is not None:
             return
         self._unsure = False
+        if not self.acting():
+            return
         keys, catalog = dict(self.keys.keys), self.catalogs.current
         try:
             desired = await self.calls(self._read_desired)
         except StoreError:
             self._unsure = True
             return
-        if not self.acting():
-            return
-        self._take_desired(desired, marks=False)
+        self.keys.keys = {k.name: k for k in desired.keys}
         why = "as the store holds it: a change whose answer said it may have been made"
         now = self.catalogs.current
         if now.version != catalog.version:
