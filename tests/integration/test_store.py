@@ -29,6 +29,7 @@ from modelfleet.store import (
     AlreadyMade,
     EventWrite,
     Once,
+    OutcomeUnknown,
     Rejection,
     Store,
     StoredCredential,
@@ -39,6 +40,7 @@ from modelfleet.store import (
     StoredPoint,
     StoredUsage,
     StoreError,
+    StoreUnreachable,
 )
 from modelfleet.store.postgres import Bounds, PostgresStore
 from modelfleet.store.sql import EVENT_ROWS_PER_STATEMENT
@@ -243,6 +245,30 @@ def test_a_change_made_with_a_request_id_is_made_once_and_says_so(store: Store) 
     with pytest.raises(AlreadyMade):
         store.clear_mark("gpu-1", Once("req-3", "mark", {}))
     assert [m.node for m in store.marks()] == ["gpu-1"]
+
+
+def test_a_postgres_transaction_cut_as_it_commits_is_of_unknown_outcome(pg: PgServer) -> None:
+    """Issue 57: a transaction whose connection broke while it committed may or may not have
+    been made: OutcomeUnknown ("may have been made"), never "nothing was changed"; one whose
+    connection broke before its COMMIT was sent was rolled back by the server: a plain
+    StoreUnreachable."""
+    store = PostgresStore(fresh_database(pg))
+    other = psycopg.connect(pg.conninfo(), autocommit=True)
+    try:
+        txn = store._transaction  # type: ignore[attr-defined]
+        with pytest.raises(OutcomeUnknown), txn() as tx:
+            tx.execute("INSERT INTO meta (key, value) VALUES ('a', '1')")
+            [(pid,)] = tx.execute("SELECT pg_backend_pid()").fetchall()
+            other.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        with pytest.raises(StoreUnreachable) as before, txn() as tx:
+            [(pid,)] = tx.execute("SELECT pg_backend_pid()").fetchall()
+            other.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            tx.execute("INSERT INTO meta (key, value) VALUES ('b', '1')")
+        assert not isinstance(before.value, OutcomeUnknown)
+        assert store.get_meta("b") is None
+    finally:
+        other.close()
+        store.close()
 
 
 def event(reason: str, regarding: str, at: float) -> StoredEvent:

@@ -132,7 +132,7 @@ class StoreCalls:
             if late is not None:
                 self._follow(future, *late)
             else:  # a write that lands later is not known to the caller: the store is read again
-                future.add_done_callback(lambda done: self._landed_unknown(done))
+                future.add_done_callback(self._landed_unknown)
             raise OutcomeUnknown(f"the store {self.store.where}: {why}") from None
         except OutcomeUnknown as exc:
             self._down(str(exc))
@@ -163,8 +163,11 @@ class StoreCalls:
             if done.cancelled():
                 return
             failed = done.exception()
-            if isinstance(failed, OutcomeUnknown):
+            if isinstance(failed, OutcomeUnknown):  # the store is read again to know
+                log.warning("request %s: whether it was made is still not known: %s",
+                            request, failed)  # fmt: skip
                 self.unsure()
+                return
             if failed is not None:
                 log.warning(
                     "request %s, answered as it may have been made, was not: %s", request, failed
