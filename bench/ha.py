@@ -38,7 +38,13 @@ recipe below holds a view in which they are lost. Then:
 9. PostgreSQL stopped and started, once per `--store-stops` (seconds; default 40 and 60):
    the most seconds from the server answering again until a change through the admin API
    succeeds (`change_after_store_back_s`, target <= 5), and each;
-10. the nemesis of the test suite (tests/integration/nemesis.py) for `--nemesis-minutes`
+10. PostgreSQL stalled (SIGSTOP) 2 s, four times, and 25 s once, each time keys made through
+    the leader's admin API at once (no retries): `ambiguous_write_lied` (target 0) counts
+    the changes answered as refused ("nothing was changed") that are in the store once it
+    answers again; `ambiguous_write_unknown` those answered "may have been made" (and of them
+    `ambiguous_write_landed`, in the store), `ambiguous_write_untold` keys the store holds
+    that the leader does not (its routers lack them; target 0);
+11. the nemesis of the test suite (tests/integration/nemesis.py) for `--nemesis-minutes`
    (default 5; 0 skips it) under the seed `--seed` (drawn when not given, printed): kill -9,
    SIGSTOP and SIGCONT of control planes, agents and PostgreSQL, catalog changes, keys made
    and revoked. `nemesis_violations` (target 0) counts the promises it found broken and the
@@ -92,7 +98,8 @@ C = {"name": "c", "engine": "sim", "args": ["--itl", "0.005"]}
 NODE_STALE_S, NODE_LOST_S = 5.0, 10.0
 OUTAGE_S = 30.0  # PostgreSQL frozen this long, then stopped this long
 PARTS = ("leader_killed", "store_restarted", "change_during_failover", "follower_catalog",
-         "releader", "store_outage", "clone_double_lead", "store_back", "nemesis")  # fmt: skip
+         "releader", "store_outage", "clone_double_lead", "store_back", "ambiguous_writes",
+         "nemesis")  # fmt: skip
 
 
 def wait(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
@@ -498,8 +505,67 @@ def store_back(bench: Bench, stops: list[float]) -> None:
     r["change_after_store_back_by_stop_s"] = took
 
 
+def ambiguous_writes(bench: Bench, stalls: tuple[float, ...] = (2, 2, 2, 2, 25)) -> None:
+    """10. Keys made while PostgreSQL stalls: none answered as refused lands, and the leader
+    holds every key the store does."""
+    planes, r = bench.planes, bench.results
+    answers: dict[str, str] = {}  # key name -> "made", "unknown" or "refused"
+    for round_, stall in enumerate(stalls):
+        wait("a change before the stall", lambda: a_change_lands(planes), 60)
+        leader = wait("a leader", planes.leader, 30)
+        url = bench.running.admin_urls[leader]
+        pids = _pg_server(bench.state).pids()  # the server and every session of it
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        stalled_at = time.monotonic()
+        try:
+            for i in range(3):
+                name = f"stalled-{round_}-{i}"
+                try:
+                    answer = planes.http.post(f"{url}/v1/keys", json={"name": name})
+                except httpx.HTTPError:
+                    answers[name] = "unknown"  # sent, and no answer: it may have been made
+                    continue
+                body = answer.json() if answer.content else {}
+                answers[name] = (
+                    "made"
+                    if answer.status_code == 200
+                    else "unknown"
+                    if body.get("may_have_been_made")
+                    else "refused"
+                )
+            while time.monotonic() - stalled_at < stall:
+                time.sleep(0.1)
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+    wait("a change after the stalls", lambda: a_change_lands(planes), 60)
+    time.sleep(3)  # what lands late, lands within the store's bounds
+    stored = set(_stored_keys(bench.state))
+    leader = wait("a leader", planes.leader, 30)
+    held = {k["name"] for k in planes.http.get(
+        f"{bench.running.admin_urls[leader]}/v1/keys").json()["keys"]}  # fmt: skip
+    print("ambiguous writes:", json.dumps(answers), file=sys.stderr)
+    r["ambiguous_write_changes"] = len(answers)
+    r["ambiguous_write_refused"] = sum(1 for a in answers.values() if a == "refused")
+    r["ambiguous_write_unknown"] = sum(1 for a in answers.values() if a == "unknown")
+    r["ambiguous_write_landed"] = sum(
+        1 for n, a in answers.items() if a == "unknown" and n in stored
+    )
+    r["ambiguous_write_lied"] = sum(1 for n, a in answers.items() if a == "refused" and n in stored)
+    r["ambiguous_write_untold"] = len({n for n in stored if n.startswith("stalled-")} - held)
+
+
+def _stored_keys(state: Path) -> list[str]:
+    """The names of the keys in the fleet's PostgreSQL, read from it directly."""
+    import psycopg
+
+    with psycopg.connect(_conninfo(state)) as conn:
+        return [row[0] for row in conn.execute("SELECT name FROM api_keys")]
+
+
 def nemesis(bench: Bench, minutes: float, seed: int) -> None:
-    """10. The nemesis for `minutes`, under `seed`."""
+    """11. The nemesis for `minutes`, under `seed`."""
     r = bench.results
     r["nemesis_seed"], r["nemesis_minutes"] = seed, minutes
     if minutes <= 0:
@@ -568,6 +634,7 @@ def main() -> None:
             "store_outage": lambda: store_outage(bench),
             "clone_double_lead": lambda: clone_double_lead(bench),
             "store_back": lambda: store_back(bench, stops),
+            "ambiguous_writes": lambda: ambiguous_writes(bench),
             "nemesis": lambda: nemesis(bench, args.nemesis_minutes, seed),
         }
         assert set(parts) == set(PARTS)
@@ -593,11 +660,15 @@ def _catalog_of(models: list[dict[str, Any]]) -> Any:
     return Catalog.from_yaml(yaml.safe_dump({"models": models}))
 
 
-def _conninfo(state: Path) -> str:
+def _pg_server(state: Path) -> Any:
     from modelfleet.host.pgserver import PgServer
 
     kept = json.loads((state / "up-kept.json").read_text())
-    conninfo: str = PgServer(state / "postgres", kept["postgres_port"]).conninfo()
+    return PgServer(state / "postgres", kept["postgres_port"])
+
+
+def _conninfo(state: Path) -> str:
+    conninfo: str = _pg_server(state).conninfo()
     return conninfo
 
 

@@ -26,8 +26,11 @@ from modelfleet.core.catalog import Catalog, CatalogInvalid
 from modelfleet.host.pgserver import PgServer
 from modelfleet.store import (
     SCHEMA_VERSION,
+    AlreadyMade,
     EventScope,
     EventWrite,
+    Once,
+    OutcomeUnknown,
     Rejection,
     Store,
     StoredCredential,
@@ -38,6 +41,7 @@ from modelfleet.store import (
     StoredPoint,
     StoredUsage,
     StoreError,
+    StoreUnreachable,
 )
 from modelfleet.store.postgres import Bounds, PostgresStore
 from modelfleet.store.sql import EVENT_ROWS_PER_STATEMENT
@@ -212,6 +216,60 @@ def test_keys_tokens_and_credentials(store: Store) -> None:
     store.delete_join_token("t0")
     assert store.credentials() == [] and [t.id for t in store.join_tokens()] == ["t1"]
     assert store.revoked_nodes() == {"gpu-1": 15.0, "gpu-9": 14.0}
+
+
+def test_a_change_made_with_a_request_id_is_made_once_and_says_so(store: Store) -> None:
+    """Issue 57: the request id of a change is recorded in the change's own transaction, so
+    whether it landed has one answer, the store's; a second write with the same id is
+    refused (AlreadyMade, naming what the first did) and changes nothing."""
+    once = Once("req-1", "PUT /v1/catalog", {"note": "x"})
+    assert store.request("req-1") is None
+    version = store.add_catalog("d1", 1.0, "api", {"models": []}, "models: []\n", once)
+    made = store.request("req-1")
+    assert made is not None and made.route == "PUT /v1/catalog"
+    assert made.outcome == {"note": "x", "version": version, "digest": "d1"}
+    with pytest.raises(AlreadyMade) as again:
+        store.add_catalog("d2", 2.0, "api", {"models": []}, "models: []\n", once)
+    assert again.value.request.outcome["version"] == version
+    assert [c.version for c in store.catalog_history(10)] == [version]  # not made twice
+    assert store.write_problem() is None  # a refusal as it should be: no failing store
+
+    key = StoredKey("k", "a" * 64, "sk-abc", None, None, None, None, 1.0, None)
+    store.put_key(key, Once("req-2", "POST /v1/keys", {}))
+    with pytest.raises(AlreadyMade):
+        store.put_key(dataclasses.replace(key, sha256="b" * 64), Once("req-2", "POST /v1/keys", {}))
+    assert store.api_keys() == [key]
+    with pytest.raises(AlreadyMade):  # an id is one change, whichever
+        store.delete_key("k", Once("req-1", "DELETE /v1/keys/k", {}))
+    assert store.api_keys() == [key]
+    store.set_mark(StoredMark("gpu-1", "cordoned", 3.0, None), Once("req-3", "mark", {}))
+    with pytest.raises(AlreadyMade):
+        store.clear_mark("gpu-1", Once("req-3", "mark", {}))
+    assert [m.node for m in store.marks()] == ["gpu-1"]
+
+
+def test_a_postgres_transaction_cut_as_it_commits_is_of_unknown_outcome(pg: PgServer) -> None:
+    """Issue 57: a transaction whose connection broke while it committed may or may not have
+    been made: OutcomeUnknown ("may have been made"), never "nothing was changed"; one whose
+    connection broke before its COMMIT was sent was rolled back by the server: a plain
+    StoreUnreachable."""
+    store = PostgresStore(fresh_database(pg))
+    other = psycopg.connect(pg.conninfo(), autocommit=True)
+    try:
+        txn = store._transaction  # type: ignore[attr-defined]
+        with pytest.raises(OutcomeUnknown), txn() as tx:
+            tx.execute("INSERT INTO meta (key, value) VALUES ('a', '1')")
+            [(pid,)] = tx.execute("SELECT pg_backend_pid()").fetchall()
+            other.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        with pytest.raises(StoreUnreachable) as before, txn() as tx:
+            [(pid,)] = tx.execute("SELECT pg_backend_pid()").fetchall()
+            other.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            tx.execute("INSERT INTO meta (key, value) VALUES ('b', '1')")
+        assert not isinstance(before.value, OutcomeUnknown)
+        assert store.get_meta("b") is None
+    finally:
+        other.close()
+        store.close()
 
 
 def event(reason: str, regarding: str, at: float) -> StoredEvent:

@@ -27,6 +27,7 @@ from modelfleet.ctl.render import print_mark
 from modelfleet.messages import admin
 from modelfleet.messages.wire import AgentReport, ShardReport, ShardState
 from modelfleet.security.pki import CertificateAuthority
+from modelfleet.store import StoredKey, StoredMark
 from modelfleet.store.sqlite import SqliteStore
 
 TOKEN = "admin-token-123"
@@ -376,3 +377,127 @@ def test_a_store_that_cannot_write_refuses_changes_with_503_and_recovers_by_itse
         await http.aclose()
 
     asyncio.run(go())
+
+
+def test_a_change_sent_again_with_its_request_id_is_made_once_and_says_what_the_first_did() -> None:
+    """Issue 57: a change with an `Idempotency-Key` is made at most once; sent again, the
+    answer is what the first attempt did (`Idempotent-Replayed: true`), and an id used for
+    another change is refused."""
+    cp = control_plane()
+
+    def key(rid: str) -> dict[str, str]:
+        return {admin.IDEMPOTENCY_KEY: rid}
+
+    async def go() -> None:
+        async with admin_client(cp) as c:
+            made = await c.post("/v1/keys", json={"name": "app"}, headers=key("k-1"))
+            assert made.status_code == 200 and admin.REPLAYED not in made.headers
+            again = await c.post("/v1/keys", json={"name": "app"}, headers=key("k-1"))
+            assert again.status_code == 409 and again.headers[admin.REPLAYED] == "true"
+            assert "made by an earlier attempt" in again.json()["error"]
+            other = await c.post("/v1/keys", json={"name": "app"}, headers=key("k-2"))
+            assert other.status_code == 409 and admin.REPLAYED not in other.headers
+
+            changed = await c.patch("/v1/keys/app", json={"rpm": 5}, headers=key("p-1"))
+            assert changed.status_code == 200
+            again = await c.patch("/v1/keys/app", json={"rpm": 7}, headers=key("p-1"))
+            assert again.headers[admin.REPLAYED] == "true" and again.json()["rpm"] == 5
+            assert cp.store.api_keys()[0].rpm == 5  # not made twice
+
+            text = yaml.safe_dump({"models": [{"name": "small", "engine": "sim"}]})
+            applied = (await c.put("/v1/catalog", content=text, headers=key("c-1"))).json()
+            again = await c.put("/v1/catalog", content=text, headers=key("c-1"))
+            assert again.headers[admin.REPLAYED] == "true"
+            assert again.json()["version"] == applied["version"] and again.json()["changed"]
+            history = cp.store.catalog_history(10)
+            assert history[0].version == applied["version"]
+
+            marked = await c.post("/v1/nodes/b/mark", json={"mark": "cordoned"},
+                                  headers=key("m-1"))  # fmt: skip
+            assert marked.status_code == 200 and marked.json()["was"] == "none"
+            again = await c.post("/v1/nodes/b/mark", json={"mark": "cordoned"},
+                                 headers=key("m-1"))  # fmt: skip
+            assert again.headers[admin.REPLAYED] == "true" and again.json()["was"] == "none"
+
+            revoked = await c.delete("/v1/keys/app", headers=key("r-1"))
+            again = await c.delete("/v1/keys/app", headers=key("r-1"))
+            assert again.status_code == 200 and again.headers[admin.REPLAYED] == "true"
+            assert again.json()["name"] == revoked.json()["name"] == "app"
+
+            reused = await c.delete("/v1/keys/app", headers=key("m-1"))
+            assert (
+                reused.status_code == 422
+                and "was used for POST /v1/nodes/b/mark" in (reused.json()["error"])
+            )
+            bad = await c.post("/v1/keys", json={"name": "x"}, headers=key("no spaces"))
+            assert bad.status_code == 400 and admin.IDEMPOTENCY_KEY in bad.json()["error"]
+
+    asyncio.run(go())
+
+
+def test_what_landed_after_its_answer_is_taken_from_the_store_with_its_events() -> None:
+    """Issue 57: a write whose outcome stayed unknown (the connection broke as it committed)
+    may have landed: the leader reads what is desired again and takes the difference into
+    memory (a key the routers then get, a mark, a catalog), each with its event."""
+    cp = control_plane()
+    before = cp.catalogs.current.version
+    cp.store.put_key(StoredKey("late", "a" * 64, "mf-late", None, None, None, None, 1.0, None))
+    cp.store.set_mark(StoredMark("b", "cordoned", 1.0, None))
+    cp.store.add_catalog("d", 1.0, "api", {"models": []}, "models: []\n")
+    cp.calls.unsure()
+
+    async def go() -> None:
+        await cp.follow_store()
+
+    asyncio.run(go())
+    assert "late" in cp.keys.keys and [k.name for k in cp.keys.routed()] == ["late"]
+    assert cp.state.marks["b"].mark.value == "cordoned"
+    assert cp.catalogs.current.version == before + 1
+    cp.events.flush()
+    told = {(e.reason, e.regarding) for e in cp.store.events()}
+    assert {("KeyCreated", "key/late"), ("NodeMarked", "node/b"),
+            ("CatalogApplied", f"catalog/{before + 1}")} <= told  # fmt: skip
+
+
+def test_a_mark_whose_write_answers_late_may_have_been_made_and_is_set_when_it_lands() -> None:
+    """Issue 57: two cordons answered 503 "nothing was changed" showed up after the next
+    failover. A mark whose store write does not answer within the deadline is answered "may
+    have been made" with its request id; when the write lands, the leader sets the mark,
+    says so and plans with it."""
+    import threading
+
+    cp = control_plane()
+    cp.calls.deadline = 0.2
+    thawed = threading.Event()
+    write = cp.store.set_mark
+
+    def frozen(mark: StoredMark, once: Any = None) -> None:
+        thawed.wait(10)
+        write(mark, once)
+
+    cp.store.set_mark = frozen  # type: ignore[method-assign]
+
+    async def go() -> None:
+        async with admin_client(cp) as c:
+            rid = {admin.IDEMPOTENCY_KEY: "cordon-b-1"}
+            answer = await c.post("/v1/nodes/b/mark", json={"mark": "cordoned"}, headers=rid)
+            said = answer.json()
+            assert answer.status_code == 503 and said["may_have_been_made"], answer.text
+            assert said["request_id"] == "cordon-b-1" and "nothing was changed" not in said["error"]
+            assert "b" not in cp.state.marks
+            again = await c.post("/v1/nodes/b/mark", json={"mark": "cordoned"}, headers=rid)
+            assert again.status_code == 503 and again.json()["may_have_been_made"]  # in flight
+            thawed.set()
+            deadline = time.monotonic() + 10
+            while "b" not in cp.state.marks:
+                assert time.monotonic() < deadline, "the mark that landed was never set"
+                await asyncio.sleep(0.02)
+            cp.calls.outage = None  # as the next renewal would: the store answers again
+            replayed = await c.post("/v1/nodes/b/mark", json={"mark": "cordoned"}, headers=rid)
+            assert replayed.status_code == 200, replayed.text
+            assert replayed.headers[admin.REPLAYED] == "true"
+
+    asyncio.run(go())
+    assert cp.state.marks["b"].mark.value == "cordoned"
+    cp.events.flush()
+    assert ("NodeMarked", "node/b") in {(e.reason, e.regarding) for e in cp.store.events()}

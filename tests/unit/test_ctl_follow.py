@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from modelfleet.ctl.client import AdminClient, AdminTarget, Unreachable
+from modelfleet.ctl.client import AdminClient, AdminTarget, MayHaveBeenMade, Unreachable
 
 KEYS = b'{"keys": []}'
 CHANGED = b'{"dry_run": false, "changed": true, "version": 9, "steps": [], "pending": []}'
@@ -30,6 +30,7 @@ class Plane:
         self.swallow = False
         self.changes = 0  # changes taken while leading
         self.asked = 0
+        self.request_ids: list[str | None] = []  # each change's Idempotency-Key
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
@@ -55,6 +56,7 @@ class Plane:
 
             def do_PUT(self) -> None:
                 plane.asked += 1
+                plane.request_ids.append(self.headers.get("idempotency-key"))
                 self.rfile.read(int(self.headers.get("content-length", 0)))
                 if not plane.leads and plane.leader:
                     self.answer(307, b"", plane.leader + self.path)
@@ -66,6 +68,8 @@ class Plane:
                 else:
                     plane.changes += 1
                     self.answer(200, CHANGED)
+
+            do_DELETE = do_PUT
 
         return Handler
 
@@ -146,8 +150,23 @@ def test_a_change_waits_for_a_leader_within_its_deadline() -> None:
 
 
 def test_a_change_that_was_sent_and_not_answered_is_not_sent_again() -> None:
+    """A change made without a request id (forgetting a node) may have been made by the
+    control plane that took it and never answered: it is sent nowhere else."""
     with Plane() as frozen_leader, Plane() as other:
         frozen_leader.swallow = True
-        with pytest.raises(Unreachable, match="may have been made"):
-            client(frozen_leader.url, other.url).apply_catalog(CATALOG, dry_run=False)
+        with pytest.raises(MayHaveBeenMade, match="may have been made"):
+            client(frozen_leader.url, other.url).delete_node("gpu-1", force=False)
         assert (frozen_leader.changes, other.asked) == (1, 0)
+
+
+def test_a_change_made_once_by_its_request_id_is_sent_on_with_the_same_id() -> None:
+    """Issue 57: a catalog applied goes with a request id, made at most once whoever takes
+    it: the control plane that took it and never answered is not waited for, the change
+    goes to the next with the same id."""
+    with Plane() as frozen_leader, Plane() as other:
+        frozen_leader.swallow = True
+        answer = client(frozen_leader.url, other.url).apply_catalog(CATALOG, dry_run=False)
+        assert answer.version == 9
+        assert (frozen_leader.changes, other.changes) == (1, 1)
+        [first], [second] = frozen_leader.request_ids, other.request_ids
+        assert first is not None and first == second

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from modelfleet.controlplane.events import EventLog
-from modelfleet.store import StoreError, StoreUnreachable
+from modelfleet.store import OutcomeUnknown, StoreError, StoreUnreachable
 from modelfleet.store.calls import StoreCalls
 from modelfleet.store.sqlite import SqliteStore
 
@@ -154,3 +154,55 @@ def test_an_event_of_a_term_that_ended_is_dropped_and_the_next_ones_written() ->
     log.warning("LeadershipLost", "control-plane/a", "b leads now", fenced=False)
     log.flush()
     assert [e.reason for e in store.events()] == ["LeadershipLost"]
+
+
+def test_a_change_with_no_answer_in_time_may_have_been_made_and_lands_late() -> None:
+    """Issue 57: a write that timed out was answered "nothing was changed" and committed once
+    the store woke. Now it is OutcomeUnknown, never "nothing was changed"; its request id is
+    in flight (a second attempt is not sent to the store) until its thread ends; and when it
+    lands, what follows from it is done then, on the event loop."""
+    store = Frozen()
+    calls = StoreCalls(store, 0.2, time.time)  # type: ignore[arg-type]
+    landed: list[str | None] = []
+
+    async def go() -> None:
+        with pytest.raises(OutcomeUnknown) as unknown:
+            await calls.change(lambda: store.get_meta("k"), "req-1", landed.append)
+        assert "nothing was changed" not in str(unknown.value)
+        assert "req-1" in calls.in_flight and landed == []
+        calls.outage = None  # as a probe would: the store answers others again
+        with pytest.raises(OutcomeUnknown, match="earlier attempt"):
+            await calls.change(lambda: store.get_meta("k"), "req-1", landed.append)
+        assert store.calls == 1  # the second attempt was not sent
+        store.thawed.set()
+        deadline = time.monotonic() + 5
+        while not landed:
+            assert time.monotonic() < deadline, "what follows the late write was never done"
+            await asyncio.sleep(0.01)
+        assert landed == ["value"] and "req-1" not in calls.in_flight
+
+    asyncio.run(go())
+    calls.close()
+
+
+def test_any_call_with_no_answer_in_time_is_of_unknown_outcome_and_read_again_if_it_ends() -> None:
+    """A store call made otherwise (a node forgotten) that times out is OutcomeUnknown too,
+    and if it ends well after all, `unsure` says so: the control plane reads the store
+    again."""
+    store = Frozen()
+    calls = StoreCalls(store, 0.2, time.time)  # type: ignore[arg-type]
+    unsure: list[bool] = []
+    calls.unsure = lambda: unsure.append(True)
+
+    async def go() -> None:
+        with pytest.raises(OutcomeUnknown):
+            await calls(store.get_meta, "k")
+        assert unsure == []
+        store.thawed.set()
+        deadline = time.monotonic() + 5
+        while not unsure:
+            assert time.monotonic() < deadline, "a call that ended late was not said"
+            await asyncio.sleep(0.01)
+
+    asyncio.run(go())
+    calls.close()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from modelfleet.core.catalog import Catalog, CatalogInvalid
 from modelfleet.host.files import write_atomic
-from modelfleet.store import Rejection, Store, StoredCatalog, StoreError
+from modelfleet.store import Once, Rejection, Store, StoredCatalog, StoreError
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -209,11 +209,12 @@ class CatalogKeeper:
         with self._lock:
             return self._follow_file_unlocked(now)
 
-    def apply(self, text: str, source: str, now: float) -> Applied:
+    def apply(self, text: str, source: str, now: float, once: Once | None = None) -> Applied:
         """Make the catalog in `text` current, unless it is invalid (raises CatalogInvalid).
-        A catalog with the same content as the current one is not a new version."""
+        A catalog with the same content as the current one is not a new version. `once`:
+        its request id, recorded with the new version (AlreadyMade if it was before)."""
         with self._lock:
-            return self._apply_unlocked(text, source, now)
+            return self._apply_unlocked(text, source, now, once)
 
     def _read_file(self) -> str:
         assert self.file is not None
@@ -301,7 +302,9 @@ class CatalogKeeper:
         """Parse and validate without applying; raises CatalogInvalid."""
         return Catalog.from_yaml(text, source=source)
 
-    def _apply_unlocked(self, text: str, source: str, now: float) -> Applied:
+    def _apply_unlocked(
+        self, text: str, source: str, now: float, once: Once | None = None
+    ) -> Applied:
         try:
             candidate = self.validate(text, source)
         except CatalogInvalid as exc:
@@ -315,7 +318,7 @@ class CatalogKeeper:
         previous = self.current
         if self._current is not None and candidate.digest == self._current.catalog.digest:
             return Applied(self._current.catalog, False, previous)
-        return self._apply_new(text, source, now, candidate=candidate)
+        return self._apply_new(text, source, now, candidate=candidate, once=once)
 
     def _apply_new(
         self,
@@ -324,9 +327,10 @@ class CatalogKeeper:
         now: float,
         candidate: Catalog | None = None,
         write_file: bool = True,
+        once: Once | None = None,
     ) -> Applied:
         previous = self.current
-        catalog = self._swap(candidate or self.validate(text, source), source, now, text)
+        catalog = self._swap(candidate or self.validate(text, source), source, now, text, once)
         if source == API_SOURCE and self.file is not None and write_file:
             self._write_file(catalog, text, now, "`modelfleet ctl catalog apply`")
         log.info(
@@ -371,8 +375,11 @@ class CatalogKeeper:
         self._file_stat = (st.st_mtime_ns, st.st_size, st.st_ino)
         self._note_seen(text)
 
-    def _swap(self, candidate: Catalog, source: str, now: float, text: str | None) -> Catalog:
-        version = self.store.add_catalog(candidate.digest, now, source, candidate.to_dict(), text)
+    def _swap(
+        self, candidate: Catalog, source: str, now: float, text: str | None, once: Once | None
+    ) -> Catalog:
+        body = candidate.to_dict()
+        version = self.store.add_catalog(candidate.digest, now, source, body, text, once)
         catalog = candidate.with_version(version)
         self._current = CurrentCatalog(catalog, now, source, text)  # the one swap
         return catalog

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,7 +21,7 @@ from modelfleet.core.units import MAX_DURATION, BadDuration, parse_duration
 from modelfleet.messages import admin
 from modelfleet.messages.wire import RoutedKey
 from modelfleet.security.apikeys import hash_key, new_key
-from modelfleet.store import StoredKey
+from modelfleet.store import Once, StoredKey
 from modelfleet.store.calls import StoreCalls
 
 _EXPIRY_DATE = re.compile(admin.EXPIRY_DATE_PATTERN)
@@ -84,9 +84,19 @@ def info(key: StoredKey, used: tuple[int, int, float] | None = None) -> admin.Ke
     )
 
 
+# What follows a key change besides the memory: its event, the routers told.
+Done = Callable[[StoredKey], None]
+
+
+def _nothing(_: StoredKey) -> None:
+    pass
+
+
 class KeyBook:
     """The managed keys: the store's, with a copy in memory for publishing. Each change is
-    written to the store first (off the event loop, through `calls`), then kept in memory."""
+    written to the store first (off the event loop, through `calls`), then kept in memory and
+    `done`; a change with a request id (`once`) whose write answered late is kept and done
+    when it lands (`StoreCalls.change`)."""
 
     def __init__(self, calls: StoreCalls, keys: Iterable[StoredKey] = ()) -> None:
         self.calls = calls
@@ -94,8 +104,24 @@ class KeyBook:
         self.keys = {k.name: k for k in keys}
         self.writing = asyncio.Lock()  # one change at a time: each checks what the last made
 
+    async def _write(
+        self, work: Callable[[], None], once: Once | None, kept: Callable[[], None]
+    ) -> None:
+        """`work` (a write of the store), then `kept()`; with `once`, `kept()` also when the
+        write lands after its answer said it may have."""
+        if once is None:
+            await self.calls(work)
+        else:
+            await self.calls.change(work, once.id, lambda _: kept())
+        kept()
+
     async def _create(
-        self, request: admin.KeyCreate, names: Mapping[str, str], now: float
+        self,
+        request: admin.KeyCreate,
+        names: Mapping[str, str],
+        now: float,
+        once: Once | None = None,
+        done: Done = _nothing,
     ) -> tuple[str, StoredKey]:
         """Make a key; returns the key itself (shown once) and what is stored of it."""
         if request.name in self.keys:
@@ -113,12 +139,22 @@ class KeyBook:
             created_at=now,
             expires_at=parse_expiry(request.expires, now) if request.expires else None,
         )
-        await self.calls(self.store.put_key, stored)
-        self.keys[stored.name] = stored
+
+        def kept() -> None:
+            self.keys[stored.name] = stored
+            done(stored)
+
+        await self._write(lambda: self.store.put_key(stored, once), once, kept)
         return key, stored
 
     async def _update(
-        self, name: str, request: admin.KeyUpdate, names: Mapping[str, str], now: float
+        self,
+        name: str,
+        request: admin.KeyUpdate,
+        names: Mapping[str, str],
+        now: float,
+        once: Once | None = None,
+        done: Done = _nothing,
     ) -> StoredKey:
         """Change a key's models, limits or expiry; what the request leaves out stays."""
         old = self._get(name)
@@ -138,35 +174,56 @@ class KeyBook:
             else:
                 changed[field] = value
         new = dataclasses.replace(old, **changed)
-        await self.calls(self.store.put_key, new)
-        self.keys[name] = new
+
+        def kept() -> None:
+            self.keys[name] = new
+            done(new)
+
+        await self._write(lambda: self.store.put_key(new, once), once, kept)
         return new
 
-    async def _revoke(self, name: str) -> StoredKey:
+    async def _revoke(
+        self, name: str, once: Once | None = None, done: Done = _nothing
+    ) -> StoredKey:
         """Delete a key: no router takes it after its next push."""
         old = self._get(name)
-        await self.calls(self.store.delete_key, name)
-        del self.keys[name]
+
+        def kept() -> None:
+            self.keys.pop(name, None)
+            done(old)
+
+        await self._write(lambda: self.store.delete_key(name, once), once, kept)
         return old
 
     async def create(
-        self, request: admin.KeyCreate, names: Mapping[str, str], now: float
+        self,
+        request: admin.KeyCreate,
+        names: Mapping[str, str],
+        now: float,
+        once: Once | None = None,
+        done: Done = _nothing,
     ) -> tuple[str, StoredKey]:
         """Make a key; returns the key itself (shown once) and what is stored of it."""
         async with self.writing:
-            return await self._create(request, names, now)
+            return await self._create(request, names, now, once, done)
 
     async def update(
-        self, name: str, request: admin.KeyUpdate, names: Mapping[str, str], now: float
+        self,
+        name: str,
+        request: admin.KeyUpdate,
+        names: Mapping[str, str],
+        now: float,
+        once: Once | None = None,
+        done: Done = _nothing,
     ) -> StoredKey:
         """Change a key's models, limits or expiry; what the request leaves out stays."""
         async with self.writing:
-            return await self._update(name, request, names, now)
+            return await self._update(name, request, names, now, once, done)
 
-    async def revoke(self, name: str) -> StoredKey:
+    async def revoke(self, name: str, once: Once | None = None, done: Done = _nothing) -> StoredKey:
         """Delete a key: no router takes it after its next push."""
         async with self.writing:
-            return await self._revoke(name)
+            return await self._revoke(name, once, done)
 
     def routed(self) -> list[RoutedKey]:
         """The keys as routers take them, in name order."""

@@ -6,6 +6,7 @@ change moves."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from modelfleet.controlplane.membership import MembershipRefused
@@ -13,7 +14,7 @@ from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.controlplane.records import NodeMark
 from modelfleet.core.fleet import Mark
 from modelfleet.messages.wire import JoinAnswer, JoinRequest
-from modelfleet.store import StoredMark
+from modelfleet.store import Once, StoredMark
 
 log = logging.getLogger("modelfleet.controlplane")
 
@@ -37,39 +38,52 @@ class NodeBusy(RuntimeError):
         self.replicas = replicas
 
 
-async def mark_node(cp: ControlPlane, node: str, mark: Mark, grace: float | None) -> Mark:
+async def mark_node(
+    cp: ControlPlane, node: str, mark: Mark, grace: float | None, once: Once | None = None
+) -> Mark:
     """An operator's cordon, drain (bounded by `grace` seconds, or the configured
     `drain_grace` when None) or uncordon of `node`; returns the mark it had. Raises
-    MarkRefused for a node that never reported or was revoked."""
+    MarkRefused for a node that never reported or was revoked. `once`: its request id."""
     if node not in cp.state.nodes:
         known = ", ".join(sorted(cp.state.nodes)) or "none has reported yet"
         raise MarkRefused(404, f"no node {node!r} has reported (nodes: {known})")
     if cp.state.nodes[node].mark.mark is Mark.REVOKED:
         raise MarkRefused(409, f"node {node} was revoked: it comes back only by joining anew")
     grace = cp.config.drain_grace if grace is None else grace
-    return await set_mark(cp, node, mark, grace)
+    return await set_mark(cp, node, mark, grace, once)
 
 
-async def set_mark(cp: ControlPlane, node: str, mark: Mark, grace: float) -> Mark:
+async def set_mark(
+    cp: ControlPlane, node: str, mark: Mark, grace: float, once: Once | None = None
+) -> Mark:
     """Mark `node` (a drain bounded by `grace` seconds; 0: no bound), persist it, and
-    return the mark it had."""
+    return the mark it had. With `once` (its request id), a write that answers too late is
+    taken into memory, told and acted on when it lands."""
     wall, mono = cp.clock.time(), cp.clock.monotonic()
     bounded = mark is Mark.DRAINING and grace > 0
+
+    def marked(_: object = None) -> Mark:
+        was = cp.state.marks.get(node)  # as it is now, after the write
+        cp.state.set_mark(node, NodeMark(mark, mono + grace if bounded else None))
+        cp.wake()
+        previous = was.mark if was else Mark.NONE
+        log.info("node %s marked %s (was %s)", node, mark.value, previous.value)
+        bound = f", {grace:.0f}s of grace" if bounded else ""
+        cp.events.normal(
+            "NodeMarked", f"node/{node}", f"marked {mark.value}{bound} (was {previous.value})"
+        )
+        return previous
+
     if mark is Mark.NONE:
-        await cp.calls(cp.store.clear_mark, node)
+        write: Callable[[], None] = lambda: cp.store.clear_mark(node, once)  # noqa: E731
     else:
         stored = StoredMark(node, mark.value, wall, wall + grace if bounded else None)
-        await cp.calls(cp.store.set_mark, stored)
-    was = cp.state.marks.get(node)  # as it is now, after the write
-    cp.state.set_mark(node, NodeMark(mark, mono + grace if bounded else None))
-    cp.wake()
-    previous = was.mark if was else Mark.NONE
-    log.info("node %s marked %s (was %s)", node, mark.value, previous.value)
-    bound = f", {grace:.0f}s of grace" if bounded else ""
-    cp.events.normal(
-        "NodeMarked", f"node/{node}", f"marked {mark.value}{bound} (was {previous.value})"
-    )
-    return previous
+        write = lambda: cp.store.set_mark(stored, once)  # noqa: E731
+    if once is None:
+        await cp.calls(write)
+    else:
+        await cp.calls.change(write, once.id, marked)
+    return marked()
 
 
 async def delete_node(cp: ControlPlane, node: str, force: bool) -> list[str]:

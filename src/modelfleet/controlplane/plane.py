@@ -57,6 +57,7 @@ from modelfleet.messages import admin
 from modelfleet.messages.wire import EngineClient
 from modelfleet.security.pki import CertificateAuthority
 from modelfleet.store import (
+    Once,
     StoredCredential,
     StoredEvent,
     StoredJoinToken,
@@ -115,6 +116,9 @@ class ControlPlane:
         # does; and below the lease's TTL, so that a renewal never outlasts it.
         deadline = min(STORE_DEADLINE_S, max(0.2, 2 * config.lease_ttl / 3))
         self.calls = StoreCalls(self.store, deadline, clock.time)
+        # A write whose outcome stayed unknown may have landed: the store is read again.
+        self._unsure = False
+        self.calls.unsure = self._store_unsure
         self.keys = KeyBook(self.calls)
         self.ca = ca
         self.membership = Membership(self.calls, ca)
@@ -323,7 +327,8 @@ class ControlPlane:
     def _take_desired(self, desired: Desired, marks: bool) -> None:
         """Hold what `_read_desired` read; with `marks`, the nodes' marks too (a term begins):
         marks persist, their deadlines moved onto the monotonic clock."""
-        self.keys = KeyBook(self.calls, desired.keys)
+        # In place: a key change that lands late keeps what it made in this book.
+        self.keys.keys = {k.name: k for k in desired.keys}
         self.membership = Membership(
             self.calls, self.ca, desired.tokens, desired.credentials, desired.revoked
         )
@@ -335,14 +340,69 @@ class ControlPlane:
             deadline = None if m.drain_deadline is None else mono + (m.drain_deadline - wall)
             self.state.set_mark(m.node, NodeMark(Mark(m.mark), deadline))
 
-    async def create_key(self, request: admin.KeyCreate) -> tuple[str, StoredKey]:
+    def _store_unsure(self) -> None:
+        """A write's outcome was not known when it was answered, and may have landed since."""
+        self._unsure = True
+        self.wake()
+
+    async def follow_store(self) -> None:
+        """After a write whose outcome was not known (`_store_unsure`): what is desired read
+        again, and what the store holds that this leader's memory lacks (a catalog, a key, a
+        mark committed after its answer said it may have been) taken into it, told as
+        events, and acted on (routers get the keys with the next table). Join tokens and
+        credentials are left as they are: a join under way writes the store, then them.
+        A follower does nothing: a term begins by reading the store."""
+        if not self._unsure or self.calls.outage is not None:
+            return
+        self._unsure = False
+        if not self.acting():
+            return
+        keys, catalog = dict(self.keys.keys), self.catalogs.current
+        try:
+            desired = await self.calls(self._read_desired)
+        except StoreError:
+            self._unsure = True
+            return
+        self.keys.keys = {k.name: k for k in desired.keys}
+        why = "as the store holds it: a change whose answer said it may have been made"
+        now = self.catalogs.current
+        if now.version != catalog.version:
+            applied_event(self.events, Applied(now, True, catalog), f"the store ({why})")
+        for name in sorted(self.keys.keys.keys() | keys.keys()):
+            before, after = keys.get(name), self.keys.keys.get(name)
+            if before != after:
+                reason = "KeyCreated" if before is None else "KeyUpdated" if after else "KeyRevoked"
+                self.events.normal(reason, f"key/{name}", why)
+        self._follow_marks(desired.marks, why)
+        self.wake()
+
+    def _follow_marks(self, stored: list[StoredMark], why: str) -> None:
+        """The marks of the nodes that reported made what the store holds."""
+        marks = {m.node: m for m in stored}
+        wall, mono = self.clock.time(), self.clock.monotonic()
+        for node in list(self.state.nodes):
+            held = self.state.marks.get(node)
+            was = held.mark if held is not None else Mark.NONE
+            m = marks.get(node)
+            want = Mark(m.mark) if m is not None else Mark.NONE
+            if want is was or was is Mark.REVOKED:
+                continue
+            due = m.drain_deadline if m is not None else None
+            self.state.set_mark(node, NodeMark(want, None if due is None else mono + due - wall))
+            self.events.normal("NodeMarked", f"node/{node}", f"marked {want.value} ({why})")
+
+    async def create_key(
+        self, request: admin.KeyCreate, once: Once | None = None
+    ) -> tuple[str, StoredKey]:
         """Make a client API key (KeyRefused if not): the key itself, shown this once, and
         what is stored of it. Every router takes it with its next routing table."""
         names = key_names(self.catalogs.current)
-        key, stored = await self.keys.create(request, names, self.store_time())
-        self.events.normal("KeyCreated", f"key/{stored.name}", f"prefix {stored.prefix}")
-        self.wake()
-        return key, stored
+
+        def made(stored: StoredKey) -> None:
+            self.events.normal("KeyCreated", f"key/{stored.name}", f"prefix {stored.prefix}")
+            self.wake()
+
+        return await self.keys.create(request, names, self.store_time(), once, made)
 
     async def preview(self, catalog: Catalog, marks: Mapping[str, Mark] | None = None) -> Preview:
         """What the next passes would start and stop to make `catalog` true (with `marks` on
@@ -466,6 +526,7 @@ class ControlPlane:
                 self._wake.clear()
                 continue
             self._wake.clear()
+            await self.follow_store()
             began, plans = time.perf_counter(), self.plans
             self.reconcile_once(self.clock.monotonic())
             self.place_adapters()

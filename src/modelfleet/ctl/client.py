@@ -10,7 +10,14 @@ asking the one that answered last first. A follower redirects a change to the le
 and ctl sends it there; one that does not know where the leader is answers 503, and ctl sends
 the change on to the next URL, going round them for up to FOLLOW_FOR_S (an election). A dead
 control plane costs a refused connection, a frozen one CONNECT_TIMEOUT_S or READ_TIMEOUT_S.
-A change sent that got no answer is never sent again: it may have been made.
+
+A change ctl may send again (a catalog applied, a key made, changed or revoked, a node
+marked) goes with a request id (the `Idempotency-Key` header; MODELFLEET_REQUEST_ID names
+one): the control plane makes it at most once. One whose answer was "may have been made"
+(the store did not answer in time) or that got no answer is sent again with the same id, for
+up to RETRY_UNKNOWN_FOR_S, and ctl says which happened: made, made by the earlier attempt,
+or not made; or, past that, that it may have been made and how to ask again. Any other
+change that got no answer is never sent again: it may have been made.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ from __future__ import annotations
 import json
 import os
 import ssl
+import sys
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -39,6 +49,13 @@ CONNECT_TIMEOUT_S = 1.0
 READ_TIMEOUT_S = 5.0
 FOLLOW_FOR_S = 10.0
 ROUND_PAUSE_S = 0.2
+# A change whose outcome is not known is sent again with its request id for this long, a
+# pause apart: a store stalled a few seconds is outlasted, and a control plane acts on a
+# change that landed late as soon as its store answers.
+RETRY_UNKNOWN_FOR_S = 12.0
+RETRY_PAUSE_S = 1.0
+# A request id to send with the change (to ask again about one that may have been made).
+REQUEST_ID_ENV = "MODELFLEET_REQUEST_ID"
 
 
 class CtlError(Exception):
@@ -52,6 +69,11 @@ class Unreachable(CtlError):
 class ServerTrouble(CtlError):
     """The admin API answered with a 5xx: it is there, but cannot answer now (its store is
     down, it is starting)."""
+
+
+class MayHaveBeenMade(CtlError):
+    """A change whose outcome is not known: the store did not answer in time, or the control
+    plane did not answer at all."""
 
 
 class _NotSent(Unreachable):
@@ -119,10 +141,20 @@ def resolve_target(
 class AdminClient:
     """The admin API of one control plane, one method per route."""
 
-    def __init__(self, target: AdminTarget, follow_for: float = FOLLOW_FOR_S) -> None:
+    def __init__(
+        self,
+        target: AdminTarget,
+        follow_for: float = FOLLOW_FOR_S,
+        retry_for: float = RETRY_UNKNOWN_FOR_S,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
         self.target = target
         self.follow_for = follow_for  # with several admin APIs: how long to look for a leader
+        self.retry_for = retry_for  # how long a change of unknown outcome is sent again
+        # How ctl says which attempt made a change sent more than once (stderr).
+        self.say = say or (lambda text: print(f"ctl: {text}", file=sys.stderr))
         self._at = 0  # the admin API that answered last, in target.urls
+        self._replayed = False  # the last answer was what an earlier attempt did
         self._verify: ssl.SSLContext | None = None
         if target.ca is not None:
             try:
@@ -140,12 +172,16 @@ class AdminClient:
         content: bytes | None = None,
         params: dict[str, str] | None = None,
         content_type: str = "application/json",
+        request_id: str | None = None,
     ) -> Answer:
         """Call the admin API; every failure becomes a one-line CtlError (CatalogRefused when
         a catalog was refused). With several admin APIs, ctl goes round them for up to
         `follow_for` seconds until one answers: a read is asked again anywhere, a change only
-        where it surely was not taken (no connection was made, or a follower refused it)."""
+        where it surely was not taken (no connection was made, or a follower refused it), or
+        where it is made at most once (`request_id`). MayHaveBeenMade when a change got no
+        answer, or one saying it may have been made."""
         urls = self.target.urls
+        unanswered: str | None = None
         several = len(urls) > 1
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S) if several else 10.0
         deadline = time.monotonic() + (self.follow_for if several else 0.0)
@@ -155,15 +191,16 @@ class AdminClient:
                 at = (self._at + turn) % len(urls)
                 try:
                     where, response = self._send(urls[at], method, path, content, params,
-                                                 content_type, timeout)  # fmt: skip
+                                                 content_type, timeout, request_id)  # fmt: skip
                 except _NotSent as exc:
                     failed[urls[at]] = str(exc)
                     continue
                 except _Unanswered as exc:
-                    if method == "GET":
+                    if method == "GET" or request_id is not None:
                         failed[urls[at]] = str(exc)
+                        unanswered = None if method == "GET" else str(exc)
                         continue
-                    raise Unreachable(
+                    raise MayHaveBeenMade(
                         f"{exc}; the change may have been made: look (a read) before sending "
                         "it again"
                     ) from exc.__cause__
@@ -179,6 +216,8 @@ class AdminClient:
                 self._at = at
                 return self._answer(answer, where, path, response)
             if time.monotonic() + ROUND_PAUSE_S >= deadline:
+                if unanswered is not None:
+                    raise MayHaveBeenMade(unanswered)
                 if not several:
                     raise Unreachable(failed[urls[0]] if urls else "no admin API given")
                 raise Unreachable(
@@ -196,11 +235,14 @@ class AdminClient:
         params: dict[str, str] | None,
         content_type: str,
         timeout: float | httpx.Timeout,
+        request_id: str | None = None,
     ) -> tuple[str, httpx.Response]:
         """One request to `url`, and on to the leader a follower names (307): where it was
         answered, and the answer. `_NotSent` when no connection was made (nothing was taken),
         `_Unanswered` when one was and no answer came."""
         headers = {"authorization": f"Bearer {self.target.token}", "content-type": content_type}
+        if request_id is not None:
+            headers[admin.IDEMPOTENCY_KEY] = request_id
         verify = self._verify if self._verify is not None else True
         try:
             response = httpx.request(
@@ -225,7 +267,9 @@ class AdminClient:
     ) -> Answer:
         if response.status_code == 401:
             raise CtlError(f"the admin API at {url} refused the token (401)")
+        self._replayed = response.headers.get(admin.REPLAYED) == "true"
         if response.status_code != 200:
+            trouble: type[CtlError] = CtlError
             try:
                 error = admin.ErrorAnswer.model_validate_json(response.content)
             except ValidationError:
@@ -234,7 +278,10 @@ class AdminClient:
                 if error.problems is not None:
                     raise CatalogRefused(error.error, error.problems)
                 detail = error.error
-            trouble = ServerTrouble if response.status_code >= 500 else CtlError
+                if error.may_have_been_made:
+                    trouble = MayHaveBeenMade
+            if response.status_code >= 500 and trouble is CtlError:
+                trouble = ServerTrouble
             raise trouble(f"{url}{path} answered {response.status_code}: {detail}")
         try:
             return answer.model_validate_json(response.content)
@@ -243,6 +290,54 @@ class AdminClient:
                 f"{url}{path} answered something ctl cannot read "
                 f"(is the control plane of another version?): {exc.error_count()} problem(s)"
             ) from exc
+
+    def _change(
+        self,
+        answer: type[Answer],
+        method: str,
+        path: str,
+        content: bytes | None = None,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Answer:
+        """A change made at most once, by its request id: sent again with the same id while
+        its outcome is not known, for up to `retry_for` seconds; ctl says which attempt made
+        it (or that none did) when it was sent more than once."""
+        rid = os.environ.get(REQUEST_ID_ENV) or uuid.uuid4().hex
+        deadline = time.monotonic() + self.retry_for
+        unknown: str | None = None  # why the last attempt's outcome was not known
+        while True:
+            self._replayed = False
+            try:
+                made = self._call(answer, method, path, content, params, content_type, rid)
+            except (MayHaveBeenMade, ServerTrouble, Unreachable) as exc:
+                if not isinstance(exc, MayHaveBeenMade) and unknown is None:
+                    raise  # refused before anything was sent to the store: nothing was made
+                unknown = str(exc) if isinstance(exc, MayHaveBeenMade) else unknown
+                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    raise MayHaveBeenMade(
+                        f"{unknown}\nthe change may have been made (request id {rid}; sent "
+                        f"for {self.retry_for:.0f}s): look (a read), or ask again with "
+                        f"{REQUEST_ID_ENV}={rid} and the same command: it is made at most once"
+                    ) from None
+                time.sleep(RETRY_PAUSE_S)
+                continue
+            except CtlError as exc:
+                if self._replayed:
+                    raise CtlError(
+                        f"made by the earlier attempt (request id {rid}): {exc}"
+                    ) from None
+                if unknown is not None:
+                    raise type(exc)(f"not made (request id {rid}): {exc}") from None
+                raise
+            if unknown is not None:
+                self.say(
+                    f"made by the earlier attempt (request id {rid}), whose answer said it may "
+                    "have been"
+                    if self._replayed
+                    else f"made by this attempt (request id {rid}); the earlier one was not"
+                )
+            return made
 
     def nodes(self) -> admin.NodesAnswer:
         return self._call(admin.NodesAnswer, "GET", "/v1/nodes")
@@ -273,7 +368,9 @@ class AdminClient:
     def mark(self, node: str, request: admin.MarkRequest) -> admin.MarkAnswer:
         path = f"/v1/nodes/{quote(node, safe='')}/mark"
         body = request.model_dump_json(exclude_none=True).encode()
-        return self._call(admin.MarkAnswer, "POST", path, body)
+        if request.dry_run:
+            return self._call(admin.MarkAnswer, "POST", path, body)
+        return self._change(admin.MarkAnswer, "POST", path, body)
 
     def replicas(self) -> admin.ReplicasAnswer:
         return self._call(admin.ReplicasAnswer, "GET", "/v1/replicas")
@@ -298,9 +395,13 @@ class AdminClient:
         return self._call(admin.CatalogHistory, "GET", "/v1/catalog/history", params=params)
 
     def apply_catalog(self, content: bytes, dry_run: bool) -> admin.CatalogChange:
-        params = {"dry_run": "true"} if dry_run else None
-        return self._call(
-            admin.CatalogChange, "PUT", "/v1/catalog", content, params, "application/yaml"
+        if dry_run:
+            params = {"dry_run": "true"}
+            return self._call(
+                admin.CatalogChange, "PUT", "/v1/catalog", content, params, "application/yaml"
+            )
+        return self._change(
+            admin.CatalogChange, "PUT", "/v1/catalog", content, None, "application/yaml"
         )
 
     def status(self) -> admin.StatusAnswer:
@@ -314,14 +415,14 @@ class AdminClient:
 
     def create_key(self, request: admin.KeyCreate) -> admin.KeyCreated:
         body = request.model_dump_json(exclude_none=True).encode()
-        return self._call(admin.KeyCreated, "POST", "/v1/keys", body)
+        return self._change(admin.KeyCreated, "POST", "/v1/keys", body)
 
     def update_key(self, name: str, request: admin.KeyUpdate) -> admin.KeyInfo:
         body = request.model_dump_json(exclude_unset=True).encode()
-        return self._call(admin.KeyInfo, "PATCH", "/v1/keys/" + quote(name, safe=""), body)
+        return self._change(admin.KeyInfo, "PATCH", "/v1/keys/" + quote(name, safe=""), body)
 
     def revoke_key(self, name: str) -> admin.KeyInfo:
-        return self._call(admin.KeyInfo, "DELETE", "/v1/keys/" + quote(name, safe=""))
+        return self._change(admin.KeyInfo, "DELETE", "/v1/keys/" + quote(name, safe=""))
 
     def logs(
         self,

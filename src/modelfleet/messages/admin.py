@@ -30,11 +30,24 @@ class CatalogProblem(_Answer):
     message: str
 
 
+# A change's request id: ctl sends one with every change it may send again, and the control
+# plane records it with the change, so the change is made at most once whatever is retried.
+IDEMPOTENCY_KEY = "Idempotency-Key"
+# Set (to "true") on the answer to a request id made before: what the earlier attempt did.
+REPLAYED = "Idempotent-Replayed"
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
+
 class ErrorAnswer(_Answer):
-    """Every error of the admin API. `problems` lists what is wrong with a refused catalog."""
+    """Every error of the admin API. `problems` lists what is wrong with a refused catalog.
+    A change whose store call did not answer in time is `may_have_been_made` (503): sent again
+    with the same `Idempotency-Key` (its `request_id`), it is made at most once, and the answer
+    says whether the earlier attempt made it (`Idempotent-Replayed: true`)."""
 
     error: str
     problems: list[CatalogProblem] | None = None
+    may_have_been_made: bool | None = None
+    request_id: str | None = None
 
 
 # -- nodes ---------------------------------------------------------------------------------

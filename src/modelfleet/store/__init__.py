@@ -26,7 +26,10 @@ from modelfleet.core.fleet import REPLICA_ID_DIGITS
 
 # The schema this modelfleet writes. One more with every change to the tables; each
 # implementation has one migration per version.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
+
+# A change's request id is kept this long: no client retries one that old.
+REQUEST_MEMORY_S = 86400.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,29 @@ class StoredCredential:
 
 
 @dataclass(frozen=True)
+class Once:
+    """A change's request id (an admin request's `Idempotency-Key`), recorded in the same
+    transaction as the change: whether it landed has one answer, the store's, whoever asks
+    (a control plane elected after a failover too). `route` says what was asked (`PUT
+    /v1/catalog`), `outcome` what the change did (JSON: the write adds what only it knows,
+    a catalog's version)."""
+
+    id: str
+    route: str
+    outcome: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StoredRequest:
+    """A change made once by its request id (`Once`), as recorded with it."""
+
+    id: str
+    route: str
+    outcome: dict[str, Any]
+    at: float  # the store's clock when it was made
+
+
+@dataclass(frozen=True)
 class StoredEvent:
     """Something that happened, shaped like a Kubernetes event: a repeat of the last event
     about the same object (same reason and message) counts up instead of adding one."""
@@ -205,8 +231,25 @@ class StoreError(RuntimeError):
 
 
 class StoreUnreachable(StoreError):
-    """The store could not be reached, or did not answer in time: nothing is known to have
-    changed, and calls are refused at once until it answers again (`store/calls.py`)."""
+    """The store could not be reached, or did not answer in time, and calls are refused at
+    once until it answers again (`store/calls.py`). Nothing was changed, unless it is an
+    `OutcomeUnknown`."""
+
+
+class OutcomeUnknown(StoreUnreachable):
+    """A call sent to the store whose outcome is not known: it did not answer in time (a
+    write may still commit later), or the connection broke while it committed. A read changed
+    nothing either way; a write is never answered "nothing was changed": it may have been
+    made. Its request id (`Once`) says which, once the store answers again."""
+
+
+class AlreadyMade(StoreError):
+    """A write refused because its request id was recorded before: the change was made
+    once, by an earlier attempt (`request` says what it did). Nothing was changed now."""
+
+    def __init__(self, request: StoredRequest) -> None:
+        super().__init__(f"request {request.id} was made before ({request.route})")
+        self.request = request
 
 
 class Fenced(StoreError):
@@ -278,9 +321,10 @@ class Store(Protocol):
         source: str,
         body: dict[str, Any],
         text: str | None = None,
+        once: Once | None = None,
     ) -> int:
         """Record a newly applied catalog (and the `text` it was applied from); returns its
-        version, one more than the last."""
+        version, one more than the last (added to `once`'s outcome as "version")."""
         ...
 
     def latest_catalog(self) -> StoredCatalog | None: ...
@@ -293,11 +337,11 @@ class Store(Protocol):
 
     def last_rejection(self) -> Rejection | None: ...
 
-    def set_mark(self, mark: StoredMark) -> None:
+    def set_mark(self, mark: StoredMark, once: Once | None = None) -> None:
         """Record a node's mark, replacing the one it had."""
         ...
 
-    def clear_mark(self, node: str) -> None: ...
+    def clear_mark(self, node: str, once: Once | None = None) -> None: ...
 
     def marks(self) -> list[StoredMark]: ...
 
@@ -310,11 +354,16 @@ class Store(Protocol):
         (of whichever control plane set it first). Never fenced."""
         ...
 
-    def put_key(self, key: StoredKey) -> None:
+    def put_key(self, key: StoredKey, once: Once | None = None) -> None:
         """Record a key, replacing the one of the same name."""
         ...
 
-    def delete_key(self, name: str) -> None: ...
+    def delete_key(self, name: str, once: Once | None = None) -> None: ...
+
+    def request(self, request_id: str) -> StoredRequest | None:
+        """The change made with this request id (`Once`), if one was (kept for
+        REQUEST_MEMORY_S)."""
+        ...
 
     def api_keys(self) -> list[StoredKey]:
         """Every key, by name."""

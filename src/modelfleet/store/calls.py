@@ -11,7 +11,11 @@ store that is gone and every request is answered within its deadline. One call a
 still go through as a `probe` (the lease's renewal, every third of its TTL); the first that
 succeeds ends the outage. Work nobody waits on (writing events) goes as `background`: waited
 for however long it takes, as slowness under load is no outage. A refused call changed
-nothing; one that timed out may still land later, and is fenced like any other write.
+nothing. A read that timed out changed nothing either; a write may still land later (a
+PostgreSQL frozen for 2 s committed it once it woke), so an operator's change goes as a
+`change`: one that does not answer in time is `OutcomeUnknown` ("may have been made", never
+"nothing was changed"), its request id stays `in_flight` until its thread ends, and if it
+lands then, what the change does besides the write (its event, the routers told) is done then.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-from modelfleet.store import Store, StoreError, StoreUnreachable
+from modelfleet.store import OutcomeUnknown, Store, StoreError, StoreUnreachable
 
 log = logging.getLogger("modelfleet.store")
 
@@ -58,6 +62,12 @@ class StoreCalls:
         self.outage: Outage | None = None
         self._pool = _DaemonPool(workers)
         self._probing: asyncio.Future[Any] | None = None
+        # The changes whose outcome is not known yet, by request id: their threads still wait
+        # on the store, and may yet commit.
+        self.in_flight: dict[str, asyncio.Future[Any]] = {}
+        # Called when a change's outcome stays unknown (the connection broke while it
+        # committed): the control plane reads the store again to learn it.
+        self.unsure: Callable[[], None] = lambda: None
 
     async def __call__(
         self,
@@ -87,7 +97,27 @@ class StoreCalls:
             raise StoreUnreachable(self.refusal())
         return await self._run(False, lambda: fn(*args, **kwargs), bounded=False)
 
-    async def _run(self, probing: bool, work: Callable[[], T], bounded: bool = True) -> T:
+    async def change(self, work: Callable[[], T], request: str, landed: Callable[[T], object]) -> T:
+        """`work()`, a write made with the request id `request`, run as a call; but one that
+        does not answer within the deadline raises OutcomeUnknown (it may still commit), and
+        if it lands after all, `landed(its result)` is called on the event loop then. While
+        an earlier attempt of the same request is in flight, OutcomeUnknown at once."""
+        if self.outage is not None:
+            raise StoreUnreachable(self.refusal())
+        if request in self.in_flight:
+            raise OutcomeUnknown(
+                f"the store {self.store.where} has not answered an earlier attempt of this "
+                "request yet"
+            )
+        return await self._run(False, work, late=(request, landed))
+
+    async def _run(
+        self,
+        probing: bool,
+        work: Callable[[], T],
+        bounded: bool = True,
+        late: tuple[str, Callable[[T], object]] | None = None,
+    ) -> T:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.run_in_executor(self._pool, work)
         if probing:
@@ -99,7 +129,15 @@ class StoreCalls:
         except TimeoutError:
             why = f"no answer within {self.deadline:.1f}s"
             self._down(why)
-            raise StoreUnreachable(f"the store {self.store.where}: {why}") from None
+            if late is not None:
+                self._follow(future, *late)
+            else:  # a write that lands later is not known to the caller: the store is read again
+                future.add_done_callback(self._landed_unknown)
+            raise OutcomeUnknown(f"the store {self.store.where}: {why}") from None
+        except OutcomeUnknown as exc:
+            self._down(str(exc))
+            self.unsure()
+            raise
         except StoreUnreachable as exc:
             self._down(str(exc))
             raise
@@ -112,6 +150,42 @@ class StoreCalls:
             raise
         self._up()
         return answer
+
+    def _follow(
+        self, future: asyncio.Future[T], request: str, landed: Callable[[T], object]
+    ) -> None:
+        """Keep `request` in flight until `future` (its write, past its deadline) ends; then
+        `landed(result)` if it was made, `unsure()` if its outcome is still not known."""
+        self.in_flight[request] = future
+
+        def ended(done: asyncio.Future[T]) -> None:
+            self.in_flight.pop(request, None)
+            if done.cancelled():
+                return
+            failed = done.exception()
+            if isinstance(failed, OutcomeUnknown):  # the store is read again to know
+                log.warning("request %s: whether it was made is still not known: %s",
+                            request, failed)  # fmt: skip
+                self.unsure()
+                return
+            if failed is not None:
+                log.warning(
+                    "request %s, answered as it may have been made, was not: %s", request, failed
+                )
+                return
+            log.warning("request %s landed in the store after its answer said it may", request)
+            try:
+                landed(done.result())
+            except Exception:  # what it does besides the write is not to stop the loop
+                log.exception("request %s landed, and what follows from it failed", request)
+
+        future.add_done_callback(ended)
+
+    def _landed_unknown(self, done: asyncio.Future[Any]) -> None:
+        """A call past its deadline ended: if it succeeded, and it was a write, the store holds
+        what its caller does not know of."""
+        if not done.cancelled() and done.exception() is None:
+            self.unsure()
 
     def refusal(self) -> str:
         """Why a call is refused during the outage."""

@@ -37,6 +37,7 @@ from modelfleet.core.backoff import Backoff
 from modelfleet.host.pgserver import redacted
 from modelfleet.store import (
     SCHEMA_VERSION,
+    OutcomeUnknown,
     StoreError,
     StoreUnreachable,
     WriteHealth,
@@ -161,6 +162,14 @@ CREATE TABLE IF NOT EXISTS revoked_nodes (
 );
 """,
     7: "ALTER TABLE lease ADD COLUMN IF NOT EXISTS process TEXT NOT NULL DEFAULT '';",
+    8: """
+CREATE TABLE IF NOT EXISTS requests (
+    id      TEXT PRIMARY KEY,
+    route   TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    at      DOUBLE PRECISION NOT NULL
+);
+""",
 }
 DIALECT = Dialect(
     # The store's clock: the database server's, in seconds since the epoch.
@@ -303,11 +312,19 @@ class PostgresStore(SqlStore):
 
     @contextmanager
     def _transaction(self) -> Iterator[Transaction]:
+        """One transaction. A failure before its COMMIT was sent rolled it back (the server
+        ends a transaction whose connection broke); one while it committed (the connection
+        broke before the server said) is OutcomeUnknown: it may have been made."""
+        committing = False
         try:
             with self._pool.connection() as conn, conn.transaction():
                 yield _Transaction(conn)
+                committing = True
         except (psycopg.Error, PoolTimeout) as exc:
-            raise _failure("write", self.where, exc) from exc
+            failure = _failure("write", self.where, exc)
+            if committing and isinstance(failure, StoreUnreachable):
+                raise OutcomeUnknown(f"{failure}, while it committed") from exc
+            raise failure from exc
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         try:

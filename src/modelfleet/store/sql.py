@@ -25,10 +25,13 @@ from typing import Any, Protocol, TypeVar
 
 from modelfleet.store import (
     FAMILY_TAIL,
+    REQUEST_MEMORY_S,
+    AlreadyMade,
     EventScope,
     EventWrite,
     Fenced,
     Lease,
+    Once,
     Rejection,
     SeenControlPlane,
     StoredCatalog,
@@ -38,6 +41,7 @@ from modelfleet.store import (
     StoredKey,
     StoredMark,
     StoredPoint,
+    StoredRequest,
     StoredUsage,
     WriteHealth,
     fenced_message,
@@ -126,7 +130,7 @@ class SqlStore(ABC):
                     if int(current) != epoch:
                         raise Fenced(fenced_message(epoch, int(current), held))
                 yield tx
-        except Fenced:
+        except (Fenced, AlreadyMade):  # refused, as it should be: the store writes
             raise
         except Exception as exc:
             self.health.wrote(exc.__cause__ or exc)  # the database's own words
@@ -135,6 +139,33 @@ class SqlStore(ABC):
 
     def write_problem(self) -> str | None:
         return self.health.problem()
+
+    def _once(self, tx: Transaction, once: Once | None, **learned: Any) -> None:
+        """Record `once`'s request id in the transaction `tx` of its change, with its outcome
+        and what the write `learned`; AlreadyMade (and the change rolled back) when the id
+        was recorded before. Ids older than REQUEST_MEMORY_S are forgotten."""
+        if once is None:
+            return
+        outcome = json.dumps({**once.outcome, **learned}, sort_keys=True)
+        now = self.dialect.now
+        added = tx.execute(
+            f"INSERT INTO requests (id, route, outcome, at) VALUES (?, ?, ?, {now}) "
+            "ON CONFLICT (id) DO NOTHING",
+            (once.id, once.route, outcome),
+        )
+        if added.rowcount == 0:
+            [(route, made, at)] = tx.execute(
+                "SELECT route, outcome, at FROM requests WHERE id = ?", (once.id,)
+            ).fetchall()
+            raise AlreadyMade(StoredRequest(once.id, route, json.loads(made), float(at)))
+        tx.execute(f"DELETE FROM requests WHERE at < {now} - ?", (REQUEST_MEMORY_S,))
+
+    def request(self, request_id: str) -> StoredRequest | None:
+        rows = self._query("SELECT route, outcome, at FROM requests WHERE id = ?", (request_id,))
+        if not rows:
+            return None
+        [(route, outcome, at)] = rows
+        return StoredRequest(request_id, route, json.loads(outcome), float(at))
 
     # -- the lease -------------------------------------------------------------------------
 
@@ -201,6 +232,7 @@ class SqlStore(ABC):
         source: str,
         body: dict[str, Any],
         text: str | None = None,
+        once: Once | None = None,
     ) -> int:
         with self._write() as tx:
             if self.dialect.lock_catalogs is not None:
@@ -211,6 +243,7 @@ class SqlStore(ABC):
                 "RETURNING version",
                 (digest, applied_at, source, json.dumps(body, sort_keys=True), text),
             ).fetchall()
+            self._once(tx, once, version=int(version), digest=digest)
         return int(version)
 
     def latest_catalog(self) -> StoredCatalog | None:
@@ -236,7 +269,7 @@ class SqlStore(ABC):
         data = json.loads(raw)
         return Rejection(data["at"], data["source"], tuple(data["problems"]))
 
-    def set_mark(self, mark: StoredMark) -> None:
+    def set_mark(self, mark: StoredMark, once: Once | None = None) -> None:
         with self._write() as tx:
             tx.execute(
                 "INSERT INTO node_marks (node, mark, since, drain_deadline) VALUES (?, ?, ?, ?) "
@@ -244,10 +277,12 @@ class SqlStore(ABC):
                 "drain_deadline = excluded.drain_deadline",
                 (mark.node, mark.mark, mark.since, mark.drain_deadline),
             )
+            self._once(tx, once)
 
-    def clear_mark(self, node: str) -> None:
+    def clear_mark(self, node: str, once: Once | None = None) -> None:
         with self._write() as tx:
             tx.execute("DELETE FROM node_marks WHERE node = ?", (node,))
+            self._once(tx, once)
 
     def marks(self) -> list[StoredMark]:
         rows = self._query("SELECT node, mark, since, drain_deadline FROM node_marks ORDER BY node")
@@ -277,7 +312,7 @@ class SqlStore(ABC):
 
     # -- keys, join tokens, credentials ----------------------------------------------------
 
-    def put_key(self, key: StoredKey) -> None:
+    def put_key(self, key: StoredKey, once: Once | None = None) -> None:
         models = json.dumps(list(key.models)) if key.models is not None else None
         with self._write() as tx:
             tx.execute(
@@ -290,10 +325,12 @@ class SqlStore(ABC):
                 (key.name, key.sha256, key.prefix, models, key.rpm, key.tpm,
                  key.max_concurrent, key.created_at, key.expires_at),
             )  # fmt: skip
+            self._once(tx, once)
 
-    def delete_key(self, name: str) -> None:
+    def delete_key(self, name: str, once: Once | None = None) -> None:
         with self._write() as tx:
             tx.execute("DELETE FROM api_keys WHERE name = ?", (name,))
+            self._once(tx, once)
 
     def api_keys(self) -> list[StoredKey]:
         rows = self._query(

@@ -147,6 +147,16 @@ CREATE TABLE IF NOT EXISTS revoked_nodes (
 # Version 7: the process that holds the lease.
 _PROCESS = "ALTER TABLE lease ADD COLUMN process TEXT NOT NULL DEFAULT ''"
 
+# Version 8: the request ids of changes made once (`Once`).
+_REQUESTS = """
+CREATE TABLE IF NOT EXISTS requests (
+    id      TEXT PRIMARY KEY,
+    route   TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    at      REAL NOT NULL
+)
+"""
+
 DIALECT = Dialect(
     # The store's clock, in seconds since the epoch: SQLite's own (the host's: it runs here).
     now="((julianday('now') - 2440587.5) * 86400.0)",
@@ -222,6 +232,8 @@ class SqliteStore(SqlStore):
             columns = {row[1] for row in self._db.execute("PRAGMA table_info(lease)")}
             if found < 7 and "process" not in columns:
                 self._db.execute(_PROCESS)
+            if found < 8:
+                self._db.execute(_REQUESTS)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._db.execute("COMMIT")
         except BaseException:

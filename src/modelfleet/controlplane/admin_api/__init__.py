@@ -13,8 +13,9 @@ pure core; nothing imports it but the control plane's service.
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from starlette.applications import Starlette
+from starlette.responses import Response
 
 from modelfleet.controlplane.admin_api import (
     catalog,
@@ -25,6 +26,7 @@ from modelfleet.controlplane.admin_api import (
     logs,
     metrics,
     nodes,
+    once,
     replicas,
     shared,
     status,
@@ -32,6 +34,8 @@ from modelfleet.controlplane.admin_api import (
     usage,
 )
 from modelfleet.controlplane.plane import ControlPlane
+from modelfleet.messages.admin import ErrorAnswer
+from modelfleet.store import OutcomeUnknown
 
 RESOURCES = (status, catalog, nodes, replicas, keys, usage, join_tokens, events, logs)
 
@@ -50,6 +54,15 @@ def create_admin_app(cp: ControlPlane, dashboard: Starlette | None = None) -> Fa
     )
     routers = [resource.routes(cp) for resource in RESOURCES]
     shared.answer_errors(app, [route for router in routers for route in router.routes])
+
+    @app.exception_handler(OutcomeUnknown)
+    async def may_have_been_made(request: Request, exc: OutcomeUnknown) -> Response:
+        """A store call with no outcome: a read changed nothing; a change may have been made."""
+        if request.method in follower.READ_METHODS:
+            answer = ErrorAnswer(error=f"{exc}; nothing was changed: try again")
+            return shared.error(503, answer, {"retry-after": "1"})
+        return once.unknown(request, exc)
+
     app.middleware("http")(follower.only_the_leader_writes(cp))
     app.middleware("http")(token.token_first(cp))  # the last added runs first: the token
     for router in routers:

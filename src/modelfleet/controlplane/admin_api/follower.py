@@ -9,10 +9,11 @@ from collections.abc import Awaitable, Callable
 from fastapi import Request
 from starlette.responses import Response
 
+from modelfleet.controlplane.admin_api import once
 from modelfleet.controlplane.admin_api.shared import error
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.messages import admin
-from modelfleet.store import StoreError
+from modelfleet.store import OutcomeUnknown, StoreError
 
 # Reads of what runs, which only the leader learns (from agents' reports): a follower
 # redirects them to the leader. Everything else is read from the store, by any control plane.
@@ -32,6 +33,11 @@ def only_the_leader_writes(cp: ControlPlane) -> Callable[[Request, Next], Awaita
         what runs (LIVE_STATE) are redirected to the leader too."""
         path = request.url.path
         reading = request.method in READ_METHODS
+        rid = None if reading else request.headers.get(admin.IDEMPOTENCY_KEY)
+        if rid is not None and rid in cp.calls.in_flight:  # whoever leads now: not known yet
+            request.state.request_id = rid
+            earlier = "an earlier attempt of this request has had no answer from the store"
+            return once.unknown(request, OutcomeUnknown(earlier))
         if cp.acting():
             return await call_next(request)
         if reading and not path.startswith(LIVE_STATE):

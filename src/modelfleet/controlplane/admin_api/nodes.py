@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from starlette.responses import Response
 
 from modelfleet.controlplane import nodes as node_changes
 from modelfleet.controlplane import views
+from modelfleet.controlplane.admin_api import once
 from modelfleet.controlplane.admin_api.shared import Refused, body_of, errors, read_body
 from modelfleet.controlplane.membership import MembershipRefused
 from modelfleet.controlplane.nodes import MarkRefused, NodeBusy
 from modelfleet.controlplane.plane import ControlPlane
 from modelfleet.core.fleet import Mark
 from modelfleet.messages import admin
+from modelfleet.store import AlreadyMade
 
 MAX_MARK_BYTES = 4096
 
@@ -28,9 +31,11 @@ def routes(cp: ControlPlane) -> APIRouter:
         "/v1/nodes/{node}/mark",
         responses=errors(400, 404, 413, 503),
         openapi_extra=body_of(admin.MarkRequest),
+        response_model=admin.MarkAnswer,
     )
-    async def mark_node(node: str, request: Request) -> admin.MarkAnswer:
-        """Cordon, drain or uncordon a node, and say what moves because of it."""
+    async def mark_node(node: str, request: Request) -> admin.MarkAnswer | Response:
+        """Cordon, drain or uncordon a node, and say what moves because of it. Made at most
+        once per `Idempotency-Key`."""
         body = await read_body(request, admin.MarkRequest, MAX_MARK_BYTES)
         grace = cp.config.drain_grace if body.grace_s is None else body.grace_s
         if body.dry_run:
@@ -40,8 +45,24 @@ def routes(cp: ControlPlane) -> APIRouter:
             was = mark.mark if mark is not None else Mark.NONE
             preview = await cp.preview(cp.catalogs.current, {node: Mark(body.mark)})
         else:
+            route = f"POST /v1/nodes/{node}/mark"
             try:
-                was = await node_changes.mark_node(cp, node, Mark(body.mark), body.grace_s)
+                was_before = cp.state.marks.get(node)
+                note = once.begin(
+                    cp, request, route, was=(was_before.mark if was_before else Mark.NONE).value
+                )
+                was = await node_changes.mark_node(cp, node, Mark(body.mark), body.grace_s, note)
+            except AlreadyMade as exc:
+                made = exc.request
+                answer = admin.MarkAnswer(
+                    node=node,
+                    mark=body.mark,
+                    was=made.outcome.get("was", Mark.NONE.value),
+                    drain_grace_s=None,
+                    steps=[],
+                    pending=[],
+                )
+                return once.replayed(route, made, answer)
             except MarkRefused as exc:
                 raise Refused.because(exc.status, str(exc)) from None
             preview = await cp.preview(cp.catalogs.current)

@@ -122,7 +122,9 @@ def answer_errors(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
 
     @app.exception_handler(StoreError)
     async def cannot_write(_: Request, exc: StoreError) -> Response:
-        """A change the store could not record (a full disk): nothing was changed."""
+        """A change the store refused (a full disk, a store that cannot be reached, a read
+        that did not answer): nothing was changed. One whose outcome is not known is
+        answered otherwise (`once.unknown`)."""
         message = (
             f"{exc}; nothing was changed. The control plane goes on serving and recovers by "
             "itself once its store can write again: try again then"
