@@ -83,6 +83,7 @@ class FleetState:
     dropped: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # When a node new to this memory last reported (settling waits while they still come).
     newest_node_at: float = -math.inf
+    first_node_at: float = math.inf  # when the first node reported to this memory
     faults: Faults = field(init=False)  # replicas that keep failing, nodes models keep off
     adapters: AdapterSwaps = field(init=False)  # which adapters each replica holds
     heard: Heard = field(init=False)  # the nodes, the one heard from longest ago first
@@ -188,6 +189,7 @@ class FleetState:
         if before is None:
             self._names = None
             self.newest_node_at = now
+            self.first_node_at = min(self.first_node_at, now)
         taken = before.reports + 1 if before else 1
         self.nodes[report.node] = NodeRecord(
             report, now, self.marks.get(report.node, NO_MARK), taken, before.beats if before else 0

@@ -110,11 +110,20 @@ class Term:
         report, and neither places nor tears down nor publishes. It waits for the nodes of
         the roster the store kept and the `known_nodes`, for `settle_for` past the last node
         new to it, `node_lost_after` at most. Once ended it stays ended (and this costs
-        nothing more)."""
+        nothing more).
+
+        A term that waits for nodes by name waits for the first report, however long: its
+        window (and its bound) begin with it. A new leader whose agents had not found it
+        yet (still trying control planes whose view was stale) once settled by its bound with
+        no node, then placed anew on the first that reported and retired the extra replica
+        in the same second, once the node holding it reported too."""
         if self._settled:
             return False
         reported = len(self.state.nodes)
         waited = self._waited
+        if waited and not reported and self.settle_for >= 0:
+            return True
+        began = max(self.started_at, self.state.first_node_at) if waited else self.started_at
         everyone: bool | None = None
         if waited or self.roster is not None:
             # The names are compared only once as many have reported as are waited for: on
@@ -123,12 +132,7 @@ class Term:
             everyone = reported >= len(waited) and waited <= self.state.nodes.keys()
         bound = max(self.settle_for, self.config.node_lost_after)
         self._settled = not settling(
-            now,
-            self.started_at,
-            self.settle_for,
-            bound,
-            max(self.started_at, self.state.newest_node_at),
-            everyone,
+            now, began, self.settle_for, bound, max(began, self.state.newest_node_at), everyone
         )
         if not self._settled:
             return True
