@@ -193,3 +193,48 @@ def test_an_agent_of_one_control_plane_waits_instead_of_trying_again_at_once(
             assert tries == ["/v1/report", "/v1/heartbeat"]
 
     asyncio.run(exchange())
+
+
+def test_an_agent_whose_leader_stands_in_for_its_store_asks_who_leads_before_each_exchange(
+    tmp_path: Path,
+) -> None:
+    """A leader whose store is down answers its agents (it may start a cold model), saying
+    it stands in: it holds no lease it can renew, and another may have taken it. The agent
+    asks who leads before its next exchange, and goes to one that leads under a newer
+    epoch."""
+    asked: list[str] = []
+    newer = [False]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        base = base_of(request)
+        if request.url.path == "/v1/leader":
+            asked.append(base)
+            if newer[0]:
+                return leader_said(base, "http://b:7070", 4)
+            return leader_said(base, "http://a:7070", 3)
+        epoch = 3 if base == "http://a:7070" else 4
+        made = NodeAssignment(node="n1", shards=[], version="v", epoch=epoch)
+        headers = {"x-modelfleet-standing-in": "1"} if base == "http://a:7070" else {}
+        return httpx.Response(200, content=made.model_dump_json(), headers=headers)
+
+    settings = AgentSettings(
+        control_plane="http://a:7070",
+        node="n1",
+        token="t",
+        state_dir=tmp_path,
+        control_planes=("http://a:7070", "http://b:7070"),
+        transport=httpx.MockTransport(answer),
+    )
+
+    async def exchange() -> None:
+        async with Agent(settings, SimulatedGpus("1x80GB")) as agent:
+            assert await agent.link.send_report(agent.report()) is not None
+            assert len(asked) == 2 and agent.link.control_plane == "http://a:7070"
+            newer[0] = True  # b took the lease meanwhile
+            taken = await agent.link.send_report(agent.report())
+            assert len(asked) == 4 and agent.link.control_plane == "http://b:7070"
+            assert taken is not None and taken.epoch == 4
+            assert await agent.link.send_report(agent.report()) is not None
+            assert len(asked) == 4  # b does not stand in: nobody asked
+
+    asyncio.run(exchange())

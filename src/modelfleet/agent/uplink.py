@@ -42,6 +42,7 @@ PATIENCE_S = {"one": (10.0, 10.0), "several": (1.0, 3.0)}  # to connect, to answ
 HOLD_MARGIN_S = {"one": 10.0, "several": 1.0}
 # Asking each control plane who leads: one that is frozen or cut off is given no longer.
 ASK_S = 1.0
+STANDING_IN = "x-modelfleet-standing-in"  # a leader whose store is down answered
 REFUSED_WAIT_MAX_S = 60.0  # the longest wait between tries while the control plane refuses it
 
 
@@ -158,6 +159,12 @@ class Uplink:
         log.info("%s follows; talking to the leader at %s now", response.url.host, base)
         return True
 
+    def _standing_in(self, response: httpx.Response) -> None:
+        """The leader answered while its store is down: it holds no lease it can renew, and
+        another may have taken it. Who leads is asked again before the next exchange."""
+        if response.headers.get(STANDING_IN) and len(self._urls) > 1:
+            self._ask_first = True
+
     def took_epoch(self, epoch: int) -> bool:
         """Whether an answer of a leader under lease `epoch` may be taken: not when the agent
         has seen a newer leader (this one lost its lease and does not know yet)."""
@@ -206,6 +213,7 @@ class Uplink:
                 self._lost = True
             return None
         self._accepted()
+        self._standing_in(response)
         try:
             assignment = NodeAssignment.model_validate_json(response.content)
         except ValidationError as exc:
@@ -323,6 +331,7 @@ class Uplink:
             if response.status_code == 503:
                 self._lost = True
             return Beat.FAILED
+        self._standing_in(response)
         try:
             answer = HeartbeatAnswer.model_validate_json(response.content)
         except ValidationError as exc:

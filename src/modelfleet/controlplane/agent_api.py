@@ -83,6 +83,7 @@ MAX_JOIN_BYTES = 16384
 MAX_LOG_ANSWER_BYTES = 4 << 20
 ANY_NODE = ""  # who holds the fleet's shared agent token: any node not joined on its own
 HOLD_LEAST = 0.75  # of the interval
+STANDING_IN = b"x-modelfleet-standing-in"  # on an answer of a leader whose store is down
 
 Answer = tuple[int, bytes]  # status, JSON body
 M = TypeVar("M", bound=BaseModel)
@@ -133,14 +134,17 @@ class AgentApi:
         holder = await self._admitted(scope, send)
         if holder is None:
             return
-        if not self.cp.acting():
+        if not self.cp.serving_fleet():
             await self._to_leader(scope, send)
             return
         status, body = await serve(scope, receive, holder)
-        if not self.cp.acting():  # it stopped leading while the answer was made (a long poll)
+        if not self.cp.serving_fleet():  # it stopped leading while the answer was made
             await self._to_leader(scope, send)
             return
-        await send_json(send, status, body)
+        # Standing in for its store (it leads no lease now): the agent asks who leads before
+        # its next exchange, and goes to a control plane that took the lease meanwhile.
+        standing_in = [(STANDING_IN, b"1")] if not self.cp.acting() else None
+        await send_json(send, status, body, standing_in)
 
     async def who_leads(self, scope: Scope, send: Send) -> None:
         """`GET /v1/leader`, to an agent this control plane admits: whether it leads and acts
@@ -149,7 +153,7 @@ class AgentApi:
         if await self._admitted(scope, send) is None:
             return
         leadership = self.cp.leadership
-        acting = self.cp.acting()
+        acting = self.cp.serving_fleet()
         own = leadership.urls[0] if leadership.urls is not None else None
         answer = LeaderAnswer(
             leading=acting,

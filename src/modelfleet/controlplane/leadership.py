@@ -128,6 +128,13 @@ class Leadership:
         """Whether this control plane leads now and may act."""
         return self.monotonic() < self._act_until
 
+    def standing_in(self) -> bool:
+        """Whether this one led until its store stopped answering: it holds no lease it can
+        renew, so it does not act, but nobody is known to have taken the lease from it (a
+        renewal failed, none has found another holder). It may start a cold model where it
+        ran last (`ControlPlane.cold_start_once`) and answer its agents meanwhile."""
+        return self.leading_epoch is not None and bool(self.problem) and not self.acting()
+
     def store_time(self) -> float | None:
         """The store's clock now, as the last renewal read it and the monotonic clock moved
         on since (off by that renewal's round trip at most); None before any renewal."""
