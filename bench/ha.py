@@ -422,8 +422,11 @@ def store_outage(bench: Bench) -> None:
         return status is not None and status["nodes"] >= agents
 
     # Each figure from the server's return, the two looked for together.
-    checks = {"agents_to_leader_s": at_leader,
-              "store_outage_recovered_s": lambda: a_change_lands(bench.planes)}  # fmt: skip
+    def change() -> bool:
+        return a_change_lands(bench.planes)
+
+    checks: dict[str, Callable[[], bool]] = {
+        "agents_to_leader_s": at_leader, "store_outage_recovered_s": change}  # fmt: skip
 
     def both() -> bool:
         for figure, check in checks.items():
