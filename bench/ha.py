@@ -34,6 +34,11 @@ recipe below holds a view in which they are lost. Then:
    meanwhile (`store_outage_status_ms`, target <= 1000), and seconds from the server
    answering again until every agent has reported to the leader (`agents_to_leader_s`,
    target <= 5);
+7b. PostgreSQL stopped, and while it is down the leader and the next control plane of the
+   agents' lists frozen (SIGSTOP: as when their reconnects are spaced out), so that the third
+   takes the lease once the server is back: seconds from its return until every agent has
+   reported to that one (`agents_to_new_leader_s`, target <= 5), requests that failed
+   meanwhile (`store_back_failed`, target 0);
 8. the nemesis of the test suite (tests/integration/nemesis.py) for `--nemesis-minutes`
    (default 5; 0 skips it) under the seed `--seed` (drawn when not given, printed): kill -9,
    SIGSTOP and SIGCONT of control planes, agents and PostgreSQL, catalog changes, keys made
@@ -413,13 +418,11 @@ def store_outage(bench: Bench) -> None:
     back = time.monotonic()
     r["store_outage_exits"] = sum(1 for c in planes if c.proc.poll() is not None
                                   or c.proc.pid != runs[c.label])  # fmt: skip
-    agents = sum(1 for c in bench.running.fleet.children if c.role == "agent")
 
     def at_leader() -> bool:
         """Every agent has reported to the term the leader began when the store came back."""
         leader = bench.planes.leader()
-        status = None if leader is None else bench.planes.status(leader)
-        return status is not None and status["nodes"] >= agents
+        return leader is not None and agents_at(bench, leader)
 
     # Each figure from the server's return, the two looked for together.
     def change() -> bool:
@@ -441,6 +444,43 @@ def store_outage(bench: Bench) -> None:
     )
     r["store_outage_status_ms"] = round(worst * 1000)
     r["store_outage_status_unanswered"] = unanswered
+
+
+def agents_at(bench: Bench, i: int) -> bool:
+    """Control plane `i` leads, and every agent has reported to the term it leads."""
+    agents = sum(1 for c in bench.running.fleet.children if c.role == "agent")
+    status = bench.planes.status(i)
+    return status is not None and status["leading"] and status["nodes"] >= agents
+
+
+def store_back_to_another(bench: Bench) -> None:
+    """7b. The store back while the leader and the next control plane are frozen: the third
+    leads, and the agents must find it (issue 57: they bounced between two stale ones)."""
+    pg, planes, r = bench.child("postgres"), bench.planes, bench.results
+    leader = wait("a leader", planes.leader, 30)
+    count = len(planes.children)
+    frozen = [leader, (leader + 1) % count]
+    [third] = [i for i in range(count) if i not in frozen]
+    start = time.time()
+    os.killpg(pg.proc.pid, signal.SIGINT)  # fast shutdown
+    pg.proc.wait(60)
+    wait(
+        "the leader no longer acting",
+        lambda: (planes.status(leader) or {}).get("leading") is False,
+        30,
+    )
+    for i in frozen:
+        os.kill(planes.children[i].proc.pid, signal.SIGSTOP)
+    try:
+        bench.running.fleet.restart(pg, timeout=60)
+        back = time.monotonic()
+        wait("every agent at the third control plane", lambda: agents_at(bench, third), 60)
+        r["agents_to_new_leader_s"] = round(time.monotonic() - back, 2)
+    finally:
+        for i in frozen:
+            os.kill(planes.children[i].proc.pid, signal.SIGCONT)
+    time.sleep(2)
+    r["store_back_requests"], r["store_back_failed"] = failed_between(bench.out, start, time.time())
 
 
 def nemesis(bench: Bench, minutes: float, seed: int) -> None:
@@ -503,6 +543,7 @@ def main() -> None:
         follower_catalog(bench)
         releader(bench)
         store_outage(bench)
+        store_back_to_another(bench)
         nemesis(bench, args.nemesis_minutes, seed)
     except BaseException:
         print(f"failed: the fleet's folder is kept, {folder}; so far: {json.dumps(bench.results)}",
