@@ -31,7 +31,14 @@ recipe below holds a view in which they are lost. Then:
 7. PostgreSQL frozen (SIGSTOP) 30 s, then stopped 30 s, under load: failed requests
    (`store_outage_failed`, target 0), control planes that exited (`store_outage_exits`,
    target 0), the slowest `ctl status` (with every admin URL) asked every half second
-   meanwhile (`store_outage_status_ms`, target <= 1000);
+   meanwhile (`store_outage_status_ms`, target <= 1000), and seconds from the server
+   answering again until every agent has reported to the leader (`agents_to_leader_s`,
+   target <= 5);
+7b. PostgreSQL stopped, and while it is down the leader and the next control plane of the
+   agents' lists frozen (SIGSTOP: as when their reconnects are spaced out), so that the third
+   takes the lease once the server is back: seconds from its return until every agent has
+   reported to that one (`agents_to_new_leader_s`, target <= 5), requests that failed
+   meanwhile (`store_back_failed`, target 0);
 8. a clone of the leader (its state dir copied, seen at the same path through a mount
    namespace of its own: a cloned machine, one host name) started beside it: status samples
    in which both led (`clone_double_lead`, target 0; needs root and unshare);
@@ -98,8 +105,8 @@ C = {"name": "c", "engine": "sim", "args": ["--itl", "0.005"]}
 NODE_STALE_S, NODE_LOST_S = 5.0, 10.0
 OUTAGE_S = 30.0  # PostgreSQL frozen this long, then stopped this long
 PARTS = ("leader_killed", "store_restarted", "change_during_failover", "follower_catalog",
-         "releader", "store_outage", "clone_double_lead", "store_back", "ambiguous_writes",
-         "nemesis")  # fmt: skip
+         "releader", "store_outage", "store_back_to_another", "clone_double_lead", "store_back",
+         "ambiguous_writes", "nemesis")  # fmt: skip
 
 
 def wait(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
@@ -428,8 +435,26 @@ def store_outage(bench: Bench) -> None:
     back = time.monotonic()
     r["store_outage_exits"] = sum(1 for c in planes if c.proc.poll() is not None
                                   or c.proc.pid != runs[c.label])  # fmt: skip
-    wait("a change after the outage", lambda: a_change_lands(bench.planes), 60)
-    r["store_outage_recovered_s"] = round(time.monotonic() - back, 2)
+
+    def at_leader() -> bool:
+        """Every agent has reported to the term the leader began when the store came back."""
+        leader = bench.planes.leader()
+        return leader is not None and agents_at(bench, leader)
+
+    # Each figure from the server's return, the two looked for together.
+    def change() -> bool:
+        return a_change_lands(bench.planes)
+
+    checks: dict[str, Callable[[], bool]] = {
+        "agents_to_leader_s": at_leader, "store_outage_recovered_s": change}  # fmt: skip
+
+    def both() -> bool:
+        for figure, check in checks.items():
+            if figure not in r and check():
+                r[figure] = round(time.monotonic() - back, 2)
+        return all(figure in r for figure in checks)
+
+    wait("every agent at the leader, and a change, after the outage", both, 60)
     time.sleep(2)
     r["store_outage_requests"], r["store_outage_failed"] = failed_between(
         bench.out, start, time.time()
@@ -564,6 +589,43 @@ def _stored_keys(state: Path) -> list[str]:
         return [row[0] for row in conn.execute("SELECT name FROM api_keys")]
 
 
+def agents_at(bench: Bench, i: int) -> bool:
+    """Control plane `i` leads, and every agent has reported to the term it leads."""
+    agents = sum(1 for c in bench.running.fleet.children if c.role == "agent")
+    status = bench.planes.status(i)
+    return status is not None and status["leading"] and status["nodes"] >= agents
+
+
+def store_back_to_another(bench: Bench) -> None:
+    """7b. The store back while the leader and the next control plane are frozen: the third
+    leads, and the agents must find it (issue 57: they bounced between two stale ones)."""
+    pg, planes, r = bench.child("postgres"), bench.planes, bench.results
+    leader = wait("a leader", planes.leader, 30)
+    count = len(planes.children)
+    frozen = [leader, (leader + 1) % count]
+    [third] = [i for i in range(count) if i not in frozen]
+    start = time.time()
+    os.killpg(pg.proc.pid, signal.SIGINT)  # fast shutdown
+    pg.proc.wait(60)
+    wait(
+        "the leader no longer acting",
+        lambda: (planes.status(leader) or {}).get("leading") is False,
+        30,
+    )
+    for i in frozen:
+        os.kill(planes.children[i].proc.pid, signal.SIGSTOP)
+    try:
+        bench.running.fleet.restart(pg, timeout=60)
+        back = time.monotonic()
+        wait("every agent at the third control plane", lambda: agents_at(bench, third), 60)
+        r["agents_to_new_leader_s"] = round(time.monotonic() - back, 2)
+    finally:
+        for i in frozen:
+            os.kill(planes.children[i].proc.pid, signal.SIGCONT)
+    time.sleep(2)
+    r["store_back_requests"], r["store_back_failed"] = failed_between(bench.out, start, time.time())
+
+
 def nemesis(bench: Bench, minutes: float, seed: int) -> None:
     """11. The nemesis for `minutes`, under `seed`."""
     r = bench.results
@@ -634,6 +696,7 @@ def main() -> None:
             "store_outage": lambda: store_outage(bench),
             "clone_double_lead": lambda: clone_double_lead(bench),
             "store_back": lambda: store_back(bench, stops),
+            "store_back_to_another": lambda: store_back_to_another(bench),
             "ambiguous_writes": lambda: ambiguous_writes(bench),
             "nemesis": lambda: nemesis(bench, args.nemesis_minutes, seed),
         }

@@ -756,7 +756,7 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
     pg: PgServer, procs: Procs, tmp_path: Path
 ) -> None:
     """Two control planes on one PostgreSQL store, and an agent given both URLs. It reports
-    to the leader (the follower answers 503 and it moves on). The leader killed -9, the other
+    to the leader (asked who leads, the follower names it). The leader killed -9, the other
     takes the lease; the agent finds it, and the new leader adopts the running engine (same
     pid: nothing restarted) and acts on a catalog change. The agent took answers of epoch 1,
     then 2."""
@@ -806,7 +806,7 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
 
         [before] = wait_for("m ready on the leader", lambda: ready_on(a, 1), 60)
         said = procs.log("agent")
-        assert f"follows; talking to the leader at {agent_urls[0]} now" in said, said[-2000:]
+        assert f"the leader is at {agent_urls[0]}: talking to it now" in said, said[-2000:]
         assert "answers under epoch 1" in said
         leader = started["a"]
         os.kill(leader.pid, signal.SIGKILL)
@@ -822,6 +822,68 @@ def test_an_agent_that_knows_both_control_planes_follows_the_leader_through_a_fa
         assert f"the leader at {agent_urls[1]} answers under epoch 2" in said, said[-2000:]
         assert "refused an assignment" not in said
     finally:
+        procs.stop_all()
+        stop_groups(recorded_engine_pids(agent_dir), grace=10)
+
+
+def test_agents_and_ctl_go_straight_to_the_leader_past_a_frozen_control_plane(
+    pg: PgServer, procs: Procs, tmp_path: Path
+) -> None:
+    """Issue 57: agents bounced between stale control planes and never tried the one holding
+    the lease; with the first control plane of ctl's list frozen (SIGSTOP), every change
+    failed with "may have been made" though a healthy leader existed. Both ask every control
+    plane who leads and go straight to the leader: the frozen one, listed first, is sent
+    neither a report nor the change."""
+    import os
+    import signal
+
+    from modelfleet.agent.records import recorded_engine_pids
+    from modelfleet.host.processes import stop_groups
+
+    where = fresh_database(pg)
+    token, agent_token = "admin-token-of-the-test", "agent-token-of-the-test"
+    urls: dict[str, dict[str, str]] = {}
+    started: dict[str, subprocess.Popen[bytes]] = {}
+    admins: dict[str, Any] = {}
+    for name in ("a", "b"):
+        config = {
+            "state_dir": str(tmp_path / f"cp-{name}"), "agent_port": 0, "admin_port": 0,
+            "admin_token": token, "agent_token": agent_token, "store": where,
+            "lease_ttl": 1.5, "settle_for": 2,
+        }  # fmt: skip
+        started[name], urls[name], admins[name] = start_control_plane(
+            procs, tmp_path, name, token, config
+        )
+    assert admins["a"].get("/v1/status").json()["leading"]
+    wait_for("b sees where a is", lambda: any(
+        p["leads"] and p["admin_url"] == urls["a"]["admin"]
+        for p in admins["b"].get("/v1/status").json()["control_planes"]))  # fmt: skip
+    agent_dir = tmp_path / "agent"
+    os.kill(started["b"].pid, signal.SIGSTOP)  # the first of every list
+    try:
+        procs.start(
+            "agent", "--control-plane", f"{urls['b']['agent']},{urls['a']['agent']}",
+            "--node", "n1", "--simulate-gpus", "1x80GB", "--token", agent_token,
+            "--state-dir", str(agent_dir), "--report-interval", "0.5", log="agent",
+        )  # fmt: skip
+
+        def nodes() -> list[str]:
+            return [n["name"] for n in admins["a"].get("/v1/nodes").json()["nodes"]]
+
+        wait_for("n1 reporting to the leader", lambda: nodes() == ["n1"], 30)
+        said = procs.log("agent")
+        assert f"the leader is at {urls['a']['agent']}: talking to it now" in said, said[-2000:]
+        assert f"report to {urls['b']['agent']}" not in said, said[-2000:]
+        every = f"{urls['b']['admin']},{urls['a']['admin']}"
+        cordoned = subprocess.run(
+            [sys.executable, "-m", "modelfleet", "ctl", "--admin", every, "--token", token,
+             "cordon", "n1"], capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert cordoned.returncode == 0, cordoned.stderr
+        marks = {n["name"]: n["mark"] for n in admins["a"].get("/v1/nodes").json()["nodes"]}
+        assert marks == {"n1": "cordoned"}
+    finally:
+        os.kill(started["b"].pid, signal.SIGCONT)
         procs.stop_all()
         stop_groups(recorded_engine_pids(agent_dir), grace=10)
 

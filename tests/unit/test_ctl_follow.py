@@ -1,9 +1,11 @@
 """ctl given several control planes (`--admin URL1,URL2,...`) finds the one that answers: a
-dead one costs it a refused connection, a frozen one a bounded wait, a follower's redirect to
-a dead leader the next URL; a change is sent twice only when it surely was not made."""
+dead one costs it a refused connection, a frozen one a bounded wait; a change goes straight to
+the leader they name, never to one that does not answer, and is sent twice only when it surely
+was not made."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -27,9 +29,10 @@ class Plane:
     def __init__(self) -> None:
         self.leader: str | None = None  # where a follower sends changes
         self.leads = True
+        self.epoch = 1  # of the lease, as it says in its status
         self.swallow = False
         self.changes = 0  # changes taken while leading
-        self.asked = 0
+        self.asked = 0  # requests but those for its status
         self.request_ids: list[str | None] = []  # each change's Idempotency-Key
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -51,6 +54,9 @@ class Plane:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
+                if self.path == "/v1/status":
+                    self.answer(200, plane.status())
+                    return
                 plane.asked += 1
                 self.answer(200, KEYS)
 
@@ -72,6 +78,16 @@ class Plane:
             do_DELETE = do_PUT
 
         return Handler
+
+    def status(self) -> bytes:
+        """Its status: whether it leads, and the leader it names."""
+        planes = [{"name": "leader", "agent_url": "", "admin_url": self.leader, "seen_ago_s": 0,
+                   "leads": True, "answering": False}] if self.leader else []  # fmt: skip
+        return json.dumps(
+            {"settling": False, "reconcile_passes": 0, "catalog_version": 1, "routing_epoch": 1,
+             "routing_version": 1, "nodes": 0, "replicas": 0, "pending": 0,
+             "leading": self.leads, "lease_epoch": self.epoch, "control_planes": planes}
+        ).encode()  # fmt: skip
 
     def __enter__(self) -> Plane:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -122,12 +138,23 @@ def test_a_read_skips_dead_and_frozen_control_planes_and_remembers_the_one_that_
         assert live.asked == 2
 
 
-def test_a_change_redirected_to_a_dead_leader_goes_to_the_next_control_plane() -> None:
+def test_a_change_goes_to_the_leader_past_a_follower_that_names_a_dead_one() -> None:
     with Plane() as follower, Plane() as leader:
-        follower.leads, follower.leader = False, dead_url()
+        follower.leads, follower.leader, follower.epoch = False, dead_url(), 1
+        leader.epoch = 2
         answer = client(follower.url, leader.url).apply_catalog(CATALOG, dry_run=False)
         assert answer.version == 9
-        assert (follower.asked, leader.changes) == (1, 1)
+        assert (follower.asked, leader.changes) == (0, 1)
+
+
+def test_a_change_goes_to_the_leader_past_a_frozen_control_plane_listed_first() -> None:
+    """Issue 57: with the first control plane of ctl's list frozen (SIGSTOP), every change
+    failed with "may have been made" though a healthy leader existed: it took the change's
+    connection and never answered. ctl asks every one who leads first, and sends the change
+    to the leader only."""
+    with frozen_listener() as frozen, Plane() as leader:
+        answer = client(frozen, leader.url).apply_catalog(CATALOG, dry_run=False)
+        assert answer.version == 9 and leader.changes == 1
 
 
 def test_a_change_waits_for_a_leader_within_its_deadline() -> None:
@@ -153,7 +180,8 @@ def test_a_change_that_was_sent_and_not_answered_is_not_sent_again() -> None:
     """A change made without a request id (forgetting a node) may have been made by the
     control plane that took it and never answered: it is sent nowhere else."""
     with Plane() as frozen_leader, Plane() as other:
-        frozen_leader.swallow = True
+        frozen_leader.swallow = True  # it says it leads, takes the change and freezes
+        other.leads, other.leader = False, frozen_leader.url
         with pytest.raises(MayHaveBeenMade, match="may have been made"):
             client(frozen_leader.url, other.url).delete_node("gpu-1", force=False)
         assert (frozen_leader.changes, other.asked) == (1, 0)

@@ -213,9 +213,10 @@ def test_a_term_settled_before_every_node_reported_says_so_and_tells_the_rest_la
 def test_a_term_that_settled_by_its_bound_keeps_waiting_for_the_roster_it_began_with(
     tmp_path: Path,
 ) -> None:
-    """Its agents still talked to a frozen leader when the bound passed: the roster it keeps
-    still names the nodes it waited for and never heard (until they would be forgotten), or
-    the term after it would settle at once and place anew what those nodes run."""
+    """Its agents (but one) still talked to a frozen leader when the bound passed: the roster
+    it keeps still names the nodes it waited for and never heard (until they would be
+    forgotten), or the term after it would settle at once and place anew what those nodes
+    run."""
     clock = FakeClock(wall=time.time(), mono=100.0)
     timing = {
         "settle_for": 5,
@@ -228,16 +229,56 @@ def test_a_term_that_settled_by_its_bound_keeps_waiting_for_the_roster_it_began_
     cp.store.close()
     again = start(tmp_path, clock, **timing)
     assert again.term.roster == frozenset({"a", "b"})
-    clock.advance(11)  # the bound: nobody reported
+    report = AgentReport(node="c", boot_id="b", seq=1, address="127.0.0.1", gpus=[], shards=[])
+    again.state.take_report(report, again.catalogs.current, clock.monotonic())
+    clock.advance(11)  # the bound: neither a nor b reported
     assert not again.settling(clock.monotonic())
     clock.advance(ROSTER_EVERY_S)
     asyncio.run(again.roster.keep(again.term))
     assert again.store.get_meta("roster") == '["a", "b"]'
-    report = AgentReport(node="a", boot_id="b", seq=1, address="127.0.0.1", gpus=[], shards=[])
+    report = report.model_copy(update={"node": "a"})
     again.state.take_report(report, again.catalogs.current, clock.monotonic())
     assert again.term.roster_now(clock.monotonic()) == frozenset({"b"})  # a holds nothing
     clock.advance(100)
     assert again.term.roster_now(clock.monotonic()) == frozenset()
+
+
+def test_a_leader_that_took_over_plans_nothing_before_a_node_it_knows_of_has_found_it(
+    tmp_path: Path,
+) -> None:
+    """Issue 57: after PostgreSQL came back, agents tried stale control planes for longer than
+    the bound, and the one holding the lease settled with 0 nodes, then placed a replica on the
+    first node that reported and retired it in the same second, once the node running the
+    replica it stood in for reported too. A term that waits for nodes (the roster the store
+    kept) settles until the first of them reports, however long, and its window and bound
+    begin with that report."""
+    clock = FakeClock(wall=time.time(), mono=100.0)
+    timing = {"settle_for": 5, "node_stale_after": 5, "node_lost_after": 10}
+    cp = start(tmp_path, clock, **timing)
+    agents = serving_and_kept(cp, clock)
+    placed = sorted(cp.state.replicas)
+    cp.store.close()
+
+    clock.advance(1)
+    again = start(tmp_path, clock, **timing)  # the new leader: the roster says a and b
+    assert again.term.roster == frozenset({"a", "b"})
+    clock.advance(60)  # far past the bound: its agents have not found it yet
+    assert again.settling(clock.monotonic())
+    again.reconcile_once(clock.monotonic())
+    assert again.passes == 0 and again.state.replicas == {}
+    agents.cp, agents.seq = again, agents.seq + 1
+    gpus = SimulatedGpus("1x80GB").gpus()
+    report = AgentReport(node="a", boot_id="b", seq=agents.seq, address="127.0.0.1",
+                         gpus=gpus, shards=agents.running["a"])  # fmt: skip
+    again.state.take_report(report, again.catalogs.current, clock.monotonic())
+    again.reconcile_once(clock.monotonic())
+    assert again.settling(clock.monotonic()) and again.passes == 0  # b is waited for
+    clock.advance(2)
+    agents.report()  # b too: both replicas adopted, nothing placed nor retired
+    again.reconcile_once(clock.monotonic())
+    assert not again.settling(clock.monotonic()) and again.passes == 1
+    assert sorted(again.state.replicas) == placed
+    assert not any(r.retiring for r in again.state.replicas.values())
 
 
 def test_a_term_settles_while_new_nodes_still_come_and_not_past_its_bound(

@@ -1,5 +1,7 @@
-"""The agent's link to the control plane: which of several it talks to (the leader, by the
-redirects of followers and the lease epochs of the answers), its reports and heartbeats, and
+"""The agent's link to the control plane: which of several it talks to (the leader: it asks
+them all at once who leads, at its start and whenever the one it talks to fails it, and goes
+straight there; besides, by the redirects of followers and the lease epochs of the answers),
+its reports and heartbeats, and
 what it does when the control plane refuses it (say so once, join anew with the join token it
 was given, wait longer after each refusal)."""
 
@@ -15,11 +17,13 @@ from pydantic import ValidationError
 
 from modelfleet.agent.credential import JoinFailed, Unreachable, forget_join_token, join
 from modelfleet.agent.settings import AgentSettings
+from modelfleet.core.leader import Claim, leader_of
 from modelfleet.host.clock import wait_set
 from modelfleet.messages.wire import (
     AgentReport,
     Heartbeat,
     HeartbeatAnswer,
+    LeaderAnswer,
     LogAnswer,
     NodeAssignment,
     NodeUse,
@@ -36,6 +40,9 @@ log = logging.getLogger("modelfleet.agent")
 PATIENCE_S = {"one": (10.0, 10.0), "several": (1.0, 3.0)}  # to connect, to answer
 # How much longer than the interval the control plane holds a heartbeat it is waited for.
 HOLD_MARGIN_S = {"one": 10.0, "several": 1.0}
+# Asking each control plane who leads: one that is frozen or cut off is given no longer.
+ASK_S = 1.0
+STANDING_IN = "x-modelfleet-standing-in"  # a leader whose store is down answered
 REFUSED_WAIT_MAX_S = 60.0  # the longest wait between tries while the control plane refuses it
 
 
@@ -58,6 +65,11 @@ class Uplink:
         headers = {"authorization": f"Bearer {settings.token}"} if settings.token else {}
         self._urls = settings.control_planes or (settings.control_plane,)
         self._at = 0  # the control plane it talks to now, in `_urls`
+        # With several: ask them all who leads before the next exchange, at the start
+        # (`_ask_first`) and once the one it talks to failed it or answered under an old
+        # epoch (`_lost`).
+        self._ask_first = len(self._urls) > 1
+        self._lost = False
         self.epoch = 0  # the highest lease epoch of a leader it has taken an answer from
         self._how_many = "several" if len(self._urls) > 1 else "one"
         self._cp = httpx.AsyncClient(
@@ -82,13 +94,55 @@ class Uplink:
         return self._urls[self._at]
 
     def _next_control_plane(self) -> None:
-        """The one it talks to failed, or follows another: try the next (a new one asks for
-        the whole report, by its answer to a heartbeat)."""
+        """Talk to the next control plane: none of them named a leader (an election goes on,
+        or the store is down). A new one asks for the whole report, by its answer to a
+        heartbeat."""
         if len(self._urls) < 2:
             return
-        self._at = (self._at + 1) % len(self._urls)
-        self._cp.base_url = httpx.URL(self._urls[self._at])
+        self._talk_to((self._at + 1) % len(self._urls))
         log.info("talking to the control plane at %s now", self._urls[self._at])
+
+    def _talk_to(self, at: int) -> None:
+        self._at = at
+        self._cp.base_url = httpx.URL(self._urls[at])
+
+    async def _find_leader(self) -> None:
+        """Ask every control plane it knows, at once, who leads (ASK_S each: one frozen or
+        cut off costs no more), and talk to the leader (`core.leader.leader_of`). When none
+        names one: to the next, if the one it talks to failed it."""
+        failed, self._lost, self._ask_first = self._lost, False, False
+        if len(self._urls) < 2:
+            return
+        answers = await asyncio.gather(*(self._ask(url) for url in self._urls))
+        found = leader_of((a for a in answers if a is not None), self.epoch)
+        if found is None:
+            if failed:
+                self._next_control_plane()
+            return
+        if found not in self._urls:  # a leader not on the command line: kept, after them
+            self._urls = (*self._urls, found)
+        at = self._urls.index(found)
+        if at != self._at:
+            self._talk_to(at)
+            log.info("the leader is at %s: talking to it now", found)
+
+    async def _ask(self, url: str) -> Claim | None:
+        """Who `url` says leads; None when it does not answer in time, or answers no."""
+        try:
+            response = await self._cp.get(
+                url + "/v1/leader", timeout=httpx.Timeout(ASK_S, connect=ASK_S)
+            )
+            if response.status_code != 200:
+                log.info("%s does not say who leads (%d)", url, response.status_code)
+                return None
+            said = LeaderAnswer.model_validate_json(response.content)
+        except httpx.HTTPError as exc:
+            log.info("%s does not say who leads: %s", url, describe(exc))
+            return None
+        except ValidationError:
+            return None
+        named = said.leader_url.rstrip("/") if said.leader_url else None
+        return Claim(url, said.leading, said.epoch, url if said.leading else named)
 
     def _follow(self, response: httpx.Response) -> bool:
         """A follower's 307 names the leader: talk to it from now on. False when the answer
@@ -105,6 +159,12 @@ class Uplink:
         log.info("%s follows; talking to the leader at %s now", response.url.host, base)
         return True
 
+    def _standing_in(self, response: httpx.Response) -> None:
+        """The leader answered while its store is down: it holds no lease it can renew, and
+        another may have taken it. Who leads is asked again before the next exchange."""
+        if response.headers.get(STANDING_IN) and len(self._urls) > 1:
+            self._ask_first = True
+
     def took_epoch(self, epoch: int) -> bool:
         """Whether an answer of a leader under lease `epoch` may be taken: not when the agent
         has seen a newer leader (this one lost its lease and does not know yet)."""
@@ -116,7 +176,7 @@ class Uplink:
                 self.control_plane,
                 self.epoch,
             )
-            self._next_control_plane()
+            self._lost = True
             return False
         if epoch > self.epoch:
             log.info("the leader at %s answers under epoch %d", self.control_plane, epoch)
@@ -126,15 +186,18 @@ class Uplink:
     async def send_report(self, report: AgentReport) -> NodeAssignment | None:
         """One exchange with the control plane; None when it failed (logged, retried later).
         Sent again at once to the leader a follower names, and, with several control planes,
-        to the next when one cannot be reached (each once): the one it talked to may be a
-        leader killed, whose successor then waited for the agent's next try to settle."""
+        to the leader they name when one cannot be reached (each once): the one it talked to
+        may be a leader killed, whose successor then waited for the agent's next try to
+        settle."""
         body, unreached = report.model_dump_json(), 0
         for _ in range(2 * len(self._urls) + 1):
+            if self._lost or self._ask_first:
+                await self._find_leader()
             try:
                 response = await self._cp.post("/v1/report", content=body)
             except httpx.HTTPError as exc:
                 log.warning("report to %s failed: %s", self.control_plane, describe(exc))
-                self._next_control_plane()
+                self._lost = True
                 unreached += 1
                 if unreached >= len(self._urls):
                     return None
@@ -147,9 +210,10 @@ class Uplink:
         if response.status_code != 200:
             log.warning("control plane refused report %d: %s", report.seq, response.text[:300])
             if response.status_code == 503:
-                self._next_control_plane()
+                self._lost = True
             return None
         self._accepted()
+        self._standing_in(response)
         try:
             assignment = NodeAssignment.model_validate_json(response.content)
         except ValidationError as exc:
@@ -222,6 +286,8 @@ class Uplink:
     ) -> HeartbeatAnswer | Beat:
         """One heartbeat: its answer, or why there is none. It is given up when something
         changes meanwhile, so that the change is reported at once."""
+        if self._lost or self._ask_first:
+            await self._find_leader()
         beat = Heartbeat(
             node=self.settings.node,
             boot_id=self.boot_id,
@@ -249,8 +315,8 @@ class Uplink:
             response = sent.result()
         except httpx.HTTPError as exc:
             log.warning("heartbeat to %s failed: %s", self.control_plane, describe(exc))
-            self._next_control_plane()
-            # With several, the whole report to the next at once (it asks for it anyway).
+            self._lost = len(self._urls) > 1
+            # With several, the whole report to the leader at once (it asks for it anyway).
             return Beat.REPORT if len(self._urls) > 1 else Beat.FAILED
         if response.status_code == 409:  # it holds no report of this run: send one
             log.info("control plane asks for the whole report: %s", response.text[:300])
@@ -263,8 +329,9 @@ class Uplink:
         if response.status_code != 200:
             log.warning("control plane refused heartbeat %d: %s", seq, response.text[:300])
             if response.status_code == 503:
-                self._next_control_plane()
+                self._lost = True
             return Beat.FAILED
+        self._standing_in(response)
         try:
             answer = HeartbeatAnswer.model_validate_json(response.content)
         except ValidationError as exc:

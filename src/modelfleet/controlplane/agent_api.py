@@ -13,6 +13,10 @@ loop for a second at a time), as Nomad staggers its heartbeat deadlines. A heart
 control plane cannot place (it restarted, or the agent did) is refused with 409, and the agent
 sends its whole report.
 
+`GET /v1/leader`: who leads, as this control plane knows (`LeaderAnswer`), answered by a
+follower too: an agent given several control planes asks them all and goes straight to the
+leader, past one that does not answer (`agent/uplink.py`).
+
 `GET /v1/join/ca` (open) and `POST /v1/join` (a join token as bearer): a new node fetches the
 fleet's CA, checks it against the fingerprint its join token pins, and exchanges the token for
 a credential of its own (`membership.py`).
@@ -65,6 +69,7 @@ from modelfleet.messages.wire import (
     Heartbeat,
     HeartbeatAnswer,
     JoinRequest,
+    LeaderAnswer,
     LogAnswer,
     NodeUse,
 )
@@ -78,6 +83,7 @@ MAX_JOIN_BYTES = 16384
 MAX_LOG_ANSWER_BYTES = 4 << 20
 ANY_NODE = ""  # who holds the fleet's shared agent token: any node not joined on its own
 HOLD_LEAST = 0.75  # of the interval
+STANDING_IN = b"x-modelfleet-standing-in"  # on an answer of a leader whose store is down
 
 Answer = tuple[int, bytes]  # status, JSON body
 M = TypeVar("M", bound=BaseModel)
@@ -109,11 +115,15 @@ class AgentApi:
             routes=[
                 *(Route(p, wrong_method, methods=["POST"]) for p in self.paths),
                 *(Route(p, wrong_method, methods=[m]) for m, p in self.joins),
+                Route("/v1/leader", wrong_method, methods=["GET"]),
             ]
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         serve = self.paths.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if serve is None and scope.get("path") == "/v1/leader" and scope["method"] == "GET":
+            await self.who_leads(scope, send)
+            return
         if serve is None or scope["method"] != "POST":
             joining = self.joins.get((scope.get("method", ""), scope.get("path", "")))
             if joining == self.join and not self.cp.acting():
@@ -124,14 +134,34 @@ class AgentApi:
         holder = await self._admitted(scope, send)
         if holder is None:
             return
-        if not self.cp.acting():
+        if not self.cp.serving_fleet():
             await self._to_leader(scope, send)
             return
         status, body = await serve(scope, receive, holder)
-        if not self.cp.acting():  # it stopped leading while the answer was made (a long poll)
+        if not self.cp.serving_fleet():  # it stopped leading while the answer was made
             await self._to_leader(scope, send)
             return
-        await send_json(send, status, body)
+        # Standing in for its store (it leads no lease now): the agent asks who leads before
+        # its next exchange, and goes to a control plane that took the lease meanwhile.
+        standing_in = [(STANDING_IN, b"1")] if not self.cp.acting() else None
+        await send_json(send, status, body, standing_in)
+
+    async def who_leads(self, scope: Scope, send: Send) -> None:
+        """`GET /v1/leader`, to an agent this control plane admits: whether it leads and acts
+        now, and the leader as its last lease renewal read it (no store call: it answers at
+        once whatever the store does)."""
+        if await self._admitted(scope, send) is None:
+            return
+        leadership = self.cp.leadership
+        acting = self.cp.serving_fleet()
+        own = leadership.urls[0] if leadership.urls is not None else None
+        answer = LeaderAnswer(
+            leading=acting,
+            epoch=leadership.epoch,
+            leader=leadership.leader,
+            leader_url=own if acting else leadership.leader_url("agent"),
+        )
+        await send_json(send, 200, answer.model_dump_json().encode())
 
     async def _admitted(self, scope: Scope, send: Send) -> str | None:
         """Who the request speaks for (`_holder`), checked before anything else is done with

@@ -48,6 +48,8 @@ class Autoscaler:
         self.scales: dict[str, Scale] = {}
         self.trends: dict[str, Trend] = {}
         self.lately: dict[str, tuple[float, str]] = {}  # model -> (load, the last decision's why)
+        # Counts decided while the store was down (`stand_in`): stored when a term begins.
+        self.unrecorded: dict[str, Scale] = {}
 
     def stored(self) -> str | None:
         """The counts as the store keeps them (store I/O: run off the event loop)."""
@@ -66,6 +68,28 @@ class Autoscaler:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("the stored autoscale counts cannot be read (%s); starting from min", exc)
             self.scales = {}
+
+    def stand_in(self, model: str, reason: str) -> None:
+        """`model`, at zero, was started with one replica while the store is down: counted
+        in memory, and stored when the next term this control plane leads begins
+        (`record_stood_in`)."""
+        scale = Scale(1, reason, self.wall())
+        self.scales[model] = self.unrecorded[model] = scale
+        log.info("%s: 0 -> 1 replicas: %s", model, reason)
+        self.events.normal("ReplicasScaled", f"model/{model}", f"0 -> 1: {reason}")
+
+    def record_stood_in(self) -> None:
+        """The counts decided while the store was down, put into those the store keeps
+        (store I/O, as a term this control plane leads begins; raises StoreError)."""
+        if not self.unrecorded:
+            return
+        try:
+            body = json.loads(self.stored() or "{}")
+        except ValueError:
+            body = {}
+        body.update({m: dataclasses.asdict(s) for m, s in self.unrecorded.items()})
+        self.store.set_meta(STORE_KEY, json.dumps(body, sort_keys=True))
+        self.unrecorded = {}
 
     def current(self, spec: ModelSpec) -> int:
         """`spec`'s replica count now: the one decided, or its `min` before any decision."""

@@ -203,6 +203,13 @@ class Leadership:
         late = self.problem or "its renewal came too late"
         return f"this control plane holds the lease but may not act until it renews it ({late})"
 
+    def standing_in(self) -> bool:
+        """Whether this one led until its store stopped answering: it holds no lease it can
+        renew, so it does not act, but nobody is known to have taken the lease from it (a
+        renewal failed, none has found another holder). It may start a cold model where it
+        ran last (`ControlPlane.cold_start_once`) and answer its agents meanwhile."""
+        return self.leading_epoch is not None and bool(self.problem) and not self.acting()
+
     def store_time(self) -> float | None:
         """The store's clock now, as the last renewal read it and the monotonic clock moved
         on since (off by that renewal's round trip at most); None before any renewal."""

@@ -140,13 +140,13 @@ class ControlPlane:
             config.push_interval,
             self.metrics,
             self.events,
-            acting=self.acting,
+            acting=self.serving_fleet,
             confirmed=self._routers_confirmed,
             engine_client=None if ca is None else router_client(ca),
         )
         self.usage.acting = self.acting
         self.recorder.acting = self.acting
-        self.loads.acting = self.acting
+        self.loads.acting = self.serving_fleet
         self.leadership = Leadership(
             self.store,
             holder_name(config.state_dir),
@@ -201,6 +201,47 @@ class ControlPlane:
         apply catalogs, collect usage, answer agents and take writes."""
         return self.leadership.acting() and not self._beginning
 
+    def standing_in(self) -> bool:
+        """Whether it led until its store stopped answering, and nobody is known to lead
+        since (`Leadership.standing_in`): it answers its agents, polls the routers' load,
+        pushes tables and starts a model at zero where it ran last (`cold_start_once`),
+        and changes nothing else."""
+        return not self._beginning and self.leadership.standing_in()
+
+    def serving_fleet(self) -> bool:
+        """Whether it answers agents, polls the routers' load and pushes tables: while it
+        acts, and while it stands in (`standing_in`)."""
+        return self.acting() or self.standing_in()
+
+    async def cold_start_once(self, now: float) -> None:
+        """While standing in: a model at zero replicas whose requests a router holds starts
+        one on the nodes it ran on last (`Term.cold_start`), counted in memory, stored when
+        the store is back (`Autoscaler.record_stood_in`)."""
+        loads = self.loads.loads(now)
+        if loads is None or self.settling(now):
+            return
+        catalog = self.catalogs.current
+        cold = [
+            spec.name
+            for spec in catalog.models
+            if spec.autoscale is not None
+            and spec.name in loads
+            and loads[spec.name].held > 0
+            and not self.state.of_model(spec.name)
+        ]
+        if not cold:
+            return
+        started = self.term.cold_start(catalog, cold, now)
+        for model in started:
+            self.autoscaler.stand_in(
+                model,
+                "requests held while the store is down: started on the node it ran on last; "
+                "the count is stored when the store is back",
+            )
+        if started:
+            self.notify_assignments()
+            self.wake()
+
     @property
     def state(self) -> FleetState:
         """What this control plane knows of the fleet in its term now."""
@@ -239,6 +280,7 @@ class ControlPlane:
         replicas (the roster the term before kept), this control plane's catalog file applied
         if it changed since it last read it, and a routing epoch newer than any a router
         holds, taken by a fenced write."""
+        self.autoscaler.record_stood_in()
         desired = self._read_desired()
         roster = read_roster(self.store)
         applied = self.catalogs.lead(self.clock.time())
@@ -266,6 +308,7 @@ class ControlPlane:
         """The lease is lost: what this term learned is dropped; a follower's term acts on
         nothing."""
         self.term = self._new_term(None, None)
+        self.autoscaler.unrecorded = {}  # another leads: its counts stand
 
     async def lease_loop(self) -> None:
         """Take or renew the lease every third of its TTL (a follower: as soon as the leader's
@@ -518,10 +561,16 @@ class ControlPlane:
                 await self.autoscale_once(self.clock.monotonic())
                 if self.place_adapters():  # a router holds requests for an adapter
                     self.wake()
+            elif self.standing_in():
+                await self.cold_start_once(self.clock.monotonic())
 
     async def reconcile_loop(self) -> None:
         while True:
             if not self.acting():  # a follower plans nothing
+                if self.standing_in():  # what its agents report is told, and routed
+                    self.publish()
+                    self.notify_assignments()
+                    self.record_news()
                 await wait_set(self._wake, self.config.reconcile_interval)
                 self._wake.clear()
                 continue

@@ -87,8 +87,12 @@ class FleetState:
     # replica id -> the nodes of its shards, for replicas dropped from the table (the newest
     # MAX_DROPPED): their engines' logs stay on those nodes, for `ctl logs`.
     dropped: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # model -> the nodes of its replica dropped last: where a model scaled to zero may start
+    # again while the store is down (`Term.cold_start`).
+    last_placed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # When a node new to this memory last reported (settling waits while they still come).
     newest_node_at: float = -math.inf
+    first_node_at: float = math.inf  # when the first node reported to this memory
     faults: Faults = field(init=False)  # replicas that keep failing, nodes models keep off
     adapters: AdapterSwaps = field(init=False)  # which adapters each replica holds
     heard: Heard = field(init=False)  # the nodes, the one heard from longest ago first
@@ -117,6 +121,7 @@ class FleetState:
         self.moving.pop(rid, None)
         record = self.replicas.pop(rid)
         self.dropped[rid] = tuple(p.node for p in record.replica.shards)
+        self.last_placed[record.replica.model] = self.dropped[rid]
         if len(self.dropped) > MAX_DROPPED:
             del self.dropped[next(iter(self.dropped))]
         self.leaving.discard(rid)
@@ -194,6 +199,7 @@ class FleetState:
         if before is None:
             self._names = None
             self.newest_node_at = now
+            self.first_node_at = min(self.first_node_at, now)
         taken = before.reports + 1 if before else 1
         self.nodes[report.node] = NodeRecord(
             report, now, self.marks.get(report.node, NO_MARK), taken, before.beats if before else 0

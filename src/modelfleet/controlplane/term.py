@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from modelfleet.controlplane.assignments import Assignments
@@ -101,6 +101,7 @@ class Term:
         self._whole_at = 0.0
         self.planned_models: int | None = None  # how many models the last plan planned
         self.frozen = ""  # the last pass's `Plan.frozen`: why nothing moves off lost nodes
+        self._cold_refused: set[str] = set()  # models `cold_start` could not start (said)
         self.retime()
 
     # -- settling --------------------------------------------------------------------------
@@ -110,11 +111,20 @@ class Term:
         report, and neither places nor tears down nor publishes. It waits for the nodes of
         the roster the store kept and the `known_nodes`, for `settle_for` past the last node
         new to it, `node_lost_after` at most. Once ended it stays ended (and this costs
-        nothing more)."""
+        nothing more).
+
+        A term that waits for nodes by name waits for the first report, however long: its
+        window (and its bound) begin with it. A new leader whose agents had not found it
+        yet (still trying control planes whose view was stale) once settled by its bound with
+        no node, then placed anew on the first that reported and retired the extra replica
+        in the same second, once the node holding it reported too."""
         if self._settled:
             return False
         reported = len(self.state.nodes)
         waited = self._waited
+        if waited and not reported and self.settle_for >= 0:
+            return True
+        began = max(self.started_at, self.state.first_node_at) if waited else self.started_at
         everyone: bool | None = None
         if waited or self.roster is not None:
             # The names are compared only once as many have reported as are waited for: on
@@ -123,12 +133,7 @@ class Term:
             everyone = reported >= len(waited) and waited <= self.state.nodes.keys()
         bound = max(self.settle_for, self.config.node_lost_after)
         self._settled = not settling(
-            now,
-            self.started_at,
-            self.settle_for,
-            bound,
-            max(self.started_at, self.state.newest_node_at),
-            everyone,
+            now, began, self.settle_for, bound, max(began, self.state.newest_node_at), everyone
         )
         if not self._settled:
             return True
@@ -397,6 +402,34 @@ class Term:
         if self.roster is None or now - self.started_at >= self.config.node_forget_after:
             return holding
         return holding | (self.roster - self.state.nodes.keys())
+
+    def cold_start(self, catalog: Catalog, models: Collection[str], now: float) -> list[str]:
+        """While the store is down (`Leadership.standing_in`): one replica of each of
+        `models` (at zero replicas, requests held for it) placed on the nodes its last
+        replica ran on, if they have room; nothing else is planned, moved or stopped. The
+        models started."""
+        s = self.state
+        started = []
+        for model in models:
+            nodes = s.last_placed.get(model)
+            if nodes is None or catalog.get(model) is None or s.of_model(model):
+                continue
+            inputs = self.plan_inputs(catalog, now)
+            inputs["nodes"] = [n for n in inputs["nodes"] if n.name in nodes]
+            inputs["wanted"] = {**inputs["wanted"], model: 1}
+            decided = plan(catalog, s.planned(), s.serving(), models={model}, **inputs)
+            if not decided.new:
+                if model not in self._cold_refused:  # said once per term
+                    self._cold_refused.add(model)
+                    log.warning("%s cannot start on %s, where it ran last, while the store "
+                                "is down", model, ", ".join(nodes))  # fmt: skip
+                continue
+            kept = tuple(p for p in s.pending if p.model != model)
+            decided = dataclasses.replace(decided, stop=(), sleep=(), wake=(), pending=kept)
+            created = s.apply(decided, catalog, now, self.config.retire_timeout)
+            tell_placed(self.events, created, decided.new)
+            started.append(model)
+        return started
 
     # -- load ------------------------------------------------------------------------------
 

@@ -5,10 +5,13 @@ Where to find the admin API, in order: `--admin URL --token T`, then the variabl
 `modelfleet up`. An https:// admin API is checked against the control plane's own CA:
 `--ca FILE`, then `MODELFLEET_CA`, then up.json's `ca_file`.
 
-Several control planes on one store: `--admin URL1,URL2,...`. ctl uses any that answers,
-asking the one that answered last first. A follower redirects a change to the leader (307),
-and ctl sends it there; one that does not know where the leader is answers 503, and ctl sends
-the change on to the next URL, going round them for up to FOLLOW_FOR_S (an election). A dead
+Several control planes on one store: `--admin URL1,URL2,...`. Before a change, ctl asks every
+one at once who leads (their status, ASK_S each: a frozen one costs no more) and sends the
+change straight to the leader (`core.leader.leader_of`); while none leads, to those that
+answered, never to one that did not (a frozen one would take the change and never answer). A
+follower redirects a change to the leader (307), and ctl sends it there; one that does not
+know where the leader is answers 503, and ctl asks again, going round for up to FOLLOW_FOR_S
+(an election). A read goes to any that answers, the one that answered last first: a dead
 control plane costs a refused connection, a frozen one CONNECT_TIMEOUT_S or READ_TIMEOUT_S.
 
 A change ctl may send again (a catalog applied, a key made, changed or revoked, a node
@@ -29,6 +32,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -37,6 +41,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from modelfleet.core.leader import Claim, leader_of
 from modelfleet.messages import admin
 from modelfleet.security.pki import PkiError, client_context
 
@@ -56,6 +61,7 @@ RETRY_UNKNOWN_FOR_S = 12.0
 RETRY_PAUSE_S = 1.0
 # A request id to send with the change (to ask again about one that may have been made).
 REQUEST_ID_ENV = "MODELFLEET_REQUEST_ID"
+ASK_S = 1.0  # asking each admin API who leads: connect and answer within this
 
 
 class CtlError(Exception):
@@ -178,8 +184,9 @@ class AdminClient:
         a catalog was refused). With several admin APIs, ctl goes round them for up to
         `follow_for` seconds until one answers: a read is asked again anywhere, a change only
         where it surely was not taken (no connection was made, or a follower refused it), or
-        where it is made at most once (`request_id`). MayHaveBeenMade when a change got no
-        answer, or one saying it may have been made."""
+        where it is made at most once (`request_id`), and first to the leader, asked for
+        (`_leader_first`). MayHaveBeenMade when a change got no answer, or one saying it may
+        have been made."""
         urls = self.target.urls
         unanswered: str | None = None
         several = len(urls) > 1
@@ -187,17 +194,19 @@ class AdminClient:
         deadline = time.monotonic() + (self.follow_for if several else 0.0)
         failed: dict[str, str] = {}  # each admin API's last failure, said when all fail
         while True:
-            for turn in range(len(urls)):
-                at = (self._at + turn) % len(urls)
+            ring = [urls[(self._at + turn) % len(urls)] for turn in range(len(urls))]
+            if several and method != "GET":
+                ring = self._leader_first(ring, failed)
+            for url in ring:
                 try:
-                    where, response = self._send(urls[at], method, path, content, params,
+                    where, response = self._send(url, method, path, content, params,
                                                  content_type, timeout, request_id)  # fmt: skip
                 except _NotSent as exc:
-                    failed[urls[at]] = str(exc)
+                    failed[url] = str(exc)
                     continue
                 except _Unanswered as exc:
                     if method == "GET" or request_id is not None:
-                        failed[urls[at]] = str(exc)
+                        failed[url] = str(exc)
                         unanswered = None if method == "GET" else str(exc)
                         continue
                     raise MayHaveBeenMade(
@@ -211,9 +220,10 @@ class AdminClient:
                     try:
                         self._answer(answer, where, path, response)
                     except CtlError as refused:
-                        failed[urls[at]] = str(refused)
+                        failed[url] = str(refused)
                     continue
-                self._at = at
+                if url in urls:
+                    self._at = urls.index(url)
                 return self._answer(answer, where, path, response)
             if time.monotonic() + ROUND_PAUSE_S >= deadline:
                 if unanswered is not None:
@@ -225,6 +235,37 @@ class AdminClient:
                     + "; ".join(failed.values())
                 )
             time.sleep(ROUND_PAUSE_S)
+
+    def _leader_first(self, ring: list[str], failed: dict[str, str]) -> list[str]:
+        """Where to send a change: every admin API asked at once who leads (its status,
+        within ASK_S); the leader first, then the others that answered, in `ring`'s order.
+        One that did not answer is left out (its failure noted in `failed`): frozen, it would
+        take the change and never answer, and a change sent is never sent again."""
+        with ThreadPoolExecutor(max_workers=len(ring)) as pool:
+            said = list(pool.map(self._who_leads, ring))
+        claims = [c for c in said if isinstance(c, Claim)]
+        for url, c in zip(ring, said, strict=True):
+            if isinstance(c, str):
+                failed[url] = c
+        leader = leader_of(claims)
+        answered = [c.asked for c in claims]
+        if leader is None:
+            return answered
+        return [leader, *(u for u in answered if u != leader)]
+
+    def _who_leads(self, url: str) -> Claim | str:
+        """What `url` says of who leads, or why it said nothing."""
+        try:
+            _, response = self._send(url, "GET", "/v1/status", None, None, "application/json",
+                                     httpx.Timeout(ASK_S, connect=ASK_S))  # fmt: skip
+            status = self._answer(admin.StatusAnswer, url, "/v1/status", response)
+        except CtlError as exc:
+            return str(exc)
+        if status.leading:
+            return Claim(url, True, status.lease_epoch, url)
+        named = next((p.admin_url for p in status.control_planes if p.leads), None)
+        named = named.rstrip("/") if named else None
+        return Claim(url, False, status.lease_epoch, named)
 
     def _send(
         self,

@@ -258,6 +258,16 @@ class HeartbeatAnswer(_Message):
     epoch: int = Field(default=0, ge=0)  # as `NodeAssignment.epoch`
 
 
+class LeaderAnswer(_Message):
+    """A control plane's answer to an agent asking who leads (`GET /v1/leader`): whether it
+    leads and acts now, the lease as it last saw it, and where its leader's agent API is."""
+
+    leading: bool
+    epoch: int = Field(ge=0)
+    leader: str = ""  # who holds the lease, as last seen ("" when none yet)
+    leader_url: str | None = None  # the leader's agent API (this one's own when leading)
+
+
 class JoinRequest(_Message):
     """An agent's join: the node it will be, and a certificate request (PEM) for its admin
     listener, naming the hosts it is reached by. Sent with the join token as its bearer."""
