@@ -50,6 +50,7 @@ import httpx
 import yaml
 from kit import answers, end_on_sigterm, json_line, state_dir, wait
 
+from modelfleet.host.network import address_beyond_loopback
 from modelfleet.host.processes import free_port, stop_groups
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
 
@@ -454,19 +455,8 @@ def revoked_rejoined(figures: dict[str, Any]) -> None:
     figures["revoked_rejoined"] = int(back)
 
 
-def _address_beyond_loopback() -> str | None:
-    from modelfleet.host.network import route_address
-    from modelfleet.security.pki import is_loopback
-
-    try:
-        address = route_address("192.0.2.1")  # a documentation address: nothing is sent
-    except OSError:
-        return None
-    return None if is_loopback(address) else address
-
-
 def advertised_elsewhere_served(figures: dict[str, Any]) -> None:
-    here = _address_beyond_loopback()
+    here = address_beyond_loopback()
     if here is None:
         figures["advertised_elsewhere_served"] = None
         return

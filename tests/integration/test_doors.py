@@ -23,13 +23,13 @@ import yaml
 
 from modelfleet.agent.gate import GateSettings
 from modelfleet.agent.records import recorded_engine_pids
+from modelfleet.host.network import address_beyond_loopback
 from modelfleet.host.processes import stop_groups
 from modelfleet.http.door import DoorBounds
 from modelfleet.security.pki import (
     CertificateAuthority,
     client_context,
     client_context_with,
-    is_loopback,
     node_host,
 )
 from modelfleet.up import RunningFleet
@@ -194,24 +194,13 @@ def test_every_tls_door_outlives_handshakes_never_begun_or_cut(
     }
 
 
-def _address_beyond_loopback() -> str | None:
-    """An address of this machine beyond loopback, or None when it has none."""
-    from modelfleet.host.network import route_address
-
-    try:
-        address = route_address("192.0.2.1")  # a documentation address: nothing is sent
-    except OSError:
-        return None
-    return None if is_loopback(address) else address
-
-
 @pytest.fixture(scope="module")
 def gated_doors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[hostile.Door]]:
     """A fleet beyond loopback, as across machines: a control plane on TLS at this machine's
     address beyond loopback, and an agent that joined it from there, whose engine is reached
     through its gate. Its doors as the kit finds them, every ready file and every replica's
     endpoint (the gate, reached with a router's certificate under its node's name)."""
-    here = _address_beyond_loopback()
+    here = address_beyond_loopback()
     if here is None:
         pytest.skip("this machine has no address beyond loopback for a node to join from")
     tmp = tmp_path_factory.mktemp("gated-doors")

@@ -21,10 +21,11 @@ import yaml
 
 from modelfleet.agent.credential import CREDENTIAL_FILE
 from modelfleet.agent.records import recorded_engine_pids
+from modelfleet.host.network import address_beyond_loopback
 from modelfleet.host.processes import stop_groups
 from modelfleet.messages.wire import AgentReport, JoinAnswer, JoinRequest
 from modelfleet.security.joining import JoinToken
-from modelfleet.security.pki import client_context, is_loopback, node_host, request
+from modelfleet.security.pki import client_context, node_host, request
 
 from .conftest import Procs, wait_for, wait_json
 
@@ -521,17 +522,6 @@ def test_a_join_token_may_allow_a_node_another_address_but_never_loopback(fleet:
     assert shown["addresses"] == ["127.0.0.1", "192.0.2.77"] and shown["reported"]
 
 
-def _address_beyond_loopback() -> str | None:
-    """An address of this machine beyond loopback, or None when it has none."""
-    from modelfleet.host.network import route_address
-
-    try:
-        address = route_address("192.0.2.1")  # a documentation address: nothing is sent
-    except OSError:
-        return None
-    return None if is_loopback(address) else address
-
-
 def test_a_node_that_joined_from_another_host_may_not_advertise_loopback(
     procs: Procs, tmp_path: Path
 ) -> None:
@@ -540,7 +530,7 @@ def test_a_node_that_joined_from_another_host_may_not_advertise_loopback(
     a listener on its own loopback. Now loopback is taken only from a loopback join. The join
     comes here from this machine's address beyond loopback (the control plane listens there),
     as one from another host would."""
-    address = _address_beyond_loopback()
+    address = address_beyond_loopback()
     if address is None:
         pytest.skip("this machine has no address beyond loopback to join from")
     fleet = Fleet(procs, tmp_path, host=address)

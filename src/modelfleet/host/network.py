@@ -25,6 +25,16 @@ def route_address(host: str) -> str:
     return address
 
 
+def address_beyond_loopback() -> str | None:
+    """This machine's address on its default route (where another host would reach it), or
+    None when it has none beyond loopback. Nothing is sent."""
+    try:
+        address = route_address("192.0.2.1")  # a documentation address
+    except OSError:
+        return None
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
 def interface_of(address: str) -> str | None:
     """The name of the network interface that holds `address`, or None when none does."""
     try:
