@@ -50,6 +50,7 @@ import httpx
 import yaml
 from kit import answers, end_on_sigterm, json_line, state_dir, wait
 
+from modelfleet.agent.records import recorded_engine_pids
 from modelfleet.host.network import address_beyond_loopback
 from modelfleet.host.processes import free_port, stop_groups
 from modelfleet.up import FleetOptions, RunningFleet, start_fleet
@@ -512,6 +513,9 @@ def advertised_elsewhere_served(figures: dict[str, Any]) -> None:
         listed = [n["name"] for n in admin.get("/v1/nodes").json()["nodes"]]
     finally:
         started.stop()
+        # Engines outlive their agents by design: those the agents recorded are ended too.
+        for node in advertised:
+            stop_groups(recorded_engine_pids(folder / node), grace=10)
     figures["advertised_elsewhere_served"] = len(served)
     figures["advertised_elsewhere_nodes_listed"] = sorted(set(listed) - {"honest"})
 
